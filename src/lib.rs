@@ -1,0 +1,2 @@
+//! veloxquant: compressed KV caches for MLX.
+pub mod cpu;
