@@ -1,0 +1,21 @@
+// threads_per_threadgroup
+// thread_position_in_grid
+// threads_per_simdgroup
+// thread_index_in_threadgroup
+// thread_index_in_simdgroup
+// thread_index_in_quadgroup
+// thread_execution_width
+// thread_position_in_threadgroup
+// threadgroup_position_in_grid
+// threadgroups_per_grid
+// threads_per_grid
+// simdgroups_per_threadgroup
+// simdgroup_index_in_threadgroup
+// quadgroups_per_threadgroup
+// quadgroup_index_in_threadgroup
+// grid_size
+// grid_origin
+// dispatch_threads_per_threadgroup
+// dispatch_simdgroups_per_threadgroup
+// dispatch_quadgroups_per_threadgroup
+out[thread_position_in_grid.x] = x[thread_position_in_grid.x];
