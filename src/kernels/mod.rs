@@ -1,0 +1,163 @@
+//! The kernel registry.
+//!
+//! One kernel is one contract (docs/KERNELS.md) with up to four
+//! implementations: a Metal body and a CUDA body run through MLX's custom
+//! kernels, a CPU function run as an MLX custom primitive, and a reference
+//! graph of plain MLX ops. [`Policy`] picks one per stream when the operation is
+//! built; every implementation builds lazy arrays in MLX's graph.
+
+mod bitpack;
+pub mod cpu_primitive;
+pub mod gpu;
+pub mod source;
+mod vq;
+
+use std::fmt;
+use std::str::FromStr;
+
+pub use bitpack::{bit_pack, bit_unpack};
+pub use gpu::{cached_kernel_count, TemplateArg};
+pub use source::Source;
+pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
+
+use crate::array::Array;
+use crate::error::{Error, Result};
+use crate::ffi;
+use crate::stream::{Backend, Stream};
+
+/// Whether to use the fused kernels (the original's `use_metal_kernels`
+/// None / True / False).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Policy {
+    /// The fused kernel where the stream's back-end has one, else the reference graph.
+    #[default]
+    Auto,
+    /// The fused kernel, or an error when the operation is built.
+    Require,
+    /// Always the reference graph.
+    Off,
+}
+
+impl FromStr for Policy {
+    type Err = Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "auto" => Ok(Policy::Auto),
+            "require" => Ok(Policy::Require),
+            "off" => Ok(Policy::Off),
+            other => Err(Error::invalid("policy", format!("{other:?} is not one of \"auto\", \"require\", \"off\""))),
+        }
+    }
+}
+
+impl fmt::Display for Policy {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            Policy::Auto => "auto",
+            Policy::Require => "require",
+            Policy::Off => "off",
+        })
+    }
+}
+
+/// Which implementation runs an operation.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Implementation {
+    Metal,
+    Cuda,
+    Cpu,
+    Reference,
+}
+
+/// What a kernel offers besides its reference graph.
+#[derive(Clone, Copy, Debug)]
+pub struct KernelSpec {
+    pub name: &'static str,
+    pub gpu: Option<Source>,
+    pub cpu: bool,
+}
+
+/// Where and how an operation runs.
+#[derive(Clone, Debug, Default)]
+pub struct Options {
+    pub policy: Policy,
+    /// `None`: MLX's default stream (the GPU where there is one).
+    pub stream: Option<Stream>,
+}
+
+impl Options {
+    pub fn with_policy(policy: Policy) -> Self {
+        Options { policy, stream: None }
+    }
+
+    pub fn on(stream: Stream, policy: Policy) -> Self {
+        Options { policy, stream: Some(stream) }
+    }
+
+    pub(crate) fn resolve_stream(&self) -> Result<Stream> {
+        match &self.stream {
+            Some(s) => Ok(s.clone()),
+            None => Stream::default_stream(),
+        }
+    }
+}
+
+/// Picks the implementation of `spec` for `stream` under `policy`.
+pub fn select(spec: &KernelSpec, policy: Policy, stream: &Stream) -> Result<Implementation> {
+    let backend = stream.backend()?;
+    let fused = match backend {
+        Backend::Cpu => spec.cpu.then_some(Implementation::Cpu),
+        Backend::Metal => spec.gpu.map(|_| Implementation::Metal),
+        Backend::Cuda => spec.gpu.map(|_| Implementation::Cuda),
+    };
+    match (policy, fused) {
+        (Policy::Off, _) => Ok(Implementation::Reference),
+        (Policy::Auto, None) => Ok(Implementation::Reference),
+        (_, Some(imp)) => Ok(imp),
+        (Policy::Require, None) => Err(Error::Unsupported(format!(
+            "{}: policy \"require\" but the {} back-end has no fused kernel for it",
+            spec.name,
+            backend.name()
+        ))),
+    }
+}
+
+/// Moves the arrays out of an mlx-c vector and frees it.
+pub(crate) fn take_vector(v: ffi::mlx_vector_array) -> Result<Vec<Array>> {
+    // SAFETY: `v` is a valid vector owned here; each element is copied into a
+    // new handle before the vector is freed.
+    unsafe {
+        let n = ffi::mlx_vector_array_size(v);
+        let mut out = Vec::with_capacity(n);
+        for i in 0..n {
+            let mut a = Array::empty_handle();
+            let status = ffi::mlx_vector_array_get(&mut a, v, i);
+            if status != 0 {
+                ffi::mlx_vector_array_free(v);
+                ffi::check(status)?;
+            }
+            out.push(Array::from_raw(a)?);
+        }
+        ffi::mlx_vector_array_free(v);
+        Ok(out)
+    }
+}
+
+/// Threads per threadgroup for the one-thread-per-item kernels.
+pub(crate) const THREADGROUP: i32 = 256;
+
+/// A 1-D launch over `items` threads.
+pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {
+    let n = i32::try_from(items)
+        .map_err(|_| Error::invalid(argument, format!("{items} work items exceed the 2^31 a launch can hold")))?;
+    Ok(((n, 1, 1), (THREADGROUP.min(n.max(1)), 1, 1)))
+}
+
+/// Sizes that travel to the GPU bodies (`params`, uint32).
+pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> {
+    let v: Vec<u32> = values
+        .iter()
+        .map(|&x| u32::try_from(x).map_err(|_| Error::invalid(argument, format!("size {x} exceeds 2^32"))))
+        .collect::<Result<_>>()?;
+    Array::from_slice(&v, &[v.len() as i32])
+}

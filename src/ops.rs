@@ -1,0 +1,125 @@
+//! Plain MLX operations: what the reference graphs are built from. Each builds
+//! a lazy node on `stream`; nothing is evaluated.
+
+use crate::array::Array;
+use crate::dtype::Dtype;
+use crate::error::Result;
+use crate::ffi;
+use crate::stream::Stream;
+
+macro_rules! call {
+    ($f:ident($($arg:expr),*)) => {{
+        let mut out = Array::empty_handle();
+        // SAFETY: every handle argument is valid for the call; `out` receives a
+        // new owned handle.
+        let status = unsafe { ffi::$f(&mut out, $($arg),*) };
+        ffi::check(status)?;
+        Array::from_raw(out)
+    }};
+}
+
+macro_rules! binary {
+    ($($name:ident => $f:ident),* $(,)?) => {$(
+        pub fn $name(a: &Array, b: &Array, s: &Stream) -> Result<Array> {
+            call!($f(a.raw(), b.raw(), s.raw()))
+        }
+    )*};
+}
+
+binary!(
+    add => mlx_add,
+    subtract => mlx_subtract,
+    multiply => mlx_multiply,
+    divide => mlx_divide,
+    bitwise_and => mlx_bitwise_and,
+    bitwise_or => mlx_bitwise_or,
+    left_shift => mlx_left_shift,
+    right_shift => mlx_right_shift,
+);
+
+pub fn square(a: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_square(a.raw(), s.raw()))
+}
+
+pub fn astype(a: &Array, dtype: Dtype, s: &Stream) -> Result<Array> {
+    call!(mlx_astype(a.raw(), dtype.to_raw(), s.raw()))
+}
+
+pub fn reshape(a: &Array, shape: &[i32], s: &Stream) -> Result<Array> {
+    call!(mlx_reshape(a.raw(), shape.as_ptr(), shape.len(), s.raw()))
+}
+
+pub fn expand_dims(a: &Array, axis: i32, s: &Stream) -> Result<Array> {
+    call!(mlx_expand_dims(a.raw(), axis, s.raw()))
+}
+
+pub fn contiguous(a: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_contiguous(a.raw(), false, s.raw()))
+}
+
+pub fn transpose(a: &Array, axes: &[i32], s: &Stream) -> Result<Array> {
+    call!(mlx_transpose(a.raw(), axes.as_ptr(), axes.len(), s.raw()))
+}
+
+pub fn sum_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
+    call!(mlx_sum_axis(a.raw(), axis, keepdims, s.raw()))
+}
+
+pub fn argmin_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
+    call!(mlx_argmin_axis(a.raw(), axis, keepdims, s.raw()))
+}
+
+pub fn arange(start: f64, stop: f64, step: f64, dtype: Dtype, s: &Stream) -> Result<Array> {
+    call!(mlx_arange(start, stop, step, dtype.to_raw(), s.raw()))
+}
+
+pub fn zeros(shape: &[i32], dtype: Dtype, s: &Stream) -> Result<Array> {
+    call!(mlx_zeros(shape.as_ptr(), shape.len(), dtype.to_raw(), s.raw()))
+}
+
+pub fn concatenate(arrays: &[Array], axis: i32, s: &Stream) -> Result<Array> {
+    let raws: Vec<ffi::mlx_array> = arrays.iter().map(Array::raw).collect();
+    // SAFETY: the handles live for the call; the vector is freed right after.
+    let v = unsafe { ffi::mlx_vector_array_new_data(raws.as_ptr(), raws.len()) };
+    let out = (|| call!(mlx_concatenate_axis(v, axis, s.raw())))();
+    unsafe { ffi::mlx_vector_array_free(v) };
+    out
+}
+
+/// `a[start:stop]` along every axis, step 1.
+pub fn slice(a: &Array, start: &[i32], stop: &[i32], s: &Stream) -> Result<Array> {
+    let strides = vec![1i32; start.len()];
+    call!(mlx_slice(
+        a.raw(),
+        start.as_ptr(),
+        start.len(),
+        stop.as_ptr(),
+        stop.len(),
+        strides.as_ptr(),
+        strides.len(),
+        s.raw()
+    ))
+}
+
+/// Pads `axes` with `low`/`high` zeros.
+pub fn pad_zeros(a: &Array, axes: &[i32], low: &[i32], high: &[i32], s: &Stream) -> Result<Array> {
+    let zero = astype(&Array::scalar_f32(0.0)?, a.dtype(), s)?;
+    let mode = c"constant";
+    call!(mlx_pad(
+        a.raw(),
+        axes.as_ptr(),
+        axes.len(),
+        low.as_ptr(),
+        low.len(),
+        high.as_ptr(),
+        high.len(),
+        zero.raw(),
+        mode.as_ptr(),
+        s.raw()
+    ))
+}
+
+/// A 0-d boolean: whether `a` and `b` have equal shapes and elements.
+pub fn array_equal(a: &Array, b: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_array_equal(a.raw(), b.raw(), false, s.raw()))
+}

@@ -1,0 +1,144 @@
+//! The kernels on MLX's CPU stream: the CPU primitive and the reference graph
+//! against the plain Rust functions, laziness, the policy, and bad input.
+
+use half::{bf16, f16};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::kernels::{self, bit_pack, bit_unpack, vq_quantize, Implementation, KernelSpec, Source};
+use veloxquant::{cpu, Array, Dtype, Error, Options, Policy, Stream};
+
+fn opts(policy: Policy) -> Options {
+    Options::on(Stream::cpu(), policy)
+}
+
+fn random_codes(rng: &mut ChaCha8Rng, len: usize) -> Vec<u8> {
+    (0..len).map(|_| rng.random::<u8>()).collect()
+}
+
+#[test]
+fn bit_pack_matches_rust_for_every_width_and_tail() {
+    let mut rng = ChaCha8Rng::seed_from_u64(1);
+    for &bits in &cpu::SUPPORTED_BITS {
+        for &(rows, n) in &[(1usize, 1usize), (3, 5), (2, 8), (4, 13), (7, 64), (3, 1001)] {
+            // Codes carry garbage above the low `bits` bits: it must be ignored.
+            let codes = random_codes(&mut rng, rows * n);
+            let mut want = vec![0u8; rows * cpu::packed_len(n, bits)];
+            cpu::bit_pack(&codes, rows, n, bits, &mut want);
+            let a = Array::from_slice(&codes, &[rows as i32, n as i32]).unwrap();
+            for policy in [Policy::Require, Policy::Off] {
+                let packed = bit_pack(&a, bits, &opts(policy)).unwrap();
+                assert_eq!(packed.shape(), vec![rows as i32, cpu::packed_len(n, bits) as i32]);
+                assert_eq!(packed.to_vec::<u8>().unwrap(), want, "bits={bits} rows={rows} n={n} {policy}");
+                let back = bit_unpack(&packed, bits, n, &opts(policy)).unwrap();
+                let masked: Vec<u8> = codes.iter().map(|&c| (u32::from(c) & ((1 << bits) - 1)) as u8).collect();
+                assert_eq!(back.to_vec::<u8>().unwrap(), masked, "unpack bits={bits} n={n} {policy}");
+            }
+        }
+    }
+}
+
+#[test]
+fn bit_pack_keeps_leading_dimensions_and_handles_empty() {
+    let codes: Vec<u8> = (0..2 * 3 * 10).map(|i| (i % 8) as u8).collect();
+    let a = Array::from_slice(&codes, &[2, 3, 10]).unwrap();
+    let p = bit_pack(&a, 3, &opts(Policy::Auto)).unwrap();
+    assert_eq!(p.shape(), vec![2, 3, 4]);
+    let empty = Array::from_slice::<u8>(&[], &[0, 7]).unwrap();
+    let p = bit_pack(&empty, 2, &opts(Policy::Require)).unwrap();
+    assert_eq!(p.shape(), vec![0, 2]);
+    assert!(p.to_vec::<u8>().unwrap().is_empty());
+}
+
+fn vq_case<T: veloxquant::Element + cpu::VqElement>(conv: fn(f32) -> T, d: usize, k: usize, n: usize, seed: u64) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<T> = (0..n * d).map(|_| conv(rng.random::<f32>() * 2.0 - 1.0)).collect();
+    let cb: Vec<T> = (0..k * d).map(|_| conv(rng.random::<f32>() * 2.0 - 1.0)).collect();
+    let mut want = vec![0u32; n];
+    cpu::vq_quantize(&x, &cb, n, k, d, &mut want);
+    let xa = Array::from_slice(&x, &[n as i32, d as i32]).unwrap();
+    let ca = Array::from_slice(&cb, &[k as i32, d as i32]).unwrap();
+    let fused = vq_quantize(&xa, &ca, &opts(Policy::Require)).unwrap().to_vec::<u32>().unwrap();
+    assert_eq!(fused, want, "CPU primitive, d={d} k={k}");
+    // The reference graph sums in its own order: indices may differ only at
+    // near-ties, where the two distances agree to rounding.
+    let reference = vq_quantize(&xa, &ca, &opts(Policy::Off)).unwrap().to_vec::<u32>().unwrap();
+    let dist = |i: usize, c: u32| -> f32 {
+        (0..d).map(|j| {
+            let diff = x[i * d + j].to_f32() - cb[c as usize * d + j].to_f32();
+            diff * diff
+        }).sum()
+    };
+    let mut differ = 0;
+    for i in 0..n {
+        if reference[i] != want[i] {
+            differ += 1;
+            let (a, b) = (dist(i, reference[i]), dist(i, want[i]));
+            assert!((a - b).abs() <= 1e-5 * a.max(b).max(1e-6), "vector {i}: {a} vs {b}");
+        }
+    }
+    assert!(differ * 1000 <= n.max(1000), "{differ} of {n} indices differ");
+}
+
+#[test]
+fn vq_quantize_cpu_primitive_and_reference_agree_with_rust() {
+    for (i, &d) in kernels::VQ_DIMS.iter().enumerate() {
+        vq_case::<f32>(|v| v, d, 256, 3001, i as u64);
+        vq_case::<f16>(f16::from_f32, d, 16, 1000, 10 + i as u64);
+        vq_case::<bf16>(bf16::from_f32, d, 64, 777, 20 + i as u64);
+    }
+    vq_case::<f32>(|v| v, 4, kernels::MAX_CODEBOOK_SIZE, 300, 99);
+    vq_case::<f32>(|v| v, 2, 1, 5, 98);
+}
+
+#[test]
+fn vq_quantize_is_lazy_and_composes() {
+    let x = Array::from_slice(&[0.0f32, 0.0, 1.0, 1.0, 0.9, 1.1], &[3, 2]).unwrap();
+    let cb = Array::from_slice(&[0.0f32, 0.0, 1.0, 1.0], &[2, 2]).unwrap();
+    let s = Stream::cpu();
+    let idx = vq_quantize(&x, &cb, &opts(Policy::Require)).unwrap();
+    // Feed the lazy result into further ops before anything is evaluated.
+    let shifted = veloxquant::ops::left_shift(&idx, &idx, &s).unwrap();
+    assert_eq!(shifted.to_vec::<u32>().unwrap(), vec![0, 2, 2]);
+    assert_eq!(idx.to_vec::<u32>().unwrap(), vec![0, 1, 1]);
+}
+
+#[test]
+fn bad_input_names_the_argument() {
+    let o = opts(Policy::Auto);
+    let f = Array::from_slice(&[1.0f32; 8], &[2, 4]).unwrap();
+    let u = Array::from_slice(&[1u8; 8], &[2, 4]).unwrap();
+    let msg = |e: Error| e.to_string();
+    assert!(msg(bit_pack(&f, 2, &o).unwrap_err()).starts_with("codes: dtype float32"));
+    assert!(msg(bit_pack(&u, 5, &o).unwrap_err()).starts_with("bits: 5"));
+    assert!(msg(bit_unpack(&u, 3, 100, &o).unwrap_err()).starts_with("packed:"));
+    assert!(msg(vq_quantize(&u, &u, &o).unwrap_err()).starts_with("x: dtype uint8"));
+    let h = Array::from_slice(&[f16::ONE; 8], &[2, 4]).unwrap();
+    assert!(msg(vq_quantize(&f, &h, &o).unwrap_err()).starts_with("codebook: dtype float16"));
+    let x3 = Array::from_slice(&[1.0f32; 6], &[2, 3]).unwrap();
+    assert!(msg(vq_quantize(&x3, &x3, &o).unwrap_err()).starts_with("x: vector size"));
+    let cb8 = Array::from_slice(&[1.0f32; 16], &[2, 8]).unwrap();
+    assert!(msg(vq_quantize(&f, &cb8, &o).unwrap_err()).starts_with("codebook: shape"));
+    let big = Array::from_slice(&vec![0.0f32; 4097 * 2], &[4097, 2]).unwrap();
+    let x2 = Array::from_slice(&[1.0f32; 4], &[2, 2]).unwrap();
+    assert!(msg(vq_quantize(&x2, &big, &o).unwrap_err()).starts_with("codebook: 4097"));
+    assert!(msg("fast".parse::<Policy>().unwrap_err()).starts_with("policy:"));
+}
+
+#[test]
+fn policy_selects_and_require_refuses_a_missing_kernel() {
+    let s = Stream::cpu();
+    let full = KernelSpec { name: "k", gpu: Some(Source::BitPack), cpu: true };
+    let gpu_only = KernelSpec { name: "gpu_only", gpu: Some(Source::BitPack), cpu: false };
+    assert_eq!(kernels::select(&full, Policy::Auto, &s).unwrap(), Implementation::Cpu);
+    assert_eq!(kernels::select(&full, Policy::Off, &s).unwrap(), Implementation::Reference);
+    assert_eq!(kernels::select(&gpu_only, Policy::Auto, &s).unwrap(), Implementation::Reference);
+    let err = kernels::select(&gpu_only, Policy::Require, &s).unwrap_err().to_string();
+    assert!(err.contains("gpu_only") && err.contains("require") && err.contains("cpu"), "{err}");
+}
+
+#[test]
+fn runtime_mlx_is_the_compiled_one() {
+    veloxquant::array::check_mlx_version().unwrap();
+    assert_eq!(veloxquant::array::mlx_compiled_version(), "0.32.4");
+    assert_eq!(Array::from_slice(&[1u8], &[1]).unwrap().dtype(), Dtype::U8);
+}
