@@ -11,6 +11,8 @@ pub mod error;
 mod ffi;
 pub mod kernels;
 pub mod ops;
+#[cfg(feature = "python")]
+mod python;
 pub mod stream;
 
 pub use array::{eval, Array};

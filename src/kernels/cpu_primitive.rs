@@ -121,7 +121,7 @@ unsafe extern "C" fn free_payload(payload: *mut c_void) {
 }
 
 /// Builds the outputs of a CPU primitive named `name` on the CPU `stream`.
-pub(crate) fn apply(
+pub fn apply(
     name: &str,
     inputs: &[&Array],
     outputs: &[(Vec<i32>, Dtype)],
