@@ -392,16 +392,15 @@ fn compile(cpp: &str) -> Result<PathBuf, EmuError> {
     if binary.exists() {
         return Ok(binary);
     }
+    let include = shim_dir(&cxx)?;
     std::fs::create_dir_all(&dir).map_err(|e| io(e, &dir))?;
-    let shim = dir.join("shim.h");
-    std::fs::write(&shim, SHIM).map_err(|e| io(e, &shim))?;
     let source = dir.join("kernel.cpp");
     std::fs::write(&source, cpp).map_err(|e| io(e, &source))?;
     let tmp = dir.join(format!("kernel.{}.tmp", std::process::id()));
     let out = Command::new(&cxx)
         .args(CXX_FLAGS)
         .arg("-I")
-        .arg(&dir)
+        .arg(&include)
         .arg(&source)
         .arg("-o")
         .arg(&tmp)
@@ -417,6 +416,41 @@ fn compile(cpp: &str) -> Result<PathBuf, EmuError> {
     }
     std::fs::rename(&tmp, &binary).map_err(|e| io(e, &binary))?;
     Ok(binary)
+}
+
+/// A directory holding shim.h and, when g++ can make one, its precompiled
+/// header: parsing the shim and the standard headers it includes is most of
+/// the time of a kernel compile. g++ ignores a .gch that does not fit.
+fn shim_dir(cxx: &str) -> Result<PathBuf, EmuError> {
+    static DIR: OnceLock<Result<PathBuf, String>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let flags = CXX_FLAGS.join(" ");
+        let hash = fnv1a(&[SHIM.as_bytes(), cxx.as_bytes(), flags.as_bytes()]);
+        let dir = cache_root().join(format!("shim-{hash:016x}"));
+        let gch = dir.join("shim.h.gch");
+        if gch.exists() {
+            return Ok(dir);
+        }
+        std::fs::create_dir_all(&dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+        let header = dir.join("shim.h");
+        std::fs::write(&header, SHIM).map_err(|e| format!("{}: {e}", header.display()))?;
+        let tmp = dir.join(format!("shim.h.gch.{}.tmp", std::process::id()));
+        let ok = Command::new(cxx)
+            .args(CXX_FLAGS)
+            .args(["-x", "c++-header"])
+            .arg(&header)
+            .arg("-o")
+            .arg(&tmp)
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        if ok {
+            let _ = std::fs::rename(&tmp, &gch);
+        }
+        Ok(dir)
+    })
+    .clone()
+    .map_err(EmuError::Io)
 }
 
 fn execute(

@@ -600,7 +600,9 @@ constexpr float M_LN10_F = 2.30258509299404568402f;
 constexpr float M_LOG2E_F = 1.44269504088896340736f;
 constexpr float M_SQRT2_F = 1.41421356237309504880f;
 constexpr float M_SQRT1_2_F = 0.707106781186547524401f;
-constexpr float MAXFLOAT = FLT_MAX;
+#ifndef MAXFLOAT
+#define MAXFLOAT FLT_MAX
+#endif
 constexpr half MAXHALF = half(65504.0f);
 
 namespace metal {
