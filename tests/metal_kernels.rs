@@ -40,7 +40,23 @@ const PACK_SHAPES: &[(usize, usize, u32)] = &[
     (64, 129, 1024),
 ];
 
+/// The grid MLX needs for `work` threads; with `round_up`, whole threadgroups,
+/// as a caller that rounds the grid would launch: the bodies must then ignore
+/// the threads past the work.
+fn grid_for(work: usize, tg: u32, round_up: bool) -> u32 {
+    let work = work as u32;
+    if round_up {
+        work.div_ceil(tg) * tg
+    } else {
+        work
+    }
+}
+
 fn launch_pack(rows: usize, n: usize, bits: u32, tg: u32, codes: &[u8]) -> Vec<u8> {
+    launch_pack_grid(rows, n, bits, tg, false, codes)
+}
+
+fn launch_pack_grid(rows: usize, n: usize, bits: u32, tg: u32, round_up: bool, codes: &[u8]) -> Vec<u8> {
     let nbytes = cpu::packed_len(n, bits);
     let groups = n.div_ceil(8);
     let out = bit_pack_kernel()
@@ -49,7 +65,7 @@ fn launch_pack(rows: usize, n: usize, bits: u32, tg: u32, codes: &[u8]) -> Vec<u
         .input(HostArray::new(&[3], &[rows as u32, n as u32, nbytes as u32]))
         .output(&[rows, nbytes], Dtype::U8)
         .template("B_BITS", TemplateArg::Int(bits as i32))
-        .grid((rows * groups) as u32, 1, 1)
+        .grid(grid_for(rows * groups, tg, round_up), 1, 1)
         .threadgroup(tg, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("bit_pack bits={bits} rows={rows} n={n}: {e}"));
@@ -57,6 +73,10 @@ fn launch_pack(rows: usize, n: usize, bits: u32, tg: u32, codes: &[u8]) -> Vec<u
 }
 
 fn launch_unpack(rows: usize, n: usize, bits: u32, tg: u32, packed: &[u8]) -> Vec<u8> {
+    launch_unpack_grid(rows, n, bits, tg, false, packed)
+}
+
+fn launch_unpack_grid(rows: usize, n: usize, bits: u32, tg: u32, round_up: bool, packed: &[u8]) -> Vec<u8> {
     let nbytes = cpu::packed_len(n, bits);
     let groups = n.div_ceil(8);
     let out = bit_unpack_kernel()
@@ -65,7 +85,7 @@ fn launch_unpack(rows: usize, n: usize, bits: u32, tg: u32, packed: &[u8]) -> Ve
         .input(HostArray::new(&[3], &[rows as u32, n as u32, nbytes as u32]))
         .output(&[rows, n], Dtype::U8)
         .template("B_BITS", TemplateArg::Int(bits as i32))
-        .grid((rows * groups) as u32, 1, 1)
+        .grid(grid_for(rows * groups, tg, round_up), 1, 1)
         .threadgroup(tg, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("bit_unpack bits={bits} rows={rows} n={n}: {e}"));
@@ -105,6 +125,10 @@ fn bit_unpack_matches_cpu() {
 }
 
 fn launch_vq<T: Element>(x: &[T], cb: &[T], n: usize, k: usize, d: usize, tg: u32) -> Vec<u32> {
+    launch_vq_grid(x, cb, n, k, d, tg, false)
+}
+
+fn launch_vq_grid<T: Element>(x: &[T], cb: &[T], n: usize, k: usize, d: usize, tg: u32, round_up: bool) -> Vec<u32> {
     let out = vq_kernel()
         .launch()
         .input(HostArray::new(&[n, d], x))
@@ -113,7 +137,7 @@ fn launch_vq<T: Element>(x: &[T], cb: &[T], n: usize, k: usize, d: usize, tg: u3
         .output(&[n], Dtype::U32)
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
-        .grid(n as u32, 1, 1)
+        .grid(grid_for(n, tg, round_up), 1, 1)
         .threadgroup(tg, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("vq_quantize {:?} n={n} k={k} d={d}: {e}", T::DTYPE));
@@ -198,4 +222,25 @@ fn vq_quantize_tiny_and_empty() {
     // N = 0 launches nothing, and the kernel still compiles for it.
     let (_, cb) = vq_data::<f32>(&mut rng, 0, 4, 4, |v| v);
     assert!(launch_vq::<f32>(&[], &cb, 0, 4, 4, 32).is_empty());
+}
+
+#[test]
+fn bodies_ignore_threads_past_the_work() {
+    // Out-of-range threads that wrote would corrupt the next row or land past
+    // the buffer, which the emulator's guard bytes catch.
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for &bits in &cpu::SUPPORTED_BITS {
+        let (rows, n, tg) = (5, 100, 64);
+        let codes: Vec<u8> = (0..rows * n).map(|_| rng.random()).collect();
+        let mut packed = vec![0u8; rows * cpu::packed_len(n, bits)];
+        cpu::bit_pack(&codes, rows, n, bits, &mut packed);
+        assert_eq!(launch_pack_grid(rows, n, bits, tg, true, &codes), packed, "bit_pack bits={bits}");
+        let mut codes_back = vec![0u8; rows * n];
+        cpu::bit_unpack(&packed, rows, n, bits, &mut codes_back);
+        assert_eq!(launch_unpack_grid(rows, n, bits, tg, true, &packed), codes_back, "bit_unpack bits={bits}");
+    }
+    let (x, cb) = vq_data::<f32>(&mut rng, 37, 5, 4, |v| v);
+    let mut expect = vec![0u32; 37];
+    cpu::vq_quantize(&x, &cb, 37, 5, 4, &mut expect);
+    assert_eq!(launch_vq_grid(&x, &cb, 37, 5, 4, 32, true), expect);
 }
