@@ -273,6 +273,9 @@ pub fn quantizer_from_artifact(a: &Artifact) -> Result<Box<dyn Quantizer>> {
         turboquant::MSE => Box::new(TurboQuantMse::from_artifact(a)?),
         turboquant::PROD => Box::new(TurboQuantProd::from_artifact(a)?),
         turboquant::RVQ => Box::new(TurboQuantRvq::from_artifact(a)?),
+        outlier::METHOD => Box::new(OutlierSplit::from_artifact(a)?),
+        kivi::KEYS => Box::new(KiviKeys::from_artifact(a)?),
+        kivi::VALUES => Box::new(KiviValues::from_artifact(a)?),
         qjl::METHOD => Box::new(Qjl::from_artifact(a)?),
         m => return Err(bad(format!("unknown method {m:?}"))),
     })

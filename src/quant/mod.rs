@@ -14,6 +14,8 @@
 pub mod artifact;
 pub mod codebook;
 pub mod error;
+pub mod kivi;
+pub mod outlier;
 pub mod qjl;
 pub mod rotation;
 pub mod turboquant;
@@ -22,6 +24,8 @@ pub mod turboquant;
 pub use artifact::{load_quantizer, Artifact};
 pub use codebook::ScalarCodebook;
 pub use error::{QuantError, Result};
+pub use kivi::{KiviKeys, KiviValues};
+pub use outlier::OutlierSplit;
 
 
 
