@@ -276,6 +276,7 @@ pub fn quantizer_from_artifact(a: &Artifact) -> Result<Box<dyn Quantizer>> {
         outlier::METHOD => Box::new(OutlierSplit::from_artifact(a)?),
         kivi::KEYS => Box::new(KiviKeys::from_artifact(a)?),
         kivi::VALUES => Box::new(KiviValues::from_artifact(a)?),
+        pq::METHOD => Box::new(ProductQuantizer::from_artifact(a)?),
         qjl::METHOD => Box::new(Qjl::from_artifact(a)?),
         m => return Err(bad(format!("unknown method {m:?}"))),
     })

@@ -16,6 +16,7 @@ pub mod codebook;
 pub mod error;
 pub mod kivi;
 pub mod outlier;
+pub mod pq;
 pub mod qjl;
 pub mod rotation;
 pub mod turboquant;
@@ -26,6 +27,7 @@ pub use codebook::ScalarCodebook;
 pub use error::{QuantError, Result};
 pub use kivi::{KiviKeys, KiviValues};
 pub use outlier::OutlierSplit;
+pub use pq::{PqConfig, ProductQuantizer};
 
 
 
