@@ -31,6 +31,7 @@
 #include <cstring>
 #include <limits>
 #include <mutex>
+#include <source_location>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -298,6 +299,7 @@ struct Group {
   std::condition_variable cv;
   unsigned arrived = 0, exited = 0;
   uint64_t round = 0;
+  unsigned site_line = 0, site_column = 0;  // the barrier call of the current round
   SimdGroup simd[1024 / kSimdWidth];
 };
 
@@ -315,10 +317,18 @@ inline std::chrono::steady_clock::time_point deadline() {
   return std::chrono::steady_clock::now() + std::chrono::milliseconds(g_launch.timeout_ms);
 }
 
-inline void threadgroup_barrier_wait() {
+inline void threadgroup_barrier_wait(const std::source_location& site) {
   Group& g = *g_group;
   std::unique_lock<std::mutex> lk(g.m);
   const uint64_t r = g.round;
+  if (g.arrived == 0) {
+    g.site_line = site.line();
+    g.site_column = site.column();
+  } else if (g.site_line != site.line() || g.site_column != site.column()) {
+    fail("threads of threadgroup (%u,%u,%u) are at different barriers, line %u and line %u of %s "
+         "(barriers inside a branch that only some threads take?)",
+         g.pos.x, g.pos.y, g.pos.z, g.site_line, unsigned(site.line()), site.file_name());
+  }
   ++g.arrived;
   if (g.exited > 0 && g.arrived + g.exited == g.count) {
     fail("threadgroup_barrier in threadgroup (%u,%u,%u): %u of %u threads reached it and %u "
@@ -827,7 +837,9 @@ inline T mulhi(T a, T b) {
 enum class mem_flags : unsigned { mem_none = 0, mem_device = 1, mem_threadgroup = 2, mem_texture = 4, mem_threadgroup_imageblock = 8, mem_object_data = 16 };
 constexpr mem_flags operator|(mem_flags a, mem_flags b) { return mem_flags(unsigned(a) | unsigned(b)); }
 
-inline void threadgroup_barrier(mem_flags) { metal_emu::threadgroup_barrier_wait(); }
+inline void threadgroup_barrier(mem_flags, std::source_location site = std::source_location::current()) {
+  metal_emu::threadgroup_barrier_wait(site);
+}
 inline void simdgroup_barrier(mem_flags) {
   metal_emu::simd_exchange("simdgroup_barrier", 0, [](auto, uint64_t, unsigned) { return 0; });
 }
