@@ -19,7 +19,7 @@ import mlx.core as mx
 
 from . import _native
 
-Device = Union[None, str, "mx.Device", "mx.Stream"]
+Device = Union[None, str, "mx.DeviceType", "mx.Device", "mx.Stream"]
 
 __all__ = ["bit_pack", "bit_unpack", "vq_quantize", "SUPPORTED_BITS", "VQ_DIMS", "MAX_CODEBOOK_SIZE"]
 
@@ -34,8 +34,12 @@ def _device(device: Device) -> Optional[str]:
     if isinstance(device, mx.Stream):
         device = device.device
     if isinstance(device, mx.Device):
-        return "cpu" if device.type == mx.DeviceType.cpu else "gpu"
-    raise TypeError(f"device: expected None, 'cpu', 'gpu', mx.Device or mx.Stream, got {type(device).__name__}")
+        device = device.type
+    if isinstance(device, mx.DeviceType):
+        return "cpu" if device == mx.DeviceType.cpu else "gpu"
+    raise TypeError(
+        f"device: expected None, 'cpu', 'gpu', mx.cpu, mx.gpu, mx.Device or mx.Stream, got {type(device).__name__}"
+    )
 
 
 def bit_pack(codes: mx.array, bits: int, *, policy: str = "auto", device: Device = None) -> mx.array:

@@ -1,0 +1,45 @@
+#!/usr/bin/env bash
+# Prepares this checkout on a fresh machine, and again at no cost: system
+# packages (libclang for bindgen), a virtual environment .venv with the pinned
+# Python packages, and veloxquant built from source and installed into it.
+set -euo pipefail
+root="$(cd "$(dirname "$0")/.." && pwd)"
+cd "$root"
+
+MLX_VERSION=0.32.4
+PINNED=(nanobind==3.1.0 maturin==1.16.0 numpy==2.4.6 pytest==9.2.0)
+
+if [ "$(uname)" = "Linux" ]; then
+  need=()
+  dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev)
+  command -v g++ >/dev/null 2>&1 || need+=(g++)
+  if [ ${#need[@]} -gt 0 ]; then
+    echo "== installing ${need[*]}"
+    sudo_cmd=""; [ "$(id -u)" -ne 0 ] && sudo_cmd="sudo"
+    $sudo_cmd apt-get update -qq
+    DEBIAN_FRONTEND=noninteractive $sudo_cmd apt-get install -y -qq "${need[@]}" >/dev/null
+  fi
+  MLX_SPEC="mlx[cpu]==$MLX_VERSION"
+else
+  MLX_SPEC="mlx==$MLX_VERSION"
+fi
+
+if [ ! -x .venv/bin/python ]; then
+  echo "== creating .venv"
+  python3 -m venv .venv
+fi
+PY="$root/.venv/bin/python"
+if ! "$PY" -m pip show -q mlx nanobind maturin numpy pytest >/dev/null 2>&1 ||
+   [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("mlx"))')" != "$MLX_VERSION" ]; then
+  echo "== installing Python packages"
+  "$PY" -m pip install -q --upgrade pip
+  "$PY" -m pip install -q "$MLX_SPEC" "${PINNED[@]}"
+fi
+
+export VELOXQUANT_PYTHON="$PY"
+echo "== building veloxquant"
+"$root/.venv/bin/maturin" build --release --quiet -i "$PY" -o target/wheels 2>&1 | grep -v "^📦\|^🍹\|^🐍\|^🔗\|^📡" || true
+wheel="$(ls -t target/wheels/veloxquant-*-cp3*-linux_*.whl target/wheels/veloxquant-*-macosx_*.whl 2>/dev/null | head -1)"
+[ -n "$wheel" ] || { echo "no wheel was built" >&2; exit 1; }
+"$PY" -m pip install -q --force-reinstall --no-deps "$wheel"
+echo "== ready: $(basename "$wheel")"

@@ -1,0 +1,78 @@
+//! The kernels on the GPU stream (CUDA on the NVIDIA machine, Metal on a Mac)
+//! against the CPU kernels. Ignored where MLX has no GPU back-end; run them on
+//! the GPU machine with `--ignored` (scripts/device-run.sh; results are kept
+//! in docs/results/).
+
+use half::{bf16, f16};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::kernels::{self, bit_pack, bit_unpack, vq_quantize};
+use veloxquant::{cpu, Array, Element, Options, Policy, Stream};
+
+fn gpu() -> Options {
+    let s = Stream::gpu().expect("this test needs MLX with a GPU back-end");
+    Options::on(s, Policy::Require)
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_bit_pack_and_unpack_match_cpu() {
+    let o = gpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    for &bits in &cpu::SUPPORTED_BITS {
+        for &(rows, n) in &[(1usize, 1usize), (3, 5), (2, 8), (5, 13), (300, 129), (1, 100_003), (4096, 128)] {
+            let codes: Vec<u8> = (0..rows * n).map(|_| rng.random::<u8>()).collect();
+            let mut want = vec![0u8; rows * cpu::packed_len(n, bits)];
+            cpu::bit_pack(&codes, rows, n, bits, &mut want);
+            let a = Array::from_slice(&codes, &[rows as i32, n as i32]).unwrap();
+            let packed = bit_pack(&a, bits, &o).unwrap();
+            assert_eq!(packed.to_vec::<u8>().unwrap(), want, "pack bits={bits} rows={rows} n={n}");
+            let mut back = vec![0u8; rows * n];
+            cpu::bit_unpack(&want, rows, n, bits, &mut back);
+            let got = bit_unpack(&packed, bits, n, &o).unwrap().to_vec::<u8>().unwrap();
+            assert_eq!(got, back, "unpack bits={bits} rows={rows} n={n}");
+        }
+    }
+}
+
+fn vq_case<T: Element + cpu::VqElement>(conv: fn(f32) -> T, d: usize, k: usize, n: usize, seed: u64) -> usize {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let x: Vec<T> = (0..n * d).map(|_| conv(rng.random::<f32>() * 2.0 - 1.0)).collect();
+    let cb: Vec<T> = (0..k * d).map(|_| conv(rng.random::<f32>() * 2.0 - 1.0)).collect();
+    let mut want = vec![0u32; n];
+    cpu::vq_quantize(&x, &cb, n, k, d, &mut want);
+    let xa = Array::from_slice(&x, &[n as i32, d as i32]).unwrap();
+    let ca = Array::from_slice(&cb, &[k as i32, d as i32]).unwrap();
+    let got = vq_quantize(&xa, &ca, &gpu()).unwrap().to_vec::<u32>().unwrap();
+    // Same arithmetic in the same order without fma: indices agree exactly.
+    let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{differ} of {n} indices differ (d={d} k={k} {})", T::DTYPE);
+    n
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_vq_quantize_matches_cpu_exactly() {
+    for &d in &kernels::VQ_DIMS {
+        vq_case::<f32>(|v| v, d, 256, 100_001, d as u64);
+        vq_case::<f16>(f16::from_f32, d, 256, 50_000, 10 + d as u64);
+        vq_case::<bf16>(bf16::from_f32, d, 64, 50_000, 20 + d as u64);
+    }
+    vq_case::<f32>(|v| v, 8, kernels::MAX_CODEBOOK_SIZE, 20_000, 31);
+    vq_case::<f32>(|v| v, 2, 1, 1, 32);
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_kernels_are_created_once_per_template_arguments() {
+    let o = gpu();
+    let a = Array::from_slice(&[1u8; 64], &[4, 16]).unwrap();
+    bit_pack(&a, 3, &o).unwrap().eval().unwrap();
+    let after_first = kernels::cached_kernel_count();
+    for _ in 0..10 {
+        bit_pack(&a, 3, &o).unwrap().eval().unwrap();
+    }
+    assert_eq!(kernels::cached_kernel_count(), after_first);
+    bit_pack(&a, 2, &o).unwrap().eval().unwrap();
+    assert_eq!(kernels::cached_kernel_count(), after_first + 1, "new template arguments, new kernel");
+}
