@@ -10,8 +10,8 @@
 //! values, so a truncated, corrupt or mismatched file is an error.
 
 use super::{QuantError, Quantizer, Result};
-use safetensors::tensor::{Dtype, TensorView};
-use std::collections::{BTreeMap, HashMap};
+use safetensors::tensor::Dtype;
+use std::collections::BTreeMap;
 use std::path::Path;
 use std::str::FromStr;
 
@@ -26,13 +26,6 @@ pub enum ElemType {
 }
 
 impl ElemType {
-    fn dtype(self) -> Dtype {
-        match self {
-            ElemType::F32 => Dtype::F32,
-            ElemType::U32 => Dtype::U32,
-            ElemType::U8 => Dtype::U8,
-        }
-    }
     fn name(self) -> &'static str {
         match self {
             ElemType::F32 => "F32",
@@ -189,8 +182,12 @@ impl Artifact {
         format!("{h:016x}")
     }
 
+    /// The safetensors bytes. Written here rather than with
+    /// `safetensors::serialize` so that the header lists metadata and
+    /// tensors in sorted order and the same artifact always gives the same
+    /// bytes; `from_bytes` parses it with the safetensors reader.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let mut meta = HashMap::new();
+        let mut meta = BTreeMap::new();
         meta.insert("format".to_string(), FORMAT.to_string());
         meta.insert("version".to_string(), VERSION.to_string());
         meta.insert("method".to_string(), self.method.clone());
@@ -198,16 +195,40 @@ impl Artifact {
         for (k, v) in &self.config {
             meta.insert(format!("config.{k}"), v.clone());
         }
-        let views: Vec<(String, TensorView<'_>)> = self
-            .tensors
-            .iter()
-            .map(|(k, t)| {
-                TensorView::new(t.elem.dtype(), t.shape.clone(), &t.data)
-                    .map(|v| (k.clone(), v))
-                    .map_err(|e| bad(format!("tensor {k}: {e}")))
-            })
-            .collect::<Result<_>>()?;
-        safetensors::serialize(views, Some(meta)).map_err(|e| bad(format!("serialize: {e}")))
+        let mut h = String::from("{\"__metadata__\":{");
+        let fields: Vec<String> = meta.iter().map(|(k, v)| format!("{}:{}", json_str(k), json_str(v))).collect();
+        h.push_str(&fields.join(","));
+        h.push('}');
+        let mut offset = 0usize;
+        for (k, t) in &self.tensors {
+            let n: usize = t.shape.iter().product();
+            let size = n * if t.elem == ElemType::U8 { 1 } else { 4 };
+            if size != t.data.len() {
+                return Err(bad(format!("tensor {k}: {} bytes for shape {:?}", t.data.len(), t.shape)));
+            }
+            let shape: Vec<String> = t.shape.iter().map(|s| s.to_string()).collect();
+            h.push_str(&format!(
+                ",{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
+                json_str(k),
+                t.elem.name(),
+                shape.join(","),
+                offset,
+                offset + size
+            ));
+            offset += size;
+        }
+        h.push('}');
+        // Pad the header with spaces to a multiple of 8, as safetensors does.
+        while h.len() % 8 != 0 {
+            h.push(' ');
+        }
+        let mut out = Vec::with_capacity(8 + h.len() + offset);
+        out.extend((h.len() as u64).to_le_bytes());
+        out.extend(h.as_bytes());
+        for t in self.tensors.values() {
+            out.extend(&t.data);
+        }
+        Ok(out)
     }
 
     /// Parses and checks an artifact; `method`, if given, must match.
@@ -266,6 +287,20 @@ impl Artifact {
     }
 }
 
+fn json_str(s: &str) -> String {
+    let mut o = String::from("\"");
+    for c in s.chars() {
+        match c {
+            '"' => o.push_str("\\\""),
+            '\\' => o.push_str("\\\\"),
+            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
+            c => o.push(c),
+        }
+    }
+    o.push('"');
+    o
+}
+
 /// Rebuilds the quantizer an artifact describes, whatever its method.
 pub fn quantizer_from_artifact(a: &Artifact) -> Result<Box<dyn Quantizer>> {
     use super::*;
@@ -307,4 +342,137 @@ pub(crate) fn get_rotation(a: &Artifact, prefix: &str, d: usize) -> Result<super
         RotationKind::Dense => Rotation::from_matrix(d, a.f32s(&format!("{prefix}rotation.matrix"), &[d, d])?),
     };
     r.map_err(|e| bad(e.to_string()))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::testutil::gaussian;
+    use crate::quant::*;
+    use safetensors::tensor::TensorView;
+    use std::collections::HashMap;
+
+    fn dtype(e: ElemType) -> Dtype {
+        match e {
+            ElemType::F32 => Dtype::F32,
+            ElemType::U32 => Dtype::U32,
+            ElemType::U8 => Dtype::U8,
+        }
+    }
+
+    fn all() -> Vec<Box<dyn Quantizer>> {
+        let d = 64;
+        let calib = gaussian(300, d, 1);
+        vec![
+            Box::new(TurboQuantMse::new(d, 3, RotationKind::Hadamard, 1).unwrap()),
+            Box::new(TurboQuantMse::new(80, 2, RotationKind::Dense, 1).unwrap()),
+            Box::new(TurboQuantProd::new(d, 2, RotationKind::Hadamard, 2).unwrap()),
+            Box::new(TurboQuantProd::with_sketch(d, 1, RotationKind::Hadamard, 2, false).unwrap()),
+            Box::new(TurboQuantRvq::new(d, 2, 1, RotationKind::Hadamard, 3).unwrap()),
+            Box::new(OutlierSplit::calibrate(&calib, d, 16, 3, 2, RotationKind::Hadamard, 4).unwrap()),
+            Box::new(Qjl::new(d, 96, true, 5).unwrap()),
+            Box::new(ProductQuantizer::train(&calib, d, PqConfig { max_iters: 3, ..PqConfig::keys(4, 6) }).unwrap().0),
+            Box::new(KiviKeys::new(d, 2, 32).unwrap()),
+            Box::new(KiviValues::new(d, 4, 32).unwrap()),
+        ]
+    }
+
+    #[test]
+    fn round_trip_is_bit_identical() {
+        let dir = std::env::temp_dir().join(format!("vq-artifact-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        for q in all() {
+            let a = q.to_artifact();
+            let bytes = a.to_bytes().unwrap();
+            let path = dir.join(format!("{}.safetensors", q.method()));
+            a.save(&path).unwrap();
+            let back = Artifact::load(&path, Some(q.method())).unwrap();
+            assert_eq!(back, a, "{}", q.method());
+            assert_eq!(back.to_bytes().unwrap(), bytes, "{}", q.method());
+            let q2 = load_quantizer(&bytes).unwrap();
+            assert_eq!(q2.method(), q.method());
+            assert_eq!(q2.to_artifact(), a);
+            let xs = &gaussian(50, q.dim(), 9);
+            let (e1, e2) = (q.encode(xs).unwrap(), q2.encode(xs).unwrap());
+            assert_eq!(e1, e2, "{}", q.method());
+            let (y1, y2) = (q.decode(&e1).unwrap(), q2.decode(&e2).unwrap());
+            assert_eq!(
+                y1.iter().map(|v| v.to_bits()).collect::<Vec<_>>(),
+                y2.iter().map(|v| v.to_bits()).collect::<Vec<_>>()
+            );
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn truncated_or_corrupt_files_are_errors() {
+        for q in all() {
+            let bytes = q.to_artifact().to_bytes().unwrap();
+            let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+            for cut in [0, 4, 8, header / 2, header, bytes.len() - 1] {
+                if cut >= bytes.len() {
+                    continue;
+                }
+                let e = load_quantizer(&bytes[..cut]).err().unwrap();
+                assert!(matches!(e, QuantError::Artifact(_)), "cut {cut}: {e}");
+            }
+            // Every single-byte change in the header, and a spread of them in
+            // the data, is caught (by the parser, the metadata checks or the
+            // checksum).
+            let data_step = ((bytes.len() - header) / 64).max(1);
+            for i in (0..header).chain((header..bytes.len()).step_by(data_step)) {
+                let mut b = bytes.clone();
+                b[i] ^= 0x01;
+                assert!(load_quantizer(&b).is_err(), "{}: flip at {i} accepted", q.method());
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_version_format_or_method() {
+        let q = TurboQuantMse::new(64, 2, RotationKind::Hadamard, 1).unwrap();
+        let a = q.to_artifact();
+        let rewrite = |key: &str, value: &str| {
+            let mut meta = HashMap::new();
+            meta.insert("format".to_string(), FORMAT.to_string());
+            meta.insert("version".to_string(), VERSION.to_string());
+            meta.insert("method".to_string(), a.method.clone());
+            meta.insert("checksum".to_string(), a.checksum());
+            for (k, v) in &a.config {
+                meta.insert(format!("config.{k}"), v.clone());
+            }
+            meta.insert(key.to_string(), value.to_string());
+            let views: Vec<(String, TensorView<'_>)> = a
+                .tensors
+                .iter()
+                .map(|(k, t)| (k.clone(), TensorView::new(dtype(t.elem), t.shape.clone(), &t.data).unwrap()))
+                .collect();
+            safetensors::serialize(views, Some(meta)).unwrap()
+        };
+        let e = Artifact::from_bytes(&rewrite("version", "2"), None).unwrap_err().to_string();
+        assert!(e.contains("version 2 is not supported"), "{e}");
+        let e = Artifact::from_bytes(&rewrite("format", "other"), None).unwrap_err().to_string();
+        assert!(e.contains("format"), "{e}");
+        // A method name changed without updating the checksum.
+        let e = load_quantizer(&rewrite("method", "turboquant-prod")).err().unwrap().to_string();
+        assert!(e.contains("checksum"), "{e}");
+        // A valid file for another method.
+        let bytes = a.to_bytes().unwrap();
+        let e = Artifact::from_bytes(&bytes, Some("pq")).unwrap_err().to_string();
+        assert_eq!(e, "artifact: method is turboquant-mse, expected pq");
+        assert!(ProductQuantizer::from_artifact(&a).is_err());
+        // Consistent file, inconsistent content: a codebook of the wrong size.
+        let mut bad = a.clone();
+        bad.put_f32("codebook", &[3], &[0.0, 1.0, 2.0]);
+        let e = load_quantizer(&bad.to_bytes().unwrap()).err().unwrap().to_string();
+        assert!(e.contains("codebook"), "{e}");
+        let mut bad = a.clone();
+        bad.put_f32("codebook", &[4], &[0.0, 1.0, 0.5, 2.0]);
+        assert!(load_quantizer(&bad.to_bytes().unwrap()).is_err());
+        let mut bad = a.clone();
+        bad.set("bits", 5);
+        let e = load_quantizer(&bad.to_bytes().unwrap()).err().unwrap().to_string();
+        assert!(e.starts_with("bits: 5"), "{e}");
+        assert!(matches!(Artifact::load("/nonexistent/x.safetensors", None), Err(QuantError::Io(_))));
+    }
 }
