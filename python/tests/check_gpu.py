@@ -1,0 +1,67 @@
+"""GPU checks of veloxquant.kernels through Python (run on a machine whose MLX
+has a GPU back-end; not collected by pytest in CI, which has none):
+
+    python python/tests/check_gpu.py
+
+Every check compares the GPU result with the CPU primitive, and shows that the
+results are lazy arrays that compose with mx ops and mx.compile on the GPU.
+"""
+
+import sys
+
+import mlx.core as mx
+
+import veloxquant
+from veloxquant import kernels as K
+
+
+def check_vq_parity():
+    for dtype in (mx.float32, mx.float16, mx.bfloat16):
+        for d in K.VQ_DIMS:
+            x = mx.random.normal((200_000, d), key=mx.random.key(d)).astype(dtype)
+            cb = mx.random.normal((256, d), key=mx.random.key(100 + d)).astype(dtype)
+            g = K.vq_quantize(x, cb, policy="require", device="gpu")
+            c = K.vq_quantize(x, cb, policy="require", device="cpu")
+            same = mx.array_equal(g, c).item()
+            assert same, f"vq_quantize {dtype} d={d}: GPU and CPU indices differ"
+
+
+def check_bit_pack_parity():
+    for bits in K.SUPPORTED_BITS:
+        codes = mx.random.randint(0, 256, (1000, 1001), key=mx.random.key(bits)).astype(mx.uint8)
+        g = K.bit_pack(codes, bits, policy="require", device="gpu")
+        c = K.bit_pack(codes, bits, policy="require", device="cpu")
+        assert mx.array_equal(g, c).item(), f"bit_pack bits={bits}"
+        u = K.bit_unpack(g, bits, 1001, policy="require", device="gpu")
+        assert mx.array_equal(u, codes & ((1 << bits) - 1)).item(), f"bit_unpack bits={bits}"
+
+
+def check_lazy_and_compile():
+    x = mx.random.normal((4096, 4))
+    cb = mx.random.normal((64, 4))
+    f = mx.compile(lambda a, b: K.bit_unpack(K.bit_pack(K.vq_quantize(a, b).astype(mx.uint8), 8), 8, 4096) + 1)
+    want = K.vq_quantize(x, cb, device="cpu").astype(mx.uint8) + 1
+    assert mx.array_equal(f(x, cb), want).item()
+
+
+def main():
+    print(f"mlx {mx.__version__}, default device {mx.default_device()}, GPU back-end {veloxquant._native.gpu_backend()}")
+    if veloxquant._native.gpu_backend() is None:
+        print("no GPU back-end in this MLX")
+        return 2
+    failed = 0
+    for name, fn in list(globals().items()):
+        if name.startswith("check_"):
+            try:
+                fn()
+                print(f"PASS {name}")
+            except AssertionError as e:
+                failed += 1
+                print(f"FAIL {name}: {e}")
+    print(f"{len([n for n in globals() if n.startswith('check_')]) - failed} passed, {failed} failed")
+    print(f"GPU kernel objects created: {veloxquant._native.cached_kernel_count()}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Runs on the NVIDIA GPU machine, after .device/b/install.sh put MLX's CUDA
+# build into /root/site (see scripts/build-cuda.sh): the GPU kernel tests, the
+# Python GPU checks and the vq_quantize benchmark. Output goes to $OUT.
+set -uo pipefail
+OUT="${OUT:-/tmp/vq-out}"
+mkdir -p "$OUT"
+export PYTHONPATH=/root/site
+export LD_LIBRARY_PATH=/root/site/mlx/lib
+python3 -m pip install -q --no-index --no-deps --target /root/site --upgrade .device/build/veloxquant-*-cp312-*.whl
+{ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; } | tee "$OUT/machine.txt"
+status=0
+.device/build/kernels_gpu --ignored --test-threads=1 2>&1 | tee "$OUT/kernels_gpu.txt" || status=1
+python3 python/tests/check_gpu.py 2>&1 | tee "$OUT/check_gpu.txt" || status=1
+.device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
+exit $status
