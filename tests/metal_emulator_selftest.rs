@@ -54,13 +54,13 @@ if (lid == 0) {
         .unwrap_or_else(|e| panic!("{e}"));
     let mirrored: Vec<u32> = out[0].to_vec();
     let sums: Vec<u32> = out[1].to_vec();
-    for g in 0..4 {
+    for (g, &sum) in sums.iter().enumerate() {
         let lo = g * 256;
         let hi = (lo + 256).min(n);
         for i in lo..hi {
             assert_eq!(mirrored[i], x[hi - 1 - (i - lo)], "thread {i}");
         }
-        assert_eq!(sums[g], x[lo..hi].iter().sum::<u32>(), "threadgroup {g}");
+        assert_eq!(sum, x[lo..hi].iter().sum::<u32>(), "threadgroup {g}");
     }
 }
 
@@ -113,6 +113,35 @@ out[gid * 10 + 9] = float(threads_per_simdgroup * 1000 + simdgroup_index_in_thre
         let down = if lane + 1 < lanes { sg[lane + 1] } else { sg[lane] };
         assert_eq!(r[8], down, "simd_shuffle_down at {i}");
         assert_eq!(r[9], (32_000 + (i / 32) * 100 + 2) as f32, "simdgroup attributes at {i}");
+    }
+}
+
+#[test]
+fn lanes_that_returned_are_inactive() {
+    // Odd lanes return; the even lanes' simd_sum adds the even lanes only.
+    let src = r#"
+const uint lane = thread_index_in_simdgroup;
+if (lane % 2 == 1) {
+  return;
+}
+out[thread_position_in_grid.x] = simd_sum(x[thread_position_in_grid.x]);
+"#;
+    let k = MetalKernel::new("early_return", &["x"], &["out"], src);
+    let x: Vec<u32> = (0..64).map(|i| i * i).collect();
+    let out = k
+        .launch()
+        .input(HostArray::new(&[64], &x))
+        .output(&[64], Dtype::U32)
+        .grid(64, 1, 1)
+        .threadgroup(64, 1, 1)
+        .init_value(1.0)
+        .run()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let got: Vec<u32> = out[0].to_vec();
+    for (i, &v) in got.iter().enumerate() {
+        let base = i / 32 * 32;
+        let even: u32 = (base..base + 32).step_by(2).map(|j| x[j]).sum();
+        assert_eq!(v, if i % 2 == 0 { even } else { 1 }, "lane {i}");
     }
 }
 
@@ -215,7 +244,7 @@ back[i] = float(h[i]) + float(b[i]);
 "#;
     let k = MetalKernel::new("casts", &["x"], &["h", "b", "back"], src);
     let mut x: Vec<f32> = (0..4000).map(|i| (i as f32 - 2000.0) * 0.012_345_67).collect();
-    x.extend([1.0009766, 65520.0, -1e-8, 3.0e38, f32::INFINITY, 0.1, 1.00390625]);
+    x.extend([1.000_976_6, 65520.0, -1e-8, 3.0e38, f32::INFINITY, 0.1, 1.003_906_2]);
     let n = x.len();
     let out = k
         .launch()

@@ -12,6 +12,7 @@ mod runner;
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+#[allow(unused_imports)]
 pub use runner::{Element, EmuError, HostArray, Run};
 
 /// MLX dtypes, with the type names MLX writes into Metal sources.
@@ -263,7 +264,7 @@ impl MetalKernel {
             }
             src.push_str(">\n");
         }
-        write!(src, "[[kernel]] void {kernel_name}(\n").unwrap();
+        writeln!(src, "[[kernel]] void {kernel_name}(").unwrap();
         let mut index = 0usize;
         for ((name, arr), info) in self.input_names.iter().zip(inputs).zip(&self.shape_infos) {
             let location = if arr.size() < MAX_CONSTANT_ARRAY_SIZE { "constant" } else { "device" };
@@ -325,6 +326,7 @@ impl MetalKernel {
 }
 
 /// The repository root, whichever crate compiles these tests.
+#[allow(clippy::join_absolute_paths)]
 pub fn repo_root() -> PathBuf {
     // file!() is relative to the package root in the main crate and absolute
     // when another crate compiles this file by path.
