@@ -23,7 +23,9 @@ threadgroup uint partial[256];
 const uint lid = thread_index_in_threadgroup;
 const uint count = threads_per_threadgroup.x;
 const uint gid = thread_position_in_grid.x;
-buf[lid] = x[gid];
+// A pointer into threadgroup memory is the thread's own, not shared.
+threadgroup uint* mine = buf + lid;
+*mine = x[gid];
 partial[lid] = x[gid];
 threadgroup_barrier(mem_flags::mem_threadgroup);
 mirrored[gid] = buf[count - 1 - lid];
