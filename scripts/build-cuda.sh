@@ -30,6 +30,7 @@ copy_exe() {  # copy the executables cargo reports for one target
   done
 }
 cargo test --release --no-run --test kernels_gpu --message-format=json 2>/dev/null | copy_exe kernels_gpu
+cargo test --release --no-run --test kernel_cache_gpu --message-format=json 2>/dev/null | copy_exe kernel_cache_gpu
 cargo bench --no-run --bench vq_quantize --message-format=json 2>/dev/null | copy_exe vq_quantize_bench
 PYO3_PYTHON="$VELOXQUANT_PYTHON" .device/venv312/bin/maturin build --release -i "$VELOXQUANT_PYTHON" -o .device/build >/dev/null
 ls -la .device/build
