@@ -11,6 +11,7 @@ pub mod error;
 mod ffi;
 pub mod kernels;
 pub mod ops;
+pub mod quant;
 #[cfg(feature = "python")]
 mod python;
 pub mod stream;
