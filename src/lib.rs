@@ -5,6 +5,7 @@
 //! ([`kernels`]), and keeps the quantizer math in plain Rust ([`cpu`]).
 
 pub mod array;
+pub mod cache;
 pub mod cpu;
 pub mod dtype;
 pub mod error;
@@ -12,6 +13,7 @@ mod ffi;
 pub mod kernels;
 pub mod ops;
 pub mod quant;
+mod safetensors_io;
 #[cfg(feature = "python")]
 mod python;
 pub mod stream;

@@ -155,3 +155,18 @@ pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], s:
         s.raw()
     ))
 }
+
+/// MLX's fused attention over dense keys and values; `causal` applies the
+/// bottom-right causal mask.
+pub fn scaled_dot_product_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    causal: bool,
+    s: &Stream,
+) -> Result<Array> {
+    let mode = if causal { c"causal" } else { c"" };
+    let none = Array::empty_handle();
+    call!(mlx_fast_scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, mode.as_ptr(), none, none, s.raw()))
+}

@@ -90,6 +90,18 @@ int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update
                                     to_shape(strides, strides_num), stream(s)));
   });
 }
+int mlx_fast_scaled_dot_product_attention(mlx_array* res, const mlx_array queries, const mlx_array keys,
+                                          const mlx_array values, float scale, const char* mask_mode,
+                                          const mlx_array mask_arr, const mlx_array sinks, const mlx_stream s) {
+  return guard([&] {
+    std::optional<mx::array> mask;
+    if (mask_arr.ctx) mask = arr(mask_arr);
+    std::optional<mx::array> sk;
+    if (sinks.ctx) sk = arr(sinks);
+    set_array(res, mx::fast::scaled_dot_product_attention(arr(queries), arr(keys), arr(values), scale,
+                                                          mask_mode ? mask_mode : "", mask, sk, false, stream(s)));
+  });
+}
 int mlx_array_equal(mlx_array* res, const mlx_array a, const mlx_array b, bool equal_nan, const mlx_stream s) {
   return guard([&] { set_array(res, mx::array_equal(arr(a), arr(b), equal_nan, stream(s))); });
 }

@@ -178,6 +178,11 @@ int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update
                      const int* stop, size_t stop_num, const int* strides, size_t strides_num, const mlx_stream s);
 int mlx_array_equal(mlx_array* res, const mlx_array a, const mlx_array b, bool equal_nan, const mlx_stream s);
 
+/* mask_mode: "" or "causal"; mask_arr may be an empty handle (ctx NULL). */
+int mlx_fast_scaled_dot_product_attention(mlx_array* res, const mlx_array queries, const mlx_array keys,
+                                          const mlx_array values, float scale, const char* mask_mode,
+                                          const mlx_array mask_arr, const mlx_array sinks, const mlx_stream s);
+
 /* ---- custom GPU kernels (MLX's fast::metal_kernel / fast::cuda_kernel) ---- */
 
 typedef struct mlx_fast_metal_kernel_config_ {
