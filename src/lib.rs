@@ -13,6 +13,7 @@ pub mod kernels;
 pub mod ops;
 #[cfg(feature = "python")]
 mod python;
+pub mod quant;
 pub mod stream;
 
 pub use array::{eval, Array};

@@ -123,3 +123,33 @@ pub fn pad_zeros(a: &Array, axes: &[i32], low: &[i32], high: &[i32], s: &Stream)
 pub fn array_equal(a: &Array, b: &Array, s: &Stream) -> Result<Array> {
     call!(mlx_array_equal(a.raw(), b.raw(), false, s.raw()))
 }
+
+binary!(
+    greater => mlx_greater,
+    greater_equal => mlx_greater_equal,
+    maximum => mlx_maximum,
+    minimum => mlx_minimum,
+    matmul => mlx_matmul,
+    take => mlx_take,
+);
+
+pub fn min_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
+    call!(mlx_min_axis(a.raw(), axis, keepdims, s.raw()))
+}
+
+pub fn max_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
+    call!(mlx_max_axis(a.raw(), axis, keepdims, s.raw()))
+}
+
+/// Rounds half to even (MLX's `round`).
+pub fn round(a: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_round(a.raw(), 0, s.raw()))
+}
+
+pub fn sqrt(a: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_sqrt(a.raw(), s.raw()))
+}
+
+pub fn where_(condition: &Array, x: &Array, y: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_where(condition.raw(), x.raw(), y.raw(), s.raw()))
+}

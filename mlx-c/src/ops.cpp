@@ -76,4 +76,32 @@ int mlx_array_equal(mlx_array* res, const mlx_array a, const mlx_array b, bool e
   return guard([&] { set_array(res, mx::array_equal(arr(a), arr(b), equal_nan, stream(s))); });
 }
 
+/* Used by the quantizer kernels' reference graphs. */
+#define MLXC_BINARY(NAME, FN)                                                          \
+  int NAME(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s) { \
+    return guard([&] { set_array(res, mx::FN(arr(a), arr(b), stream(s))); });         \
+  }
+MLXC_BINARY(mlx_greater, greater)
+MLXC_BINARY(mlx_greater_equal, greater_equal)
+MLXC_BINARY(mlx_maximum, maximum)
+MLXC_BINARY(mlx_minimum, minimum)
+MLXC_BINARY(mlx_matmul, matmul)
+MLXC_BINARY(mlx_take, take)
+#undef MLXC_BINARY
+int mlx_min_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::min(arr(a), std::vector<int>{axis}, keepdims, stream(s))); });
+}
+int mlx_max_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::max(arr(a), std::vector<int>{axis}, keepdims, stream(s))); });
+}
+int mlx_round(mlx_array* res, const mlx_array a, int decimals, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::round(arr(a), decimals, stream(s))); });
+}
+int mlx_sqrt(mlx_array* res, const mlx_array a, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::sqrt(arr(a), stream(s))); });
+}
+int mlx_where(mlx_array* res, const mlx_array condition, const mlx_array x, const mlx_array y, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::where(arr(condition), arr(x), arr(y), stream(s))); });
+}
+
 }  // extern "C"
