@@ -35,8 +35,6 @@ binary!(
     bitwise_or => mlx_bitwise_or,
     left_shift => mlx_left_shift,
     right_shift => mlx_right_shift,
-    matmul => mlx_matmul,
-    maximum => mlx_maximum,
 );
 
 pub fn square(a: &Array, s: &Stream) -> Result<Array> {
@@ -126,13 +124,35 @@ pub fn array_equal(a: &Array, b: &Array, s: &Stream) -> Result<Array> {
     call!(mlx_array_equal(a.raw(), b.raw(), false, s.raw()))
 }
 
-pub fn take(a: &Array, indices: &Array, axis: i32, s: &Stream) -> Result<Array> {
+pub fn take_axis(a: &Array, indices: &Array, axis: i32, s: &Stream) -> Result<Array> {
     call!(mlx_take_axis(a.raw(), indices.raw(), axis, s.raw()))
 }
 
 /// Softmax along `axis`, computed in float32 (`precise`).
 pub fn softmax(a: &Array, axis: i32, s: &Stream) -> Result<Array> {
     call!(mlx_softmax_axis(a.raw(), axis, true, s.raw()))
+}
+
+binary!(
+    greater => mlx_greater,
+    greater_equal => mlx_greater_equal,
+    maximum => mlx_maximum,
+    minimum => mlx_minimum,
+    matmul => mlx_matmul,
+    take => mlx_take,
+);
+
+pub fn min_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
+    call!(mlx_min_axis(a.raw(), axis, keepdims, s.raw()))
+}
+
+pub fn max_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
+    call!(mlx_max_axis(a.raw(), axis, keepdims, s.raw()))
+}
+
+/// Rounds half to even (MLX's `round`).
+pub fn round(a: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_round(a.raw(), 0, s.raw()))
 }
 
 pub fn sqrt(a: &Array, s: &Stream) -> Result<Array> {
@@ -169,4 +189,8 @@ pub fn scaled_dot_product_attention(
     let mode = if causal { c"causal" } else { c"" };
     let none = Array::empty_handle();
     call!(mlx_fast_scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, mode.as_ptr(), none, none, s.raw()))
+}
+
+pub fn where_(condition: &Array, x: &Array, y: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_where(condition.raw(), x.raw(), y.raw(), s.raw()))
 }

@@ -17,8 +17,6 @@ MLXC_BINARY(mlx_bitwise_and, bitwise_and)
 MLXC_BINARY(mlx_bitwise_or, bitwise_or)
 MLXC_BINARY(mlx_left_shift, left_shift)
 MLXC_BINARY(mlx_right_shift, right_shift)
-MLXC_BINARY(mlx_matmul, matmul)
-MLXC_BINARY(mlx_maximum, maximum)
 #undef MLXC_BINARY
 
 int mlx_square(mlx_array* res, const mlx_array a, const mlx_stream s) {
@@ -80,9 +78,6 @@ int mlx_take_axis(mlx_array* res, const mlx_array a, const mlx_array indices, in
 int mlx_softmax_axis(mlx_array* res, const mlx_array a, int axis, bool precise, const mlx_stream s) {
   return guard([&] { set_array(res, mx::softmax(arr(a), std::vector<int>{axis}, precise, stream(s))); });
 }
-int mlx_sqrt(mlx_array* res, const mlx_array a, const mlx_stream s) {
-  return guard([&] { set_array(res, mx::sqrt(arr(a), stream(s))); });
-}
 int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update, const int* start, size_t start_num,
                      const int* stop, size_t stop_num, const int* strides, size_t strides_num, const mlx_stream s) {
   return guard([&] {
@@ -104,6 +99,34 @@ int mlx_fast_scaled_dot_product_attention(mlx_array* res, const mlx_array querie
 }
 int mlx_array_equal(mlx_array* res, const mlx_array a, const mlx_array b, bool equal_nan, const mlx_stream s) {
   return guard([&] { set_array(res, mx::array_equal(arr(a), arr(b), equal_nan, stream(s))); });
+}
+
+/* Used by the quantizer kernels' reference graphs. */
+#define MLXC_BINARY(NAME, FN)                                                          \
+  int NAME(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s) { \
+    return guard([&] { set_array(res, mx::FN(arr(a), arr(b), stream(s))); });         \
+  }
+MLXC_BINARY(mlx_greater, greater)
+MLXC_BINARY(mlx_greater_equal, greater_equal)
+MLXC_BINARY(mlx_maximum, maximum)
+MLXC_BINARY(mlx_minimum, minimum)
+MLXC_BINARY(mlx_matmul, matmul)
+MLXC_BINARY(mlx_take, take)
+#undef MLXC_BINARY
+int mlx_min_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::min(arr(a), std::vector<int>{axis}, keepdims, stream(s))); });
+}
+int mlx_max_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::max(arr(a), std::vector<int>{axis}, keepdims, stream(s))); });
+}
+int mlx_round(mlx_array* res, const mlx_array a, int decimals, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::round(arr(a), decimals, stream(s))); });
+}
+int mlx_sqrt(mlx_array* res, const mlx_array a, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::sqrt(arr(a), stream(s))); });
+}
+int mlx_where(mlx_array* res, const mlx_array condition, const mlx_array x, const mlx_array y, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::where(arr(condition), arr(x), arr(y), stream(s))); });
 }
 
 }  // extern "C"

@@ -21,11 +21,28 @@ from . import _native
 
 Device = Union[None, str, "mx.DeviceType", "mx.Device", "mx.Stream"]
 
-__all__ = ["bit_pack", "bit_unpack", "vq_quantize", "SUPPORTED_BITS", "VQ_DIMS", "MAX_CODEBOOK_SIZE"]
+__all__ = [
+    "bit_pack",
+    "bit_unpack",
+    "vq_quantize",
+    "scalar_quantize",
+    "scalar_dequantize",
+    "kivi_quantize",
+    "kivi_dequantize",
+    "qjl_encode",
+    "qjl_score",
+    "pq_encode",
+    "pq_decode",
+    "SUPPORTED_BITS",
+    "VQ_DIMS",
+    "PQ_SUB_DIMS",
+    "MAX_CODEBOOK_SIZE",
+]
 
 SUPPORTED_BITS = (1, 2, 3, 4, 8)
 VQ_DIMS = (2, 4, 8)
 MAX_CODEBOOK_SIZE = 4096
+PQ_SUB_DIMS = (2, 4, 8)
 
 
 def _device(device: Device) -> Optional[str]:
@@ -61,3 +78,83 @@ def vq_quantize(x: mx.array, codebook: mx.array, *, policy: str = "auto", device
     bfloat16, both the same). Distances are float32; ties go to the lowest
     index. The result has shape ``x.shape[:-1]``."""
     return _native.vq_quantize(x, codebook, policy=policy, device=_device(device))
+
+
+def _dtype(dtype: "mx.Dtype") -> str:
+    for name in ("float32", "float16", "bfloat16"):
+        if dtype == getattr(mx, name):
+            return name
+    return str(dtype).rsplit(".", 1)[-1]
+
+
+def scalar_quantize(x: mx.array, codebook: mx.array, bits: int, *, policy: str = "auto", device: Device = None) -> mx.array:
+    """Codes of ``x [..., d]`` (float32/float16/bfloat16) against the sorted
+    float32 ``codebook [2**bits]`` (nearest entry; a value on a boundary goes
+    to the lower one), packed along the last axis as :func:`bit_pack` does:
+    uint8 ``[..., ceil(d*bits/8)]``."""
+    return _native.scalar_quantize(x, codebook, bits, policy=policy, device=_device(device))
+
+
+def scalar_dequantize(
+    packed: mx.array, codebook: mx.array, bits: int, d: int, dtype: "mx.Dtype" = mx.float32, *, policy: str = "auto", device: Device = None
+) -> mx.array:
+    """``codebook[code]`` for the ``d`` packed codes of each row, as ``dtype``."""
+    return _native.scalar_dequantize(packed, codebook, bits, d, _dtype(dtype), policy=policy, device=_device(device))
+
+
+def kivi_quantize(
+    x: mx.array, bits: int, group: int, mode: str = "keys", *, policy: str = "auto", device: Device = None
+) -> tuple:
+    """KIVI group quantization of ``x [N, D]``: ``(codes uint8 [N, ceil(D*bits/8)],
+    scales float16, zeros float16)``; ``mode="keys"``: per channel over groups of
+    ``group`` tokens (scales ``[ceil(N/group), D]``), ``"values"``: per token over
+    groups of ``group`` channels, a multiple of 8 (scales ``[N, D/group]``)."""
+    return _native.kivi_quantize(x, bits, group, mode, policy=policy, device=_device(device))
+
+
+def kivi_dequantize(
+    packed: mx.array,
+    scales: mx.array,
+    zeros: mx.array,
+    bits: int,
+    group: int,
+    mode: str,
+    d: int,
+    dtype: "mx.Dtype" = mx.float32,
+    *,
+    policy: str = "auto",
+    device: Device = None,
+) -> mx.array:
+    """``zero + scale * code`` for the output of :func:`kivi_quantize`, as ``dtype``."""
+    return _native.kivi_dequantize(
+        packed, scales, zeros, bits, group, mode, d, _dtype(dtype), policy=policy, device=_device(device)
+    )
+
+
+def qjl_encode(k: mx.array, sketch: mx.array, *, policy: str = "auto", device: Device = None) -> tuple:
+    """QJL encoding of keys ``k [..., D]`` with the float32 sketch ``S [m, D]``:
+    ``(signs uint8 [..., ceil(m/8)], norms float16 [...])``, bit r set where
+    ``(S k)_r >= 0``."""
+    return _native.qjl_encode(k, sketch, policy=policy, device=_device(device))
+
+
+def qjl_score(
+    q: mx.array, sketch: mx.array, signs: mx.array, norms: mx.array, *, policy: str = "auto", device: Device = None
+) -> mx.array:
+    """QJL estimates of ``<q_i, k_t>`` for queries ``q [Q, D]`` against encoded
+    keys: float32 ``[Q, N]`` = ``sqrt(pi/2)/m * |k| * <S q, sign(S k)>``."""
+    return _native.qjl_score(q, sketch, signs, norms, policy=policy, device=_device(device))
+
+
+def pq_encode(x: mx.array, codebook: mx.array, bits: int, *, policy: str = "auto", device: Device = None) -> mx.array:
+    """Product quantization of ``x [..., D]``: the nearest entry of the float32
+    ``codebook [K, s]`` (s in 2, 4, 8; K <= 2**bits) for each of the D/s
+    sub-vectors, packed with ``bits`` bits: uint8 ``[..., ceil(D/s*bits/8)]``."""
+    return _native.pq_encode(x, codebook, bits, policy=policy, device=_device(device))
+
+
+def pq_decode(
+    packed: mx.array, codebook: mx.array, bits: int, d: int, dtype: "mx.Dtype" = mx.float32, *, policy: str = "auto", device: Device = None
+) -> mx.array:
+    """The codebook entries of packed PQ codes, as ``dtype`` ``[..., d]``."""
+    return _native.pq_decode(packed, codebook, bits, d, _dtype(dtype), policy=policy, device=_device(device))

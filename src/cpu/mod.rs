@@ -6,9 +6,14 @@
 
 mod bitpack;
 mod parallel;
+mod quant;
 pub mod turboquant;
 mod vq;
 
 pub use bitpack::{bit_pack, bit_unpack, packed_len, SUPPORTED_BITS};
 pub use parallel::for_each_chunk;
+pub use quant::{
+    kivi_code, kivi_dequantize, kivi_params, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score,
+    scalar_boundaries, scalar_dequantize, scalar_quantize, Float,
+};
 pub use vq::{vq_quantize, VqElement};

@@ -151,7 +151,7 @@ fn shifts(count: usize, step: usize, s: &Stream) -> Result<Array> {
 }
 
 /// Reference graph: groups of 8 codes become one 64-bit word, then `bits` bytes.
-fn pack_reference(codes: &Array, rows: usize, n: usize, bits: u32, s: &Stream) -> Result<Array> {
+pub(crate) fn pack_reference(codes: &Array, rows: usize, n: usize, bits: u32, s: &Stream) -> Result<Array> {
     let b = bits as usize;
     let groups = n.div_ceil(8);
     let nbytes = cpu::packed_len(n, bits);
@@ -170,7 +170,7 @@ fn pack_reference(codes: &Array, rows: usize, n: usize, bits: u32, s: &Stream) -
 }
 
 /// Reference graph: `bits` bytes become one 64-bit word, then 8 codes.
-fn unpack_reference(packed: &Array, rows: usize, n: usize, bits: u32, s: &Stream) -> Result<Array> {
+pub(crate) fn unpack_reference(packed: &Array, rows: usize, n: usize, bits: u32, s: &Stream) -> Result<Array> {
     let b = bits as usize;
     let groups = n.div_ceil(8);
     let nbytes = cpu::packed_len(n, bits);

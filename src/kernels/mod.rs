@@ -9,6 +9,7 @@
 mod bitpack;
 pub mod cpu_primitive;
 pub mod gpu;
+mod quant;
 pub mod source;
 pub mod turboquant;
 mod vq;
@@ -18,6 +19,10 @@ use std::str::FromStr;
 
 pub use bitpack::{bit_pack, bit_unpack};
 pub use gpu::{cached_kernel_count, TemplateArg};
+pub use quant::{
+    kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize,
+    scalar_quantize, KiviMode, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
+};
 pub use source::Source;
 pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
 

@@ -9,6 +9,14 @@ pub enum Source {
     TqEncode,
     TqAttention,
     TqReduce,
+    ScalarQuantize,
+    ScalarDequantize,
+    KiviQuantize,
+    KiviDequantize,
+    QjlEncode,
+    QjlScore,
+    PqEncode,
+    PqDecode,
 }
 
 impl Source {
@@ -21,6 +29,14 @@ impl Source {
             Source::TqEncode => "veloxquant_tq_encode",
             Source::TqAttention => "veloxquant_tq_attention",
             Source::TqReduce => "veloxquant_tq_reduce",
+            Source::ScalarQuantize => "veloxquant_scalar_quantize",
+            Source::ScalarDequantize => "veloxquant_scalar_dequantize",
+            Source::KiviQuantize => "veloxquant_kivi_quantize",
+            Source::KiviDequantize => "veloxquant_kivi_dequantize",
+            Source::QjlEncode => "veloxquant_qjl_encode",
+            Source::QjlScore => "veloxquant_qjl_score",
+            Source::PqEncode => "veloxquant_pq_encode",
+            Source::PqDecode => "veloxquant_pq_decode",
         }
     }
 
@@ -32,6 +48,14 @@ impl Source {
             Source::TqEncode => include_str!("../../metal/tq_encode.metal"),
             Source::TqAttention => include_str!("../../metal/tq_attention.metal"),
             Source::TqReduce => include_str!("../../metal/tq_reduce.metal"),
+            Source::ScalarQuantize => include_str!("../../metal/scalar_quantize.metal"),
+            Source::ScalarDequantize => include_str!("../../metal/scalar_dequantize.metal"),
+            Source::KiviQuantize => include_str!("../../metal/kivi_quantize.metal"),
+            Source::KiviDequantize => include_str!("../../metal/kivi_dequantize.metal"),
+            Source::QjlEncode => include_str!("../../metal/qjl_encode.metal"),
+            Source::QjlScore => include_str!("../../metal/qjl_score.metal"),
+            Source::PqEncode => include_str!("../../metal/pq_encode.metal"),
+            Source::PqDecode => include_str!("../../metal/pq_decode.metal"),
         }
     }
 
@@ -43,6 +67,14 @@ impl Source {
             Source::TqEncode => include_str!("../../cuda/tq_encode.cu"),
             Source::TqAttention => include_str!("../../cuda/tq_attention.cu"),
             Source::TqReduce => include_str!("../../cuda/tq_reduce.cu"),
+            Source::ScalarQuantize => include_str!("../../cuda/scalar_quantize.cu"),
+            Source::ScalarDequantize => include_str!("../../cuda/scalar_dequantize.cu"),
+            Source::KiviQuantize => include_str!("../../cuda/kivi_quantize.cu"),
+            Source::KiviDequantize => include_str!("../../cuda/kivi_dequantize.cu"),
+            Source::QjlEncode => include_str!("../../cuda/qjl_encode.cu"),
+            Source::QjlScore => include_str!("../../cuda/qjl_score.cu"),
+            Source::PqEncode => include_str!("../../cuda/pq_encode.cu"),
+            Source::PqDecode => include_str!("../../cuda/pq_decode.cu"),
         }
     }
 
@@ -57,6 +89,14 @@ impl Source {
                 "params", "scale",
             ],
             Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v", "params"],
+            Source::ScalarQuantize => &["x", "codebook", "params"],
+            Source::ScalarDequantize => &["packed", "codebook", "params"],
+            Source::KiviQuantize => &["x", "params"],
+            Source::KiviDequantize => &["packed", "scales", "zeros", "params"],
+            Source::QjlEncode => &["k", "sketch", "params"],
+            Source::QjlScore => &["q", "sketch", "signs", "norms", "params"],
+            Source::PqEncode => &["x", "codebook", "params"],
+            Source::PqDecode => &["packed", "codebook", "params"],
         }
     }
 
@@ -68,6 +108,14 @@ impl Source {
             Source::TqEncode => &["codes", "norms"],
             Source::TqAttention => &["m_out", "l_out", "acc_out"],
             Source::TqReduce => &["out"],
+            Source::ScalarQuantize => &["packed"],
+            Source::ScalarDequantize => &["y"],
+            Source::KiviQuantize => &["packed", "scales", "zeros"],
+            Source::KiviDequantize => &["y"],
+            Source::QjlEncode => &["signs", "norms"],
+            Source::QjlScore => &["scores"],
+            Source::PqEncode => &["packed"],
+            Source::PqDecode => &["y"],
         }
     }
 

@@ -322,7 +322,7 @@ pub fn decode_rotated(layer: &TqLayer<'_>, values: bool, s: &Stream) -> Result<A
         let c = ops::slice(codes, &[0, 0, 0, 0], &[b, h, nc, row_bytes], s)?;
         let off = Options::on(s.clone(), super::Policy::Off);
         let idx = ops::astype(&super::bit_unpack(&c, bits, sh.dim, &off)?, Dtype::U32, s)?;
-        let vals = ops::take(cent, &idx, 0, s)?;
+        let vals = ops::take_axis(cent, &idx, 0, s)?;
         let n = ops::astype(&ops::slice(norms, &[0, 0, 0], &[b, h, nc], s)?, Dtype::F32, s)?;
         parts.push(ops::multiply(&vals, &ops::expand_dims(&n, -1, s)?, s)?);
     }

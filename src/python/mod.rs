@@ -12,7 +12,8 @@ use pyo3::prelude::*;
 use crate::array::{check_mlx_version, mlx_compiled_version, Array};
 use crate::error::Error;
 use crate::ffi;
-use crate::kernels::{self, Options, Policy};
+use crate::dtype::Dtype;
+use crate::kernels::{self, KiviMode, Options, Policy};
 use crate::stream::Stream;
 
 /// The one mapping from veloxquant errors to Python exceptions.
@@ -101,6 +102,174 @@ fn vq_quantize(
     array_out(py, out)
 }
 
+fn float_dtype(name: &str) -> PyResult<Dtype> {
+    match name {
+        "float32" => Ok(Dtype::F32),
+        "float16" => Ok(Dtype::F16),
+        "bfloat16" => Ok(Dtype::BF16),
+        other => Err(PyTypeError::new_err(format!(
+            "dtype: dtype {other} is not supported; expected float32, float16 or bfloat16"
+        ))),
+    }
+}
+
+fn kivi_mode(mode: &str) -> PyResult<KiviMode> {
+    match mode {
+        "keys" => Ok(KiviMode::Keys),
+        "values" => Ok(KiviMode::Values),
+        other => Err(PyValueError::new_err(format!("mode: {other:?} is not one of \"keys\", \"values\""))),
+    }
+}
+
+#[pyfunction]
+#[pyo3(signature = (x, codebook, bits, *, policy = "auto", device = None))]
+fn scalar_quantize(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    codebook: &Bound<'_, PyAny>,
+    bits: u32,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let (x, cb) = (array_arg(x, "x")?, array_arg(codebook, "codebook")?);
+    let out = kernels::scalar_quantize(&x, &cb, bits, &options(policy, device)?).map_err(to_py_err)?;
+    array_out(py, out)
+}
+
+#[pyfunction]
+#[pyo3(signature = (packed, codebook, bits, d, dtype, *, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn scalar_dequantize(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    codebook: &Bound<'_, PyAny>,
+    bits: u32,
+    d: usize,
+    dtype: &str,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let (p, cb) = (array_arg(packed, "packed")?, array_arg(codebook, "codebook")?);
+    let out = kernels::scalar_dequantize(&p, &cb, bits, d, float_dtype(dtype)?, &options(policy, device)?)
+        .map_err(to_py_err)?;
+    array_out(py, out)
+}
+
+#[pyfunction]
+#[pyo3(signature = (x, bits, group, mode, *, policy = "auto", device = None))]
+#[allow(clippy::type_complexity)]
+fn kivi_quantize(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    bits: u32,
+    group: usize,
+    mode: &str,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
+    let x = array_arg(x, "x")?;
+    let (c, s, z) =
+        kernels::kivi_quantize(&x, bits, group, kivi_mode(mode)?, &options(policy, device)?).map_err(to_py_err)?;
+    Ok((array_out(py, c)?, array_out(py, s)?, array_out(py, z)?))
+}
+
+#[pyfunction]
+#[pyo3(signature = (packed, scales, zeros, bits, group, mode, d, dtype, *, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn kivi_dequantize(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    scales: &Bound<'_, PyAny>,
+    zeros: &Bound<'_, PyAny>,
+    bits: u32,
+    group: usize,
+    mode: &str,
+    d: usize,
+    dtype: &str,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let (p, s, z) = (array_arg(packed, "packed")?, array_arg(scales, "scales")?, array_arg(zeros, "zeros")?);
+    let out = kernels::kivi_dequantize(
+        &p,
+        &s,
+        &z,
+        bits,
+        group,
+        kivi_mode(mode)?,
+        d,
+        float_dtype(dtype)?,
+        &options(policy, device)?,
+    )
+    .map_err(to_py_err)?;
+    array_out(py, out)
+}
+
+#[pyfunction]
+#[pyo3(signature = (k, sketch, *, policy = "auto", device = None))]
+fn qjl_encode(
+    py: Python<'_>,
+    k: &Bound<'_, PyAny>,
+    sketch: &Bound<'_, PyAny>,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let (k, s) = (array_arg(k, "k")?, array_arg(sketch, "sketch")?);
+    let (signs, norms) = kernels::qjl_encode(&k, &s, &options(policy, device)?).map_err(to_py_err)?;
+    Ok((array_out(py, signs)?, array_out(py, norms)?))
+}
+
+#[pyfunction]
+#[pyo3(signature = (q, sketch, signs, norms, *, policy = "auto", device = None))]
+fn qjl_score(
+    py: Python<'_>,
+    q: &Bound<'_, PyAny>,
+    sketch: &Bound<'_, PyAny>,
+    signs: &Bound<'_, PyAny>,
+    norms: &Bound<'_, PyAny>,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let (q, s) = (array_arg(q, "q")?, array_arg(sketch, "sketch")?);
+    let (sg, nm) = (array_arg(signs, "signs")?, array_arg(norms, "norms")?);
+    let out = kernels::qjl_score(&q, &s, &sg, &nm, &options(policy, device)?).map_err(to_py_err)?;
+    array_out(py, out)
+}
+
+#[pyfunction]
+#[pyo3(signature = (x, codebook, bits, *, policy = "auto", device = None))]
+fn pq_encode(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    codebook: &Bound<'_, PyAny>,
+    bits: u32,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let (x, cb) = (array_arg(x, "x")?, array_arg(codebook, "codebook")?);
+    let out = kernels::pq_encode(&x, &cb, bits, &options(policy, device)?).map_err(to_py_err)?;
+    array_out(py, out)
+}
+
+#[pyfunction]
+#[pyo3(signature = (packed, codebook, bits, d, dtype, *, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn pq_decode(
+    py: Python<'_>,
+    packed: &Bound<'_, PyAny>,
+    codebook: &Bound<'_, PyAny>,
+    bits: u32,
+    d: usize,
+    dtype: &str,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let (p, cb) = (array_arg(packed, "packed")?, array_arg(codebook, "codebook")?);
+    let out =
+        kernels::pq_decode(&p, &cb, bits, d, float_dtype(dtype)?, &options(policy, device)?).map_err(to_py_err)?;
+    array_out(py, out)
+}
+
 /// The GPU back-end of the loaded MLX: "metal", "cuda" or None.
 #[pyfunction]
 fn gpu_backend() -> Option<&'static str> {
@@ -127,6 +296,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;
     m.add_function(wrap_pyfunction!(vq_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(scalar_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(scalar_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(kivi_quantize, m)?)?;
+    m.add_function(wrap_pyfunction!(kivi_dequantize, m)?)?;
+    m.add_function(wrap_pyfunction!(qjl_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(qjl_score, m)?)?;
+    m.add_function(wrap_pyfunction!(pq_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(pq_decode, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cached_kernel_count, m)?)?;
     m.add_class::<cache::PyLayerCache>()?;

@@ -1,0 +1,180 @@
+//! The quantizer kernels, fused against the reference graph, side by side in
+//! one run: median time per call, speed-up, achieved bandwidth of the fused
+//! kernel (bytes read + written / time), MLX peak memory above the inputs
+//! against the outputs' size, and the kernel launches one call (one append of
+//! N vectors to a cache) costs on the fused path.
+//!
+//!   cargo bench --bench quant_kernels -- [--device cpu|gpu] [--dtype f32|f16|bf16] [--n N]
+//!
+//! Defaults: d = 128; N = 65,536 on the CPU, 1,048,576 on the GPU.
+
+use std::time::Instant;
+
+use half::{bf16, f16};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::array::{active_memory, clear_cache, peak_memory, reset_peak_memory};
+use veloxquant::kernels::{
+    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
+    KiviMode,
+};
+use veloxquant::{Array, Dtype, Options, Policy, Stream};
+
+const D: usize = 128;
+
+fn random(dtype: Dtype, shape: &[usize], scale: f32, rng: &mut ChaCha8Rng) -> Array {
+    let len: usize = shape.iter().product();
+    let s: Vec<i32> = shape.iter().map(|&v| v as i32).collect();
+    let v: Vec<f32> = (0..len).map(|_| (rng.random::<f32>() * 2.0 - 1.0) * scale).collect();
+    match dtype {
+        Dtype::F16 => Array::from_slice(&v.iter().map(|&x| f16::from_f32(x)).collect::<Vec<_>>(), &s),
+        Dtype::BF16 => Array::from_slice(&v.iter().map(|&x| bf16::from_f32(x)).collect::<Vec<_>>(), &s),
+        _ => Array::from_slice(&v, &s),
+    }
+    .expect("input array")
+}
+
+struct Measure {
+    seconds: f64,
+    peak_above_inputs: usize,
+}
+
+fn measure(f: &dyn Fn(&Options) -> Vec<Array>, opts: &Options, stream: &Stream) -> Measure {
+    let run = || {
+        let outs = f(opts);
+        veloxquant::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
+        stream.synchronize().unwrap();
+    };
+    run(); // warm-up: GPU kernels compile on first evaluation
+    clear_cache().unwrap();
+    let base = active_memory().unwrap();
+    reset_peak_memory().unwrap();
+    let mut times: Vec<f64> = (0..5)
+        .map(|_| {
+            let t = Instant::now();
+            run();
+            t.elapsed().as_secs_f64()
+        })
+        .collect();
+    let peak = peak_memory().unwrap();
+    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    Measure { seconds: times[2], peak_above_inputs: peak.saturating_sub(base) }
+}
+
+fn main() {
+    let mut device = "cpu".to_string();
+    let mut dtype = Dtype::F32;
+    let mut n = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(a) = args.next() {
+        match a.as_str() {
+            "--device" => device = args.next().expect("--device cpu|gpu"),
+            "--dtype" => {
+                dtype = match args.next().as_deref() {
+                    Some("f16") => Dtype::F16,
+                    Some("bf16") => Dtype::BF16,
+                    _ => Dtype::F32,
+                }
+            }
+            "--n" => n = Some(args.next().expect("--n N").parse::<usize>().expect("N")),
+            _ => {}
+        }
+    }
+    let stream = if device == "gpu" { Stream::gpu().expect("GPU stream") } else { Stream::cpu() };
+    let n = n.unwrap_or(if device == "gpu" { 1 << 20 } else { 1 << 16 });
+    let es = dtype.size();
+    println!(
+        "quantizer kernels on {device} ({}), dtype {dtype}, N = {n}, d = {D}, median of 5 calls",
+        stream.backend().unwrap().name()
+    );
+    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
+    println!("|---|---|---|---|---|---|---|---|---|");
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    let x = random(dtype, &[n, D], 1.0, &mut rng);
+    let cpu = Options::on(Stream::cpu(), Policy::Require);
+
+    // Shared inputs, built once (on the CPU, then used on `stream`).
+    let mut cb4: Vec<f32> = (0..16).map(|i| (i as f32 - 7.5) / 8.0).collect();
+    cb4.sort_by(f32::total_cmp);
+    let cb4 = Array::from_slice(&cb4, &[16]).unwrap();
+    let packed4 = scalar_quantize(&x, &cb4, 4, &cpu).unwrap();
+    let (kc, ks, kz) = kivi_quantize(&x, 2, 32, KiviMode::Keys, &cpu).unwrap();
+    let (vc, vs, vz) = kivi_quantize(&x, 2, 32, KiviMode::Values, &cpu).unwrap();
+    let m = 256;
+    let sketch = random(Dtype::F32, &[m, D], 1.0, &mut rng);
+    let (signs, norms) = qjl_encode(&x, &sketch, &cpu).unwrap();
+    let q = random(dtype, &[4, D], 1.0, &mut rng);
+    let pq_cb = random(Dtype::F32, &[256, 4], 1.0, &mut rng);
+    let pq_codes = pq_encode(&x, &pq_cb, 8, &cpu).unwrap();
+    let all = [&x, &cb4, &packed4, &kc, &ks, &kz, &vc, &vs, &vz, &sketch, &signs, &norms, &q, &pq_cb, &pq_codes];
+    veloxquant::eval(&all).unwrap();
+
+    type Case<'a> = (&'static str, Box<dyn Fn(&Options) -> Vec<Array> + 'a>, usize, usize, usize);
+    let xb = n * D * es;
+    let cases: Vec<Case<'_>> = vec![
+        ("scalar_quantize b=4", Box::new(|o| vec![scalar_quantize(&x, &cb4, 4, o).unwrap()]), xb, n * D / 2, 1),
+        ("scalar_dequantize b=4", Box::new(|o| vec![scalar_dequantize(&packed4, &cb4, 4, D, dtype, o).unwrap()]), n * D / 2, xb, 1),
+        (
+            "kivi_quantize keys b=2 G=32",
+            Box::new(|o| {
+                let (a, b, c) = kivi_quantize(&x, 2, 32, KiviMode::Keys, o).unwrap();
+                vec![a, b, c]
+            }),
+            xb,
+            n * D / 4 + n.div_ceil(32) * D * 4,
+            1,
+        ),
+        (
+            "kivi_quantize values b=2 G=32",
+            Box::new(|o| {
+                let (a, b, c) = kivi_quantize(&x, 2, 32, KiviMode::Values, o).unwrap();
+                vec![a, b, c]
+            }),
+            xb,
+            n * D / 4 + n * (D / 32) * 4,
+            1,
+        ),
+        (
+            "kivi_dequantize keys b=2 G=32",
+            Box::new(|o| vec![kivi_dequantize(&kc, &ks, &kz, 2, 32, KiviMode::Keys, D, dtype, o).unwrap()]),
+            n * D / 4 + n.div_ceil(32) * D * 4,
+            xb,
+            1,
+        ),
+        (
+            "kivi_dequantize values b=2 G=32",
+            Box::new(|o| vec![kivi_dequantize(&vc, &vs, &vz, 2, 32, KiviMode::Values, D, dtype, o).unwrap()]),
+            n * D / 4 + n * (D / 32) * 4,
+            xb,
+            1,
+        ),
+        (
+            "qjl_encode m=256",
+            Box::new(|o| {
+                let (a, b) = qjl_encode(&x, &sketch, o).unwrap();
+                vec![a, b]
+            }),
+            xb,
+            n * (m / 8 + 2),
+            1,
+        ),
+        ("qjl_score m=256 Q=4", Box::new(|o| vec![qjl_score(&q, &sketch, &signs, &norms, o).unwrap()]), n * (m / 8 + 2), 4 * n * 4, 1),
+        ("pq_encode s=4 K=256", Box::new(|o| vec![pq_encode(&x, &pq_cb, 8, o).unwrap()]), xb, n * D / 4, 1),
+        ("pq_decode s=4 K=256", Box::new(|o| vec![pq_decode(&pq_codes, &pq_cb, 8, D, dtype, o).unwrap()]), n * D / 4, xb, 1),
+    ];
+    let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
+    for (name, f, read, written, launches) in &cases {
+        let fused = measure(f.as_ref(), &Options::on(stream.clone(), Policy::Require), &stream);
+        let reference = measure(f.as_ref(), &Options::on(stream.clone(), Policy::Off), &stream);
+        println!(
+            "| {name} | {:.3} | {:.3} | {:.1}x | {:.1} | {:.2} | {:.2} | {:.2} | {launches} |",
+            fused.seconds * 1e3,
+            reference.seconds * 1e3,
+            reference.seconds / fused.seconds,
+            (read + written) as f64 / fused.seconds / 1e9,
+            mib(fused.peak_above_inputs),
+            mib(reference.peak_above_inputs),
+            mib(*written),
+        );
+    }
+}

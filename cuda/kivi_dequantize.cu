@@ -1,0 +1,32 @@
+// kivi_dequantize: packed uint8 [N, nbytes], scales, zeros half -> y T
+// [N, D] = zero + scale * code (float32, no fma). params = {N, D, nbytes, G};
+// template T, B_BITS, PER_CHANNEL (scales [ceil(N/G), D], else [N, D/G]).
+// One thread per (row, group of 8 codes).
+const uint32_t n = params[0];
+const uint32_t d = params[1];
+const uint32_t nbytes = params[2];
+const uint32_t gsize = params[3];
+const uint32_t groups = (d + 7) / 8;
+const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+if (t >= uint64_t(n) * groups) {
+  return;
+}
+const uint32_t row = uint32_t(t / groups);
+const uint32_t g = uint32_t(t % groups);
+const uint32_t b0 = g * B_BITS;
+const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
+const uint64_t src = uint64_t(row) * nbytes;
+uint64_t word = 0;
+for (uint32_t k = b0; k < b1; ++k) {
+  word |= uint64_t(packed[src + k]) << (8 * (k - b0));
+}
+const uint32_t first = g * 8;
+const uint32_t count = min(8u, d - first);
+const uint64_t mask = (uint64_t(1) << B_BITS) - 1;
+const uint64_t dst = uint64_t(row) * d + first;
+for (uint32_t j = 0; j < count; ++j) {
+  const uint32_t ch = first + j;
+  const uint64_t p = PER_CHANNEL ? uint64_t(row / gsize) * d + ch : (uint64_t(row) * d + ch) / gsize;
+  const float code = float((word >> (j * B_BITS)) & mask);
+  y[dst + j] = static_cast<T>(__fadd_rn(__half2float(zeros[p]), __fmul_rn(__half2float(scales[p]), code)));
+}

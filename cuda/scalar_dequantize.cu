@@ -1,0 +1,27 @@
+// scalar_dequantize: packed uint8 [N, nbytes], codebook float [2^B_BITS] ->
+// y T [N, D] = codebook[code]. params = {N, D, nbytes}; template T, B_BITS.
+// One thread per (row, group of 8 codes).
+const uint32_t n = params[0];
+const uint32_t d = params[1];
+const uint32_t nbytes = params[2];
+const uint32_t groups = (d + 7) / 8;
+const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+if (t >= uint64_t(n) * groups) {
+  return;
+}
+const uint32_t row = uint32_t(t / groups);
+const uint32_t g = uint32_t(t % groups);
+const uint32_t b0 = g * B_BITS;
+const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
+const uint64_t src = uint64_t(row) * nbytes;
+uint64_t word = 0;
+for (uint32_t k = b0; k < b1; ++k) {
+  word |= uint64_t(packed[src + k]) << (8 * (k - b0));
+}
+const uint32_t first = g * 8;
+const uint32_t count = min(8u, d - first);
+const uint64_t mask = (uint64_t(1) << B_BITS) - 1;
+const uint64_t dst = uint64_t(row) * d + first;
+for (uint32_t j = 0; j < count; ++j) {
+  y[dst + j] = static_cast<T>(codebook[(word >> (j * B_BITS)) & mask]);
+}

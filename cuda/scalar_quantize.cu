@@ -1,0 +1,43 @@
+// scalar_quantize: x T [N, D], codebook float [2^B_BITS] (sorted) -> packed
+// uint8 [N, nbytes], bit_pack's layout. params = {N, D, nbytes}; template T,
+// B_BITS. One thread per (row, group of 8 codes), as bit_pack. The code of v
+// is the number of boundaries 0.5 * (c[i] + c[i+1]) strictly below v, found
+// by a binary search of B_BITS unrolled steps over the boundaries, which the
+// block computes once into shared memory.
+__shared__ float bounds[256];
+const uint32_t n = params[0];
+const uint32_t d = params[1];
+const uint32_t nbytes = params[2];
+constexpr uint32_t K = 1u << B_BITS;
+for (uint32_t i = threadIdx.x; i + 1 < K; i += blockDim.x) {
+  bounds[i] = __fmul_rn(0.5f, __fadd_rn(codebook[i], codebook[i + 1]));
+}
+__syncthreads();
+const uint32_t groups = (d + 7) / 8;
+const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+if (t >= uint64_t(n) * groups) {
+  return;
+}
+const uint32_t row = uint32_t(t / groups);
+const uint32_t g = uint32_t(t % groups);
+const uint32_t first = g * 8;
+const uint32_t count = min(8u, d - first);
+const uint64_t src = uint64_t(row) * d + first;
+uint64_t word = 0;
+for (uint32_t j = 0; j < count; ++j) {
+  const float v = static_cast<float>(x[src + j]);
+  uint32_t pos = 0;
+#pragma unroll
+  for (uint32_t step = K / 2; step > 0; step /= 2) {
+    if (bounds[pos + step - 1] < v) {
+      pos += step;
+    }
+  }
+  word |= uint64_t(pos) << (j * B_BITS);
+}
+const uint32_t b0 = g * B_BITS;
+const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
+const uint64_t dst = uint64_t(row) * nbytes;
+for (uint32_t k = b0; k < b1; ++k) {
+  packed[dst + k] = uint8_t(word >> (8 * (k - b0)));
+}

@@ -1,0 +1,130 @@
+"""veloxquant.kernels' quantizer kernels on mlx.core.array: values against
+plain numpy, the three policies, dtypes, laziness and argument errors."""
+
+import math
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant import kernels as K
+
+DTYPES = [mx.float32, mx.float16, mx.bfloat16]
+
+
+def np_unpack(packed: np.ndarray, bits: int, n: int) -> np.ndarray:
+    rows = packed.shape[0]
+    out = np.zeros((rows, n), np.uint8)
+    for r in range(rows):
+        stream = int.from_bytes(packed[r].tobytes(), "little")
+        for i in range(n):
+            out[r, i] = (stream >> (i * bits)) & ((1 << bits) - 1)
+    return out
+
+
+def as_np(a: mx.array) -> np.ndarray:
+    return np.array(a.astype(mx.float32))
+
+
+@pytest.mark.parametrize("policy", ["auto", "require", "off"])
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_scalar_quantize_is_nearest_centroid(policy, dtype, bits):
+    rng = np.random.default_rng(bits)
+    cb = np.sort(rng.normal(size=1 << bits)).astype(np.float32)
+    x = mx.array(rng.normal(size=(9, 13)).astype(np.float32)).astype(dtype)
+    packed = K.scalar_quantize(x, mx.array(cb), bits, policy=policy, device="cpu")
+    assert packed.dtype == mx.uint8 and packed.shape == (9, (13 * bits + 7) // 8)
+    codes = np_unpack(np.array(packed), bits, 13)
+    want = np.abs(as_np(x)[..., None] - cb).argmin(-1)
+    np.testing.assert_array_equal(codes, want)
+    y = K.scalar_dequantize(packed, mx.array(cb), bits, 13, dtype, policy=policy, device="cpu")
+    assert y.dtype == dtype
+    np.testing.assert_array_equal(as_np(y), np.array(mx.array(cb[want]).astype(dtype).astype(mx.float32)))
+
+
+@pytest.mark.parametrize("policy", ["require", "off"])
+@pytest.mark.parametrize("mode", ["keys", "values"])
+def test_kivi_round_trip_within_half_a_step(policy, mode):
+    rng = np.random.default_rng(3)
+    x = rng.normal(size=(70, 64)).astype(np.float32)
+    c, s, z = K.kivi_quantize(mx.array(x), 4, 32, mode, policy=policy, device="cpu")
+    assert s.dtype == mx.float16 and z.dtype == mx.float16
+    assert s.shape == ((3, 64) if mode == "keys" else (70, 2))
+    y = np.array(K.kivi_dequantize(c, s, z, 4, 32, mode, 64, policy=policy, device="cpu"))
+    sf = np.array(s.astype(mx.float32))
+    step = np.repeat(sf, 32, axis=0)[:70] if mode == "keys" else np.repeat(sf, 32, axis=1)
+    assert np.all(np.abs(y - x) <= 0.5 * step + 1e-2 * step + 2e-3)
+
+
+def test_kivi_policies_agree():
+    x = mx.random.normal((50, 128), key=mx.random.key(1))
+    a = K.kivi_quantize(x, 2, 16, "keys", policy="require", device="cpu")
+    b = K.kivi_quantize(x, 2, 16, "keys", policy="off", device="cpu")
+    for u, v in zip(a[1:], b[1:]):
+        np.testing.assert_array_equal(np.array(u), np.array(v))
+
+
+@pytest.mark.parametrize("policy", ["require", "off"])
+def test_qjl_score_estimates_inner_products(policy):
+    rng = np.random.default_rng(5)
+    d, m, n = 64, 2048, 40
+    sketch = mx.array(rng.normal(size=(m, d)).astype(np.float32))
+    k = rng.normal(size=(n, d)).astype(np.float32)
+    q = rng.normal(size=(1, d)).astype(np.float32)
+    signs, norms = K.qjl_encode(mx.array(k), sketch, policy=policy, device="cpu")
+    assert signs.shape == (n, m // 8) and norms.dtype == mx.float16
+    np.testing.assert_allclose(np.array(norms.astype(mx.float32)), np.linalg.norm(k, axis=1), rtol=1e-3)
+    est = np.array(K.qjl_score(mx.array(q), sketch, signs, norms, policy=policy, device="cpu"))[0]
+    truth = k @ q[0]
+    # Error ~ |k||q| sqrt(pi/2 / m): about 0.028 |k||q| at m = 2048.
+    scale = np.linalg.norm(k, axis=1) * np.linalg.norm(q)
+    assert np.all(np.abs(est - truth) < 5 * math.sqrt(math.pi / 2 / m) * scale)
+
+
+@pytest.mark.parametrize("policy", ["require", "off"])
+@pytest.mark.parametrize("s", K.PQ_SUB_DIMS)
+def test_pq_encode_decode_gathers_nearest(policy, s):
+    rng = np.random.default_rng(s)
+    cb = rng.normal(size=(16, s)).astype(np.float32)
+    x = rng.normal(size=(33, 8 * s)).astype(np.float32)
+    packed = K.pq_encode(mx.array(x), mx.array(cb), 4, policy=policy, device="cpu")
+    assert packed.shape == (33, 4)
+    sub = x.reshape(-1, s)
+    want = ((sub[:, None] - cb[None]) ** 2).sum(-1).argmin(-1).reshape(33, 8)
+    np.testing.assert_array_equal(np_unpack(np.array(packed), 4, 8), want)
+    y = K.pq_decode(packed, mx.array(cb), 4, 8 * s, mx.bfloat16, policy=policy, device="cpu")
+    assert y.dtype == mx.bfloat16
+    np.testing.assert_allclose(as_np(y), cb[want].reshape(33, 8 * s), rtol=1e-2, atol=1e-2)
+
+
+def test_results_are_lazy_and_compile():
+    x = mx.random.normal((4096, 128))
+    cb = mx.array(np.sort(np.random.default_rng(0).normal(size=4)).astype(np.float32))
+    mx.eval(x, cb)
+    before = mx.get_active_memory()
+    p = K.scalar_quantize(x, cb, 2)
+    assert mx.get_active_memory() - before < 1024
+    f = mx.compile(lambda a: K.scalar_dequantize(K.scalar_quantize(a, cb, 2), cb, 2, 128))
+    np.testing.assert_array_equal(np.array(f(x)), np.array(K.scalar_dequantize(p, cb, 2, 128)))
+
+
+def test_wrong_arguments_raise_errors_naming_them():
+    f32 = mx.zeros((4, 8))
+    cb = mx.zeros((4,))
+    with pytest.raises(TypeError, match=r"^x: dtype uint8"):
+        K.scalar_quantize(f32.astype(mx.uint8), cb, 2)
+    with pytest.raises(TypeError, match=r"^codebook: dtype float16"):
+        K.scalar_quantize(f32, cb.astype(mx.float16), 2)
+    with pytest.raises(ValueError, match=r"^codebook: shape"):
+        K.scalar_quantize(f32, cb, 3)
+    with pytest.raises(TypeError, match=r"^dtype: dtype int32"):
+        K.scalar_dequantize(mx.zeros((4, 2), dtype=mx.uint8), cb, 2, 8, mx.int32)
+    with pytest.raises(ValueError, match=r"^group:"):
+        K.kivi_quantize(f32, 2, 3, "values")
+    with pytest.raises(ValueError, match=r"^mode:"):
+        K.kivi_quantize(f32, 2, 4, "rows")
+    with pytest.raises(TypeError, match=r"^sketch: dtype float16"):
+        K.qjl_encode(f32, mx.zeros((16, 8), dtype=mx.float16))
+    with pytest.raises(ValueError, match=r"^codebook: shape"):
+        K.pq_encode(f32, mx.zeros((4, 3)), 2)

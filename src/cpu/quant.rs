@@ -1,0 +1,395 @@
+//! The quantizer kernels on slices: scalar codebook, KIVI, QJL and product
+//! quantization, each fused with `bit_pack`'s layout.
+//!
+//! The arithmetic is the GPU bodies' (float32, no fused multiply-add, the
+//! same order of operations), so the Metal emulator and the CUDA tests can
+//! compare with these functions, and for float32 input the codes equal those
+//! of `crate::quant`.
+
+use half::{bf16, f16};
+
+use super::bitpack::packed_len;
+use super::vq::VqElement;
+
+/// Element types the kernels read and write.
+pub trait Float: VqElement + Default {
+    fn from_f32(v: f32) -> Self;
+}
+
+impl Float for f32 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+impl Float for f16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+impl Float for bf16 {
+    #[inline(always)]
+    fn from_f32(v: f32) -> Self {
+        bf16::from_f32(v)
+    }
+}
+
+/// Writes the low `b` bits of each of up to 8 `codes` into `dst`
+/// (`bit_pack`'s layout for one group of 8 codes).
+#[inline(always)]
+fn put_group(codes: &[u8], b: usize, dst: &mut [u8]) {
+    let mut word = 0u64;
+    for (j, &c) in codes.iter().enumerate() {
+        word |= u64::from(c) << (j * b);
+    }
+    for (k, byte) in dst.iter_mut().enumerate() {
+        *byte = (word >> (8 * k)) as u8;
+    }
+}
+
+/// Reads up to 8 codes of `b` bits from the group's bytes `src`.
+#[inline(always)]
+fn get_group(src: &[u8], b: usize, codes: &mut [u8]) {
+    let mut word = 0u64;
+    for (k, &byte) in src.iter().enumerate() {
+        word |= u64::from(byte) << (8 * k);
+    }
+    let mask = (1u64 << b) - 1;
+    for (j, c) in codes.iter_mut().enumerate() {
+        *c = ((word >> (j * b)) & mask) as u8;
+    }
+}
+
+/// Runs `f(row, codes_of_row)` for every row and packs the codes of each row
+/// into `out` (`rows` × `packed_len(n, bits)`).
+fn pack_rows(out: &mut [u8], rows: usize, n: usize, bits: u32, f: impl Fn(usize, &mut [u8]) + Sync) {
+    let nbytes = packed_len(n, bits);
+    assert_eq!(out.len(), rows * nbytes, "packed length");
+    let b = bits as usize;
+    super::for_each_chunk(out, nbytes, 256, |row0, chunk| {
+        let mut codes = vec![0u8; n];
+        for (r, dst) in chunk.chunks_mut(nbytes).enumerate() {
+            f(row0 + r, &mut codes);
+            for (g, group) in codes.chunks(8).enumerate() {
+                let end = (g * b + b).min(nbytes);
+                put_group(group, b, &mut dst[g * b..end]);
+            }
+        }
+    });
+}
+
+/// Runs `f(row, codes_of_row, out_row)` for every row of `packed`.
+fn unpack_rows<T: Send>(
+    packed: &[u8],
+    rows: usize,
+    n: usize,
+    bits: u32,
+    out: &mut [T],
+    f: impl Fn(usize, &[u8], &mut [T]) + Sync,
+) {
+    let nbytes = packed_len(n, bits);
+    assert_eq!(packed.len(), rows * nbytes, "packed length");
+    let b = bits as usize;
+    let row_len = out.len() / rows.max(1);
+    super::for_each_chunk(out, row_len, 256, |row0, chunk| {
+        let mut codes = vec![0u8; n];
+        for (r, dst) in chunk.chunks_mut(row_len).enumerate() {
+            let src = &packed[(row0 + r) * nbytes..(row0 + r + 1) * nbytes];
+            for (g, group) in codes.chunks_mut(8).enumerate() {
+                get_group(&src[g * b..(g * b + b).min(nbytes)], b, group);
+            }
+            f(row0 + r, &codes, dst);
+        }
+    });
+}
+
+// ------------------------------------------------------------ scalar codebook
+
+/// The decision boundaries of a sorted scalar codebook: `0.5 * (c[i] + c[i+1])`
+/// in float32, as `crate::quant::ScalarCodebook` computes them.
+pub fn scalar_boundaries(codebook: &[f32]) -> Vec<f32> {
+    codebook.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect()
+}
+
+/// The number of boundaries strictly below `v`: the index of the nearest
+/// centroid, a value on a boundary going down (NaN gives 0).
+#[inline(always)]
+fn scalar_code(bounds: &[f32], v: f32) -> u8 {
+    bounds.iter().map(|&t| u8::from(t < v)).sum()
+}
+
+/// Quantizes `x` (`n * d`) against the sorted `codebook` (`2^bits` entries)
+/// and packs the codes of each row into `out` (`n * packed_len(d, bits)`).
+pub fn scalar_quantize<T: Float>(x: &[T], n: usize, d: usize, codebook: &[f32], bits: u32, out: &mut [u8]) {
+    assert_eq!(x.len(), n * d, "x length");
+    assert_eq!(codebook.len(), 1 << bits, "codebook length");
+    let bounds = scalar_boundaries(codebook);
+    pack_rows(out, n, d, bits, |r, codes| {
+        for (c, v) in codes.iter_mut().zip(&x[r * d..(r + 1) * d]) {
+            *c = scalar_code(&bounds, v.to_f32());
+        }
+    });
+}
+
+/// `codebook[code]` for every packed code, as `T`.
+pub fn scalar_dequantize<T: Float>(packed: &[u8], n: usize, d: usize, codebook: &[f32], bits: u32, out: &mut [T]) {
+    assert_eq!(out.len(), n * d, "out length");
+    assert_eq!(codebook.len(), 1 << bits, "codebook length");
+    unpack_rows(packed, n, d, bits, out, |_, codes, o| {
+        for (v, &c) in o.iter_mut().zip(codes) {
+            *v = T::from_f32(codebook[c as usize]);
+        }
+    });
+}
+
+// ------------------------------------------------------------------- KIVI
+
+/// KIVI's code of `v` for a group with float16-rounded `scale` and `zero`:
+/// `round((v - zero) / scale)` clamped to the levels, 0 for a constant group.
+#[inline(always)]
+pub fn kivi_code(v: f32, scale: f32, zero: f32, bits: u32) -> u8 {
+    if !(scale > 0.0) {
+        return 0;
+    }
+    ((v - zero) / scale).round().clamp(0.0, ((1u32 << bits) - 1) as f32) as u8
+}
+
+/// `(scale, zero)` in float16 for a group spanning `[lo, hi]`. A value beyond
+/// the float16 range becomes infinity (the kernels cannot fail mid-graph).
+#[inline(always)]
+pub fn kivi_params(lo: f32, hi: f32, bits: u32) -> (f16, f16) {
+    let levels = ((1u32 << bits) - 1) as f32;
+    (f16::from_f32((hi - lo) / levels), f16::from_f32(lo))
+}
+
+/// KIVI group quantization of `x` (`n * d`). `per_channel` (keys): one
+/// (scale, zero) per group of `group` consecutive rows and channel, `scales`
+/// and `zeros` hold `ceil(n / group) * d`. Otherwise (values): one per row and
+/// group of `group` consecutive channels (`group` divides `d`), `n * d / group`.
+/// Codes are packed along each row into `codes` (`n * packed_len(d, bits)`).
+#[allow(clippy::too_many_arguments)]
+pub fn kivi_quantize<T: Float>(
+    x: &[T],
+    n: usize,
+    d: usize,
+    bits: u32,
+    group: usize,
+    per_channel: bool,
+    codes: &mut [u8],
+    scales: &mut [f16],
+    zeros: &mut [f16],
+) {
+    assert_eq!(x.len(), n * d, "x length");
+    assert!(group > 0 && (per_channel || d % group == 0), "group");
+    let params = if per_channel { n.div_ceil(group) * d } else { n * d / group };
+    assert!(scales.len() == params && zeros.len() == params, "scales/zeros length");
+    if per_channel {
+        for g in 0..n.div_ceil(group) {
+            let (r0, r1) = (g * group, ((g + 1) * group).min(n));
+            for j in 0..d {
+                let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+                for r in r0..r1 {
+                    let v = x[r * d + j].to_f32();
+                    lo = lo.min(v);
+                    hi = hi.max(v);
+                }
+                let (s, z) = kivi_params(lo, hi, bits);
+                scales[g * d + j] = s;
+                zeros[g * d + j] = z;
+            }
+        }
+    } else {
+        for (p, grp) in x.chunks(group).enumerate() {
+            let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
+            for v in grp {
+                lo = lo.min(v.to_f32());
+                hi = hi.max(v.to_f32());
+            }
+            let (s, z) = kivi_params(lo, hi, bits);
+            scales[p] = s;
+            zeros[p] = z;
+        }
+    }
+    let (scales, zeros) = (&*scales, &*zeros);
+    pack_rows(codes, n, d, bits, |r, c| {
+        for (j, code) in c.iter_mut().enumerate() {
+            let p = if per_channel { (r / group) * d + j } else { (r * d + j) / group };
+            *code = kivi_code(x[r * d + j].to_f32(), scales[p].to_f32(), zeros[p].to_f32(), bits);
+        }
+    });
+}
+
+/// `zero + scale * code` (float32, no fused multiply-add), as `T`.
+#[allow(clippy::too_many_arguments)]
+pub fn kivi_dequantize<T: Float>(
+    codes: &[u8],
+    scales: &[f16],
+    zeros: &[f16],
+    n: usize,
+    d: usize,
+    bits: u32,
+    group: usize,
+    per_channel: bool,
+    out: &mut [T],
+) {
+    assert_eq!(out.len(), n * d, "out length");
+    unpack_rows(codes, n, d, bits, out, |r, c, o| {
+        for (j, (v, &code)) in o.iter_mut().zip(c).enumerate() {
+            let p = if per_channel { (r / group) * d + j } else { (r * d + j) / group };
+            *v = T::from_f32(zeros[p].to_f32() + scales[p].to_f32() * f32::from(code));
+        }
+    });
+}
+
+// -------------------------------------------------------------------- QJL
+
+/// `Σ_j a[j] * b[j]` in order, float32, no fused multiply-add.
+#[inline(always)]
+fn dot_f32<T: VqElement>(a: &[f32], b: &[T]) -> f32 {
+    let mut acc = 0.0f32;
+    for (x, y) in a.iter().zip(b) {
+        acc += x * y.to_f32();
+    }
+    acc
+}
+
+/// QJL encoding of keys `k` (`n * d`) with the sketch `s` (`m * d`, row
+/// major): `signs` gets the packed bits `S k ≥ 0` (`n * ceil(m / 8)`),
+/// `norms` the float16 `‖k‖` (float32 sum of squares in order).
+pub fn qjl_encode<T: Float>(k: &[T], n: usize, d: usize, sketch: &[f32], m: usize, signs: &mut [u8], norms: &mut [f16]) {
+    assert_eq!(k.len(), n * d, "k length");
+    assert_eq!(sketch.len(), m * d, "sketch length");
+    assert_eq!(norms.len(), n, "norms length");
+    pack_rows(signs, n, m, 1, |r, bits| {
+        let key = &k[r * d..(r + 1) * d];
+        for (b, row) in bits.iter_mut().zip(sketch.chunks_exact(d)) {
+            *b = u8::from(dot_f32(row, key) >= 0.0);
+        }
+    });
+    for (o, key) in norms.iter_mut().zip(k.chunks_exact(d.max(1))) {
+        let mut acc = 0.0f32;
+        for v in key {
+            acc += v.to_f32() * v.to_f32();
+        }
+        *o = f16::from_f32(acc.sqrt());
+    }
+}
+
+/// QJL scores of `nq` queries `q` (`nq * d`) against `n` encoded keys:
+/// `out[i * n + t] = (√(π/2)/m · ‖k_t‖) · Σ_r ±(S q_i)_r`, the sign from bit
+/// `r` of key `t`, summed in order of `r`.
+#[allow(clippy::too_many_arguments)]
+pub fn qjl_score<T: Float>(
+    q: &[T],
+    nq: usize,
+    d: usize,
+    sketch: &[f32],
+    m: usize,
+    signs: &[u8],
+    norms: &[f16],
+    n: usize,
+    out: &mut [f32],
+) {
+    assert_eq!(q.len(), nq * d, "q length");
+    assert_eq!(out.len(), nq * n, "scores length");
+    let nbytes = packed_len(m, 1);
+    assert_eq!(signs.len(), n * nbytes, "signs length");
+    let sq: Vec<f32> = (0..nq)
+        .flat_map(|i| sketch.chunks_exact(d).map(move |row| dot_f32(row, &q[i * d..(i + 1) * d])))
+        .collect();
+    let scale = std::f32::consts::FRAC_PI_2.sqrt() / m as f32;
+    super::for_each_chunk(out, 1, 4096, |first, chunk| {
+        for (o, idx) in chunk.iter_mut().zip(first..) {
+            let (i, t) = (idx / n, idx % n);
+            let s = &signs[t * nbytes..(t + 1) * nbytes];
+            let mut acc = 0.0f32;
+            for (r, &v) in sq[i * m..(i + 1) * m].iter().enumerate() {
+                acc += if s[r / 8] >> (r % 8) & 1 != 0 { v } else { -v };
+            }
+            *o = scale * norms[t].to_f32() * acc;
+        }
+    });
+}
+
+// --------------------------------------------------------------------- PQ
+
+/// Index of the entry of `codebook` (`k * s`) nearest to `v`, with
+/// `vq_quantize`'s arithmetic (ties to the lowest index).
+#[inline(always)]
+fn nearest<T: VqElement>(v: &[T], codebook: &[f32], s: usize) -> u8 {
+    let mut best = f32::INFINITY;
+    let mut best_i = 0u8;
+    for (c, entry) in codebook.chunks_exact(s).enumerate() {
+        let mut acc = 0.0f32;
+        for (a, &b) in v.iter().zip(entry) {
+            let diff = a.to_f32() - b;
+            acc += diff * diff;
+        }
+        if acc < best {
+            best = acc;
+            best_i = c as u8;
+        }
+    }
+    best_i
+}
+
+/// Product quantization of `x` (`n * d`): each of the `d / s` sub-vectors of
+/// `s` elements is replaced by the index of its nearest entry of `codebook`
+/// (`k * s`, `k ≤ 2^bits`), packed along the row (`n * packed_len(d / s, bits)`).
+pub fn pq_encode<T: Float>(x: &[T], n: usize, d: usize, codebook: &[f32], s: usize, bits: u32, out: &mut [u8]) {
+    assert_eq!(x.len(), n * d, "x length");
+    assert!(s > 0 && d % s == 0 && codebook.len() % s == 0, "sub-vector size");
+    assert!(codebook.len() / s <= 1 << bits && !codebook.is_empty(), "codebook size");
+    let per = d / s;
+    pack_rows(out, n, per, bits, |r, codes| {
+        for (p, c) in codes.iter_mut().enumerate() {
+            *c = nearest(&x[r * d + p * s..r * d + (p + 1) * s], codebook, s);
+        }
+    });
+}
+
+/// The codebook entries of packed PQ codes, as `T` (`n * d`).
+pub fn pq_decode<T: Float>(packed: &[u8], n: usize, d: usize, codebook: &[f32], s: usize, bits: u32, out: &mut [T]) {
+    assert_eq!(out.len(), n * d, "out length");
+    let k = codebook.len() / s;
+    unpack_rows(packed, n, d / s, bits, out, |_, codes, o| {
+        for (p, &c) in codes.iter().enumerate() {
+            // A code past the codebook (corrupt input) reads entry 0, as the GPU bodies do.
+            let c = if (c as usize) < k { c as usize } else { 0 };
+            for (v, &e) in o[p * s..(p + 1) * s].iter_mut().zip(&codebook[c * s..(c + 1) * s]) {
+                *v = T::from_f32(e);
+            }
+        }
+    });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn scalar_round_trip_and_boundaries_go_down() {
+        let cb = [-1.0f32, 0.0, 0.5, 2.0];
+        let x = [-5.0f32, -0.5, -0.4, 0.25, 1.2, 1.25, 9.0];
+        let mut p = vec![0u8; packed_len(7, 2)];
+        scalar_quantize(&x, 1, 7, &cb, 2, &mut p);
+        let mut back = vec![0.0f32; 7];
+        scalar_dequantize(&p, 1, 7, &cb, 2, &mut back);
+        assert_eq!(back, [-1.0, -1.0, 0.0, 0.0, 0.5, 0.5, 2.0]);
+    }
+
+    #[test]
+    fn qjl_signs_and_score() {
+        // S = I (m = d = 2): signs of k, score = √(π/2)/2 · ‖k‖ · (±q0 ± q1).
+        let s = [1.0f32, 0.0, 0.0, 1.0];
+        let k = [3.0f32, -4.0];
+        let (mut signs, mut norms) = (vec![0u8; 1], vec![f16::ZERO; 1]);
+        qjl_encode(&k, 1, 2, &s, 2, &mut signs, &mut norms);
+        assert_eq!((signs[0], norms[0].to_f32()), (1, 5.0));
+        let mut out = [0.0f32];
+        qjl_score(&[1.0f32, -1.0], 1, 2, &s, 2, &signs, &norms, 1, &mut out);
+        let want = std::f32::consts::FRAC_PI_2.sqrt() / 2.0 * 5.0 * 2.0;
+        assert!((out[0] - want).abs() < 1e-5, "{}", out[0]);
+    }
+}

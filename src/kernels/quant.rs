@@ -1,0 +1,849 @@
+//! The quantizer kernels: scalar codebook, KIVI, QJL and product
+//! quantization, each fused with bit packing (contracts in docs/KERNELS.md).
+//!
+//! Every function checks its arguments, then builds one of the four
+//! implementations lazily on the stream. Element types are float32, float16
+//! and bfloat16; codebooks and sketches are float32; scales, zeros and norms
+//! float16; codes uint8 in `bit_pack`'s layout.
+
+use half::{bf16, f16};
+
+use super::bitpack::{pack_reference, unpack_reference};
+use super::gpu::{self, Launch, TemplateArg};
+use super::{cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, THREADGROUP};
+use crate::array::Array;
+use crate::cpu;
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::stream::Stream;
+
+const SCALAR_Q: KernelSpec = KernelSpec { name: "scalar_quantize", gpu: Some(Source::ScalarQuantize), cpu: true };
+const SCALAR_DQ: KernelSpec = KernelSpec { name: "scalar_dequantize", gpu: Some(Source::ScalarDequantize), cpu: true };
+const KIVI_Q: KernelSpec = KernelSpec { name: "kivi_quantize", gpu: Some(Source::KiviQuantize), cpu: true };
+const KIVI_DQ: KernelSpec = KernelSpec { name: "kivi_dequantize", gpu: Some(Source::KiviDequantize), cpu: true };
+const QJL_ENC: KernelSpec = KernelSpec { name: "qjl_encode", gpu: Some(Source::QjlEncode), cpu: true };
+const QJL_SCORE: KernelSpec = KernelSpec { name: "qjl_score", gpu: Some(Source::QjlScore), cpu: true };
+const PQ_ENC: KernelSpec = KernelSpec { name: "pq_encode", gpu: Some(Source::PqEncode), cpu: true };
+const PQ_DEC: KernelSpec = KernelSpec { name: "pq_decode", gpu: Some(Source::PqDecode), cpu: true };
+
+/// Sub-vector sizes of the product-quantization kernels.
+pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
+/// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
+/// larger requests run the reference graph under `auto`.
+pub const QJL_SCORE_MAX_QM: usize = 4096;
+
+/// How KIVI groups elements for one (scale, zero) pair.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum KiviMode {
+    /// Per channel over `group` consecutive rows (tokens); scales `[ceil(N/G), D]`.
+    Keys,
+    /// Per row over `group` consecutive channels (a multiple of 8 dividing D); scales `[N, D/G]`.
+    Values,
+}
+
+/// Runs `$body` with `$T` bound to the Rust type of a float dtype.
+macro_rules! by_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
+        match $dtype {
+            Dtype::F32 => {
+                type $T = f32;
+                $body
+            }
+            Dtype::F16 => {
+                type $T = f16;
+                $body
+            }
+            _ => {
+                type $T = bf16;
+                $body
+            }
+        }
+    };
+}
+
+const FLOATS: &str = "float32, float16 or bfloat16";
+
+fn check_float(argument: &'static str, a: &Array) -> Result<()> {
+    if matches!(a.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        Ok(())
+    } else {
+        Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: FLOATS.into() })
+    }
+}
+
+fn check_dtype(argument: &'static str, a: &Array, want: Dtype) -> Result<()> {
+    if a.dtype() == want {
+        Ok(())
+    } else {
+        Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: want.to_string() })
+    }
+}
+
+fn check_out_dtype(dtype: Dtype) -> Result<()> {
+    if matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        Ok(())
+    } else {
+        Err(Error::Dtype { argument: "dtype", found: dtype.to_string(), expected: FLOATS.into() })
+    }
+}
+
+fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
+    if cpu::SUPPORTED_BITS.contains(&bits) {
+        Ok(())
+    } else {
+        Err(Error::invalid(argument, format!("{bits} is not supported; use one of {:?}", cpu::SUPPORTED_BITS)))
+    }
+}
+
+fn to_i32(argument: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31")))
+}
+
+/// `(rows, last)` of an array of at least one dimension.
+fn rows_last(argument: &'static str, a: &Array) -> Result<(usize, usize)> {
+    if a.ndim() == 0 {
+        return Err(Error::invalid(argument, "must have at least one dimension"));
+    }
+    let s = a.shape();
+    Ok((s[..s.len() - 1].iter().map(|&v| v as usize).product(), *s.last().expect("ndim >= 1") as usize))
+}
+
+/// A 2-D `[rows, n]` argument.
+fn matrix(argument: &'static str, a: &Array) -> Result<(usize, usize)> {
+    let s = a.shape();
+    if s.len() != 2 {
+        return Err(Error::invalid(argument, format!("shape {s:?} must be 2-D")));
+    }
+    Ok((s[0] as usize, s[1] as usize))
+}
+
+/// `shape[:-1] + [last]`.
+fn with_last(shape: &[i32], last: usize) -> Result<Vec<i32>> {
+    let mut s = shape.to_vec();
+    *s.last_mut().expect("ndim >= 1") = to_i32("shape", last)?;
+    Ok(s)
+}
+
+fn f32_scalar(v: f32) -> Result<Array> {
+    Array::scalar_f32(v)
+}
+
+/// Rows per chunk of a reference graph that materialises `[chunk, per_row]`.
+fn chunk_rows(per_row: usize) -> usize {
+    ((1usize << 24) / per_row.max(1)).max(1)
+}
+
+/// `f` over chunks of rows of `x` `[n, ...]`, concatenated.
+fn chunked(x: &Array, n: usize, per_row: usize, s: &Stream, f: impl Fn(&Array) -> Result<Array>) -> Result<Array> {
+    let chunk = chunk_rows(per_row);
+    if n <= chunk {
+        return f(x);
+    }
+    let shape = x.shape();
+    let mut parts = Vec::new();
+    for start in (0..n).step_by(chunk) {
+        let mut lo = vec![0i32; shape.len()];
+        let mut hi = shape.clone();
+        lo[0] = start as i32;
+        hi[0] = (start + chunk).min(n) as i32;
+        parts.push(f(&ops::slice(x, &lo, &hi, s)?)?);
+    }
+    ops::concatenate(&parts, 0, s)
+}
+
+/// A one-thread-per-item GPU launch with a single output.
+fn launch_gpu(
+    source: Source,
+    inputs: &[&Array],
+    outputs: &[(Vec<i32>, Dtype)],
+    items: (&'static str, usize),
+    template: &[(&'static str, TemplateArg)],
+    s: &Stream,
+) -> Result<Vec<Array>> {
+    let (grid, threadgroup) = grid_1d(items.0, items.1)?;
+    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template }, s)
+}
+
+// ------------------------------------------------------------ scalar codebook
+
+fn check_codebook_1d(codebook: &Array, bits: u32) -> Result<()> {
+    check_dtype("codebook", codebook, Dtype::F32)?;
+    let cs = codebook.shape();
+    if cs != [1 << bits] {
+        return Err(Error::invalid("codebook", format!("shape {cs:?} must be [{}] for {bits} bits", 1 << bits)));
+    }
+    Ok(())
+}
+
+/// Quantizes each element of `x` `[..., D]` to the nearest entry of the sorted
+/// float32 `codebook` `[2^bits]` (a value on a decision boundary goes to the
+/// lower entry) and packs the codes along the last axis: uint8
+/// `[..., ceil(D * bits / 8)]`, `bit_pack`'s layout.
+pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Result<Array> {
+    check_float("x", x)?;
+    check_bits("bits", bits)?;
+    check_codebook_1d(codebook, bits)?;
+    let (n, d) = rows_last("x", x)?;
+    let stream = opts.resolve_stream()?;
+    let imp = select(&SCALAR_Q, opts.policy, &stream)?;
+    let nbytes = cpu::packed_len(d, bits);
+    let out_shape = with_last(&x.shape(), nbytes)?;
+    if n * d == 0 {
+        return ops::zeros(&out_shape, Dtype::U8, &stream);
+    }
+    let (ni, di) = (to_i32("x", n)?, to_i32("x", d)?);
+    let flat = ops::reshape(x, &[ni, di], &stream)?;
+    let out = vec![(vec![ni, nbytes as i32], Dtype::U8)];
+    let packed = match imp {
+        Implementation::Reference => {
+            let cb = codebook;
+            let k = 1i32 << bits;
+            let lo = ops::slice(cb, &[0], &[k - 1], &stream)?;
+            let hi = ops::slice(cb, &[1], &[k], &stream)?;
+            let bounds = ops::multiply(&ops::add(&lo, &hi, &stream)?, &f32_scalar(0.5)?, &stream)?;
+            let xf = ops::astype(&flat, Dtype::F32, &stream)?;
+            let codes = chunked(&xf, n, d * (k as usize - 1), &stream, |rows| {
+                let above = ops::greater(&ops::expand_dims(rows, -1, &stream)?, &bounds, &stream)?;
+                ops::astype(&ops::sum_axis(&above, -1, false, &stream)?, Dtype::U8, &stream)
+            })?;
+            pack_reference(&codes, n, d, bits, &stream)?
+        }
+        Implementation::Cpu => {
+            let dtype = x.dtype();
+            cpu_primitive::apply(
+                "veloxquant_scalar_quantize",
+                &[&flat, codebook],
+                &out,
+                &stream,
+                Box::new(move |ins, outs| {
+                    let cb = ins[1].as_slice::<f32>()?;
+                    let o = outs[0].as_mut_slice::<u8>()?;
+                    by_dtype!(dtype, T => cpu::scalar_quantize(ins[0].as_slice::<T>()?, n, d, cb, bits, o));
+                    Ok(())
+                }),
+            )?
+            .remove(0)
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("x", &[n, d, nbytes])?;
+            launch_gpu(
+                Source::ScalarQuantize,
+                &[&flat, codebook, &p],
+                &out,
+                ("x", n * d.div_ceil(8)),
+                &[("T", TemplateArg::Dtype(x.dtype())), ("B_BITS", TemplateArg::Int(bits as i32))],
+                &stream,
+            )?
+            .remove(0)
+        }
+    };
+    ops::reshape(&packed, &out_shape, &stream)
+}
+
+/// Inverse of [`scalar_quantize`]: `codebook[code]` for the `d` packed codes
+/// of each row of `packed` `[..., ceil(d * bits / 8)]`, as `dtype` `[..., d]`.
+pub fn scalar_dequantize(
+    packed: &Array,
+    codebook: &Array,
+    bits: u32,
+    d: usize,
+    dtype: Dtype,
+    opts: &Options,
+) -> Result<Array> {
+    check_dtype("packed", packed, Dtype::U8)?;
+    check_bits("bits", bits)?;
+    check_codebook_1d(codebook, bits)?;
+    check_out_dtype(dtype)?;
+    let (n, nbytes) = rows_last("packed", packed)?;
+    if cpu::packed_len(d, bits) != nbytes {
+        return Err(Error::invalid(
+            "packed",
+            format!("last dimension is {nbytes} bytes, but {d} codes of {bits} bits take {}", cpu::packed_len(d, bits)),
+        ));
+    }
+    let stream = opts.resolve_stream()?;
+    let imp = select(&SCALAR_DQ, opts.policy, &stream)?;
+    let out_shape = with_last(&packed.shape(), d)?;
+    if n * d == 0 {
+        return ops::zeros(&out_shape, dtype, &stream);
+    }
+    let (ni, di) = (to_i32("packed", n)?, to_i32("d", d)?);
+    let flat = ops::reshape(packed, &[ni, nbytes as i32], &stream)?;
+    let out = vec![(vec![ni, di], dtype)];
+    let y = match imp {
+        Implementation::Reference => {
+            let codes = ops::astype(&unpack_reference(&flat, n, d, bits, &stream)?, Dtype::U32, &stream)?;
+            ops::astype(&ops::take(codebook, &codes, &stream)?, dtype, &stream)?
+        }
+        Implementation::Cpu => cpu_primitive::apply(
+            "veloxquant_scalar_dequantize",
+            &[&flat, codebook],
+            &out,
+            &stream,
+            Box::new(move |ins, outs| {
+                let (p, cb) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<f32>()?);
+                by_dtype!(dtype, T => cpu::scalar_dequantize(p, n, d, cb, bits, outs[0].as_mut_slice::<T>()?));
+                Ok(())
+            }),
+        )?
+        .remove(0),
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("packed", &[n, d, nbytes])?;
+            launch_gpu(
+                Source::ScalarDequantize,
+                &[&flat, codebook, &p],
+                &out,
+                ("packed", n * d.div_ceil(8)),
+                &[("T", TemplateArg::Dtype(dtype)), ("B_BITS", TemplateArg::Int(bits as i32))],
+                &stream,
+            )?
+            .remove(0)
+        }
+    };
+    ops::reshape(&y, &out_shape, &stream)
+}
+
+// ------------------------------------------------------------------- KIVI
+
+fn check_kivi_group(mode: KiviMode, group: usize, d: usize) -> Result<()> {
+    if group == 0 {
+        return Err(Error::invalid("group", "must be positive"));
+    }
+    if mode == KiviMode::Values && (group % 8 != 0 || d % group != 0) {
+        return Err(Error::invalid(
+            "group",
+            format!("{group} channels must be a multiple of 8 that divides the vector size {d}"),
+        ));
+    }
+    Ok(())
+}
+
+/// The shape of KIVI's scales and zeros for `n` rows of `d`.
+pub fn kivi_params_shape(mode: KiviMode, n: usize, d: usize, group: usize) -> [usize; 2] {
+    match mode {
+        KiviMode::Keys => [n.div_ceil(group), d],
+        KiviMode::Values => [n, d / group],
+    }
+}
+
+/// KIVI group quantization of `x` `[N, D]`: returns (codes uint8
+/// `[N, ceil(D * bits / 8)]`, scales float16, zeros float16), the scales and
+/// zeros `[ceil(N/G), D]` for [`KiviMode::Keys`] and `[N, D/G]` for
+/// [`KiviMode::Values`]. `scale = f16((max − min)/(2^b − 1))`, `zero = f16(min)`,
+/// `code = round((x − zero)/scale)` clamped (0 where scale is 0), as
+/// `crate::quant::kivi`. A group whose scale or minimum does not fit in
+/// float16 stores infinity.
+pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &Options) -> Result<(Array, Array, Array)> {
+    check_float("x", x)?;
+    check_bits("bits", bits)?;
+    let (n, d) = matrix("x", x)?;
+    check_kivi_group(mode, group, d)?;
+    let stream = opts.resolve_stream()?;
+    let imp = select(&KIVI_Q, opts.policy, &stream)?;
+    let nbytes = cpu::packed_len(d, bits);
+    let [pr, pc] = kivi_params_shape(mode, n, d, group);
+    let (ni, pri, pci) = (to_i32("x", n)?, to_i32("x", pr)?, to_i32("x", pc)?);
+    let outs = vec![(vec![ni, nbytes as i32], Dtype::U8), (vec![pri, pci], Dtype::F16), (vec![pri, pci], Dtype::F16)];
+    if n * d == 0 {
+        let z = |(sh, dt): &(Vec<i32>, Dtype)| ops::zeros(sh, *dt, &stream);
+        return Ok((z(&outs[0])?, z(&outs[1])?, z(&outs[2])?));
+    }
+    let per_channel = mode == KiviMode::Keys;
+    let mut r = match imp {
+        Implementation::Reference => kivi_q_reference(x, n, d, bits, group, mode, &stream)?,
+        Implementation::Cpu => {
+            let dtype = x.dtype();
+            cpu_primitive::apply(
+                "veloxquant_kivi_quantize",
+                &[x],
+                &outs,
+                &stream,
+                Box::new(move |ins, outs| {
+                    let [c, s, z] = outs else { return Err("three outputs".into()) };
+                    let (c, s, z) = (c.as_mut_slice::<u8>()?, s.as_mut_slice::<f16>()?, z.as_mut_slice::<f16>()?);
+                    by_dtype!(dtype, T => cpu::kivi_quantize(ins[0].as_slice::<T>()?, n, d, bits, group, per_channel, c, s, z));
+                    Ok(())
+                }),
+            )?
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("x", &[n, d, nbytes, group])?;
+            let items = match mode {
+                KiviMode::Keys => n.div_ceil(group) * d.div_ceil(8),
+                KiviMode::Values => n * (d / group),
+            };
+            launch_gpu(
+                Source::KiviQuantize,
+                &[x, &p],
+                &outs,
+                ("x", items),
+                &[
+                    ("T", TemplateArg::Dtype(x.dtype())),
+                    ("B_BITS", TemplateArg::Int(bits as i32)),
+                    ("PER_CHANNEL", TemplateArg::Bool(per_channel)),
+                ],
+                &stream,
+            )?
+        }
+    };
+    let zeros = r.pop().expect("three outputs");
+    let scales = r.pop().expect("three outputs");
+    Ok((r.pop().expect("three outputs"), scales, zeros))
+}
+
+/// Reference graph of KIVI quantization: min/max reductions, the float16
+/// rounding of scale and zero, round/clip, then the bit-pack graph.
+fn kivi_q_reference(
+    x: &Array,
+    n: usize,
+    d: usize,
+    bits: u32,
+    group: usize,
+    mode: KiviMode,
+    s: &Stream,
+) -> Result<Vec<Array>> {
+    let xf = ops::astype(x, Dtype::F32, s)?;
+    let levels = f32_scalar(((1u32 << bits) - 1) as f32)?;
+    let f16_round = |a: &Array| -> Result<Array> { ops::astype(&ops::astype(a, Dtype::F16, s)?, Dtype::F32, s) };
+    // Grouped view: keys [Gr, G, D] (rows padded by repeating the group's
+    // first row, which leaves min and max unchanged), values [N, D/G, G].
+    let (grouped, axis) = match mode {
+        KiviMode::Keys => {
+            let gr = n.div_ceil(group);
+            let pad = gr * group - n;
+            let full = if pad == 0 {
+                xf.clone()
+            } else {
+                let last0 = ((gr - 1) * group) as i32;
+                let first = ops::slice(&xf, &[last0, 0], &[last0 + 1, d as i32], s)?;
+                let fill = ops::add(&ops::zeros(&[pad as i32, d as i32], Dtype::F32, s)?, &first, s)?;
+                ops::concatenate(&[xf.clone(), fill], 0, s)?
+            };
+            (ops::reshape(&full, &[gr as i32, group as i32, d as i32], s)?, 1)
+        }
+        KiviMode::Values => (ops::reshape(&xf, &[n as i32, (d / group) as i32, group as i32], s)?, 2),
+    };
+    let lo = ops::min_axis(&grouped, axis, true, s)?;
+    let hi = ops::max_axis(&grouped, axis, true, s)?;
+    let scale = f16_round(&ops::divide(&ops::subtract(&hi, &lo, s)?, &levels, s)?)?;
+    let zero = f16_round(&lo)?;
+    let q = ops::divide(&ops::subtract(&grouped, &zero, s)?, &scale, s)?;
+    let q = ops::minimum(&ops::maximum(&ops::round(&q, s)?, &f32_scalar(0.0)?, s)?, &levels, s)?;
+    let positive = ops::greater(&scale, &f32_scalar(0.0)?, s)?;
+    let q = ops::where_(&positive, &q, &f32_scalar(0.0)?, s)?;
+    let codes = ops::astype(&q, Dtype::U8, s)?;
+    let codes = match mode {
+        KiviMode::Keys => {
+            let all = ops::reshape(&codes, &[(n.div_ceil(group) * group) as i32, d as i32], s)?;
+            ops::slice(&all, &[0, 0], &[n as i32, d as i32], s)?
+        }
+        KiviMode::Values => ops::reshape(&codes, &[n as i32, d as i32], s)?,
+    };
+    let [pr, pc] = kivi_params_shape(mode, n, d, group);
+    let shape = [pr as i32, pc as i32];
+    let out = |a: &Array| -> Result<Array> { ops::reshape(&ops::astype(a, Dtype::F16, s)?, &shape, s) };
+    Ok(vec![pack_reference(&codes, n, d, bits, s)?, out(&scale)?, out(&zero)?])
+}
+
+/// Inverse of [`kivi_quantize`]: `zero + scale * code` as `dtype` `[N, d]`.
+#[allow(clippy::too_many_arguments)]
+pub fn kivi_dequantize(
+    packed: &Array,
+    scales: &Array,
+    zeros: &Array,
+    bits: u32,
+    group: usize,
+    mode: KiviMode,
+    d: usize,
+    dtype: Dtype,
+    opts: &Options,
+) -> Result<Array> {
+    check_dtype("packed", packed, Dtype::U8)?;
+    check_dtype("scales", scales, Dtype::F16)?;
+    check_dtype("zeros", zeros, Dtype::F16)?;
+    check_bits("bits", bits)?;
+    check_out_dtype(dtype)?;
+    let (n, nbytes) = matrix("packed", packed)?;
+    if cpu::packed_len(d, bits) != nbytes {
+        return Err(Error::invalid("packed", format!("{nbytes} bytes per row do not hold {d} codes of {bits} bits")));
+    }
+    check_kivi_group(mode, group, d)?;
+    let want = kivi_params_shape(mode, n, d, group);
+    for (name, a) in [("scales", scales), ("zeros", zeros)] {
+        let sh = a.shape();
+        if sh.len() != 2 || sh[0] as usize != want[0] || sh[1] as usize != want[1] {
+            return Err(Error::invalid(name, format!("shape {sh:?} must be {want:?}")));
+        }
+    }
+    let stream = opts.resolve_stream()?;
+    let imp = select(&KIVI_DQ, opts.policy, &stream)?;
+    let (ni, di) = (to_i32("packed", n)?, to_i32("d", d)?);
+    if n * d == 0 {
+        return ops::zeros(&[ni, di], dtype, &stream);
+    }
+    let out = vec![(vec![ni, di], dtype)];
+    let per_channel = mode == KiviMode::Keys;
+    Ok(match imp {
+        Implementation::Reference => {
+            let codes = ops::astype(&unpack_reference(packed, n, d, bits, &stream)?, Dtype::F32, &stream)?;
+            let sf = ops::astype(scales, Dtype::F32, &stream)?;
+            let zf = ops::astype(zeros, Dtype::F32, &stream)?;
+            let y = match mode {
+                KiviMode::Keys => {
+                    let gr = n.div_ceil(group);
+                    let pad = (gr * group - n) as i32;
+                    let c = ops::pad_zeros(&codes, &[0], &[0], &[pad], &stream)?;
+                    let c = ops::reshape(&c, &[gr as i32, group as i32, di], &stream)?;
+                    let sf = ops::expand_dims(&sf, 1, &stream)?;
+                    let zf = ops::expand_dims(&zf, 1, &stream)?;
+                    let y = ops::add(&zf, &ops::multiply(&sf, &c, &stream)?, &stream)?;
+                    let y = ops::reshape(&y, &[(gr * group) as i32, di], &stream)?;
+                    ops::slice(&y, &[0, 0], &[ni, di], &stream)?
+                }
+                KiviMode::Values => {
+                    let c = ops::reshape(&codes, &[ni, (d / group) as i32, group as i32], &stream)?;
+                    let sf = ops::expand_dims(&sf, -1, &stream)?;
+                    let zf = ops::expand_dims(&zf, -1, &stream)?;
+                    let y = ops::add(&zf, &ops::multiply(&sf, &c, &stream)?, &stream)?;
+                    ops::reshape(&y, &[ni, di], &stream)?
+                }
+            };
+            ops::astype(&y, dtype, &stream)?
+        }
+        Implementation::Cpu => cpu_primitive::apply(
+            "veloxquant_kivi_dequantize",
+            &[packed, scales, zeros],
+            &out,
+            &stream,
+            Box::new(move |ins, outs| {
+                let (c, sc, z) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<f16>()?, ins[2].as_slice::<f16>()?);
+                by_dtype!(dtype, T => cpu::kivi_dequantize(c, sc, z, n, d, bits, group, per_channel, outs[0].as_mut_slice::<T>()?));
+                Ok(())
+            }),
+        )?
+        .remove(0),
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("packed", &[n, d, nbytes, group])?;
+            launch_gpu(
+                Source::KiviDequantize,
+                &[packed, scales, zeros, &p],
+                &out,
+                ("packed", n * d.div_ceil(8)),
+                &[
+                    ("T", TemplateArg::Dtype(dtype)),
+                    ("B_BITS", TemplateArg::Int(bits as i32)),
+                    ("PER_CHANNEL", TemplateArg::Bool(per_channel)),
+                ],
+                &stream,
+            )?
+            .remove(0)
+        }
+    })
+}
+
+// -------------------------------------------------------------------- QJL
+
+fn check_sketch(sketch: &Array, d: usize) -> Result<usize> {
+    check_dtype("sketch", sketch, Dtype::F32)?;
+    let sh = sketch.shape();
+    if sh.len() != 2 || sh[1] as usize != d || sh[0] == 0 {
+        return Err(Error::invalid("sketch", format!("shape {sh:?} must be [m, {d}] with m >= 1")));
+    }
+    Ok(sh[0] as usize)
+}
+
+/// QJL encoding of keys `k` `[..., D]` with the float32 sketch `S` `[m, D]`:
+/// (signs uint8 `[..., ceil(m/8)]`, bit r set where `(S k)_r ≥ 0`; norms
+/// float16 `[...]`, `‖k‖`).
+pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, Array)> {
+    check_float("k", k)?;
+    let (n, d) = rows_last("k", k)?;
+    let m = check_sketch(sketch, d)?;
+    let stream = opts.resolve_stream()?;
+    let imp = select(&QJL_ENC, opts.policy, &stream)?;
+    let nbytes = cpu::packed_len(m, 1);
+    let shape = k.shape();
+    let signs_shape = with_last(&shape, nbytes)?;
+    let norms_shape = shape[..shape.len() - 1].to_vec();
+    if n == 0 || d == 0 {
+        let norms = ops::zeros(&norms_shape, Dtype::F16, &stream)?;
+        if n == 0 {
+            return Ok((ops::zeros(&signs_shape, Dtype::U8, &stream)?, norms));
+        }
+        // Zero-length keys: every (S k)_r is 0, so every sign bit is set.
+        let ones = ops::add(&ops::zeros(&[to_i32("k", n)?, m as i32], Dtype::U8, &stream)?, &ops::astype(&f32_scalar(1.0)?, Dtype::U8, &stream)?, &stream)?;
+        let signs = pack_reference(&ones, n, m, 1, &stream)?;
+        return Ok((ops::reshape(&signs, &signs_shape, &stream)?, norms));
+    }
+    let (ni, di) = (to_i32("k", n)?, to_i32("k", d)?);
+    let flat = ops::reshape(k, &[ni, di], &stream)?;
+    let outs = vec![(vec![ni, nbytes as i32], Dtype::U8), (vec![ni], Dtype::F16)];
+    let mut r = match imp {
+        Implementation::Reference => {
+            let kf = ops::astype(&flat, Dtype::F32, &stream)?;
+            let proj = ops::matmul(&kf, &ops::transpose(sketch, &[1, 0], &stream)?, &stream)?;
+            let bits = ops::astype(&ops::greater_equal(&proj, &f32_scalar(0.0)?, &stream)?, Dtype::U8, &stream)?;
+            let norms = ops::sqrt(&ops::sum_axis(&ops::square(&kf, &stream)?, -1, false, &stream)?, &stream)?;
+            vec![pack_reference(&bits, n, m, 1, &stream)?, ops::astype(&norms, Dtype::F16, &stream)?]
+        }
+        Implementation::Cpu => {
+            let dtype = k.dtype();
+            cpu_primitive::apply(
+                "veloxquant_qjl_encode",
+                &[&flat, sketch],
+                &outs,
+                &stream,
+                Box::new(move |ins, outs| {
+                    let [sg, nm] = outs else { return Err("two outputs".into()) };
+                    let (sg, nm) = (sg.as_mut_slice::<u8>()?, nm.as_mut_slice::<f16>()?);
+                    let s = ins[1].as_slice::<f32>()?;
+                    by_dtype!(dtype, T => cpu::qjl_encode(ins[0].as_slice::<T>()?, n, d, s, m, sg, nm));
+                    Ok(())
+                }),
+            )?
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("k", &[n, d, m, nbytes])?;
+            // 32 lanes per key; threadgroups stay a multiple of 32.
+            let threads = to_i32("k", n * 32)?;
+            gpu::launch(
+                &Launch {
+                    source: Source::QjlEncode,
+                    inputs: &[&flat, sketch, &p],
+                    outputs: &outs,
+                    grid: (threads, 1, 1),
+                    threadgroup: (THREADGROUP.min(threads), 1, 1),
+                    template: &[("T", TemplateArg::Dtype(k.dtype()))],
+                },
+                &stream,
+            )?
+        }
+    };
+    let norms = r.pop().expect("two outputs");
+    let signs = r.pop().expect("two outputs");
+    Ok((ops::reshape(&signs, &signs_shape, &stream)?, ops::reshape(&norms, &norms_shape, &stream)?))
+}
+
+/// QJL inner-product estimates of queries `q` `[Q, D]` against `N` encoded
+/// keys (`signs` uint8 `[N, ceil(m/8)]`, `norms` float16 `[N]`, from
+/// [`qjl_encode`] with the same `sketch` `[m, D]`): float32 `[Q, N]`,
+/// `√(π/2)/m · ‖k‖ · ⟨S q, sign(S k)⟩`.
+pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: &Options) -> Result<Array> {
+    check_float("q", q)?;
+    let (nq, d) = matrix("q", q)?;
+    let m = check_sketch(sketch, d)?;
+    check_dtype("signs", signs, Dtype::U8)?;
+    check_dtype("norms", norms, Dtype::F16)?;
+    let nbytes = cpu::packed_len(m, 1);
+    let (n, sb) = matrix("signs", signs)?;
+    if sb != nbytes {
+        return Err(Error::invalid("signs", format!("{sb} bytes per key, but a sketch of {m} rows gives {nbytes}")));
+    }
+    if norms.shape() != [n as i32] {
+        return Err(Error::invalid("norms", format!("shape {:?} must be [{n}] (one per key)", norms.shape())));
+    }
+    let stream = opts.resolve_stream()?;
+    let fits = nq * m <= QJL_SCORE_MAX_QM;
+    let policy = if fits || opts.policy == Policy::Off {
+        opts.policy
+    } else if opts.policy == Policy::Require {
+        return Err(Error::invalid("q", format!("{nq} queries x {m} sketch rows exceed the fused kernel's {QJL_SCORE_MAX_QM}")));
+    } else {
+        Policy::Off
+    };
+    let imp = select(&QJL_SCORE, policy, &stream)?;
+    let (nqi, ni) = (to_i32("q", nq)?, to_i32("signs", n)?);
+    if nq * n == 0 {
+        return ops::zeros(&[nqi, ni], Dtype::F32, &stream);
+    }
+    let out = vec![(vec![nqi, ni], Dtype::F32)];
+    Ok(match imp {
+        Implementation::Reference => {
+            let qf = ops::astype(q, Dtype::F32, &stream)?;
+            let sq = ops::matmul(&qf, &ops::transpose(sketch, &[1, 0], &stream)?, &stream)?;
+            let bits = ops::astype(&unpack_reference(signs, n, m, 1, &stream)?, Dtype::F32, &stream)?;
+            let z = ops::subtract(&ops::multiply(&bits, &f32_scalar(2.0)?, &stream)?, &f32_scalar(1.0)?, &stream)?;
+            let dots = ops::matmul(&sq, &ops::transpose(&z, &[1, 0], &stream)?, &stream)?;
+            let scale = f32_scalar(std::f32::consts::FRAC_PI_2.sqrt() / m as f32)?;
+            let w = ops::multiply(&ops::astype(norms, Dtype::F32, &stream)?, &scale, &stream)?;
+            ops::multiply(&dots, &w, &stream)?
+        }
+        Implementation::Cpu => {
+            let dtype = q.dtype();
+            cpu_primitive::apply(
+                "veloxquant_qjl_score",
+                &[q, sketch, signs, norms],
+                &out,
+                &stream,
+                Box::new(move |ins, outs| {
+                    let (s, sg, nm) = (ins[1].as_slice::<f32>()?, ins[2].as_slice::<u8>()?, ins[3].as_slice::<f16>()?);
+                    let o = outs[0].as_mut_slice::<f32>()?;
+                    by_dtype!(dtype, T => cpu::qjl_score(ins[0].as_slice::<T>()?, nq, d, s, m, sg, nm, n, o));
+                    Ok(())
+                }),
+            )?
+            .remove(0)
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("signs", &[n, d, m, nbytes, nq])?;
+            launch_gpu(
+                Source::QjlScore,
+                &[q, sketch, signs, norms, &p],
+                &out,
+                ("signs", n),
+                &[("T", TemplateArg::Dtype(q.dtype()))],
+                &stream,
+            )?
+            .remove(0)
+        }
+    })
+}
+
+// --------------------------------------------------------------------- PQ
+
+fn check_pq_codebook(codebook: &Array, bits: u32) -> Result<(usize, usize)> {
+    check_dtype("codebook", codebook, Dtype::F32)?;
+    let sh = codebook.shape();
+    let ok = sh.len() == 2 && PQ_SUB_DIMS.contains(&(sh[1] as usize)) && sh[0] >= 1 && sh[0] as usize <= 1 << bits;
+    if !ok {
+        return Err(Error::invalid(
+            "codebook",
+            format!("shape {sh:?} must be [K, s] with s in {PQ_SUB_DIMS:?} and 1 <= K <= 2^{bits}"),
+        ));
+    }
+    Ok((sh[0] as usize, sh[1] as usize))
+}
+
+/// Product quantization of `x` `[..., D]`: each of the `D/s` sub-vectors is
+/// replaced by the index of the nearest entry of `codebook` float32 `[K, s]`
+/// (`vq_quantize`'s arithmetic and ties), packed with `bits` bits (1, 2, 3,
+/// 4 or 8; `K ≤ 2^bits`): uint8 `[..., ceil(D/s · bits / 8)]`.
+pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Result<Array> {
+    check_float("x", x)?;
+    check_bits("bits", bits)?;
+    let (k, s) = check_pq_codebook(codebook, bits)?;
+    let (n, d) = rows_last("x", x)?;
+    if d % s != 0 {
+        return Err(Error::invalid("x", format!("vector size {d} is not a multiple of the sub-vector size {s}")));
+    }
+    let per = d / s;
+    let stream = opts.resolve_stream()?;
+    let imp = select(&PQ_ENC, opts.policy, &stream)?;
+    let nbytes = cpu::packed_len(per, bits);
+    let out_shape = with_last(&x.shape(), nbytes)?;
+    if n * d == 0 {
+        return ops::zeros(&out_shape, Dtype::U8, &stream);
+    }
+    let (ni, di) = (to_i32("x", n)?, to_i32("x", d)?);
+    let flat = ops::reshape(x, &[ni, di], &stream)?;
+    let out = vec![(vec![ni, nbytes as i32], Dtype::U8)];
+    let packed = match imp {
+        Implementation::Reference => {
+            let sub = ops::reshape(&ops::astype(&flat, Dtype::F32, &stream)?, &[to_i32("x", n * per)?, s as i32], &stream)?;
+            let idx = super::vq_quantize(&sub, codebook, &Options::on(stream.clone(), Policy::Off))?;
+            let codes = ops::reshape(&ops::astype(&idx, Dtype::U8, &stream)?, &[ni, per as i32], &stream)?;
+            pack_reference(&codes, n, per, bits, &stream)?
+        }
+        Implementation::Cpu => {
+            let dtype = x.dtype();
+            cpu_primitive::apply(
+                "veloxquant_pq_encode",
+                &[&flat, codebook],
+                &out,
+                &stream,
+                Box::new(move |ins, outs| {
+                    let (cb, o) = (ins[1].as_slice::<f32>()?, outs[0].as_mut_slice::<u8>()?);
+                    by_dtype!(dtype, T => cpu::pq_encode(ins[0].as_slice::<T>()?, n, d, cb, s, bits, o));
+                    Ok(())
+                }),
+            )?
+            .remove(0)
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("x", &[n, d, k, nbytes])?;
+            launch_gpu(
+                Source::PqEncode,
+                &[&flat, codebook, &p],
+                &out,
+                ("x", n * per.div_ceil(8)),
+                &[
+                    ("T", TemplateArg::Dtype(x.dtype())),
+                    ("S", TemplateArg::Int(s as i32)),
+                    ("C_BITS", TemplateArg::Int(bits as i32)),
+                ],
+                &stream,
+            )?
+            .remove(0)
+        }
+    };
+    ops::reshape(&packed, &out_shape, &stream)
+}
+
+/// Inverse of [`pq_encode`]: the codebook entries of the `d/s` packed codes of
+/// each row, as `dtype` `[..., d]`. A code past the codebook reads entry 0.
+pub fn pq_decode(packed: &Array, codebook: &Array, bits: u32, d: usize, dtype: Dtype, opts: &Options) -> Result<Array> {
+    check_dtype("packed", packed, Dtype::U8)?;
+    check_bits("bits", bits)?;
+    check_out_dtype(dtype)?;
+    let (k, s) = check_pq_codebook(codebook, bits)?;
+    if d % s != 0 {
+        return Err(Error::invalid("d", format!("{d} is not a multiple of the sub-vector size {s}")));
+    }
+    let per = d / s;
+    let (n, nbytes) = rows_last("packed", packed)?;
+    if cpu::packed_len(per, bits) != nbytes {
+        return Err(Error::invalid("packed", format!("{nbytes} bytes per row do not hold {per} codes of {bits} bits")));
+    }
+    let stream = opts.resolve_stream()?;
+    let imp = select(&PQ_DEC, opts.policy, &stream)?;
+    let out_shape = with_last(&packed.shape(), d)?;
+    if n * d == 0 {
+        return ops::zeros(&out_shape, dtype, &stream);
+    }
+    let (ni, di) = (to_i32("packed", n)?, to_i32("d", d)?);
+    let flat = ops::reshape(packed, &[ni, nbytes as i32], &stream)?;
+    let out = vec![(vec![ni, di], dtype)];
+    let y = match imp {
+        Implementation::Reference => {
+            let codes = ops::astype(&unpack_reference(&flat, n, per, bits, &stream)?, Dtype::U32, &stream)?;
+            let kk = ops::astype(&f32_scalar(k as f32)?, Dtype::U32, &stream)?;
+            let valid = ops::greater(&kk, &codes, &stream)?;
+            let codes = ops::where_(&valid, &codes, &ops::astype(&f32_scalar(0.0)?, Dtype::U32, &stream)?, &stream)?;
+            // Flat index of element e of entry c: c * s + e.
+            let base = ops::multiply(&ops::expand_dims(&codes, -1, &stream)?, &ops::astype(&f32_scalar(s as f32)?, Dtype::U32, &stream)?, &stream)?;
+            let idx = ops::add(&base, &ops::arange(0.0, s as f64, 1.0, Dtype::U32, &stream)?, &stream)?;
+            let y = ops::take(codebook, &ops::reshape(&idx, &[ni, di], &stream)?, &stream)?;
+            ops::astype(&y, dtype, &stream)?
+        }
+        Implementation::Cpu => cpu_primitive::apply(
+            "veloxquant_pq_decode",
+            &[&flat, codebook],
+            &out,
+            &stream,
+            Box::new(move |ins, outs| {
+                let (p, cb) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<f32>()?);
+                by_dtype!(dtype, T => cpu::pq_decode(p, n, d, cb, s, bits, outs[0].as_mut_slice::<T>()?));
+                Ok(())
+            }),
+        )?
+        .remove(0),
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("packed", &[n, d, k, nbytes])?;
+            launch_gpu(
+                Source::PqDecode,
+                &[&flat, codebook, &p],
+                &out,
+                ("packed", n * per.div_ceil(8)),
+                &[
+                    ("T", TemplateArg::Dtype(dtype)),
+                    ("S", TemplateArg::Int(s as i32)),
+                    ("C_BITS", TemplateArg::Int(bits as i32)),
+                ],
+                &stream,
+            )?
+            .remove(0)
+        }
+    };
+    ops::reshape(&y, &out_shape, &stream)
+}

@@ -1,0 +1,270 @@
+//! The quantizer Metal bodies on the emulator against the CPU kernels in
+//! `veloxquant::cpu` (which tests/quant_kernels_cpu.rs ties to
+//! `veloxquant::quant`): codes and signs byte for byte, decoded values
+//! exactly, norms and scores to float rounding. Grids are MLX's (threads, the
+//! last threadgroup partial) and, where noted, rounded up to whole
+//! threadgroups.
+
+mod metal_emulator;
+
+use half::{bf16, f16};
+use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::cpu::{self, Float};
+
+fn body(name: &str) -> String {
+    std::fs::read_to_string(metal_emulator::repo_root().join("metal").join(format!("{name}.metal"))).unwrap()
+}
+
+fn kernel(name: &str, inputs: &[&str], outputs: &[&str]) -> MetalKernel {
+    MetalKernel::new(name, inputs, outputs, &body(name))
+}
+
+fn data(seed: u64, len: usize, scale: f32) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len).map(|_| (rng.random::<f32>() - 0.5) * 3.4 * scale).collect()
+}
+
+fn conv<T: Float>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| T::from_f32(v)).collect()
+}
+
+fn grid(work: usize, tg: u32, round_up: bool) -> u32 {
+    if round_up {
+        (work as u32).div_ceil(tg) * tg
+    } else {
+        work as u32
+    }
+}
+
+/// A sorted codebook of 2^bits entries.
+fn codebook(bits: u32, seed: u64) -> Vec<f32> {
+    let mut c = data(seed, 1 << bits, 0.2);
+    c.sort_by(f32::total_cmp);
+    c
+}
+
+fn scalar<T: Float + Element>(n: usize, d: usize, bits: u32, tg: u32, round_up: bool) {
+    let x: Vec<T> = conv(&data(n as u64 + d as u64, n * d, 0.2));
+    let cb = codebook(bits, bits as u64);
+    let nbytes = cpu::packed_len(d, bits);
+    let mut want = vec![0u8; n * nbytes];
+    cpu::scalar_quantize(&x, n, d, &cb, bits, &mut want);
+    let groups = n * d.div_ceil(8);
+    let tag = format!("{:?} n={n} d={d} bits={bits} tg={tg}", T::DTYPE);
+    let out = kernel("scalar_quantize", &["x", "codebook", "params"], &["packed"])
+        .launch()
+        .input(HostArray::new(&[n, d], &x))
+        .input(HostArray::new(&[1 << bits], &cb))
+        .input(HostArray::new(&[3], &[n as u32, d as u32, nbytes as u32]))
+        .output(&[n, nbytes], Dtype::U8)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("B_BITS", TemplateArg::Int(bits as i32))
+        .grid(grid(groups, tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("scalar_quantize {tag}: {e}"));
+    assert_eq!(out[0].to_vec::<u8>(), want, "scalar_quantize {tag}");
+    let mut expect = vec![T::default(); n * d];
+    cpu::scalar_dequantize(&want, n, d, &cb, bits, &mut expect);
+    let out = kernel("scalar_dequantize", &["packed", "codebook", "params"], &["y"])
+        .launch()
+        .input(HostArray::new(&[n, nbytes], &want))
+        .input(HostArray::new(&[1 << bits], &cb))
+        .input(HostArray::new(&[3], &[n as u32, d as u32, nbytes as u32]))
+        .output(&[n, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("B_BITS", TemplateArg::Int(bits as i32))
+        .grid(grid(groups, tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("scalar_dequantize {tag}: {e}"));
+    let got: Vec<f32> = out[0].to_vec::<T>().iter().map(|v| v.to_f32()).collect();
+    let exp: Vec<f32> = expect.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(got, exp, "scalar_dequantize {tag}");
+}
+
+#[test]
+fn scalar_quantize_and_dequantize_match_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        scalar::<f32>(37, 128, bits, 256, false);
+        scalar::<f16>(5, 13, bits, 32, true);
+        scalar::<bf16>(1, 3, bits, 32, false);
+    }
+    scalar::<f32>(0, 128, 4, 32, false);
+    scalar::<f32>(3, 4096, 8, 1024, true);
+}
+
+fn kivi<T: Float + Element>(per_channel: bool, n: usize, d: usize, bits: u32, group: usize, tg: u32, round_up: bool) {
+    let x: Vec<T> = conv(&data(7 + n as u64, n * d, 1.0));
+    let nbytes = cpu::packed_len(d, bits);
+    let np = if per_channel { n.div_ceil(group) * d } else { n * d / group };
+    let (mut codes, mut scales, mut zeros) = (vec![0u8; n * nbytes], vec![f16::ZERO; np], vec![f16::ZERO; np]);
+    cpu::kivi_quantize(&x, n, d, bits, group, per_channel, &mut codes, &mut scales, &mut zeros);
+    let pshape = if per_channel { [n.div_ceil(group), d] } else { [n, d / group] };
+    let items = if per_channel { n.div_ceil(group) * d.div_ceil(8) } else { n * d / group };
+    let params = [n as u32, d as u32, nbytes as u32, group as u32];
+    let tag = format!("{:?} per_channel={per_channel} n={n} d={d} bits={bits} G={group}", T::DTYPE);
+    let out = kernel("kivi_quantize", &["x", "params"], &["packed", "scales", "zeros"])
+        .launch()
+        .input(HostArray::new(&[n, d], &x))
+        .input(HostArray::new(&[4], &params))
+        .output(&[n, nbytes], Dtype::U8)
+        .output(&pshape, Dtype::F16)
+        .output(&pshape, Dtype::F16)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("B_BITS", TemplateArg::Int(bits as i32))
+        .template("PER_CHANNEL", TemplateArg::Bool(per_channel))
+        .grid(grid(items, tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("kivi_quantize {tag}: {e}"));
+    assert_eq!(out[1].to_vec::<f16>(), scales, "scales {tag}");
+    assert_eq!(out[2].to_vec::<f16>(), zeros, "zeros {tag}");
+    assert_eq!(out[0].to_vec::<u8>(), codes, "codes {tag}");
+    let mut expect = vec![T::default(); n * d];
+    cpu::kivi_dequantize(&codes, &scales, &zeros, n, d, bits, group, per_channel, &mut expect);
+    let out = kernel("kivi_dequantize", &["packed", "scales", "zeros", "params"], &["y"])
+        .launch()
+        .input(HostArray::new(&[n, nbytes], &codes))
+        .input(HostArray::new(&pshape, &scales))
+        .input(HostArray::new(&pshape, &zeros))
+        .input(HostArray::new(&[4], &params))
+        .output(&[n, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("B_BITS", TemplateArg::Int(bits as i32))
+        .template("PER_CHANNEL", TemplateArg::Bool(per_channel))
+        .grid(grid(n * d.div_ceil(8), tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("kivi_dequantize {tag}: {e}"));
+    let got: Vec<f32> = out[0].to_vec::<T>().iter().map(|v| v.to_f32()).collect();
+    let exp: Vec<f32> = expect.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(got, exp, "kivi_dequantize {tag}");
+}
+
+#[test]
+fn kivi_matches_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        kivi::<f32>(true, 70, 64, bits, 32, 64, false);
+        kivi::<f32>(false, 70, 64, bits, 32, 64, true);
+    }
+    kivi::<f16>(true, 1, 13, 3, 4, 32, true);
+    kivi::<bf16>(false, 3, 24, 2, 8, 32, false);
+    kivi::<f16>(false, 33, 128, 4, 128, 32, false);
+    kivi::<bf16>(true, 129, 128, 2, 128, 256, true);
+}
+
+fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
+    let k: Vec<T> = conv(&data(n as u64, n * d, 1.0));
+    let q: Vec<T> = conv(&data(99, nq * d, 1.0));
+    let s = data(m as u64 * 3, m * d, 1.0);
+    let nb = cpu::packed_len(m, 1);
+    let (mut signs, mut norms) = (vec![0u8; n * nb], vec![f16::ZERO; n]);
+    cpu::qjl_encode(&k, n, d, &s, m, &mut signs, &mut norms);
+    let tag = format!("{:?} n={n} d={d} m={m} Q={nq}", T::DTYPE);
+    let threads = (n * 32) as u32;
+    let out = kernel("qjl_encode", &["k", "sketch", "params"], &["signs", "norms"])
+        .launch()
+        .input(HostArray::new(&[n, d], &k))
+        .input(HostArray::new(&[m, d], &s))
+        .input(HostArray::new(&[4], &[n as u32, d as u32, m as u32, nb as u32]))
+        .output(&[n, nb], Dtype::U8)
+        .output(&[n], Dtype::F16)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .grid(threads, 1, 1)
+        .threadgroup(256.min(threads.max(32)), 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("qjl_encode {tag}: {e}"));
+    assert_eq!(out[0].to_vec::<u8>(), signs, "signs {tag}");
+    assert_eq!(out[1].to_vec::<f16>(), norms, "norms {tag}");
+    let mut want = vec![0.0f32; nq * n];
+    cpu::qjl_score(&q, nq, d, &s, m, &signs, &norms, n, &mut want);
+    for (tg, round_up) in [(64u32, false), (32, true)] {
+        let out = kernel("qjl_score", &["q", "sketch", "signs", "norms", "params"], &["scores"])
+            .launch()
+            .input(HostArray::new(&[nq, d], &q))
+            .input(HostArray::new(&[m, d], &s))
+            .input(HostArray::new(&[n, nb], &signs))
+            .input(HostArray::new(&[n], &norms))
+            .input(HostArray::new(&[5], &[n as u32, d as u32, m as u32, nb as u32, nq as u32]))
+            .output(&[nq, n], Dtype::F32)
+            .template("T", TemplateArg::Dtype(T::DTYPE))
+            .grid(grid(n, tg, round_up), 1, 1)
+            .threadgroup(tg, 1, 1)
+            .run()
+            .unwrap_or_else(|e| panic!("qjl_score {tag}: {e}"));
+        // Same order of operations: equal up to sqrt's last bit.
+        for (a, b) in out[0].to_vec::<f32>().iter().zip(&want) {
+            assert!((a - b).abs() <= 1e-6 * b.abs(), "score {tag}: {a} vs {b}");
+        }
+    }
+}
+
+#[test]
+fn qjl_encode_and_score_match_cpu() {
+    qjl::<f32>(70, 128, 256, 2);
+    qjl::<f16>(1, 64, 13, 1);
+    qjl::<bf16>(9, 32, 40, 3);
+    qjl::<f32>(3, 16, 1024, 4);
+}
+
+fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32, tg: u32, round_up: bool) {
+    let x: Vec<T> = conv(&data(n as u64 + 5, n * d, 1.0));
+    let mut cb = data(k as u64 + s as u64, k * s, 1.0);
+    if k >= 4 {
+        // A duplicated entry: ties go to the lowest index.
+        let first = cb[..s].to_vec();
+        cb[3 * s..4 * s].copy_from_slice(&first);
+    }
+    let per = d / s;
+    let nbytes = cpu::packed_len(per, bits);
+    let mut want = vec![0u8; n * nbytes];
+    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want);
+    let params = [n as u32, d as u32, k as u32, nbytes as u32];
+    let tag = format!("{:?} n={n} d={d} s={s} K={k} bits={bits}", T::DTYPE);
+    let items = n * per.div_ceil(8);
+    let out = kernel("pq_encode", &["x", "codebook", "params"], &["packed"])
+        .launch()
+        .input(HostArray::new(&[n, d], &x))
+        .input(HostArray::new(&[k, s], &cb))
+        .input(HostArray::new(&[4], &params))
+        .output(&[n, nbytes], Dtype::U8)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("S", TemplateArg::Int(s as i32))
+        .template("C_BITS", TemplateArg::Int(bits as i32))
+        .grid(grid(items, tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("pq_encode {tag}: {e}"));
+    assert_eq!(out[0].to_vec::<u8>(), want, "pq_encode {tag}");
+    let mut expect = vec![T::default(); n * d];
+    cpu::pq_decode(&want, n, d, &cb, s, bits, &mut expect);
+    let out = kernel("pq_decode", &["packed", "codebook", "params"], &["y"])
+        .launch()
+        .input(HostArray::new(&[n, nbytes], &want))
+        .input(HostArray::new(&[k, s], &cb))
+        .input(HostArray::new(&[4], &params))
+        .output(&[n, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("S", TemplateArg::Int(s as i32))
+        .template("C_BITS", TemplateArg::Int(bits as i32))
+        .grid(grid(items, tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("pq_decode {tag}: {e}"));
+    let got: Vec<f32> = out[0].to_vec::<T>().iter().map(|v| v.to_f32()).collect();
+    let exp: Vec<f32> = expect.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(got, exp, "pq_decode {tag}");
+}
+
+#[test]
+fn pq_encode_and_decode_match_cpu() {
+    for &s in &[2usize, 4, 8] {
+        pq::<f32>(41, 64, s, 256, 8, 128, false);
+        pq::<f16>(7, 8 * s + s, s, 16, 4, 32, true);
+    }
+    pq::<bf16>(1, 8, 8, 1, 1, 32, false);
+    pq::<f32>(300, 128, 4, 5, 3, 256, true);
+}

@@ -1,0 +1,155 @@
+//! The quantizer kernels on the GPU stream (CUDA on the NVIDIA machine, Metal
+//! on a Mac) against the CPU kernels: codes, signs and decoded values exact
+//! (same arithmetic, no fma), norms and scores to float rounding. Ignored where
+//! MLX has no GPU back-end; run with `--ignored` on the GPU machine.
+
+use half::{bf16, f16};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::cpu::{self, Float};
+use veloxquant::kernels::{
+    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
+    KiviMode,
+};
+use veloxquant::{ops, Array, Element, Options, Policy, Stream};
+
+fn gpu() -> Options {
+    let s = Stream::gpu().expect("this test needs MLX with a GPU back-end");
+    Options::on(s, Policy::Require)
+}
+
+fn data<T: Float>(seed: u64, len: usize, scale: f32) -> Vec<T> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    (0..len).map(|_| T::from_f32((rng.random::<f32>() - 0.5) * 3.4 * scale)).collect()
+}
+
+fn arr<T: Element>(v: &[T], shape: &[usize]) -> Array {
+    let s: Vec<i32> = shape.iter().map(|&d| d as i32).collect();
+    Array::from_slice(v, &s).unwrap()
+}
+
+fn f32s<T: Float + Element>(a: &Array) -> Vec<f32> {
+    a.to_vec::<T>().unwrap().iter().map(|v| v.to_f32()).collect()
+}
+
+fn scalar<T: Float + Element>(n: usize, d: usize, bits: u32) {
+    let x: Vec<T> = data(n as u64, n * d, 0.2);
+    let mut cb: Vec<f32> = data(bits as u64, 1 << bits, 0.2);
+    cb.sort_by(f32::total_cmp);
+    let mut want = vec![0u8; n * cpu::packed_len(d, bits)];
+    cpu::scalar_quantize(&x, n, d, &cb, bits, &mut want);
+    let c = arr(&cb, &[1 << bits]);
+    let p = scalar_quantize(&arr(&x, &[n, d]), &c, bits, &gpu()).unwrap();
+    assert_eq!(p.to_vec::<u8>().unwrap(), want, "{} n={n} d={d} bits={bits}", T::DTYPE);
+    let mut y = vec![T::default(); n * d];
+    cpu::scalar_dequantize(&want, n, d, &cb, bits, &mut y);
+    let got = scalar_dequantize(&p, &c, bits, d, T::DTYPE, &gpu()).unwrap();
+    assert_eq!(f32s::<T>(&got), y.iter().map(|v| v.to_f32()).collect::<Vec<_>>());
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_scalar_matches_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        scalar::<f32>(100_003, 128, bits);
+        scalar::<f16>(5_000, 13, bits);
+        scalar::<bf16>(1, 7, bits);
+    }
+    scalar::<f32>(4, 65_536, 8);
+}
+
+fn kivi<T: Float + Element>(mode: KiviMode, n: usize, d: usize, bits: u32, group: usize) {
+    let x: Vec<T> = data(n as u64 + 3, n * d, 1.0);
+    let per_channel = mode == KiviMode::Keys;
+    let np = if per_channel { n.div_ceil(group) * d } else { n * d / group };
+    let (mut c, mut s, mut z) = (vec![0u8; n * cpu::packed_len(d, bits)], vec![f16::ZERO; np], vec![f16::ZERO; np]);
+    cpu::kivi_quantize(&x, n, d, bits, group, per_channel, &mut c, &mut s, &mut z);
+    let tag = format!("{} {mode:?} n={n} d={d} bits={bits} G={group}", T::DTYPE);
+    let (gc, gs, gz) = kivi_quantize(&arr(&x, &[n, d]), bits, group, mode, &gpu()).unwrap();
+    assert_eq!(gs.to_vec::<f16>().unwrap(), s, "scales {tag}");
+    assert_eq!(gz.to_vec::<f16>().unwrap(), z, "zeros {tag}");
+    assert_eq!(gc.to_vec::<u8>().unwrap(), c, "codes {tag}");
+    let mut y = vec![T::default(); n * d];
+    cpu::kivi_dequantize(&c, &s, &z, n, d, bits, group, per_channel, &mut y);
+    let got = kivi_dequantize(&gc, &gs, &gz, bits, group, mode, d, T::DTYPE, &gpu()).unwrap();
+    assert_eq!(f32s::<T>(&got), y.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "dequantize {tag}");
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_kivi_matches_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        kivi::<f32>(KiviMode::Keys, 100_001, 128, bits, 32);
+        kivi::<f32>(KiviMode::Values, 100_001, 128, bits, 32);
+    }
+    kivi::<f16>(KiviMode::Keys, 1, 13, 3, 4);
+    kivi::<bf16>(KiviMode::Values, 333, 24, 2, 8);
+}
+
+fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
+    let k: Vec<T> = data(n as u64, n * d, 1.0);
+    let q: Vec<T> = data(7, nq * d, 1.0);
+    let s: Vec<f32> = data(m as u64, m * d, 1.0);
+    let nb = cpu::packed_len(m, 1);
+    let (mut sg, mut nm) = (vec![0u8; n * nb], vec![f16::ZERO; n]);
+    cpu::qjl_encode(&k, n, d, &s, m, &mut sg, &mut nm);
+    let sk = arr(&s, &[m, d]);
+    let tag = format!("{} n={n} d={d} m={m}", T::DTYPE);
+    let (gs, gn) = qjl_encode(&arr(&k, &[n, d]), &sk, &gpu()).unwrap();
+    assert_eq!(gs.to_vec::<u8>().unwrap(), sg, "signs {tag}");
+    assert_eq!(gn.to_vec::<f16>().unwrap(), nm, "norms {tag}");
+    let mut want = vec![0.0f32; nq * n];
+    cpu::qjl_score(&q, nq, d, &s, m, &sg, &nm, n, &mut want);
+    let got = qjl_score(&arr(&q, &[nq, d]), &sk, &gs, &gn, &gpu()).unwrap().to_vec::<f32>().unwrap();
+    for (a, b) in got.iter().zip(&want) {
+        assert!((a - b).abs() <= 1e-6 * b.abs(), "score {tag}: {a} vs {b}");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_qjl_matches_cpu() {
+    qjl::<f32>(100_000, 128, 256, 4);
+    qjl::<f16>(1, 64, 13, 1);
+    qjl::<bf16>(1_000, 128, 1024, 4);
+}
+
+fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {
+    let x: Vec<T> = data(n as u64, n * d, 1.0);
+    let cb: Vec<f32> = data(k as u64, k * s, 1.0);
+    let per = d / s;
+    let mut want = vec![0u8; n * cpu::packed_len(per, bits)];
+    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want);
+    let c = arr(&cb, &[k, s]);
+    let tag = format!("{} n={n} d={d} s={s} K={k}", T::DTYPE);
+    let p = pq_encode(&arr(&x, &[n, d]), &c, bits, &gpu()).unwrap();
+    assert_eq!(p.to_vec::<u8>().unwrap(), want, "encode {tag}");
+    let mut y = vec![T::default(); n * d];
+    cpu::pq_decode(&want, n, d, &cb, s, bits, &mut y);
+    let got = pq_decode(&p, &c, bits, d, T::DTYPE, &gpu()).unwrap();
+    assert_eq!(f32s::<T>(&got), y.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "decode {tag}");
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_pq_matches_cpu() {
+    for &s in &[2usize, 4, 8] {
+        pq::<f32>(50_000, 128, s, 256, 8);
+        pq::<f16>(1_000, 8 * s + s, s, 16, 4);
+    }
+    pq::<bf16>(1, 8, 8, 1, 1);
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_transposed_input_is_made_contiguous() {
+    let o = gpu();
+    let s = o.stream.clone().unwrap();
+    let x: Vec<f32> = data(1, 128 * 64, 0.2);
+    let xt = ops::transpose(&arr(&x, &[128, 64]), &[1, 0], &s).unwrap();
+    let c = arr(&[-0.2f32, -0.05, 0.05, 0.2], &[4]);
+    let a = scalar_quantize(&xt, &c, 2, &o).unwrap().to_vec::<u8>().unwrap();
+    let cpu_o = Options::on(Stream::cpu(), Policy::Require);
+    let xt_cpu = ops::transpose(&arr(&x, &[128, 64]), &[1, 0], &Stream::cpu()).unwrap();
+    assert_eq!(a, scalar_quantize(&xt_cpu, &c, 2, &cpu_o).unwrap().to_vec::<u8>().unwrap());
+}
