@@ -312,7 +312,7 @@ def test_non_finite_is_a_value_error():
     with pytest.raises(ValueError, match=r"^samples: element 133"):
         quant.OutlierSplit(D, 2).fit(x)
     # float64 beyond float32's range becomes inf: refused, not stored.
-    with pytest.raises(ValueError, match=r"^x: element 0 is not finite"):
+    with np.errstate(over="ignore"), pytest.raises(ValueError, match=r"^x: element 0 is not finite"):
         q.encode(np.full((1, D), 1e300))
 
 
@@ -373,10 +373,10 @@ def test_calibrated_methods_need_fit():
 
 def test_outlier_split_picks_the_loud_channels():
     x = unit(2000, seed=15)
-    loud = [3, 40, 77, 100]
+    loud = list(range(1, D, 4))
     x[:, loud] *= 10
-    q = quant.OutlierSplit(D, 2, outlier_bits=4, n_outliers=4).fit(x)
-    assert q.config["outlier.dim"] == "4"
+    q = quant.OutlierSplit(D, 2, outlier_bits=4, n_outliers=32).fit(x)
+    assert q.config["outlier.dim"] == "32"
     mask_error = mse(x, q.decode(q.encode(x)))
     # Loud channels at 4 bits beat a plain 2-bit quantizer on the same rows.
     plain = quant.TurboQuantMSE(D, 2)

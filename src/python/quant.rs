@@ -424,7 +424,7 @@ impl PyQuantizer {
                     max_iters: uint("max_iters", o.max_iters.unwrap_or(d.max_iters as i64))?,
                     tol: o.tol.unwrap_or(d.tol),
                 };
-                if !(cfg.tol >= 0.0) {
+                if cfg.tol.is_nan() || cfg.tol < 0.0 {
                     return Err(qerr(QuantError::arg("tol", format!("{} is not a non-negative number", cfg.tol))));
                 }
                 // `train` checks sub_dim, bits and dim before it looks at the
