@@ -265,7 +265,7 @@ def test_encoded_rebuilt_from_buffers():
         build("turboquant-mse").decode(enc)
     with pytest.raises(ValueError, match="encoded: "):
         build("turboquant-mse").bits_per_element(enc)
-    with pytest.raises(TypeError, match="buffers: "):
+    with pytest.raises(TypeError, match="buffers: \"codes\" must be bytes, got int"):
         quant.Encoded(enc.method, enc.rows, enc.dim, {"codes": 3})
 
 
@@ -280,7 +280,7 @@ def test_wrong_dtype_is_a_type_error():
         q.encode(np.zeros((2, D), np.complex64))
     with pytest.raises(TypeError, match=r"^x: dtype int32"):
         q.encode(mx.zeros((2, D), mx.int32))
-    with pytest.raises(TypeError, match=r"^x: .*list"):
+    with pytest.raises(TypeError, match=r"^x: expected a numpy.ndarray or mlx.core.array, got list"):
         q.encode([[0.0] * D])
     with pytest.raises(TypeError, match=r"^samples: dtype uint8"):
         build("pq").fit(np.zeros((2, D), np.uint8))

@@ -143,7 +143,11 @@ class Quantizer:
         self._q.save(os.fspath(path))
 
     def __repr__(self) -> str:
-        return repr(self._q).replace("Quantizer(", type(self).__name__ + "(", 1)
+        r = repr(self._q)
+        if type(self) is Quantizer:
+            return r
+        # The class already names the method.
+        return type(self).__name__ + "(" + r.split(", ", 1)[1]
 
 
 class TurboQuantMSE(Quantizer):

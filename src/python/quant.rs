@@ -12,6 +12,7 @@ use std::sync::{Arc, RwLock};
 
 use numpy::ndarray::Array2;
 use numpy::{IntoPyArray, PyArray2, PyArrayDescrMethods, PyArrayMethods, PyUntypedArray, PyUntypedArrayMethods};
+use pyo3::exceptions::PyTypeError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -79,12 +80,9 @@ fn rows_arg(obj: &Bound<'_, PyAny>, name: &'static str, dim: usize) -> PyResult<
         (data, shape[0], true)
     } else {
         let Ok(arr) = obj.cast::<PyUntypedArray>() else {
+            // Worded like `array_arg`'s refusal of a non-array.
             let ty = obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
-            return Err(to_py_err(Error::Dtype {
-                argument: name,
-                found: format!("of a {ty}"),
-                expected: "a numpy.ndarray or mlx.core.array".into(),
-            }));
+            return Err(PyTypeError::new_err(format!("{name}: expected a numpy.ndarray or mlx.core.array, got {ty}")));
         };
         let dt = arr.dtype();
         if dt.kind() != b'f' || ![2, 4, 8].contains(&dt.itemsize()) {
@@ -148,11 +146,8 @@ impl PyEncoded {
         for (k, v) in buffers.iter() {
             let name: String = k.extract()?;
             let bytes: Vec<u8> = v.extract().map_err(|_| {
-                to_py_err(Error::Dtype {
-                    argument: "buffers",
-                    found: format!("{} for {name:?}", v.get_type().name().map(|n| n.to_string()).unwrap_or_default()),
-                    expected: "bytes".into(),
-                })
+                let ty = v.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into());
+                PyTypeError::new_err(format!("buffers: {name:?} must be bytes, got {ty}"))
             })?;
             inner.buffers.push(q::Buffer { name, bytes });
         }
