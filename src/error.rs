@@ -24,6 +24,10 @@ pub enum Error {
     /// The MLX loaded at run time is not the one veloxquant was built against.
     #[error("MLX version mismatch: veloxquant was built against MLX {compiled} but MLX {loaded} is loaded; install mlx=={compiled}")]
     VersionMismatch { compiled: String, loaded: String },
+    /// A quantizer rejected its arguments, data or artifact (`quant::QuantError`,
+    /// whose message already names the argument).
+    #[error(transparent)]
+    Quant(#[from] crate::quant::QuantError),
 }
 
 pub type Result<T, E = Error> = std::result::Result<T, E>;

@@ -6,7 +6,9 @@
 
 mod cache;
 
-use pyo3::exceptions::{PyImportError, PyRuntimeError, PyTypeError, PyValueError};
+use pyo3::exceptions::{
+    PyFileNotFoundError, PyImportError, PyOSError, PyPermissionError, PyRuntimeError, PyTypeError, PyValueError,
+};
 use pyo3::prelude::*;
 
 use crate::array::{check_mlx_version, mlx_compiled_version, Array};
@@ -14,7 +16,10 @@ use crate::error::Error;
 use crate::ffi;
 use crate::dtype::Dtype;
 use crate::kernels::{self, KiviMode, Options, Policy};
+use crate::quant::QuantError;
 use crate::stream::Stream;
+
+mod quant;
 
 /// The one mapping from veloxquant errors to Python exceptions.
 fn to_py_err(e: Error) -> PyErr {
@@ -24,6 +29,16 @@ fn to_py_err(e: Error) -> PyErr {
         Error::InvalidArgument { .. } => PyValueError::new_err(msg),
         Error::VersionMismatch { .. } => PyImportError::new_err(msg),
         Error::Unsupported(_) | Error::Mlx { .. } | Error::Kernel { .. } => PyRuntimeError::new_err(msg),
+        // The file could not be read or written: the OSError subclass Python
+        // itself would raise.
+        Error::Quant(QuantError::Io(io)) => match io.kind() {
+            std::io::ErrorKind::NotFound => PyFileNotFoundError::new_err(msg),
+            std::io::ErrorKind::PermissionDenied => PyPermissionError::new_err(msg),
+            _ => PyOSError::new_err(msg),
+        },
+        // Bad bits/dim/options, non-finite data, an empty calibration set, an
+        // encoding or artifact that does not match: all wrong values.
+        Error::Quant(_) => PyValueError::new_err(msg),
     }
 }
 
@@ -307,5 +322,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(gpu_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cached_kernel_count, m)?)?;
     m.add_class::<cache::PyLayerCache>()?;
+    quant::register(m)?;
     Ok(())
 }
