@@ -1,0 +1,79 @@
+"""veloxquant._native.LayerCache from Python: attention, memory, state, errors."""
+
+import mlx.core as mx
+import numpy as np
+import pytest
+
+from veloxquant._native import LayerCache
+
+
+def rel_err(a, b):
+    a, b = np.array(a.astype(mx.float32)), np.array(b.astype(mx.float32))
+    return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def filled(method="turboquant-mse", dtype=mx.float16, tokens=300, **kw):
+    cache = LayerCache(64, 2, key_method=method, value_method=method, window=32, sinks=4, **kw)
+    k = mx.random.normal((1, 2, tokens, 64), key=mx.random.key(1)).astype(dtype)
+    v = mx.random.normal((1, 2, tokens, 64), key=mx.random.key(2)).astype(dtype)
+    cache.append(k, v)
+    return cache, k, v
+
+
+def test_fused_attention_matches_decode_then_sdpa():
+    cache, _, _ = filled(dtype=mx.float32)
+    q = mx.random.normal((1, 6, 1, 64), key=mx.random.key(3))
+    out = cache.attention(q, 0.125)
+    k, v = cache.dequantize()
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125)
+    assert out.shape == (1, 6, 1, 64) and out.dtype == mx.float32
+    assert rel_err(out, ref) < 1e-5
+    # Causal prefill-style queries.
+    q = mx.random.normal((1, 6, 7, 64), key=mx.random.key(4))
+    out = cache.attention(q, 0.125, mask="causal")
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125, mask="causal")
+    assert rel_err(out, ref) < 1e-5
+
+
+def test_fp16_method_is_plain_sdpa():
+    cache, k, v = filled(method="fp16")
+    q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(5)).astype(mx.float16)
+    np.testing.assert_array_equal(
+        np.array(cache.attention(q, 0.1)), np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.1))
+    )
+
+
+def test_counts_memory_trim_and_state():
+    cache, k, _ = filled(tokens=300, key_bits=4, value_bits=2)
+    assert cache.offset == 300 and cache.compressed_tokens == 300 - 4 - 32
+    # Every held byte: codes (4 + 2 bits x 64 dims) and two float16 norms per
+    # slot of a store grown to 512 slots, and the float16 windows
+    # (4 sinks + 2 x 32 recent slots) of keys and values.
+    heads, slots, window_slots = 2, 512, 4 + 2 * 32
+    assert cache.nbytes == heads * slots * (32 + 16 + 2 + 2) + 2 * heads * window_slots * 64 * 2
+    data = cache.to_bytes()
+    back = LayerCache.from_bytes(data)
+    assert back.to_bytes() == data and back.offset == 300
+    assert back.config["value_bits"] == 2
+    assert cache.trim(10) == 10 and cache.offset == 290
+    with pytest.raises(ValueError, match=r"^state:"):
+        LayerCache.from_bytes(data[:100])
+
+
+def test_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"^key_bits: 7"):
+        LayerCache(64, 2, key_bits=7)
+    with pytest.raises(ValueError, match=r"^method:"):
+        LayerCache(64, 2, key_method="zip")
+    with pytest.raises(ValueError, match=r"^head_dim:"):
+        LayerCache(100, 2)
+    cache = LayerCache(64, 2)
+    with pytest.raises(ValueError, match=r"^keys: shape"):
+        cache.append(mx.zeros((1, 3, 4, 64)), mx.zeros((1, 3, 4, 64)))
+    with pytest.raises(TypeError, match=r"^keys: dtype int32"):
+        cache.append(mx.zeros((1, 2, 4, 64), dtype=mx.int32), mx.zeros((1, 2, 4, 64), dtype=mx.int32))
+    with pytest.raises(TypeError, match=r"^keys: expected an mlx.core.array"):
+        cache.append(np.zeros((1, 2, 4, 64)), np.zeros((1, 2, 4, 64)))
+    cache.append(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
+    with pytest.raises(TypeError, match=r"^mask: array masks"):
+        cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask=mx.zeros((1, 4)))
