@@ -10,7 +10,13 @@ export LD_LIBRARY_PATH=/root/site/mlx/lib
 python3 -m pip install -q --no-index --no-deps --target /root/site --upgrade .device/build/veloxquant-*-cp312-*.whl
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; } | tee "$OUT/machine.txt"
 status=0
-{ .device/build/kernels_gpu --ignored --test-threads=1 && .device/build/kernel_cache_gpu --ignored; } 2>&1 | tee "$OUT/kernels_gpu.txt" || status=1
+for t in kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu; do
+  echo "== $t" >>"$OUT/kernels_gpu.txt"
+  .device/build/$t --ignored --test-threads=1 >>"$OUT/kernels_gpu.txt" 2>&1 || status=1
+done
+cat "$OUT/kernels_gpu.txt"
 python3 python/tests/check_gpu.py 2>&1 | tee "$OUT/check_gpu.txt" || status=1
 .device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
+.device/build/quant_kernels_bench --device gpu --dtype f16 2>&1 | tee "$OUT/quant_kernels_cuda.txt" || status=1
+python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
 exit $status
