@@ -1,5 +1,5 @@
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
-// rotation float32 [D, D] (row-major Π), centroids float32 [2^B_BITS] sorted,
+// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
 // params = {N}. One block of D threads per vector: the norm, y = Π x/‖x‖, the
 // nearest centroid per coordinate and the packing, with no intermediate in
 // global memory. Arithmetic matches crate::cpu::turboquant::tq_encode bit for
@@ -30,10 +30,12 @@ __syncthreads();
 const float s = s_norm[0];
 u[i] = s > 0.0f ? __fdiv_rn(xi, s) : 0.0f;
 __syncthreads();
-float y = 0.0f;
-const float* prow = rotation + i * D;
-for (int j = 0; j < D; ++j) {
-  y = __fadd_rn(y, __fmul_rn(prow[j], u[j]));
+float y = u[i];
+if (ROTATE) {
+  y = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    y = __fadd_rn(y, __fmul_rn(rotation[i * D + j], u[j]));
+  }
 }
 float best = __int_as_float(0x7f800000);
 int best_k = 0;

@@ -1,5 +1,5 @@
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
-// rotation float32 [D, D] (row-major Π), centroids float32 [2^B_BITS] sorted,
+// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
 // params = {N}. One threadgroup of D threads per vector: the norm,
 // y = Π x/‖x‖, the nearest centroid per coordinate and the packing, with no
 // intermediate in device memory. Same arithmetic order as the CPU kernel,
@@ -31,9 +31,12 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 const float s = s_norm[0];
 u[i] = s > 0.0f ? xi / s : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float y = 0.0f;
-for (int j = 0; j < D; ++j) {
-  y += rotation[i * D + j] * u[j];
+float y = u[i];
+if (ROTATE) {
+  y = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    y += rotation[i * D + j] * u[j];
+  }
 }
 float best = INFINITY;
 int best_k = 0;

@@ -52,7 +52,6 @@ fn centroids(dim: usize, bits: u32) -> Result<Vec<f32>> {
 /// Arrays shared by every layer with the same head size, seed and bits.
 struct Shared {
     rotation: Array,
-    identity: Array,
     k_centroids: Array,
     v_centroids: Array,
 }
@@ -150,7 +149,7 @@ impl LayerCache {
     /// head size, seed and bits shares; count them once per model.
     pub fn shared_nbytes(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| {
-            s.rotation.nbytes() + s.identity.nbytes() + s.k_centroids.nbytes() + s.v_centroids.nbytes()
+            s.rotation.nbytes() + s.k_centroids.nbytes() + s.v_centroids.nbytes()
         })
     }
 
@@ -191,13 +190,10 @@ impl LayerCache {
             Method::TurboQuantMse => {
                 let dim = self.cfg.head_dim;
                 let rot = rotation_matrix(dim, self.cfg.seed)?;
-                let mut ident = vec![0.0f32; dim * dim];
-                (0..dim).for_each(|i| ident[i * dim + i] = 1.0);
                 let kc = centroids(dim, self.cfg.key_bits)?;
                 let vc = centroids(dim, self.cfg.value_bits)?;
                 self.shared = Some(Shared {
                     rotation: Array::from_slice(&rot, &[d, d])?,
-                    identity: Array::from_slice(&ident, &[d, d])?,
                     k_centroids: Array::from_slice(&kc, &[kc.len() as i32])?,
                     v_centroids: Array::from_slice(&vc, &[vc.len() as i32])?,
                 });
@@ -324,9 +320,9 @@ impl LayerCache {
         };
         let (ck, keep_k) = split(&pk)?;
         let (cv, keep_v) = split(&pv)?;
-        // The windows are rotated already: encode with the identity.
-        let (kcodes, knorms) = turboquant::tq_encode(&ck, &shared.identity, &shared.k_centroids, kbits, &opts)?;
-        let (vcodes, vnorms) = turboquant::tq_encode(&cv, &shared.identity, &shared.v_centroids, vbits, &opts)?;
+        // The windows are rotated already.
+        let (kcodes, knorms) = turboquant::tq_encode(&ck, None, &shared.k_centroids, kbits, &opts)?;
+        let (vcodes, vnorms) = turboquant::tq_encode(&cv, None, &shared.v_centroids, vbits, &opts)?;
         let needed = c.len + m;
         if needed > c.capacity {
             let mut cap = c.capacity;

@@ -48,10 +48,11 @@ fn nearest(y: f32, centroids: &[f32]) -> u8 {
 pub const MAX_NORM: f32 = 65504.0;
 
 /// Encodes `n = x.len() / d` vectors: `codes` gets `d * bits / 8` bytes per
-/// vector, `norms` one float16 each. `rotation` is `Π`, row-major `[d, d]`.
+/// vector, `norms` one float16 each. `rotation` is `Π`, row-major `[d, d]`;
+/// `None` for vectors that are rotated already.
 pub fn tq_encode<T: VqElement>(
     x: &[T],
-    rotation: &[f32],
+    rotation: Option<&[f32]>,
     centroids: &[f32],
     d: usize,
     bits: u32,
@@ -62,7 +63,9 @@ pub fn tq_encode<T: VqElement>(
     let row_bytes = d * bits as usize / 8;
     assert_eq!(x.len(), n * d, "x length");
     assert_eq!(codes.len(), n * row_bytes, "codes length");
-    assert_eq!(rotation.len(), d * d, "rotation size");
+    if let Some(r) = rotation {
+        assert_eq!(r.len(), d * d, "rotation size");
+    }
     // Norms are cheap and sequential; the rows in parallel below.
     for (i, out) in norms.iter_mut().enumerate() {
         let mut s2 = 0.0f32;
@@ -87,10 +90,16 @@ pub fn tq_encode<T: VqElement>(
                 *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
             }
             for (i, code) in idx.iter_mut().enumerate() {
-                let mut y = 0.0f32;
-                for (&p, &uj) in rotation[i * d..(i + 1) * d].iter().zip(&u) {
-                    y += p * uj;
-                }
+                let y = match rotation {
+                    Some(rot) => {
+                        let mut y = 0.0f32;
+                        for (&p, &uj) in rot[i * d..(i + 1) * d].iter().zip(&u) {
+                            y += p * uj;
+                        }
+                        y
+                    }
+                    None => u[i],
+                };
                 *code = nearest(y, centroids);
             }
             super::bit_pack(&idx, 1, d, bits, dst);

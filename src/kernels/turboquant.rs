@@ -59,9 +59,9 @@ fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
 }
 
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
-/// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), `centroids` the sorted
-/// codebook (float32 `[2^bits]`).
-pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts: &Options) -> Result<(Array, Array)> {
+/// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), or `None` when `x`
+/// is rotated already; `centroids` the sorted codebook (float32 `[2^bits]`).
+pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u32, opts: &Options) -> Result<(Array, Array)> {
     check_float("x", x)?;
     if x.ndim() == 0 {
         return Err(Error::invalid("x", "must have at least one dimension"));
@@ -70,7 +70,19 @@ pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts
     let d = *xs.last().expect("ndim >= 1") as usize;
     check_head_dim("x", d)?;
     check_bits("bits", bits)?;
-    check_f32("rotation", rotation, &[d as i32, d as i32])?;
+    if let Some(r) = rotation {
+        check_f32("rotation", r, &[d as i32, d as i32])?;
+    }
+    // Bodies always take a `rotation` input; without one they never read it.
+    let no_rotation;
+    let rot_input = match rotation {
+        Some(r) => r,
+        None => {
+            no_rotation = Array::from_slice(&[0.0f32], &[1])?;
+            &no_rotation
+        }
+    };
+    let rotate = rotation.is_some();
     check_f32("centroids", centroids, &[1 << bits])?;
     let stream = opts.resolve_stream()?;
     let n: usize = xs[..xs.len() - 1].iter().map(|&v| v as usize).product();
@@ -91,11 +103,12 @@ pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts
             let dtype = x.dtype();
             cpu_primitive::apply(
                 "veloxquant_tq_encode",
-                &[&flat, rotation, centroids],
+                &[&flat, rot_input, centroids],
                 &outputs,
                 &stream,
                 Box::new(move |ins, outs| {
-                    let (rot, cent) = (ins[1].as_slice::<f32>()?, ins[2].as_slice::<f32>()?);
+                    let rot = if rotate { Some(ins[1].as_slice::<f32>()?) } else { None };
+                    let cent = ins[2].as_slice::<f32>()?;
                     let (codes, norms) = outs.split_at_mut(1);
                     let (codes, norms) = (codes[0].as_mut_slice::<u8>()?, norms[0].as_mut_slice::<f16>()?);
                     match dtype {
@@ -113,7 +126,7 @@ pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts
             gpu::launch(
                 &Launch {
                     source: Source::TqEncode,
-                    inputs: &[&flat, rotation, centroids, &p],
+                    inputs: &[&flat, rot_input, centroids, &p],
                     outputs: &outputs,
                     grid: (threads, 1, 1),
                     threadgroup: (d as i32, 1, 1),
@@ -121,6 +134,7 @@ pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts
                         ("T", TemplateArg::Dtype(x.dtype())),
                         ("D", TemplateArg::Int(d as i32)),
                         ("B_BITS", TemplateArg::Int(bits as i32)),
+                        ("ROTATE", TemplateArg::Bool(rotate)),
                     ],
                 },
                 &stream,
@@ -132,12 +146,15 @@ pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts
     Ok((codes, norms))
 }
 
-fn encode_reference(x: &Array, rotation: &Array, centroids: &Array, bits: u32, s: &Stream) -> Result<Vec<Array>> {
+fn encode_reference(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u32, s: &Stream) -> Result<Vec<Array>> {
     let xf = ops::astype(x, Dtype::F32, s)?;
     let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, s)?, -1, true, s)?, s)?;
     let tiny = Array::scalar_f32(f32::MIN_POSITIVE)?;
     let u = ops::divide(&xf, &ops::maximum(&norm, &tiny, s)?, s)?;
-    let y = ops::matmul(&u, &ops::transpose(rotation, &[1, 0], s)?, s)?;
+    let y = match rotation {
+        Some(r) => ops::matmul(&u, &ops::transpose(r, &[1, 0], s)?, s)?,
+        None => u,
+    };
     let dist = ops::square(&ops::subtract(&ops::expand_dims(&y, -1, s)?, centroids, s)?, s)?;
     let idx = ops::astype(&ops::argmin_axis(&dist, -1, false, s)?, Dtype::U8, s)?;
     let codes = super::bit_pack(&idx, bits, &Options::on(s.clone(), super::Policy::Off))?;
