@@ -8,6 +8,8 @@ bash scripts/setup.sh
 export VELOXQUANT_PYTHON="$root/.venv/bin/python"
 echo "== Rust tests"
 cargo test --release --lib --tests --no-fail-fast
+echo "== Rust example"
+cargo run --release --example cache_demo -- --tokens 512
 echo "== Python tests"
 # Run from outside the source tree so that the installed package is tested.
 cd "$root/python/tests"
