@@ -67,6 +67,45 @@ if (lid == 0) {
 }
 
 #[test]
+fn threadgroup_arrays_sized_by_expressions_are_shared() {
+    // Sizes written as expressions (`*`, parentheses, shifts, template
+    // arguments) are threadgroup memory too; a pointer stays per thread.
+    let src = r#"
+threadgroup float a[N * 2];
+threadgroup uint b[(N + 1) * 2], c[1 << K];
+threadgroup float* p = a + thread_index_in_threadgroup;
+const uint lid = thread_index_in_threadgroup;
+const uint count = threads_per_threadgroup.x;
+*p = float(x[thread_position_in_grid.x]);
+a[N + lid] = 2.0f * float(x[thread_position_in_grid.x]);
+b[lid] = x[thread_position_in_grid.x] + 1;
+c[lid] = x[thread_position_in_grid.x] + 2;
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const uint o = count - 1 - lid;
+out[thread_position_in_grid.x] = uint(a[o]) + uint(a[N + o]) + b[o] + c[o];
+"#;
+    let k = MetalKernel::new("tg_expr", &["x"], &["out"], src);
+    let n = 100usize; // a threadgroup of 64 and a partial one of 36
+    let x: Vec<u32> = (0..n as u32).map(|i| i * 3 + 1).collect();
+    let out = k
+        .launch()
+        .input(HostArray::new(&[n], &x))
+        .output(&[n], Dtype::U32)
+        .template("N", TemplateArg::Int(64))
+        .template("K", TemplateArg::Int(7))
+        .grid(n as u32, 1, 1)
+        .threadgroup(64, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("{e}"));
+    let got: Vec<u32> = out[0].to_vec();
+    for i in 0..n {
+        let (lo, hi) = if i < 64 { (0, 64) } else { (64, n) };
+        let v = x[hi - 1 - (i - lo)];
+        assert_eq!(got[i], 5 * v + 3, "thread {i}");
+    }
+}
+
+#[test]
 fn simd_functions() {
     // A threadgroup of 48 threads has a full simdgroup and one of 16 lanes;
     // the simd functions see only the lanes that exist.

@@ -325,7 +325,9 @@ fn fill(dtype: Dtype, n: usize, v: f64) -> Vec<u8> {
 
 /// Rewrites declarations of threadgroup memory (`threadgroup T name[N];`) to
 /// `static`, shared by the threads of a threadgroup. Pointer and reference
-/// qualifiers (`threadgroup T* p`) are left for the shim's empty macro. Line
+/// qualifiers (`threadgroup T* p`) are left for the shim's empty macro. Array
+/// sizes may be any expression (`[QN * D]`, `[max(A, B)]`): only the part
+/// before the first `[` decides whether the declaration is a pointer. Line
 /// numbers are kept so compiler messages point into the generated source.
 pub fn threadgroup_to_static(src: &str) -> String {
     const WORD: &str = "threadgroup";
@@ -342,10 +344,27 @@ pub fn threadgroup_to_static(src: &str) -> String {
             continue;
         }
         let rest = &src[end..];
-        let stop = rest.find([';', ',', ')', '{', '=']).unwrap_or(rest.len());
+        // The declarator ends at one of these outside the array brackets.
+        let mut depth = 0usize;
+        let stop = rest
+            .bytes()
+            .position(|c| match c {
+                b'[' => {
+                    depth += 1;
+                    false
+                }
+                b']' => {
+                    depth = depth.saturating_sub(1);
+                    false
+                }
+                b';' | b',' | b')' | b'{' | b'=' => depth == 0,
+                _ => false,
+            })
+            .unwrap_or(rest.len());
         let decl = &rest[..stop];
+        let head = &decl[..decl.find('[').unwrap_or(decl.len())];
         let terminated = matches!(rest.as_bytes().get(stop), Some(b';') | Some(b','));
-        if terminated && !decl.contains(['*', '&', '(']) && !decl.trim().is_empty() {
+        if terminated && !head.contains(['*', '&', '(']) && !head.trim().is_empty() {
             out.push_str(&src[last..at]);
             out.push_str("static");
             last = end;

@@ -1,0 +1,494 @@
+//! The TurboQuant cache kernels (metal/tq_encode.metal, tq_attention.metal,
+//! tq_reduce.metal) on the emulator, launched exactly as
+//! `src/kernels/turboquant.rs` launches them (kernel names, input and output
+//! names and order, params layout, template arguments, grid in threads,
+//! threadgroup sizes, the header of tq_attention, the two-pass attention whose
+//! partial outputs feed the reduction), against `veloxquant::cpu::turboquant`:
+//! - `tq_encode`: codes and norms bit for bit (same arithmetic order; f16 and
+//!   bf16 inputs are converted to f32 first on both sides);
+//! - `tq_attention` + `tq_reduce`: relative error (max |gpu - cpu| over
+//!   max |cpu|) at most 1e-5 in f32 and 1e-2 in f16 (sums run in different
+//!   orders). The stored codes, norms and windows come from the CPU encoder
+//!   and a real rotation, as the cache stores them; unused slots of the
+//!   stores hold garbage (NaN norms and window rows) that must never be read.
+
+mod metal_emulator;
+
+use half::{bf16, f16};
+use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape, FromF32};
+use veloxquant::cpu::{Float, VqElement};
+use veloxquant::quant::{Rotation, RotationKind, ScalarCodebook};
+
+fn read(rel: &str) -> String {
+    let path = metal_emulator::repo_root().join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+// Names as `Source::{name, input_names, output_names}` give them to MLX.
+fn encode_kernel() -> MetalKernel {
+    MetalKernel::new(
+        "veloxquant_tq_encode",
+        &["x", "rotation", "centroids", "params"],
+        &["codes", "norms"],
+        &read("metal/tq_encode.metal"),
+    )
+}
+
+fn attention_kernel() -> MetalKernel {
+    MetalKernel::new(
+        "veloxquant_tq_attention",
+        &["q", "rot_k", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params", "scale"],
+        &["m_out", "l_out", "acc_out"],
+        &read("metal/tq_attention.metal"),
+    )
+    .with_header(&read("metal/tq_common.h"))
+}
+
+fn reduce_kernel() -> MetalKernel {
+    MetalKernel::new(
+        "veloxquant_tq_reduce",
+        &["part_m", "part_l", "part_acc", "rot_v", "params"],
+        &["out"],
+        &read("metal/tq_reduce.metal"),
+    )
+}
+
+/// Row-major `Π` as `src/cache/state.rs` builds it: Hadamard where the size
+/// allows, else dense; column j is `forward(e_j)`.
+fn rotation_matrix(dim: usize, seed: u64) -> Vec<f32> {
+    let rot = Rotation::new(RotationKind::Hadamard, dim, seed)
+        .or_else(|_| Rotation::new(RotationKind::Dense, dim, seed))
+        .unwrap();
+    let mut m = vec![0.0f32; dim * dim];
+    let mut e = vec![0.0f32; dim];
+    let mut col = vec![0.0f32; dim];
+    for j in 0..dim {
+        e.iter_mut().for_each(|v| *v = 0.0);
+        e[j] = 1.0;
+        rot.forward(&e, &mut col);
+        for i in 0..dim {
+            m[i * dim + j] = col[i];
+        }
+    }
+    m
+}
+
+fn centroids(dim: usize, bits: u32) -> Vec<f32> {
+    ScalarCodebook::sphere(dim, bits).unwrap().centroids().to_vec()
+}
+
+/// Roughly Gaussian values (sum of uniforms), standard deviation `scale`.
+fn gaussian(rng: &mut ChaCha8Rng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len).map(|_| ((0..4).map(|_| rng.random::<f32>()).sum::<f32>() - 2.0) * 1.73 * scale).collect()
+}
+
+fn conv<T: Float>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| <T as Float>::from_f32(v)).collect()
+}
+
+/// `y = Π x` for each row of `x` (what the windows hold), in f32.
+fn rotate(rot: &[f32], x: &[f32], d: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; x.len()];
+    for (src, dst) in x.chunks(d).zip(out.chunks_mut(d)) {
+        for i in 0..d {
+            dst[i] = (0..d).map(|j| rot[i * d + j] * src[j]).sum();
+        }
+    }
+    out
+}
+
+// ---------------------------------------------------------------- tq_encode
+
+/// The host's launch (`kernels::turboquant::tq_encode`): no launch for N = 0,
+/// else grid N*D threads in threadgroups of D, params {N}; without a rotation
+/// (vectors rotated already) a one-element placeholder and ROTATE = false.
+fn gpu_encode<T: Element>(
+    x: &[T],
+    n: usize,
+    d: usize,
+    bits: u32,
+    rot: Option<&[f32]>,
+    cent: &[f32],
+) -> Option<(Vec<u8>, Vec<f16>)> {
+    if n == 0 {
+        return None;
+    }
+    let row_bytes = d * bits as usize / 8;
+    let rotation = match rot {
+        Some(r) => HostArray::new(&[d, d], r),
+        None => HostArray::new(&[1], &[0.0f32]),
+    };
+    let out = encode_kernel()
+        .launch()
+        .input(HostArray::new(&[n, d], x))
+        .input(rotation)
+        .input(HostArray::new(&[1 << bits], cent))
+        .input(HostArray::new(&[1], &[n as u32]))
+        .output(&[n, row_bytes], Dtype::U8)
+        .output(&[n], Dtype::F16)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .template("B_BITS", TemplateArg::Int(bits as i32))
+        .template("ROTATE", TemplateArg::Bool(rot.is_some()))
+        .grid((n * d) as u32, 1, 1)
+        .threadgroup(d as u32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("tq_encode {:?} n={n} d={d} bits={bits} rotate={}: {e}", T::DTYPE, rot.is_some()));
+    Some((out[0].to_vec(), out[1].to_vec()))
+}
+
+/// `n` vectors: random, one zero vector (norm 0, codes of y = 0), and in f32
+/// one beyond float16's range (norm saturated at 65504).
+fn encode_input(n: usize, d: usize, seed: u64, big: bool) -> Vec<f32> {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut x = gaussian(&mut rng, n * d, 1.0);
+    if n > 3 {
+        x[3 * d..4 * d].iter_mut().for_each(|v| *v = 0.0);
+    }
+    if n > 7 && big {
+        x[7 * d..8 * d].iter_mut().for_each(|v| *v *= 3.0e4);
+    }
+    x
+}
+
+fn check_encode<T: Float + Element>(n: usize, d: usize, bits: u32, rot: Option<&[f32]>, cent: &[f32]) {
+    let x: Vec<T> = conv(&encode_input(n, d, (n * 1000 + d) as u64 + u64::from(bits), T::DTYPE == Dtype::F32));
+    let row_bytes = d * bits as usize / 8;
+    let (mut codes, mut norms) = (vec![0u8; n * row_bytes], vec![f16::ZERO; n]);
+    tq::tq_encode(&x, rot, cent, d, bits, &mut codes, &mut norms);
+    let tag = format!("{:?} n={n} d={d} bits={bits} rotate={}", T::DTYPE, rot.is_some());
+    match gpu_encode(&x, n, d, bits, rot, cent) {
+        None => assert!(n == 0 && codes.is_empty() && norms.is_empty(), "{tag}"),
+        Some((gc, gn)) => {
+            let (gn, norms): (Vec<u16>, Vec<u16>) =
+                (gn.iter().map(|v| v.to_bits()).collect(), norms.iter().map(|v| v.to_bits()).collect());
+            assert_eq!(gn, norms, "tq_encode norms {tag}");
+            assert_eq!(gc, codes, "tq_encode codes {tag}");
+            if n > 3 {
+                assert_eq!(norms[3], 0, "zero vector {tag}");
+            }
+        }
+    }
+}
+
+const DIMS: [usize; 5] = [64, 80, 96, 128, 256];
+const BITS: [u32; 5] = [1, 2, 3, 4, 8];
+
+#[test]
+fn tq_encode_matches_cpu() {
+    for (di, &d) in DIMS.iter().enumerate() {
+        let rot = rotation_matrix(d, 7 + d as u64);
+        for (bi, &bits) in BITS.iter().enumerate() {
+            let cent = centroids(d, bits);
+            for n in [0, 1, 37] {
+                check_encode::<f32>(n, d, bits, Some(&rot), &cent);
+            }
+            // f16 and bf16 are converted to f32 first: every (D, bits) pair
+            // once over the two, to keep the number of instantiations down.
+            if (di + bi) % 2 == 0 {
+                check_encode::<f16>(37, d, bits, Some(&rot), &cent);
+            } else {
+                check_encode::<bf16>(37, d, bits, Some(&rot), &cent);
+            }
+        }
+        check_encode::<f16>(1, d, BITS[di], Some(&rot), &centroids(d, BITS[di]));
+    }
+}
+
+/// Without a rotation (the cache encodes its windows, rotated already): the
+/// one-element placeholder rotation is never read. The packing is covered
+/// above; here each D once, every bit width once.
+#[test]
+fn tq_encode_without_rotation_matches_cpu() {
+    for (i, &d) in DIMS.iter().enumerate() {
+        let bits = BITS[i];
+        check_encode::<f32>(37, d, bits, None, &centroids(d, bits));
+        check_encode::<f32>(1, d, bits, None, &centroids(d, bits));
+    }
+    check_encode::<f16>(37, 128, 4, None, &centroids(128, 4));
+    check_encode::<bf16>(37, 64, 3, None, &centroids(64, 3));
+    check_encode::<f32>(0, 64, 4, None, &centroids(64, 4));
+}
+
+#[test]
+fn tq_encode_zero_vector_alone() {
+    let d = 128;
+    let rot = rotation_matrix(d, 3);
+    for bits in [1, 3] {
+        let cent = centroids(d, bits);
+        let x = vec![0.0f32; d];
+        let row_bytes = d * bits as usize / 8;
+        let (mut codes, mut norms) = (vec![0u8; row_bytes], vec![f16::ONE; 1]);
+        tq::tq_encode(&x, Some(&rot), &cent, d, bits, &mut codes, &mut norms);
+        let (gc, gn) = gpu_encode(&x, 1, d, bits, Some(&rot), &cent).unwrap();
+        assert_eq!(gn[0].to_bits(), 0, "norm of the zero vector, bits={bits}");
+        assert_eq!(norms[0].to_bits(), 0);
+        assert_eq!(gc, codes, "codes of the zero vector, bits={bits}");
+    }
+}
+
+// ------------------------------------------------- tq_attention + tq_reduce
+
+const MAX_TILE_ROWS: usize = 16;
+const ATTENTION_THREADS: usize = 128;
+
+/// `kernels::turboquant::tile_rows`: (queries per tile, rows per tile = QN).
+fn tile_rows(g: usize, queries: usize) -> (usize, usize) {
+    assert!(g <= MAX_TILE_ROWS);
+    let per_tile = if queries == 1 { 1 } else { (MAX_TILE_ROWS / g).min(queries) };
+    (per_tile, g * per_tile)
+}
+
+/// One layer's stored data, laid out as the cache holds it.
+struct Layer<T> {
+    rot: Vec<f32>,
+    k_codes: Vec<u8>,
+    k_norms: Vec<f16>,
+    k_cent: Vec<f32>,
+    v_codes: Vec<u8>,
+    v_norms: Vec<f16>,
+    v_cent: Vec<f32>,
+    win_k: Vec<T>,
+    win_v: Vec<T>,
+}
+
+impl<T: VqElement> Layer<T> {
+    fn inputs(&self) -> AttentionInputs<'_, T> {
+        AttentionInputs {
+            rot_k: &self.rot,
+            rot_v: &self.rot,
+            k_codes: &self.k_codes,
+            k_norms: &self.k_norms,
+            k_centroids: &self.k_cent,
+            v_codes: &self.v_codes,
+            v_norms: &self.v_norms,
+            v_centroids: &self.v_cent,
+            win_k: &self.win_k,
+            win_v: &self.win_v,
+        }
+    }
+}
+
+/// Keys and values of every token rotated into `T` (the windows hold them so)
+/// and, for the compressed part, encoded from there by the CPU encoder
+/// without a rotation, as the cache does when tokens leave the window. Sinks
+/// sit in window slots 0.., the recent tokens after them. Unused slots:
+/// random code bytes, NaN norms, NaN window rows.
+fn build_layer<T: Float>(sh: &AttentionShape, seed: u64) -> Layer<T> {
+    let (d, heads, total) = (sh.dim, sh.batch * sh.kv_heads, sh.total());
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let rot = rotation_matrix(d, seed);
+    let (k_cent, v_cent) = (centroids(d, sh.key_bits), centroids(d, sh.value_bits));
+    let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
+    let mut layer = Layer {
+        k_codes: (0..heads * sh.capacity * kb).map(|_| rng.random::<u8>()).collect(),
+        k_norms: vec![f16::NAN; heads * sh.capacity],
+        v_codes: (0..heads * sh.capacity * vb).map(|_| rng.random::<u8>()).collect(),
+        v_norms: vec![f16::NAN; heads * sh.capacity],
+        win_k: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
+        win_v: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
+        rot,
+        k_cent,
+        v_cent,
+    };
+    for h in 0..heads {
+        // Keys with a per-token scale, so that the softmax is far from uniform.
+        let mut keys = gaussian(&mut rng, total * d, 1.0);
+        for (t, row) in keys.chunks_mut(d).enumerate() {
+            let s = 0.5 + 2.0 * ((t * 7919 + h * 31) % 17) as f32 / 17.0;
+            row.iter_mut().for_each(|v| *v *= s);
+        }
+        let values = gaussian(&mut rng, total * d, 1.0);
+        let rk: Vec<T> = conv(&rotate(&layer.rot, &keys, d));
+        let rv: Vec<T> = conv(&rotate(&layer.rot, &values, d));
+        let (c0, c1) = (sh.sinks, sh.sinks + sh.compressed);
+        let slots = h * sh.capacity..h * sh.capacity + sh.compressed;
+        tq::tq_encode(
+            &rk[c0 * d..c1 * d],
+            None,
+            &layer.k_cent,
+            d,
+            sh.key_bits,
+            &mut layer.k_codes[slots.start * kb..slots.end * kb],
+            &mut layer.k_norms[slots.clone()],
+        );
+        tq::tq_encode(
+            &rv[c0 * d..c1 * d],
+            None,
+            &layer.v_cent,
+            d,
+            sh.value_bits,
+            &mut layer.v_codes[slots.start * vb..slots.end * vb],
+            &mut layer.v_norms[slots],
+        );
+        let w0 = h * sh.window_capacity * d;
+        for (w, t) in (0..sh.sinks).chain(c1..total).enumerate() {
+            let dst = w0 + w * d;
+            layer.win_k[dst..dst + d].copy_from_slice(&rk[t * d..(t + 1) * d]);
+            layer.win_v[dst..dst + d].copy_from_slice(&rv[t * d..(t + 1) * d]);
+        }
+    }
+    layer
+}
+
+/// `kernels::turboquant::attention_gpu`: the split plan, the attention pass
+/// into float32 partials, the reduction into `[rows, D]` of `T`. Returns the
+/// output and the number of splits.
+fn gpu_attention<T: Element>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32) -> (Vec<T>, usize) {
+    let g = sh.q_heads / sh.kv_heads;
+    let (per_tile, qn) = tile_rows(g, sh.queries);
+    let total = sh.total();
+    let q_tiles = sh.queries.div_ceil(per_tile);
+    let units = sh.batch * sh.kv_heads * q_tiles;
+    let wanted_splits = (1024 / units.max(1)).max(1);
+    let split_tokens = total.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS) * ATTENTION_THREADS;
+    let num_splits = total.div_ceil(split_tokens);
+    let rows = sh.batch * sh.q_heads * sh.queries;
+    let params: Vec<u32> = [
+        sh.batch,
+        sh.q_heads,
+        sh.kv_heads,
+        sh.queries,
+        sh.sinks,
+        sh.compressed,
+        sh.recent,
+        sh.capacity,
+        sh.window_capacity,
+        split_tokens,
+        num_splits,
+        q_tiles,
+        usize::from(sh.causal),
+    ]
+    .iter()
+    .map(|&v| v as u32)
+    .collect();
+    let d = sh.dim;
+    let (heads, kb, vb) = (sh.batch * sh.kv_heads, d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
+    let blocks = units * num_splits;
+    let tag = format!("{:?} {sh:?}", T::DTYPE);
+    let parts = attention_kernel()
+        .launch()
+        .input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, d], q))
+        .input(HostArray::new(&[d, d], &layer.rot))
+        .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, kb], &layer.k_codes))
+        .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity], &layer.k_norms))
+        .input(HostArray::new(&[1 << sh.key_bits], &layer.k_cent))
+        .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, vb], &layer.v_codes))
+        .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity], &layer.v_norms))
+        .input(HostArray::new(&[1 << sh.value_bits], &layer.v_cent))
+        .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.window_capacity, d], &layer.win_k))
+        .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.window_capacity, d], &layer.win_v))
+        .input(HostArray::new(&[params.len()], &params))
+        .input(HostArray::new(&[1], &[scale]))
+        .output(&[rows, num_splits], Dtype::F32)
+        .output(&[rows, num_splits], Dtype::F32)
+        .output(&[rows, num_splits, d], Dtype::F32)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .template("KB", TemplateArg::Int(sh.key_bits as i32))
+        .template("VB", TemplateArg::Int(sh.value_bits as i32))
+        .template("QN", TemplateArg::Int(qn as i32))
+        .grid((blocks * ATTENTION_THREADS) as u32, 1, 1)
+        .threadgroup(ATTENTION_THREADS as u32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("tq_attention {tag}: {e}"));
+    assert_eq!(heads * sh.capacity * kb, layer.k_codes.len());
+    let out = reduce_kernel()
+        .launch()
+        .input(parts[0].clone())
+        .input(parts[1].clone())
+        .input(parts[2].clone())
+        .input(HostArray::new(&[d, d], &layer.rot))
+        .input(HostArray::new(&[2], &[rows as u32, num_splits as u32]))
+        .output(&[rows, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .grid((rows * d) as u32, 1, 1)
+        .threadgroup(d as u32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
+    (out[0].to_vec(), num_splits)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, parts: (usize, usize, usize), causal: bool) -> AttentionShape {
+    let (sinks, compressed, recent) = parts;
+    AttentionShape {
+        batch: b,
+        q_heads: hq,
+        kv_heads: hkv,
+        queries: l,
+        dim: d,
+        key_bits: 4,
+        value_bits: 3,
+        sinks,
+        compressed,
+        recent,
+        // Room left in both stores, as in the cache.
+        capacity: compressed + 13,
+        window_capacity: sinks + recent + 5,
+        causal,
+    }
+}
+
+/// Runs one case; returns the number of splits the host would use.
+fn check_attention<T: Float + FromF32 + Element>(sh: AttentionShape, tol: f32, seed: u64) -> usize {
+    let layer = build_layer::<T>(&sh, seed);
+    let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
+    let q: Vec<T> = conv(&gaussian(&mut rng, sh.batch * sh.q_heads * sh.queries * sh.dim, 1.0));
+    let scale = 1.0 / (sh.dim as f32).sqrt();
+    let mut want = vec![<T as Float>::from_f32(0.0); q.len()];
+    tq::tq_attention(&q, &layer.inputs(), &sh, scale, &mut want);
+    let (got, splits) = gpu_attention(&q, &layer, &sh, scale);
+    let (got, want): (Vec<f32>, Vec<f32>) =
+        (got.iter().map(|v| v.to_f32()).collect(), want.iter().map(|v| v.to_f32()).collect());
+    assert!(want.iter().all(|v| v.is_finite()), "CPU output not finite: {sh:?}");
+    let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+    let max_err = got.iter().zip(&want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    assert!(max_ref > 0.0);
+    let rel = max_err / max_ref;
+    assert!(rel <= tol, "{:?} {sh:?}: relative error {rel:e} > {tol:e} (splits {splits})", T::DTYPE);
+    splits
+}
+
+#[test]
+fn tq_attention_decode_matches_cpu() {
+    for d in [64, 128] {
+        for (hq, hkv) in [(2, 2), (8, 2)] {
+            // Sinks, compressed and recent non-empty; 3 splits of 128 tokens.
+            let s = check_attention::<f32>(shape(1, hq, hkv, 1, d, (4, 300, 40), true), 1e-5, d as u64 + hq as u64);
+            assert!(s > 1, "expected several splits, got {s}");
+        }
+    }
+    // Batch 2, a single split, no sinks; and only windows, no compressed part.
+    check_attention::<f32>(shape(2, 4, 1, 1, 64, (0, 50, 7), false), 1e-5, 11);
+    check_attention::<f32>(shape(1, 4, 1, 1, 64, (3, 0, 9), true), 1e-5, 12);
+}
+
+#[test]
+fn tq_attention_multi_token_causal_matches_cpu() {
+    for d in [64, 128] {
+        // G = 1: QN = 5, one tile; G = 4: QN = 16 (4 queries per tile), two
+        // tiles, the second one partial.
+        for (hq, hkv) in [(2, 2), (8, 2)] {
+            let s = check_attention::<f32>(shape(1, hq, hkv, 5, d, (4, 300, 40), true), 1e-5, 100 + d as u64 + hq as u64);
+            assert!(s > 1);
+        }
+    }
+    // Causal with the queries inside the compressed part's reach: L larger
+    // than the recent window, so early queries see no recent token.
+    check_attention::<f32>(shape(1, 4, 2, 5, 64, (2, 140, 3), true), 1e-5, 21);
+    // Non-causal multi-token.
+    check_attention::<f32>(shape(1, 4, 2, 5, 64, (2, 140, 3), false), 1e-5, 22);
+}
+
+#[test]
+fn tq_attention_f16_matches_cpu() {
+    let s = check_attention::<f16>(shape(1, 8, 2, 1, 128, (4, 300, 40), true), 1e-2, 31);
+    assert!(s > 1);
+    check_attention::<f16>(shape(1, 8, 2, 5, 64, (4, 300, 40), true), 1e-2, 32);
+}
+
