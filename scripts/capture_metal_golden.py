@@ -70,9 +70,73 @@ ALL_ATTRIBUTES = [
 ]
 
 
-def kernel_case(name, kernel, inputs, outputs, template):
-    return dict(name=name, kernel=kernel, inputs=inputs, outputs=outputs,
-                template=template, body_file=f"metal/{kernel}.metal")
+def kernel_case(name, kernel, inputs, outputs, template, body=None, header=None):
+    """A case whose body (and header) are files of metal/; `body` defaults to
+    metal/<kernel>.metal."""
+    case = dict(name=name, kernel=kernel, inputs=inputs, outputs=outputs,
+                template=template, body_file=f"metal/{body or kernel}.metal")
+    if header:
+        case["header_file"] = f"metal/{header}"
+    return case
+
+
+def tq_cases():
+    """The TurboQuant cache kernels with the names, input order and template
+    arguments src/kernels/turboquant.rs gives MLX, including inputs small
+    enough for constant memory (a 1-element placeholder rotation, 2- and
+    4-entry codebooks, the scale, short params and partials)."""
+    out = []
+    enc_in = lambda t, d, b, rot: [
+        ("x", t, (37, d)), ("rotation", "float32", (d, d) if rot else (1,)),
+        ("centroids", "float32", (1 << b,)), ("params", "uint32", (1,))]
+    enc_out = [("codes", "uint8"), ("norms", "float16")]
+    enc_t = lambda t, d, b, rot: [("T", "dtype", t), ("D", "int", d), ("B_BITS", "int", b), ("ROTATE", "bool", rot)]
+    for b in [1, 2, 3, 4, 8]:
+        out.append(kernel_case(f"tq_encode_float32_d128_b{b}", "veloxquant_tq_encode",
+                               enc_in("float32", 128, b, True), enc_out, enc_t("float32", 128, b, True),
+                               body="tq_encode"))
+    for t, d, b in [("float16", 64, 3), ("bfloat16", 256, 4), ("float32", 80, 2)]:
+        out.append(kernel_case(f"tq_encode_{t}_d{d}_b{b}_norotate", "veloxquant_tq_encode",
+                               enc_in(t, d, b, False), enc_out, enc_t(t, d, b, False), body="tq_encode"))
+    out.append(kernel_case("tq_encode_float16_d96_b8", "veloxquant_tq_encode",
+                           enc_in("float16", 96, 8, True), enc_out, enc_t("float16", 96, 8, True),
+                           body="tq_encode"))
+
+    def att(name, t, d, kb, vb, hq, hkv, l, qn, cap=256, wcap=68):
+        inputs = [
+            ("q", t, (1, hq, l, d)), ("rot_k", "float32", (d, d)),
+            ("k_codes", "uint8", (1, hkv, cap, d * kb // 8)), ("k_norms", "float16", (1, hkv, cap)),
+            ("k_cent", "float32", (1 << kb,)),
+            ("v_codes", "uint8", (1, hkv, cap, d * vb // 8)), ("v_norms", "float16", (1, hkv, cap)),
+            ("v_cent", "float32", (1 << vb,)),
+            ("win_k", t, (1, hkv, wcap, d)), ("win_v", t, (1, hkv, wcap, d)),
+            ("params", "uint32", (13,)), ("scale", "float32", (1,))]
+        outputs = [("m_out", "float32"), ("l_out", "float32"), ("acc_out", "float32")]
+        template = [("T", "dtype", t), ("D", "int", d), ("KB", "int", kb), ("VB", "int", vb), ("QN", "int", qn)]
+        out.append(kernel_case(name, "veloxquant_tq_attention", inputs, outputs, template,
+                               body="tq_attention", header="tq_common.h"))
+
+    att("tq_attention_float32_d128_k4v3_qn1", "float32", 128, 4, 3, 2, 2, 1, 1)
+    att("tq_attention_float32_d64_k4v3_qn4", "float32", 64, 4, 3, 8, 2, 1, 4)
+    att("tq_attention_float16_d128_k4v3_qn16", "float16", 128, 4, 3, 8, 2, 5, 16)
+    att("tq_attention_bfloat16_d64_k4v3_qn5", "bfloat16", 64, 4, 3, 2, 2, 5, 5)
+    # 2- and 4-entry codebooks land in constant memory; no window slots at all.
+    att("tq_attention_float16_d256_k1v2_qn1", "float16", 256, 1, 2, 4, 4, 1, 1, wcap=0)
+    att("tq_attention_float32_d80_k8v4_qn2", "float32", 80, 8, 4, 2, 1, 3, 2)
+
+    def red(name, t, d, rows, splits):
+        inputs = [("part_m", "float32", (rows, splits)), ("part_l", "float32", (rows, splits)),
+                  ("part_acc", "float32", (rows, splits, d)), ("rot_v", "float32", (d, d)),
+                  ("params", "uint32", (2,))]
+        out.append(kernel_case(name, "veloxquant_tq_reduce", inputs, [("out", t)],
+                               [("T", "dtype", t), ("D", "int", d)], body="tq_reduce"))
+
+    red("tq_reduce_float32_d128", "float32", 128, 8, 3)
+    red("tq_reduce_float16_d64", "float16", 64, 40, 1)
+    red("tq_reduce_bfloat16_d256", "bfloat16", 256, 16, 2)
+    # A single row of a single split: the partials are in constant memory.
+    red("tq_reduce_float32_d64_small", "float32", 64, 1, 1)
+    return out
 
 
 def cases():
@@ -182,6 +246,7 @@ def cases():
         inputs=[("x", "float32", (16,))],
         outputs=[("a", "float32"), ("b", "float32")],
         body="a[0] = x[0] + float(x_shape[0]);\nb[0] = x[1];\n"))
+    out.extend(tq_cases())
     return out
 
 
@@ -248,7 +313,9 @@ def write_case(case):
             value = "true" if value else "false"
         lines.append(f"template {n} {kind} {value}")
     lines.append(f"atomic_outputs {'true' if case.get('atomic_outputs') else 'false'}")
-    if "header" in case:
+    if "header_file" in case:
+        lines.append(f"header_file {case['header_file']}")
+    elif "header" in case:
         (OUT / f"{name}.header.metal").write_bytes(case["header"].encode())
         lines.append(f"header_file tests/golden/metal/{name}.header.metal")
     if "body_file" in case:
@@ -262,6 +329,8 @@ def write_case(case):
 def main():
     OUT.mkdir(parents=True, exist_ok=True)
     for case in cases():
+        if "header_file" in case:
+            case["header"] = (ROOT / case["header_file"]).read_text()
         if "body_file" in case:
             case["source"] = (ROOT / case["body_file"]).read_text()
         else:
