@@ -450,6 +450,8 @@ fn check_attention<T: Float + FromF32 + Element>(sh: AttentionShape, tol: f32, s
     let max_err = got.iter().zip(&want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
     assert!(max_ref > 0.0);
     let rel = max_err / max_ref;
+    eprintln!("{:?} B={} Hq={} Hkv={} L={} D={} tokens={:?} splits={splits}: relative error {rel:.2e}",
+        T::DTYPE, sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.dim, (sh.sinks, sh.compressed, sh.recent));
     assert!(rel <= tol, "{:?} {sh:?}: relative error {rel:e} > {tol:e} (splits {splits})", T::DTYPE);
     splits
 }
