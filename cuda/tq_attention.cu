@@ -1,30 +1,41 @@
-// tq_attention: one split of the keys and values of one (batch, kv head) for a
-// tile of QN query rows (G heads x QN/G queries) -> running max, sum and
-// accumulator of the online softmax, in the rotated frame.
-// Template: T, D, KB (key bits), VB (value bits), QN. Block: 128 threads.
+// tq_attention: one split of one (batch, kv head) for a tile of QN query rows
+// (G heads x QN/G queries) -> running max, sum and accumulator of the online
+// softmax, in the rotated frame. Template: T, D, KB (key bits), VB (value
+// bits), QN. Block: 128 threads (4 warps), tokens in tiles of 128.
+// Inputs: qr float32 [B, Hq, L, D] (queries rotated and scaled once by the
+// host), the compressed stores and the rotated float16 windows.
 // params = {B, Hq, Hkv, L, n_sink, n_comp, n_recent, CAP, WCAP, split_tokens,
-//           num_splits, q_tiles, causal}.
-// Tokens in position order: sinks (window slots 0..n_sink), compressed
-// (store slots), recent (window slots n_sink..).
+//           num_splits, q_tiles, causal, comp_splits}.
+// Splits [0, comp_splits) cover compressed tokens (position n_sink + index),
+// the rest cover window slots 128 at a time (sinks at positions 0.., recent
+// at n_sink + n_comp..). A tile's codes and norms are staged in shared memory
+// with coalesced loads; rows are padded to an odd number of words so that
+// threads reading their own row hit distinct banks.
 constexpr int TG = 128;
+constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
 constexpr int KROW = D * KB / 8;
 constexpr int VROW = D * VB / 8;
+constexpr int KSTRIDE = (((KROW + 3) / 4) | 1) * 4;
 __shared__ float qs[QN * D];
-__shared__ float sc[QN * TG];
-__shared__ float m_s[QN];
-__shared__ float l_s[QN];
-__shared__ float a_s[QN];
+__shared__ __align__(16) uint8_t kbuf[TG * KSTRIDE];
+__shared__ __align__(16) uint8_t vbuf[TG * VROW + 4];
+__shared__ float kn_s[TG];
+__shared__ float vn_s[TG];
+__shared__ float p_s[QN * TG];
+__shared__ float red[QN * WARPS];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
 const uint32_t Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
 const uint32_t n_sink = params[4], n_comp = params[5], n_recent = params[6];
 const uint32_t CAP = params[7], WCAP = params[8], split_tokens = params[9];
 const uint32_t num_splits = params[10], q_tiles = params[11], causal = params[12];
+const uint32_t comp_splits = params[13];
 const uint32_t G = Hq / Hkv;
 const uint32_t QT = QN / G;
 const uint32_t total = n_sink + n_comp + n_recent;
 const int tid = threadIdx.x;
+const int lane = tid & 31, warp = tid >> 5;
 uint32_t blk = blockIdx.x;
 const uint32_t split = blk % num_splits;
 blk /= num_splits;
@@ -36,25 +47,21 @@ if (b >= Bn) {
   return;
 }
 const uint64_t head = uint64_t(b) * Hkv + hk;
-const float qscale = scale[0];
-// Row r: head hk*G + r / QT, query qt*QT + r % QT.
+const float ninf = -__int_as_float(0x7f800000);
 for (int k = tid; k < (1 << KB); k += TG) kc[k] = k_cent[k];
 for (int k = tid; k < (1 << VB); k += TG) vc[k] = v_cent[k];
 for (int e = tid; e < QN * D; e += TG) {
   const int r = e / D, i = e % D;
   const uint32_t ql = qt * QT + r % QT;
-  float y = 0.0f;
-  if (ql < L) {
-    const uint64_t qrow = ((uint64_t(b) * Hq + hk * G + r / QT) * L + ql) * D;
-    for (int j = 0; j < D; ++j) {
-      y += rot_k[i * D + j] * static_cast<float>(q[qrow + j]);
-    }
-  }
-  qs[e] = y * qscale;
+  qs[e] = ql < L ? qr[((uint64_t(b) * Hq + hk * G + r / QT) * L + ql) * D + i] : 0.0f;
 }
-if (tid < QN) {
-  m_s[tid] = -__int_as_float(0x7f800000);
-  l_s[tid] = 0.0f;
+// The query positions of this thread's rows, and the running softmax state
+// (kept identically by every thread).
+float m_run[QN], l_run[QN];
+#pragma unroll
+for (int r = 0; r < QN; ++r) {
+  m_run[r] = ninf;
+  l_run[r] = 0.0f;
 }
 float acc[QN][DPT];
 #pragma unroll
@@ -62,91 +69,123 @@ for (int r = 0; r < QN; ++r) {
 #pragma unroll
   for (int c = 0; c < DPT; ++c) acc[r][c] = 0.0f;
 }
+const bool compressed = split < comp_splits;
+uint32_t t_begin, t_end;  // compressed indices, or window slots
+if (compressed) {
+  t_begin = split * split_tokens;
+  t_end = min(t_begin + split_tokens, n_comp);
+} else {
+  t_begin = (split - comp_splits) * TG;
+  t_end = min(t_begin + TG, n_sink + n_recent);
+}
 __syncthreads();
-const uint32_t t_begin = split * split_tokens;
-const uint32_t t_end = min(t_begin + split_tokens, total);
 for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
+  const uint32_t count = min(uint32_t(TG), t_end - tile);
   const uint32_t t = tile + tid;
   float s[QN];
 #pragma unroll
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
-  if (t < t_end) {
-    if (t >= n_sink && t < n_sink + n_comp) {
-      const uint64_t slot = head * CAP + (t - n_sink);
-      const uint8_t* krow = k_codes + slot * KROW;
+  uint32_t pos = 0xffffffffu;
+  if (compressed) {
+    // Stage the tile: codes (coalesced bytes; rows padded), norms.
+    const uint8_t* ksrc = k_codes + (head * CAP + tile) * KROW;
+    for (uint32_t e = tid; e < count * KROW; e += TG) kbuf[(e / KROW) * KSTRIDE + e % KROW] = ksrc[e];
+    const uint8_t* vsrc = v_codes + (head * CAP + tile) * VROW;
+    for (uint32_t e = tid; e < count * VROW; e += TG) vbuf[e] = vsrc[e];
+    if (tid < count) {
+      kn_s[tid] = __half2float(k_norms[head * CAP + t]);
+      vn_s[tid] = __half2float(v_norms[head * CAP + t]);
+    }
+    __syncthreads();
+    if (tid < count) {
+      pos = n_sink + t;
+      const uint8_t* krow = kbuf + tid * KSTRIDE;
       for (int j = 0; j < D; ++j) {
         const float c = kc[vq_code_at(krow, j, KB)];
 #pragma unroll
         for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * c;
       }
-      const float kn = __half2float(k_norms[slot]);
 #pragma unroll
-      for (int r = 0; r < QN; ++r) s[r] *= kn;
-    } else {
-      const uint32_t w = t < n_sink ? t : t - n_comp;
-      const T* krow = win_k + (head * WCAP + w) * D;
-      for (int j = 0; j < D; ++j) {
-        const float kv = static_cast<float>(krow[j]);
+      for (int r = 0; r < QN; ++r) s[r] *= kn_s[tid];
+    }
+  } else if (tid < count) {
+    pos = t < n_sink ? t : n_comp + t;
+    const T* krow = win_k + (head * WCAP + t) * D;
+    for (int j = 0; j < D; ++j) {
+      const float kv = static_cast<float>(krow[j]);
 #pragma unroll
-        for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kv;
-      }
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kv;
     }
   }
+  // Block-wide max and sum per row with warp shuffles.
+  float mx[QN];
 #pragma unroll
   for (int r = 0; r < QN; ++r) {
     const uint32_t ql = qt * QT + r % QT;
-    const bool visible = t < t_end && ql < L && !(causal && t > total - L + ql);
-    sc[r * TG + tid] = visible ? s[r] : -__int_as_float(0x7f800000);
+    const bool visible = pos != 0xffffffffu && ql < L && !(causal && pos > total - L + ql);
+    s[r] = visible ? s[r] : ninf;
+    float v = s[r];
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+    if (lane == 0) red[r * WARPS + warp] = v;
   }
   __syncthreads();
-  if (tid < QN) {
-    const int r = tid;
-    float mx = m_s[r];
-    for (int k = 0; k < TG; ++k) mx = fmaxf(mx, sc[r * TG + k]);
-    const float alpha = mx == -__int_as_float(0x7f800000) ? 1.0f : expf(m_s[r] - mx);
+#pragma unroll
+  for (int r = 0; r < QN; ++r) {
+    float v = red[r * WARPS];
+#pragma unroll
+    for (int w = 1; w < WARPS; ++w) v = fmaxf(v, red[r * WARPS + w]);
+    mx[r] = fmaxf(m_run[r], v);
+  }
+  __syncthreads();
+  float alpha[QN];
+#pragma unroll
+  for (int r = 0; r < QN; ++r) {
+    const float p = mx[r] == ninf ? 0.0f : __expf(s[r] - mx[r]);
+    p_s[r * TG + tid] = p;
+    float v = p;
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+    if (lane == 0) red[r * WARPS + warp] = v;
+    alpha[r] = mx[r] == ninf ? 1.0f : __expf(m_run[r] - mx[r]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int r = 0; r < QN; ++r) {
     float sum = 0.0f;
-    for (int k = 0; k < TG; ++k) {
-      const float p = mx == -__int_as_float(0x7f800000) ? 0.0f : expf(sc[r * TG + k] - mx);
-      sc[r * TG + k] = p;
-      sum += p;
-    }
-    l_s[r] = l_s[r] * alpha + sum;
-    m_s[r] = mx;
-    a_s[r] = alpha;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) sum += red[r * WARPS + w];
+    l_run[r] = l_run[r] * alpha[r] + sum;
+    m_run[r] = mx[r];
   }
-  __syncthreads();
+  // Values: each thread owns DPT dimensions and walks the tile's tokens.
 #pragma unroll
   for (int c = 0; c < DPT; ++c) {
     const int i = tid + c * TG;
     if (i < D) {
 #pragma unroll
-      for (int r = 0; r < QN; ++r) acc[r][c] *= a_s[r];
-      const uint32_t count = min(uint32_t(TG), t_end - tile);
+      for (int r = 0; r < QN; ++r) acc[r][c] *= alpha[r];
       for (uint32_t k = 0; k < count; ++k) {
-        const uint32_t tt = tile + k;
         float v;
-        if (tt >= n_sink && tt < n_sink + n_comp) {
-          const uint64_t slot = head * CAP + (tt - n_sink);
-          v = vc[vq_code_at(v_codes + slot * VROW, i, VB)] * __half2float(v_norms[slot]);
+        if (compressed) {
+          v = vc[vq_code_at(vbuf + k * VROW, i, VB)] * vn_s[k];
         } else {
-          const uint32_t w = tt < n_sink ? tt : tt - n_comp;
-          v = static_cast<float>(win_v[(head * WCAP + w) * D + i]);
+          v = static_cast<float>(win_v[(head * WCAP + tile + k) * D + i]);
         }
 #pragma unroll
-        for (int r = 0; r < QN; ++r) acc[r][c] += sc[r * TG + k] * v;
+        for (int r = 0; r < QN; ++r) acc[r][c] += p_s[r * TG + k] * v;
       }
     }
   }
   __syncthreads();
 }
-// Outputs per row: m, l [R, S] and acc [R, S, D], R = B * Hq * L.
 for (int r = 0; r < QN; ++r) {
   const uint32_t ql = qt * QT + r % QT;
   if (ql >= L) continue;
   const uint64_t row = (uint64_t(b) * Hq + hk * G + r / QT) * L + ql;
   if (tid == 0) {
-    m_out[row * num_splits + split] = m_s[r];
-    l_out[row * num_splits + split] = l_s[r];
+    m_out[row * num_splits + split] = m_run[r];
+    l_out[row * num_splits + split] = l_run[r];
   }
 #pragma unroll
   for (int c = 0; c < DPT; ++c) {

@@ -84,7 +84,7 @@ def tq_cases():
     """The TurboQuant cache kernels with the names, input order and template
     arguments src/kernels/turboquant.rs gives MLX, including inputs small
     enough for constant memory (a 1-element placeholder rotation, 2- and
-    4-entry codebooks, the scale, short params and partials)."""
+    4-entry codebooks, short params and partials)."""
     out = []
     enc_in = lambda t, d, b, rot: [
         ("x", t, (37, d)), ("rotation", "float32", (d, d) if rot else (1,)),
@@ -104,13 +104,13 @@ def tq_cases():
 
     def att(name, t, d, kb, vb, hq, hkv, l, qn, cap=256, wcap=68):
         inputs = [
-            ("q", t, (1, hq, l, d)), ("rot_k", "float32", (d, d)),
+            ("qr", "float32", (1, hq, l, d)),
             ("k_codes", "uint8", (1, hkv, cap, d * kb // 8)), ("k_norms", "float16", (1, hkv, cap)),
             ("k_cent", "float32", (1 << kb,)),
             ("v_codes", "uint8", (1, hkv, cap, d * vb // 8)), ("v_norms", "float16", (1, hkv, cap)),
             ("v_cent", "float32", (1 << vb,)),
             ("win_k", t, (1, hkv, wcap, d)), ("win_v", t, (1, hkv, wcap, d)),
-            ("params", "uint32", (13,)), ("scale", "float32", (1,))]
+            ("params", "uint32", (14,))]
         outputs = [("m_out", "float32"), ("l_out", "float32"), ("acc_out", "float32")]
         template = [("T", "dtype", t), ("D", "int", d), ("KB", "int", kb), ("VB", "int", vb), ("QN", "int", qn)]
         out.append(kernel_case(name, "veloxquant_tq_attention", inputs, outputs, template,

@@ -40,7 +40,7 @@ fn encode_kernel() -> MetalKernel {
 fn attention_kernel() -> MetalKernel {
     MetalKernel::new(
         "veloxquant_tq_attention",
-        &["q", "rot_k", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params", "scale"],
+        &["qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params"],
         &["m_out", "l_out", "acc_out"],
         &read("metal/tq_attention.metal"),
     )
@@ -337,15 +337,23 @@ fn build_layer<T: Float>(sh: &AttentionShape, seed: u64) -> Layer<T> {
 /// `kernels::turboquant::attention_gpu`: the split plan, the attention pass
 /// into float32 partials, the reduction into `[rows, D]` of `T`. Returns the
 /// output and the number of splits.
-fn gpu_attention<T: Element>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32) -> (Vec<T>, usize) {
+fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32) -> (Vec<T>, usize) {
     let g = sh.q_heads / sh.kv_heads;
     let (per_tile, qn) = tile_rows(g, sh.queries);
-    let total = sh.total();
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
     let wanted_splits = (1024 / units.max(1)).max(1);
-    let split_tokens = total.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS) * ATTENTION_THREADS;
-    let num_splits = total.div_ceil(split_tokens);
+    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS).max(1) * ATTENTION_THREADS;
+    let comp_splits = sh.compressed.div_ceil(split_tokens);
+    let num_splits = comp_splits + (sh.sinks + sh.recent).div_ceil(ATTENTION_THREADS);
+    // The host rotates and scales the queries once: qr = scale * Π q.
+    let d = sh.dim;
+    let qr: Vec<f32> = (0..q.len())
+        .map(|e| {
+            let (row, i) = (e / d, e % d);
+            scale * (0..d).map(|j| layer.rot[i * d + j] * q[row * d + j].to_f32()).sum::<f32>()
+        })
+        .collect();
     let rows = sh.batch * sh.q_heads * sh.queries;
     let params: Vec<u32> = [
         sh.batch,
@@ -361,18 +369,17 @@ fn gpu_attention<T: Element>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, sca
         num_splits,
         q_tiles,
         usize::from(sh.causal),
+        comp_splits,
     ]
     .iter()
     .map(|&v| v as u32)
     .collect();
-    let d = sh.dim;
     let (heads, kb, vb) = (sh.batch * sh.kv_heads, d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
     let blocks = units * num_splits;
     let tag = format!("{:?} {sh:?}", T::DTYPE);
     let parts = attention_kernel()
         .launch()
-        .input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, d], q))
-        .input(HostArray::new(&[d, d], &layer.rot))
+        .input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, d], &qr))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, kb], &layer.k_codes))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity], &layer.k_norms))
         .input(HostArray::new(&[1 << sh.key_bits], &layer.k_cent))
@@ -382,7 +389,6 @@ fn gpu_attention<T: Element>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, sca
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.window_capacity, d], &layer.win_k))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.window_capacity, d], &layer.win_v))
         .input(HostArray::new(&[params.len()], &params))
-        .input(HostArray::new(&[1], &[scale]))
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits, d], Dtype::F32)

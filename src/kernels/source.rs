@@ -85,8 +85,7 @@ impl Source {
             Source::VqQuantize => &["x", "codebook", "params"],
             Source::TqEncode => &["x", "rotation", "centroids", "params"],
             Source::TqAttention => &[
-                "q", "rot_k", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v",
-                "params", "scale",
+                "qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params",
             ],
             Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v", "params"],
             Source::ScalarQuantize => &["x", "codebook", "params"],

@@ -207,13 +207,24 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
     let mut imp = select(&ATTENTION, opts.policy, &stream)?;
     let g = sh.q_heads / sh.kv_heads;
     let tiles = tile_rows(g, sh.queries);
-    if matches!(imp, Implementation::Metal | Implementation::Cuda) && tiles.is_none() {
-        if opts.policy == super::Policy::Require {
-            return Err(Error::Unsupported(format!(
-                "tq_attention: {g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}"
-            )));
+    if matches!(imp, Implementation::Metal | Implementation::Cuda) {
+        let backend = stream.backend()?;
+        let why = match tiles {
+            None => Some(format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")),
+            Some((_, rows)) if attention_shared_bytes(sh.dim, sh.key_bits, sh.value_bits, rows) > shared_limit(backend) => {
+                Some(format!(
+                    "head_dim {} with {}/{} bits needs more threadgroup memory than {} offers",
+                    sh.dim, sh.key_bits, sh.value_bits, backend.name()
+                ))
+            }
+            Some(_) => None,
+        };
+        if let Some(why) = why {
+            if opts.policy == super::Policy::Require {
+                return Err(Error::Unsupported(format!("tq_attention: {why}")));
+            }
+            imp = Implementation::Reference;
         }
-        imp = Implementation::Reference;
     }
     if sh.total() == 0 || sh.queries == 0 {
         return ops::zeros(&want, q.dtype(), &stream);
@@ -264,31 +275,55 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
     }
 }
 
+/// Threads of an attention threadgroup, and tokens per tile.
+const TILE: usize = ATTENTION_THREADS;
+
+/// Static threadgroup memory of `tq_attention` for these sizes (bytes).
+fn attention_shared_bytes(d: usize, kbits: u32, vbits: u32, rows: usize) -> usize {
+    let krow = d * kbits as usize / 8;
+    let kstride = ((krow.div_ceil(4)) | 1) * 4;
+    let vrow = d * vbits as usize / 8;
+    4 * rows * d + TILE * kstride + TILE * vrow + 4 + 8 * TILE + 4 * rows * TILE + 16 * rows
+        + 4 * ((1 << kbits) + (1 << vbits))
+}
+
+/// Threadgroup memory one threadgroup may use, per back-end.
+fn shared_limit(backend: crate::stream::Backend) -> usize {
+    match backend {
+        crate::stream::Backend::Metal => 32 * 1024,
+        _ => 48 * 1024,
+    }
+}
+
 fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Array> {
     let sh = layer.shape;
-    let total = sh.total();
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
-    // Enough threadgroups to fill the GPU several times over, each at least
-    // one thread per token of its split.
+    // Compressed tokens: enough splits to fill the GPU several times over,
+    // each a whole number of tiles. Window slots: one tile per split.
     let wanted_splits = (1024 / units.max(1)).max(1);
-    let split_tokens = total.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS) * ATTENTION_THREADS;
-    let num_splits = total.div_ceil(split_tokens);
+    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE;
+    let comp_splits = sh.compressed.div_ceil(split_tokens);
+    let win_splits = (sh.sinks + sh.recent).div_ceil(TILE);
+    let num_splits = comp_splits + win_splits;
     let rows = sh.batch * sh.q_heads * sh.queries;
     let p = params(
         "queries",
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
-          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal)],
+          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
     )?;
-    let sc = Array::from_slice(&[scale], &[1])?;
+    // The query, rotated and scaled once for every threadgroup.
+    let qf = ops::astype(q, Dtype::F32, s)?;
+    let qr = ops::matmul(&qf, &ops::transpose(layer.rot_k, &[1, 0], s)?, s)?;
+    let qr = ops::multiply(&qr, &Array::scalar_f32(scale)?, s)?;
     let blocks = units * num_splits;
     let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
     let parts = gpu::launch(
         &Launch {
             source: Source::TqAttention,
-            inputs: &[q, layer.rot_k, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
-                      layer.v_centroids, layer.win_k, layer.win_v, &p, &sc],
+            inputs: &[&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
+                      layer.v_centroids, layer.win_k, layer.win_v, &p],
             outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
             threadgroup: (ATTENTION_THREADS as i32, 1, 1),
