@@ -30,7 +30,8 @@ import mlx.core  # noqa: E402  (must load libmlx before the native module)
 
 from . import _native  # noqa: E402
 from . import kernels  # noqa: E402
+from ._native import LayerCache  # noqa: E402
 from . import quant  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["kernels", "quant", "MLX_REQUIRED", "__version__"]
+__all__ = ["LayerCache", "kernels", "quant", "MLX_REQUIRED", "__version__"]
