@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs on the NVIDIA GPU machine, after .device/b/install.sh put MLX's CUDA
 # build into /root/site (see scripts/build-cuda.sh): the GPU kernel tests, the
-# Python GPU checks and the vq_quantize benchmark. Output goes to $OUT.
+# Python GPU checks and the benchmarks. Output goes to $OUT. CHECKS picks a
+# subset: any of tests, python, vq, quant, attention (default: all).
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
 mkdir -p "$OUT"
@@ -9,14 +10,16 @@ export PYTHONPATH=/root/site
 export LD_LIBRARY_PATH=/root/site/mlx/lib
 python3 -m pip install -q --no-index --no-deps --target /root/site --upgrade .device/build/veloxquant-*-cp312-*.whl
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; } | tee "$OUT/machine.txt"
+CHECKS="${CHECKS:-tests python vq quant attention}"
+want() { [[ " $CHECKS " == *" $1 "* ]]; }
 status=0
-for t in kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu; do
+want tests && for t in kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu; do
   echo "== $t" >>"$OUT/kernels_gpu.txt"
   .device/build/$t --ignored --test-threads=1 >>"$OUT/kernels_gpu.txt" 2>&1 || status=1
 done
-cat "$OUT/kernels_gpu.txt"
-python3 python/tests/check_gpu.py 2>&1 | tee "$OUT/check_gpu.txt" || status=1
-.device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
-.device/build/quant_kernels_bench --device gpu --dtype f16 2>&1 | tee "$OUT/quant_kernels_cuda.txt" || status=1
-python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
+want tests && cat "$OUT/kernels_gpu.txt"
+want python && python3 python/tests/check_gpu.py 2>&1 | tee "$OUT/check_gpu.txt" || status=1
+want vq && .device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
+want quant && .device/build/quant_kernels_bench --device gpu --dtype f16 2>&1 | tee "$OUT/quant_kernels_cuda.txt" || status=1
+want attention && python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
 exit $status
