@@ -13,13 +13,23 @@ python3 -m pip install -q --no-index --no-deps --target /root/site --upgrade .de
 CHECKS="${CHECKS:-tests python vq quant attention}"
 want() { [[ " $CHECKS " == *" $1 "* ]]; }
 status=0
-want tests && for t in kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu; do
-  echo "== $t" >>"$OUT/kernels_gpu.txt"
-  .device/build/$t --ignored --test-threads=1 >>"$OUT/kernels_gpu.txt" 2>&1 || status=1
-done
-want tests && cat "$OUT/kernels_gpu.txt"
-want python && python3 python/tests/check_gpu.py 2>&1 | tee "$OUT/check_gpu.txt" || status=1
-want vq && .device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
-want quant && .device/build/quant_kernels_bench --device gpu --dtype f16 2>&1 | tee "$OUT/quant_kernels_cuda.txt" || status=1
-want attention && python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
+if want tests; then
+  for t in kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu; do
+    echo "== $t" >>"$OUT/kernels_gpu.txt"
+    .device/build/$t --ignored --test-threads=1 >>"$OUT/kernels_gpu.txt" 2>&1 || status=1
+  done
+  cat "$OUT/kernels_gpu.txt"
+fi
+if want python; then
+  python3 python/tests/check_gpu.py 2>&1 | tee "$OUT/check_gpu.txt" || status=1
+fi
+if want vq; then
+  .device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
+fi
+if want quant; then
+  .device/build/quant_kernels_bench --device gpu --dtype f16 2>&1 | tee "$OUT/quant_kernels_cuda.txt" || status=1
+fi
+if want attention; then
+  python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
+fi
 exit $status
