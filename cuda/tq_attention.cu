@@ -17,12 +17,13 @@ constexpr int DPT = (D + TG - 1) / TG;
 constexpr int KROW = D * KB / 8;
 constexpr int VROW = D * VB / 8;
 constexpr int KSTRIDE = (((KROW + 3) / 4) | 1) * 4;
+constexpr int VSTRIDE = (VROW + 3) / 4 * 4;
 __shared__ float qs[QN * D];
 __shared__ __align__(16) uint8_t kbuf[TG * KSTRIDE];
-__shared__ __align__(16) uint8_t vbuf[TG * VROW + 4];
+__shared__ __align__(16) uint8_t vbuf[TG * VSTRIDE + 8];
 __shared__ float kn_s[TG];
 __shared__ float vn_s[TG];
-__shared__ float p_s[QN * TG];
+__shared__ __align__(16) float p_s[TG * QN];
 __shared__ float red[QN * WARPS];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
@@ -91,7 +92,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     const uint8_t* ksrc = k_codes + (head * CAP + tile) * KROW;
     for (uint32_t e = tid; e < count * KROW; e += TG) kbuf[(e / KROW) * KSTRIDE + e % KROW] = ksrc[e];
     const uint8_t* vsrc = v_codes + (head * CAP + tile) * VROW;
-    for (uint32_t e = tid; e < count * VROW; e += TG) vbuf[e] = vsrc[e];
+    for (uint32_t e = tid; e < count * VROW; e += TG) vbuf[(e / VROW) * VSTRIDE + e % VROW] = vsrc[e];
     if (tid < count) {
       kn_s[tid] = __half2float(k_norms[head * CAP + t]);
       vn_s[tid] = __half2float(v_norms[head * CAP + t]);
@@ -99,9 +100,20 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     __syncthreads();
     if (tid < count) {
       pos = n_sink + t;
-      const uint8_t* krow = kbuf + tid * KSTRIDE;
+      // Codes from 32-bit words through a 64-bit bit buffer; fully
+      // unrolled, so the word and shift of every code are constants.
+      const uint32_t* kw = reinterpret_cast<const uint32_t*>(kbuf + tid * KSTRIDE);
+      uint64_t bits = 0;
+      int have = 0, w = 0;
+#pragma unroll
       for (int j = 0; j < D; ++j) {
-        const float c = kc[vq_code_at(krow, j, KB)];
+        if (have < KB) {
+          bits |= uint64_t(kw[w++]) << have;
+          have += 32;
+        }
+        const float c = kc[unsigned(bits) & ((1u << KB) - 1u)];
+        bits >>= KB;
+        have -= KB;
 #pragma unroll
         for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * c;
       }
@@ -142,7 +154,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) {
     const float p = mx[r] == ninf ? 0.0f : __expf(s[r] - mx[r]);
-    p_s[r * TG + tid] = p;
+    p_s[tid * QN + r] = p;
     float v = p;
 #pragma unroll
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
@@ -165,15 +177,22 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     if (i < D) {
 #pragma unroll
       for (int r = 0; r < QN; ++r) acc[r][c] *= alpha[r];
+      // This thread's code sits at the same word and shift in every row.
+      const unsigned o = unsigned(i) * VB;
+      const unsigned word = o >> 5, shift = o & 31u;
       for (uint32_t k = 0; k < count; ++k) {
         float v;
         if (compressed) {
-          v = vc[vq_code_at(vbuf + k * VROW, i, VB)] * vn_s[k];
+          const uint32_t* vw = reinterpret_cast<const uint32_t*>(vbuf + k * VSTRIDE) + word;
+          uint64_t x = vw[0];
+          if (shift + VB > 32u) x |= uint64_t(vw[1]) << 32;
+          v = vc[unsigned(x >> shift) & ((1u << VB) - 1u)] * vn_s[k];
         } else {
           v = static_cast<float>(win_v[(head * WCAP + tile + k) * D + i]);
         }
+        const float* pk = p_s + k * QN;
 #pragma unroll
-        for (int r = 0; r < QN; ++r) acc[r][c] += p_s[r * TG + k] * v;
+        for (int r = 0; r < QN; ++r) acc[r][c] += pk[r] * v;
       }
     }
   }

@@ -2,7 +2,8 @@
 # Runs on the NVIDIA GPU machine, after .device/b/install.sh put MLX's CUDA
 # build into /root/site (see scripts/build-cuda.sh): the GPU kernel tests, the
 # Python GPU checks and the benchmarks. Output goes to $OUT. CHECKS picks a
-# subset: any of tests, python, vq, quant, attention (default: all).
+# subset: any of tests, python, vq, quant, attention (default: all); TESTS
+# picks the test binaries.
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
 mkdir -p "$OUT"
@@ -14,7 +15,7 @@ CHECKS="${CHECKS:-tests python vq quant attention}"
 want() { [[ " $CHECKS " == *" $1 "* ]]; }
 status=0
 if want tests; then
-  for t in kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu; do
+  for t in ${TESTS:-kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu}; do
     echo "== $t" >>"$OUT/kernels_gpu.txt"
     .device/build/$t --ignored --test-threads=1 >>"$OUT/kernels_gpu.txt" 2>&1 || status=1
   done

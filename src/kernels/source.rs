@@ -128,9 +128,6 @@ impl Source {
 
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
-        match self {
-            Source::TqAttention => include_str!("../../cuda/tq_common.cuh"),
-            _ => "",
-        }
+        ""
     }
 }

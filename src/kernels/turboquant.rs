@@ -282,8 +282,8 @@ const TILE: usize = ATTENTION_THREADS;
 fn attention_shared_bytes(d: usize, kbits: u32, vbits: u32, rows: usize) -> usize {
     let krow = d * kbits as usize / 8;
     let kstride = ((krow.div_ceil(4)) | 1) * 4;
-    let vrow = d * vbits as usize / 8;
-    4 * rows * d + TILE * kstride + TILE * vrow + 4 + 8 * TILE + 4 * rows * TILE + 16 * rows
+    let vstride = (d * vbits as usize / 8).div_ceil(4) * 4;
+    4 * rows * d + TILE * kstride + TILE * vstride + 8 + 8 * TILE + 4 * rows * TILE + 16 * rows
         + 4 * ((1 << kbits) + (1 << vbits))
 }
 
