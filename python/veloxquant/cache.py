@@ -114,6 +114,17 @@ class KVConfig:
         d["layers"] = {int(k): v for k, v in d.get("layers", {}).items()}
         return cls(**d)
 
+    def check(self) -> "KVConfig":
+        """Raise ValueError now if the native cache refuses these settings (e.g. a method name)."""
+        for cfg in [self] + [self.for_layer(i) for i in self.layers]:
+            if cfg is None:
+                continue
+            try:
+                _layer_cache_class()(64, 1, **cfg.settings())
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"KVConfig {cfg.settings()}: {e}") from None
+        return self
+
     @property
     def bits_per_element(self) -> float:
         """Nominal key/value bits per element (ignoring the float16 window and sinks)."""
@@ -275,6 +286,7 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
     config = config if config is not None else KVConfig()
     if not isinstance(config, KVConfig):
         raise TypeError(f"config must be a veloxquant.KVConfig, got {type(config).__name__}")
+    config.check()
     attention.install()
     attention.check_model(model)
     caches = _base_caches(model)

@@ -60,7 +60,7 @@ def kv_config_from_args(args):
         except ValueError:
             raise SystemExit(f"--kv-layers: keys must be layer indices, got {k!r}")
     try:
-        return KVConfig(
+        cfg = KVConfig(
             key_method=args.kv_method,
             key_bits=args.kv_bits if args.kv_bits is not None else 4,
             value_method=args.kv_value_method,
@@ -72,7 +72,11 @@ def kv_config_from_args(args):
             layers=layers,
         )
     except ValueError as e:
-        raise SystemExit(f"--kv-*: {e}")
+        raise SystemExit(f"--kv-* options: {e}")
+    try:
+        return cfg.check()
+    except ValueError as e:
+        raise SystemExit(f"--kv-method/--kv-value-method/--kv-bits: {e}")
 
 
 def validate_kv_args(args) -> None:
@@ -122,17 +126,13 @@ def _gb(n: float) -> str:
     return f"{n / 1e9:.3f} GB"
 
 
-def _progress(total_label="prefill"):
-    state = {"shown": False}
+def _progress(step: int, label: str = "prefill"):
+    """Prefill progress on stderr, for prompts that take more than one step."""
 
     def cb(done: int, total: int) -> None:
-        # Only prompts processed in more than one step get a progress line.
-        if done == 0 and total <= 1:
-            return
-        if done < total or state["shown"]:
-            state["shown"] = True
+        if total > step and done > 0:
             end = "\n" if done >= total else ""
-            print(f"\r[veloxquant] {total_label}: {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
+            print(f"\r[veloxquant] {label}: {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
 
     return cb
 
@@ -161,7 +161,7 @@ def _generate_with_stats(args):
         if args.mlx_kv_bits is None:
             kwargs["kv_bits"] = None
         if verbose:
-            kwargs.setdefault("prompt_progress_callback", _progress())
+            kwargs.setdefault("prompt_progress_callback", _progress(kwargs.get("prefill_step_size") or 2048))
             print("=" * 10)
         mx.reset_peak_memory()
         text, last = "", None
@@ -188,7 +188,10 @@ def _generate_with_stats(args):
 
 
 def cmd_generate(argv: Sequence[str]) -> int:
-    import mlx_lm.generate as G
+    import importlib
+
+    # mlx_lm's package namespace shadows the module with its generate() function.
+    G = importlib.import_module("mlx_lm.generate")
 
     from . import models
 
@@ -232,7 +235,9 @@ def cmd_generate(argv: Sequence[str]) -> int:
 
 
 def cmd_serve(argv: Sequence[str]) -> int:
-    import mlx_lm.server as S
+    import importlib
+
+    S = importlib.import_module("mlx_lm.server")
 
     from . import models
 
@@ -347,7 +352,7 @@ def cmd_compare(argv: Sequence[str]) -> int:
             max_tokens=args.max_tokens,
             prompt_cache=cache,
             prefill_step_size=args.prefill_step_size,
-            prompt_progress_callback=_progress(f"{kind} prefill"),
+            prompt_progress_callback=_progress(args.prefill_step_size, f"{kind} prefill"),
         ):
             text += r.text
             last = r
