@@ -38,8 +38,11 @@ fi
 
 export VELOXQUANT_PYTHON="$PY"
 echo "== building veloxquant"
-"$root/.venv/bin/maturin" build --release --quiet -i "$PY" -o target/wheels 2>&1 | grep -v "^📦\|^🍹\|^🐍\|^🔗\|^📡" || true
-wheel="$(ls -t target/wheels/veloxquant-*-cp3*-linux_*.whl target/wheels/veloxquant-*-macosx_*.whl 2>/dev/null | head -1)"
-[ -n "$wheel" ] || { echo "no wheel was built" >&2; exit 1; }
+rm -f target/wheels/veloxquant-*.whl
+"$root/.venv/bin/maturin" build --release -i "$PY" -o target/wheels
+shopt -s nullglob
+wheels=(target/wheels/veloxquant-*.whl)
+[ ${#wheels[@]} -eq 1 ] || { echo "expected one veloxquant wheel in target/wheels, found ${#wheels[@]}" >&2; exit 1; }
+wheel="${wheels[0]}"
 "$PY" -m pip install -q --force-reinstall --no-deps "$wheel"
 echo "== ready: $(basename "$wheel")"

@@ -129,6 +129,38 @@ impl Array {
     }
 }
 
+impl Array {
+    /// A new array of `dtype` and `shape` holding a copy of `bytes` (row-major).
+    pub fn from_bytes(bytes: &[u8], shape: &[i32], dtype: Dtype) -> Result<Self> {
+        let count: i64 = shape.iter().map(|&d| i64::from(d)).product();
+        if shape.iter().any(|&d| d < 0) || count * dtype.size() as i64 != bytes.len() as i64 {
+            return Err(Error::invalid(
+                "bytes",
+                format!("{} bytes do not fill shape {shape:?} of {dtype}", bytes.len()),
+            ));
+        }
+        // SAFETY: `bytes` holds exactly `count` elements of `dtype`; mlx-c copies them.
+        let raw = unsafe { ffi::mlx_array_new_data(bytes.as_ptr().cast(), shape.as_ptr(), shape.len() as i32, dtype.to_raw()) };
+        Array::from_raw(raw)
+    }
+
+    /// Evaluates and copies the raw element bytes out, row-major.
+    pub fn to_bytes(&self) -> Result<Vec<u8>> {
+        let dense = crate::ops::contiguous(self, &Stream::cpu())?;
+        dense.eval()?;
+        let n = dense.nbytes();
+        if n == 0 {
+            return Ok(Vec::new());
+        }
+        // SAFETY: evaluated and row-contiguous, `n` bytes long.
+        let ptr = unsafe { ffi::mlx_array_data_raw(dense.raw) };
+        if ptr.is_null() {
+            ffi::check(1)?;
+        }
+        Ok(unsafe { std::slice::from_raw_parts(ptr.cast::<u8>(), n) }.to_vec())
+    }
+}
+
 /// Evaluates several arrays together (one graph walk).
 pub fn eval(arrays: &[&Array]) -> Result<()> {
     let raws: Vec<ffi::mlx_array> = arrays.iter().map(|a| a.raw).collect();

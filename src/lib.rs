@@ -5,12 +5,15 @@
 //! ([`kernels`]), and keeps the quantizer math in plain Rust ([`cpu`]).
 
 pub mod array;
+pub mod cache;
 pub mod cpu;
 pub mod dtype;
 pub mod error;
 mod ffi;
 pub mod kernels;
 pub mod ops;
+pub mod quant;
+mod safetensors_io;
 #[cfg(feature = "python")]
 mod python;
 pub mod stream;

@@ -35,6 +35,8 @@ binary!(
     bitwise_or => mlx_bitwise_or,
     left_shift => mlx_left_shift,
     right_shift => mlx_right_shift,
+    matmul => mlx_matmul,
+    maximum => mlx_maximum,
 );
 
 pub fn square(a: &Array, s: &Stream) -> Result<Array> {
@@ -122,4 +124,49 @@ pub fn pad_zeros(a: &Array, axes: &[i32], low: &[i32], high: &[i32], s: &Stream)
 /// A 0-d boolean: whether `a` and `b` have equal shapes and elements.
 pub fn array_equal(a: &Array, b: &Array, s: &Stream) -> Result<Array> {
     call!(mlx_array_equal(a.raw(), b.raw(), false, s.raw()))
+}
+
+pub fn take(a: &Array, indices: &Array, axis: i32, s: &Stream) -> Result<Array> {
+    call!(mlx_take_axis(a.raw(), indices.raw(), axis, s.raw()))
+}
+
+/// Softmax along `axis`, computed in float32 (`precise`).
+pub fn softmax(a: &Array, axis: i32, s: &Stream) -> Result<Array> {
+    call!(mlx_softmax_axis(a.raw(), axis, true, s.raw()))
+}
+
+pub fn sqrt(a: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_sqrt(a.raw(), s.raw()))
+}
+
+/// `src` with `src[start:stop] = update` (step 1 on every axis). MLX writes in
+/// place when `src` is not referenced elsewhere.
+pub fn slice_update(src: &Array, update: &Array, start: &[i32], stop: &[i32], s: &Stream) -> Result<Array> {
+    let strides = vec![1i32; start.len()];
+    call!(mlx_slice_update(
+        src.raw(),
+        update.raw(),
+        start.as_ptr(),
+        start.len(),
+        stop.as_ptr(),
+        stop.len(),
+        strides.as_ptr(),
+        strides.len(),
+        s.raw()
+    ))
+}
+
+/// MLX's fused attention over dense keys and values; `causal` applies the
+/// bottom-right causal mask.
+pub fn scaled_dot_product_attention(
+    q: &Array,
+    k: &Array,
+    v: &Array,
+    scale: f32,
+    causal: bool,
+    s: &Stream,
+) -> Result<Array> {
+    let mode = if causal { c"causal" } else { c"" };
+    let none = Array::empty_handle();
+    call!(mlx_fast_scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, mode.as_ptr(), none, none, s.raw()))
 }

@@ -17,6 +17,8 @@ MLXC_BINARY(mlx_bitwise_and, bitwise_and)
 MLXC_BINARY(mlx_bitwise_or, bitwise_or)
 MLXC_BINARY(mlx_left_shift, left_shift)
 MLXC_BINARY(mlx_right_shift, right_shift)
+MLXC_BINARY(mlx_matmul, matmul)
+MLXC_BINARY(mlx_maximum, maximum)
 #undef MLXC_BINARY
 
 int mlx_square(mlx_array* res, const mlx_array a, const mlx_stream s) {
@@ -70,6 +72,34 @@ int mlx_pad(mlx_array* res, const mlx_array a, const int* axes, size_t axes_num,
     set_array(res, mx::pad(arr(a), ax, to_shape(low_pad_size, low_pad_size_num),
                            to_shape(high_pad_size, high_pad_size_num), arr(pad_value),
                            mode ? mode : "constant", stream(s)));
+  });
+}
+int mlx_take_axis(mlx_array* res, const mlx_array a, const mlx_array indices, int axis, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::take(arr(a), arr(indices), axis, stream(s))); });
+}
+int mlx_softmax_axis(mlx_array* res, const mlx_array a, int axis, bool precise, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::softmax(arr(a), std::vector<int>{axis}, precise, stream(s))); });
+}
+int mlx_sqrt(mlx_array* res, const mlx_array a, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::sqrt(arr(a), stream(s))); });
+}
+int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update, const int* start, size_t start_num,
+                     const int* stop, size_t stop_num, const int* strides, size_t strides_num, const mlx_stream s) {
+  return guard([&] {
+    set_array(res, mx::slice_update(arr(src), arr(update), to_shape(start, start_num), to_shape(stop, stop_num),
+                                    to_shape(strides, strides_num), stream(s)));
+  });
+}
+int mlx_fast_scaled_dot_product_attention(mlx_array* res, const mlx_array queries, const mlx_array keys,
+                                          const mlx_array values, float scale, const char* mask_mode,
+                                          const mlx_array mask_arr, const mlx_array sinks, const mlx_stream s) {
+  return guard([&] {
+    std::optional<mx::array> mask;
+    if (mask_arr.ctx) mask = arr(mask_arr);
+    std::optional<mx::array> sk;
+    if (sinks.ctx) sk = arr(sinks);
+    set_array(res, mx::fast::scaled_dot_product_attention(arr(queries), arr(keys), arr(values), scale,
+                                                          mask_mode ? mask_mode : "", mask, sk, false, stream(s)));
   });
 }
 int mlx_array_equal(mlx_array* res, const mlx_array a, const mlx_array b, bool equal_nan, const mlx_stream s) {

@@ -6,6 +6,7 @@
 
 mod bitpack;
 mod parallel;
+pub mod turboquant;
 mod vq;
 
 pub use bitpack::{bit_pack, bit_unpack, packed_len, SUPPORTED_BITS};

@@ -94,7 +94,8 @@ fn create(backend: Backend, source: Source) -> Result<Handle> {
         Backend::Cpu => return Err(Error::Unsupported("no GPU kernel on the CPU back-end".into())),
     };
     let body = CString::new(body).map_err(|_| Error::invalid("source", "contains NUL"))?;
-    let header = CString::new("").expect("empty");
+    let header = if backend == Backend::Metal { source.metal_header() } else { source.cuda_header() };
+    let header = CString::new(header).map_err(|_| Error::invalid("header", "contains NUL"))?;
     let inputs = strings(source.input_names())?;
     let outputs = strings(source.output_names())?;
     // SAFETY: all pointers are valid for the call; MLX copies the strings.
@@ -128,9 +129,14 @@ fn create(backend: Backend, source: Source) -> Result<Handle> {
 }
 
 fn kernel(backend: Backend, launch: &Launch<'_>) -> Result<Arc<Handle>> {
-    let body = if backend == Backend::Metal { launch.source.metal() } else { launch.source.cuda() };
+    let (body, header) = if backend == Backend::Metal {
+        (launch.source.metal(), launch.source.metal_header())
+    } else {
+        (launch.source.cuda(), launch.source.cuda_header())
+    };
     let mut h = DefaultHasher::new();
     body.hash(&mut h);
+    header.hash(&mut h);
     let key = Key {
         backend,
         name: launch.source.name(),

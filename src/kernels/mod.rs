@@ -10,6 +10,7 @@ mod bitpack;
 pub mod cpu_primitive;
 pub mod gpu;
 pub mod source;
+pub mod turboquant;
 mod vq;
 
 use std::fmt;

@@ -4,6 +4,8 @@
 //! (through mlx's own nanobind type registry, see mlx-c/src/python_bridge.cpp).
 //! Errors become Python exceptions in one place, [`to_py_err`].
 
+mod cache;
+
 use pyo3::exceptions::{PyImportError, PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 
@@ -44,17 +46,21 @@ fn array_out(py: Python<'_>, a: Array) -> PyResult<Py<PyAny>> {
     unsafe { Bound::from_owned_ptr_or_err(py, ptr.cast()) }.map(Bound::unbind)
 }
 
-fn options(policy: &str, device: Option<&str>) -> PyResult<Options> {
-    let policy: Policy = policy.parse().map_err(to_py_err)?;
-    let stream = match device {
+/// The stream for a `device` argument: None (MLX's default), "cpu" or "gpu".
+fn stream_for(device: Option<&str>) -> PyResult<Option<Stream>> {
+    Ok(match device {
         None => None,
         Some("cpu") => Some(Stream::cpu()),
         Some("gpu") => Some(Stream::gpu().map_err(to_py_err)?),
         Some(other) => {
             return Err(PyValueError::new_err(format!("device: {other:?} is not one of \"cpu\", \"gpu\"")))
         }
-    };
-    Ok(Options { policy, stream })
+    })
+}
+
+fn options(policy: &str, device: Option<&str>) -> PyResult<Options> {
+    let policy: Policy = policy.parse().map_err(to_py_err)?;
+    Ok(Options { policy, stream: stream_for(device)? })
 }
 
 #[pyfunction]
@@ -123,5 +129,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(vq_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cached_kernel_count, m)?)?;
+    m.add_class::<cache::PyLayerCache>()?;
     Ok(())
 }

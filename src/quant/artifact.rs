@@ -10,6 +10,7 @@
 //! values, so a truncated, corrupt or mismatched file is an error.
 
 use super::{QuantError, Quantizer, Result};
+use crate::safetensors_io::TensorBytes;
 use safetensors::tensor::Dtype;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -195,39 +196,16 @@ impl Artifact {
         for (k, v) in &self.config {
             meta.insert(format!("config.{k}"), v.clone());
         }
-        let mut h = String::from("{\"__metadata__\":{");
-        let fields: Vec<String> = meta.iter().map(|(k, v)| format!("{}:{}", json_str(k), json_str(v))).collect();
-        h.push_str(&fields.join(","));
-        h.push('}');
-        let mut offset = 0usize;
+        let mut tensors = Vec::with_capacity(self.tensors.len());
         for (k, t) in &self.tensors {
             let n: usize = t.shape.iter().product();
             let size = n * if t.elem == ElemType::U8 { 1 } else { 4 };
             if size != t.data.len() {
                 return Err(bad(format!("tensor {k}: {} bytes for shape {:?}", t.data.len(), t.shape)));
             }
-            let shape: Vec<String> = t.shape.iter().map(|s| s.to_string()).collect();
-            h.push_str(&format!(
-                ",{}:{{\"dtype\":\"{}\",\"shape\":[{}],\"data_offsets\":[{},{}]}}",
-                json_str(k),
-                t.elem.name(),
-                shape.join(","),
-                offset,
-                offset + size
-            ));
-            offset += size;
+            tensors.push(TensorBytes { name: k, dtype: t.elem.name(), shape: &t.shape, data: &t.data });
         }
-        h.push('}');
-        // Pad the header with spaces to a multiple of 8, as safetensors does.
-        while h.len() % 8 != 0 {
-            h.push(' ');
-        }
-        let mut out = Vec::with_capacity(8 + h.len() + offset);
-        out.extend((h.len() as u64).to_le_bytes());
-        out.extend(h.as_bytes());
-        for t in self.tensors.values() {
-            out.extend(&t.data);
-        }
+        let out = crate::safetensors_io::write(&meta, &tensors);
         Ok(out)
     }
 
@@ -285,20 +263,6 @@ impl Artifact {
     pub fn load(path: impl AsRef<Path>, method: Option<&str>) -> Result<Self> {
         Self::from_bytes(&std::fs::read(path)?, method)
     }
-}
-
-fn json_str(s: &str) -> String {
-    let mut o = String::from("\"");
-    for c in s.chars() {
-        match c {
-            '"' => o.push_str("\\\""),
-            '\\' => o.push_str("\\\\"),
-            c if (c as u32) < 0x20 => o.push_str(&format!("\\u{:04x}", c as u32)),
-            c => o.push(c),
-        }
-    }
-    o.push('"');
-    o
 }
 
 /// Rebuilds the quantizer an artifact describes, whatever its method.

@@ -169,7 +169,19 @@ int mlx_slice(mlx_array* res, const mlx_array a, const int* start, size_t start_
 int mlx_pad(mlx_array* res, const mlx_array a, const int* axes, size_t axes_num, const int* low_pad_size,
             size_t low_pad_size_num, const int* high_pad_size, size_t high_pad_size_num,
             const mlx_array pad_value, const char* mode, const mlx_stream s);
+int mlx_matmul(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s);
+int mlx_take_axis(mlx_array* res, const mlx_array a, const mlx_array indices, int axis, const mlx_stream s);
+int mlx_softmax_axis(mlx_array* res, const mlx_array a, int axis, bool precise, const mlx_stream s);
+int mlx_sqrt(mlx_array* res, const mlx_array a, const mlx_stream s);
+int mlx_maximum(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s);
+int mlx_slice_update(mlx_array* res, const mlx_array src, const mlx_array update, const int* start, size_t start_num,
+                     const int* stop, size_t stop_num, const int* strides, size_t strides_num, const mlx_stream s);
 int mlx_array_equal(mlx_array* res, const mlx_array a, const mlx_array b, bool equal_nan, const mlx_stream s);
+
+/* mask_mode: "" or "causal"; mask_arr may be an empty handle (ctx NULL). */
+int mlx_fast_scaled_dot_product_attention(mlx_array* res, const mlx_array queries, const mlx_array keys,
+                                          const mlx_array values, float scale, const char* mask_mode,
+                                          const mlx_array mask_arr, const mlx_array sinks, const mlx_stream s);
 
 /* ---- custom GPU kernels (MLX's fast::metal_kernel / fast::cuda_kernel) ---- */
 

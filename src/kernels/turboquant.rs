@@ -1,0 +1,364 @@
+//! TurboQuant-MSE kernels of the compressed cache: `tq_encode` (norm, rotate,
+//! nearest centroid, pack in one pass) and `tq_attention` (scores straight
+//! from the codes, online softmax, values decoded on the fly, split across the
+//! sequence with a final reduction).
+
+use half::{bf16, f16};
+
+use super::gpu::{self, Launch, TemplateArg};
+use super::{cpu_primitive, params, select, Implementation, KernelSpec, Options, Source};
+use crate::array::Array;
+use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::stream::Stream;
+
+const ENCODE: KernelSpec = KernelSpec { name: "tq_encode", gpu: Some(Source::TqEncode), cpu: true };
+const ATTENTION: KernelSpec = KernelSpec { name: "tq_attention", gpu: Some(Source::TqAttention), cpu: true };
+
+/// Bit widths of the cache's TurboQuant codes.
+pub const TQ_BITS: [u32; 5] = [1, 2, 3, 4, 8];
+/// Query rows one GPU threadgroup serves (heads sharing a KV head x queries).
+const MAX_TILE_ROWS: usize = 16;
+/// Tokens per GPU threadgroup iteration (its thread count).
+const ATTENTION_THREADS: usize = 128;
+
+fn check_float(argument: &'static str, a: &Array) -> Result<()> {
+    if matches!(a.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
+        Ok(())
+    } else {
+        Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: "float32, float16 or bfloat16".into() })
+    }
+}
+
+fn check_f32(argument: &'static str, a: &Array, shape: &[i32]) -> Result<()> {
+    if a.dtype() != Dtype::F32 {
+        return Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: "float32".into() });
+    }
+    if a.shape() != shape {
+        return Err(Error::invalid(argument, format!("shape {:?}, expected {shape:?}", a.shape())));
+    }
+    Ok(())
+}
+
+/// Head dimensions the cache kernels accept: multiples of 8 up to 256.
+pub fn check_head_dim(argument: &'static str, d: usize) -> Result<()> {
+    if d % 8 != 0 || !(8..=256).contains(&d) {
+        return Err(Error::invalid(argument, format!("head dimension {d} is not supported (a multiple of 8, at most 256)")));
+    }
+    Ok(())
+}
+
+fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
+    if TQ_BITS.contains(&bits) {
+        Ok(())
+    } else {
+        Err(Error::invalid(argument, format!("{bits} bits are not supported; use one of {TQ_BITS:?}")))
+    }
+}
+
+/// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
+/// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), `centroids` the sorted
+/// codebook (float32 `[2^bits]`).
+pub fn tq_encode(x: &Array, rotation: &Array, centroids: &Array, bits: u32, opts: &Options) -> Result<(Array, Array)> {
+    check_float("x", x)?;
+    if x.ndim() == 0 {
+        return Err(Error::invalid("x", "must have at least one dimension"));
+    }
+    let xs = x.shape();
+    let d = *xs.last().expect("ndim >= 1") as usize;
+    check_head_dim("x", d)?;
+    check_bits("bits", bits)?;
+    check_f32("rotation", rotation, &[d as i32, d as i32])?;
+    check_f32("centroids", centroids, &[1 << bits])?;
+    let stream = opts.resolve_stream()?;
+    let n: usize = xs[..xs.len() - 1].iter().map(|&v| v as usize).product();
+    let row_bytes = d * bits as usize / 8;
+    let lead = xs[..xs.len() - 1].to_vec();
+    let mut codes_shape = lead.clone();
+    codes_shape.push(row_bytes as i32);
+    let imp = select(&ENCODE, opts.policy, &stream)?;
+    if n == 0 {
+        return Ok((ops::zeros(&codes_shape, Dtype::U8, &stream)?, ops::zeros(&lead, Dtype::F16, &stream)?));
+    }
+    let n_i32 = i32::try_from(n).map_err(|_| Error::invalid("x", format!("{n} vectors exceed 2^31")))?;
+    let flat = ops::reshape(x, &[n_i32, d as i32], &stream)?;
+    let outputs = [(vec![n_i32, row_bytes as i32], Dtype::U8), (vec![n_i32], Dtype::F16)];
+    let mut outs = match imp {
+        Implementation::Reference => encode_reference(&flat, rotation, centroids, bits, &stream)?,
+        Implementation::Cpu => {
+            let dtype = x.dtype();
+            cpu_primitive::apply(
+                "veloxquant_tq_encode",
+                &[&flat, rotation, centroids],
+                &outputs,
+                &stream,
+                Box::new(move |ins, outs| {
+                    let (rot, cent) = (ins[1].as_slice::<f32>()?, ins[2].as_slice::<f32>()?);
+                    let (codes, norms) = outs.split_at_mut(1);
+                    let (codes, norms) = (codes[0].as_mut_slice::<u8>()?, norms[0].as_mut_slice::<f16>()?);
+                    match dtype {
+                        Dtype::F32 => tq::tq_encode(ins[0].as_slice::<f32>()?, rot, cent, d, bits, codes, norms),
+                        Dtype::F16 => tq::tq_encode(ins[0].as_slice::<f16>()?, rot, cent, d, bits, codes, norms),
+                        _ => tq::tq_encode(ins[0].as_slice::<bf16>()?, rot, cent, d, bits, codes, norms),
+                    }
+                    Ok(())
+                }),
+            )?
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let p = params("x", &[n])?;
+            let threads = i32::try_from(n * d).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
+            gpu::launch(
+                &Launch {
+                    source: Source::TqEncode,
+                    inputs: &[&flat, rotation, centroids, &p],
+                    outputs: &outputs,
+                    grid: (threads, 1, 1),
+                    threadgroup: (d as i32, 1, 1),
+                    template: &[
+                        ("T", TemplateArg::Dtype(x.dtype())),
+                        ("D", TemplateArg::Int(d as i32)),
+                        ("B_BITS", TemplateArg::Int(bits as i32)),
+                    ],
+                },
+                &stream,
+            )?
+        }
+    };
+    let norms = ops::reshape(&outs.remove(1), &lead, &stream)?;
+    let codes = ops::reshape(&outs.remove(0), &codes_shape, &stream)?;
+    Ok((codes, norms))
+}
+
+fn encode_reference(x: &Array, rotation: &Array, centroids: &Array, bits: u32, s: &Stream) -> Result<Vec<Array>> {
+    let xf = ops::astype(x, Dtype::F32, s)?;
+    let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, s)?, -1, true, s)?, s)?;
+    let tiny = Array::scalar_f32(f32::MIN_POSITIVE)?;
+    let u = ops::divide(&xf, &ops::maximum(&norm, &tiny, s)?, s)?;
+    let y = ops::matmul(&u, &ops::transpose(rotation, &[1, 0], s)?, s)?;
+    let dist = ops::square(&ops::subtract(&ops::expand_dims(&y, -1, s)?, centroids, s)?, s)?;
+    let idx = ops::astype(&ops::argmin_axis(&dist, -1, false, s)?, Dtype::U8, s)?;
+    let codes = super::bit_pack(&idx, bits, &Options::on(s.clone(), super::Policy::Off))?;
+    let norms = ops::astype(&ops::reshape(&norm, &[x.shape()[0]], s)?, Dtype::F16, s)?;
+    Ok(vec![codes, norms])
+}
+
+/// One layer's stored keys and values, as the attention kernels read them.
+pub struct TqLayer<'a> {
+    pub shape: AttentionShape,
+    pub rot_k: &'a Array,
+    pub rot_v: &'a Array,
+    pub k_codes: &'a Array,
+    pub k_norms: &'a Array,
+    pub k_centroids: &'a Array,
+    pub v_codes: &'a Array,
+    pub v_norms: &'a Array,
+    pub v_centroids: &'a Array,
+    pub win_k: &'a Array,
+    pub win_v: &'a Array,
+}
+
+/// Rows per threadgroup tile: the query heads of one KV head times as many
+/// queries as fit.
+fn tile_rows(g: usize, queries: usize) -> Option<(usize, usize)> {
+    if g > MAX_TILE_ROWS {
+        return None;
+    }
+    let per_tile = if queries == 1 { 1 } else { (MAX_TILE_ROWS / g).min(queries) };
+    Some((per_tile, g * per_tile))
+}
+
+/// Attention of `q` `[B, Hq, L, d]` over one layer's compressed keys and
+/// values and its float16 windows. Returns `[B, Hq, L, d]` in `q`'s dtype.
+pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) -> Result<Array> {
+    let sh = layer.shape;
+    check_float("queries", q)?;
+    let want = [sh.batch as i32, sh.q_heads as i32, sh.queries as i32, sh.dim as i32];
+    if q.shape() != want {
+        return Err(Error::invalid("queries", format!("shape {:?}, expected {want:?}", q.shape())));
+    }
+    if layer.win_k.dtype() != q.dtype() {
+        return Err(Error::Dtype {
+            argument: "queries",
+            found: q.dtype().to_string(),
+            expected: format!("{} (the cache's dtype)", layer.win_k.dtype()),
+        });
+    }
+    let stream = opts.resolve_stream()?;
+    let mut imp = select(&ATTENTION, opts.policy, &stream)?;
+    let g = sh.q_heads / sh.kv_heads;
+    let tiles = tile_rows(g, sh.queries);
+    if matches!(imp, Implementation::Metal | Implementation::Cuda) && tiles.is_none() {
+        if opts.policy == super::Policy::Require {
+            return Err(Error::Unsupported(format!(
+                "tq_attention: {g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}"
+            )));
+        }
+        imp = Implementation::Reference;
+    }
+    if sh.total() == 0 || sh.queries == 0 {
+        return ops::zeros(&want, q.dtype(), &stream);
+    }
+    match imp {
+        Implementation::Reference => attention_reference(q, layer, scale, &stream),
+        Implementation::Cpu => {
+            let dtype = q.dtype();
+            let scale_copy = scale;
+            cpu_primitive::apply(
+                "veloxquant_tq_attention",
+                &[q, layer.rot_k, layer.rot_v, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes,
+                  layer.v_norms, layer.v_centroids, layer.win_k, layer.win_v],
+                &[(want.to_vec(), dtype)],
+                &stream,
+                Box::new(move |ins, outs| {
+                    macro_rules! run {
+                        ($t:ty) => {{
+                            let inp = AttentionInputs {
+                                rot_k: ins[1].as_slice::<f32>()?,
+                                rot_v: ins[2].as_slice::<f32>()?,
+                                k_codes: ins[3].as_slice::<u8>()?,
+                                k_norms: ins[4].as_slice::<f16>()?,
+                                k_centroids: ins[5].as_slice::<f32>()?,
+                                v_codes: ins[6].as_slice::<u8>()?,
+                                v_norms: ins[7].as_slice::<f16>()?,
+                                v_centroids: ins[8].as_slice::<f32>()?,
+                                win_k: ins[9].as_slice::<$t>()?,
+                                win_v: ins[10].as_slice::<$t>()?,
+                            };
+                            tq::tq_attention(ins[0].as_slice::<$t>()?, &inp, &sh, scale_copy, outs[0].as_mut_slice::<$t>()?)
+                        }};
+                    }
+                    match dtype {
+                        Dtype::F32 => run!(f32),
+                        Dtype::F16 => run!(f16),
+                        _ => run!(bf16),
+                    }
+                    Ok(())
+                }),
+            )
+            .map(|mut v| v.remove(0))
+        }
+        Implementation::Metal | Implementation::Cuda => {
+            let (per_tile, rows) = tiles.expect("checked above");
+            attention_gpu(q, layer, scale, per_tile, rows, &stream)
+        }
+    }
+}
+
+fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Array> {
+    let sh = layer.shape;
+    let total = sh.total();
+    let q_tiles = sh.queries.div_ceil(per_tile);
+    let units = sh.batch * sh.kv_heads * q_tiles;
+    // Enough threadgroups to fill the GPU several times over, each at least
+    // one thread per token of its split.
+    let wanted_splits = (1024 / units.max(1)).max(1);
+    let split_tokens = total.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS) * ATTENTION_THREADS;
+    let num_splits = total.div_ceil(split_tokens);
+    let rows = sh.batch * sh.q_heads * sh.queries;
+    let p = params(
+        "queries",
+        &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
+          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal)],
+    )?;
+    let sc = Array::from_slice(&[scale], &[1])?;
+    let blocks = units * num_splits;
+    let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
+    let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
+    let parts = gpu::launch(
+        &Launch {
+            source: Source::TqAttention,
+            inputs: &[q, layer.rot_k, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
+                      layer.v_centroids, layer.win_k, layer.win_v, &p, &sc],
+            outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
+            grid: (threads, 1, 1),
+            threadgroup: (ATTENTION_THREADS as i32, 1, 1),
+            template: &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", TemplateArg::Int(d)),
+                ("KB", TemplateArg::Int(sh.key_bits as i32)),
+                ("VB", TemplateArg::Int(sh.value_bits as i32)),
+                ("QN", TemplateArg::Int(tile_rows as i32)),
+            ],
+        },
+        s,
+    )?;
+    let p2 = params("queries", &[rows, num_splits])?;
+    let out = gpu::launch(
+        &Launch {
+            source: Source::TqReduce,
+            inputs: &[&parts[0], &parts[1], &parts[2], layer.rot_v, &p2],
+            outputs: &[(vec![r, d], q.dtype())],
+            grid: (r * d, 1, 1),
+            threadgroup: (d, 1, 1),
+            template: &[("T", TemplateArg::Dtype(q.dtype())), ("D", TemplateArg::Int(d))],
+        },
+        s,
+    )?
+    .remove(0);
+    ops::reshape(&out, &q.shape(), s)
+}
+
+/// Decoded keys or values of the layer in the rotated frame, float32
+/// `[B, Hkv, total, d]`, in position order (sinks, compressed, recent).
+pub fn decode_rotated(layer: &TqLayer<'_>, values: bool, s: &Stream) -> Result<Array> {
+    let sh = layer.shape;
+    let (codes, norms, cent, win, bits) = if values {
+        (layer.v_codes, layer.v_norms, layer.v_centroids, layer.win_v, sh.value_bits)
+    } else {
+        (layer.k_codes, layer.k_norms, layer.k_centroids, layer.win_k, sh.key_bits)
+    };
+    let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
+    let nc = sh.compressed as i32;
+    let row_bytes = (sh.dim * bits as usize / 8) as i32;
+    let mut parts = Vec::new();
+    let winf = ops::astype(win, Dtype::F32, s)?;
+    if sh.sinks > 0 {
+        parts.push(ops::slice(&winf, &[0, 0, 0, 0], &[b, h, sh.sinks as i32, d], s)?);
+    }
+    if sh.compressed > 0 {
+        let c = ops::slice(codes, &[0, 0, 0, 0], &[b, h, nc, row_bytes], s)?;
+        let off = Options::on(s.clone(), super::Policy::Off);
+        let idx = ops::astype(&super::bit_unpack(&c, bits, sh.dim, &off)?, Dtype::U32, s)?;
+        let vals = ops::take(cent, &idx, 0, s)?;
+        let n = ops::astype(&ops::slice(norms, &[0, 0, 0], &[b, h, nc], s)?, Dtype::F32, s)?;
+        parts.push(ops::multiply(&vals, &ops::expand_dims(&n, -1, s)?, s)?);
+    }
+    if sh.recent > 0 {
+        let w0 = sh.sinks as i32;
+        parts.push(ops::slice(&winf, &[0, 0, w0, 0], &[b, h, w0 + sh.recent as i32, d], s)?);
+    }
+    ops::concatenate(&parts, 2, s)
+}
+
+/// Reference graph: decode everything, then plain attention.
+fn attention_reference(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Array> {
+    let sh = layer.shape;
+    let g = sh.q_heads / sh.kv_heads;
+    let (b, hkv, l, d) = (sh.batch as i32, sh.kv_heads as i32, sh.queries as i32, sh.dim as i32);
+    let total = sh.total();
+    let keys = decode_rotated(layer, false, s)?;
+    let values = decode_rotated(layer, true, s)?;
+    let qf = ops::astype(q, Dtype::F32, s)?;
+    let qr = ops::matmul(&qf, &ops::transpose(layer.rot_k, &[1, 0], s)?, s)?;
+    let qr = ops::multiply(&qr, &Array::scalar_f32(scale)?, s)?;
+    let qr = ops::reshape(&qr, &[b, hkv, g as i32 * l, d], s)?;
+    let mut scores = ops::matmul(&qr, &ops::transpose(&keys, &[0, 1, 3, 2], s)?, s)?;
+    if sh.causal && sh.queries > 1 {
+        let rows = g * sh.queries;
+        let mut mask = vec![0.0f32; rows * total];
+        for r in 0..rows {
+            let pos = total - sh.queries + r % sh.queries;
+            for t in pos + 1..total {
+                mask[r * total + t] = f32::NEG_INFINITY;
+            }
+        }
+        let m = Array::from_slice(&mask, &[rows as i32, total as i32])?;
+        scores = ops::add(&scores, &m, s)?;
+    }
+    let p = ops::softmax(&scores, -1, s)?;
+    let o = ops::matmul(&ops::matmul(&p, &values, s)?, layer.rot_v, s)?;
+    ops::astype(&ops::reshape(&o, &q.shape(), s)?, q.dtype(), s)
+}

@@ -1,0 +1,193 @@
+//! The compressed layer cache on the CPU stream: fused attention against the
+//! reference graph and against decode-then-SDPA, windows, memory, trim, state.
+
+use half::f16;
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use veloxquant::cache::{CacheConfig, LayerCache, Method};
+use veloxquant::{ops, Array, Dtype, Policy, Stream};
+
+fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
+    let n: i32 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
+    let a = Array::from_slice(&v, shape).unwrap();
+    ops::astype(&a, dtype, &Stream::cpu()).unwrap()
+}
+
+fn f32s(a: &Array) -> Vec<f32> {
+    ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn rel_err(a: &Array, b: &Array) -> f64 {
+    let (x, y) = (f32s(a), f32s(b));
+    assert_eq!(x.len(), y.len());
+    let num: f64 = x.iter().zip(&y).map(|(p, q)| (f64::from(*p) - f64::from(*q)).powi(2)).sum();
+    let den: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum();
+    (num / den.max(1e-30)).sqrt()
+}
+
+fn config(d: usize, hkv: usize, method: Method, policy: Policy) -> CacheConfig {
+    let mut c = CacheConfig::new(d, hkv);
+    c.key_method = method;
+    c.value_method = method;
+    c.window = 16;
+    c.sinks = 4;
+    c.policy = policy;
+    c
+}
+
+/// A cache filled with a prefill chunk and then single tokens, so that sinks,
+/// compressed tokens and the recent window all hold something.
+fn filled(cfg: CacheConfig, b: i32, prefill: i32, decode: i32, dtype: Dtype, seed: u64) -> (LayerCache, Vec<(Array, Array)>) {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let mut cache = LayerCache::new(cfg.clone(), Some(Stream::cpu())).unwrap();
+    let (h, d) = (cfg.kv_heads as i32, cfg.head_dim as i32);
+    let mut chunks = Vec::new();
+    let k = normal(&mut rng, &[b, h, prefill, d], dtype);
+    let v = normal(&mut rng, &[b, h, prefill, d], dtype);
+    cache.append(&k, &v).unwrap();
+    chunks.push((k, v));
+    for _ in 0..decode {
+        let k = normal(&mut rng, &[b, h, 1, d], dtype);
+        let v = normal(&mut rng, &[b, h, 1, d], dtype);
+        cache.append(&k, &v).unwrap();
+        chunks.push((k, v));
+    }
+    (cache, chunks)
+}
+
+fn concat_tokens(chunks: &[(Array, Array)]) -> (Array, Array) {
+    let s = Stream::cpu();
+    let ks: Vec<Array> = chunks.iter().map(|c| c.0.clone()).collect();
+    let vs: Vec<Array> = chunks.iter().map(|c| c.1.clone()).collect();
+    (ops::concatenate(&ks, 2, &s).unwrap(), ops::concatenate(&vs, 2, &s).unwrap())
+}
+
+#[test]
+fn fp16_method_equals_plain_sdpa() {
+    let (cache, chunks) = filled(config(64, 2, Method::Fp16, Policy::Auto), 2, 40, 5, Dtype::F16, 1);
+    let (k, v) = concat_tokens(&chunks);
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    let q = normal(&mut rng, &[2, 6, 1, 64], Dtype::F16);
+    let got = cache.attention(&q, 0.125, false).unwrap();
+    let want = ops::scaled_dot_product_attention(&q, &k, &v, 0.125, false, &Stream::cpu()).unwrap();
+    assert_eq!(f32s(&got), f32s(&want));
+    assert_eq!(cache.offset(), 45);
+}
+
+#[test]
+fn fused_attention_matches_reference_and_decoded_sdpa() {
+    for &(d, dtype, tol) in &[(128usize, Dtype::F32, 1e-5), (64, Dtype::F16, 1e-2), (96, Dtype::BF16, 2e-2), (80, Dtype::F32, 1e-5), (256, Dtype::F16, 1e-2)] {
+        let (cache, _) = filled(config(d, 2, Method::TurboQuantMse, Policy::Require), 2, 70, 3, dtype, d as u64);
+        assert!(cache.compressed_tokens() > 0, "some tokens are compressed");
+        let mut rng = ChaCha8Rng::seed_from_u64(3);
+        let q = normal(&mut rng, &[2, 8, 1, d as i32], dtype);
+        let scale = 1.0 / (d as f32).sqrt();
+        let fused = cache.attention(&q, scale, false).unwrap();
+        let mut off_cfg = cache.config().clone();
+        off_cfg.policy = Policy::Off;
+        let bytes = cache.to_bytes().unwrap();
+        let reference_cache = LayerCache::from_bytes(&bytes, Some(Stream::cpu())).unwrap();
+        let _ = off_cfg;
+        let (k, v) = cache.dequantize().unwrap();
+        let sdpa = ops::scaled_dot_product_attention(&q, &k, &v, scale, false, &Stream::cpu()).unwrap();
+        let e = rel_err(&fused, &sdpa);
+        assert!(e <= tol, "d={d} {dtype}: fused vs decode+SDPA relative error {e}");
+        let again = reference_cache.attention(&q, scale, false).unwrap();
+        assert_eq!(f32s(&again), f32s(&fused), "a reloaded cache attends identically");
+    }
+}
+
+#[test]
+fn causal_multi_token_queries_match_decoded_sdpa() {
+    let (cache, _) = filled(config(64, 1, Method::TurboQuantMse, Policy::Require), 1, 90, 0, Dtype::F32, 4);
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let q = normal(&mut rng, &[1, 4, 20, 64], Dtype::F32);
+    let fused = cache.attention(&q, 0.125, true).unwrap();
+    let (k, v) = cache.dequantize().unwrap();
+    let sdpa = ops::scaled_dot_product_attention(&q, &k, &v, 0.125, true, &Stream::cpu()).unwrap();
+    let e = rel_err(&fused, &sdpa);
+    assert!(e <= 1e-5, "causal: relative error {e}");
+}
+
+#[test]
+fn compression_error_is_turboquant_s() {
+    // 4-bit TurboQuant-MSE keeps about 0.9% of the energy as error.
+    let mut cfg = config(128, 2, Method::TurboQuantMse, Policy::Auto);
+    cfg.window = 1;
+    cfg.sinks = 0;
+    let (cache, chunks) = filled(cfg, 1, 600, 0, Dtype::F32, 6);
+    let (k, _) = concat_tokens(&chunks);
+    let (kd, _) = cache.dequantize().unwrap();
+    let e = rel_err(&kd, &k).powi(2);
+    assert!((0.007..0.012).contains(&e), "relative MSE {e}");
+}
+
+#[test]
+fn windows_sinks_and_counts() {
+    let cfg = config(64, 2, Method::TurboQuantMse, Policy::Auto);
+    let (mut cache, _) = filled(cfg, 1, 3, 0, Dtype::F16, 7);
+    assert_eq!((cache.offset(), cache.compressed_tokens()), (3, 0));
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    // Sinks fill first, then the window grows to 2 * window before compressing.
+    for t in 4..=(4 + 32) {
+        let k = normal(&mut rng, &[1, 2, 1, 64], Dtype::F16);
+        cache.append(&k, &k).unwrap();
+        assert_eq!(cache.offset(), t);
+    }
+    assert_eq!(cache.compressed_tokens(), 0, "4 sinks + 32 recent fit the windows");
+    let k = normal(&mut rng, &[1, 2, 1, 64], Dtype::F16);
+    cache.append(&k, &k).unwrap();
+    assert_eq!(cache.compressed_tokens(), 17, "33 pending: the oldest 17 are compressed, 16 stay");
+    assert_eq!(cache.trim(20), 20);
+    assert_eq!((cache.offset(), cache.compressed_tokens()), (17, 13));
+    assert_eq!(cache.trim(1000), 17);
+    assert_eq!(cache.offset(), 0);
+}
+
+#[test]
+fn state_round_trips_and_rejects_corruption() {
+    let (cache, _) = filled(config(64, 2, Method::TurboQuantMse, Policy::Auto), 1, 50, 2, Dtype::F16, 11);
+    let bytes = cache.to_bytes().unwrap();
+    let back = LayerCache::from_bytes(&bytes, Some(Stream::cpu())).unwrap();
+    assert_eq!(back.to_bytes().unwrap(), bytes, "round trip is bit-identical");
+    assert_eq!((back.offset(), back.compressed_tokens()), (cache.offset(), cache.compressed_tokens()));
+    let e = LayerCache::from_bytes(&bytes[..bytes.len() / 2], None).err().unwrap().to_string();
+    assert!(e.starts_with("state:"), "{e}");
+    let e = LayerCache::from_bytes(b"not a state at all", None).err().unwrap().to_string();
+    assert!(e.starts_with("state:"), "{e}");
+    let text = String::from_utf8_lossy(&bytes).replace("\"version\":\"1\"", "\"version\":\"9\"");
+    if text.len() == bytes.len() {
+        let e = LayerCache::from_bytes(text.as_bytes(), None).err().unwrap().to_string();
+        assert!(e.contains("version"), "{e}");
+    }
+}
+
+#[test]
+fn bad_input_names_the_argument() {
+    let cfg = config(64, 2, Method::TurboQuantMse, Policy::Auto);
+    let mut cache = LayerCache::new(cfg.clone(), Some(Stream::cpu())).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(12);
+    let good = normal(&mut rng, &[1, 2, 3, 64], Dtype::F16);
+    let bad_heads = normal(&mut rng, &[1, 3, 3, 64], Dtype::F16);
+    let ints = Array::from_slice(&[0i32; 384], &[1, 2, 3, 64]).unwrap();
+    assert!(cache.append(&bad_heads, &bad_heads).unwrap_err().to_string().starts_with("keys: shape"));
+    assert!(cache.append(&ints, &ints).unwrap_err().to_string().starts_with("keys: dtype int32"));
+    assert!(cache.attention(&good, 0.1, false).unwrap_err().to_string().contains("empty"));
+    cache.append(&good, &good).unwrap();
+    let f32k = normal(&mut rng, &[1, 2, 3, 64], Dtype::F32);
+    assert!(cache.append(&f32k, &f32k).unwrap_err().to_string().starts_with("keys: dtype float32"));
+    let q5 = normal(&mut rng, &[1, 5, 1, 64], Dtype::F16);
+    assert!(cache.attention(&q5, 0.1, false).unwrap_err().to_string().starts_with("queries: 5 heads"));
+    let mut c = cfg.clone();
+    c.key_bits = 5;
+    assert!(LayerCache::new(c, None).err().unwrap().to_string().starts_with("key_bits: 5"));
+    let mut c = cfg.clone();
+    c.head_dim = 100;
+    assert!(LayerCache::new(c, None).err().unwrap().to_string().starts_with("head_dim: head dimension 100"));
+    let mut c = cfg;
+    c.value_method = Method::Fp16;
+    assert!(LayerCache::new(c, None).err().unwrap().to_string().starts_with("value_method:"));
+    let _ = f16::ONE;
+}

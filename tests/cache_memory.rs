@@ -1,0 +1,54 @@
+//! Resident memory of the compressed cache against MLX's own accounting, in a
+//! process of its own: MLX's active-memory counter is global, so no other test
+//! may allocate meanwhile.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use veloxquant::array::active_memory;
+use veloxquant::cache::{CacheConfig, LayerCache, Method};
+use veloxquant::{ops, Array, Dtype, Policy, Stream};
+
+fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
+    let n: i32 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
+    ops::astype(&Array::from_slice(&v, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
+}
+
+fn config(d: usize, hkv: usize, method: Method, policy: Policy) -> CacheConfig {
+    let mut c = CacheConfig::new(d, hkv);
+    c.key_method = method;
+    c.value_method = method;
+    c.window = 16;
+    c.policy = policy;
+    c
+}
+
+#[test]
+fn resident_memory_is_the_reported_nbytes() {
+    let s = Stream::cpu();
+    let cfg = config(128, 8, Method::TurboQuantMse, Policy::Auto);
+    let mut cache = LayerCache::new(cfg, Some(s.clone())).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    let k = normal(&mut rng, &[1, 8, 4000, 128], Dtype::F16);
+    let v = normal(&mut rng, &[1, 8, 4000, 128], Dtype::F16);
+    let q = normal(&mut rng, &[1, 8, 1, 128], Dtype::F16);
+    veloxquant::eval(&[&k, &v, &q]).unwrap();
+    veloxquant::array::clear_cache().unwrap();
+    let before = active_memory().unwrap();
+    cache.append(&k, &v).unwrap();
+    // Evaluate what the cache holds (attention reads all of it), then compare
+    // MLX's active memory.
+    let out = cache.attention(&q, 0.1, false).unwrap();
+    out.eval().unwrap();
+    drop(out);
+    veloxquant::array::clear_cache().unwrap();
+    let grown = active_memory().unwrap() - before;
+    let reported = cache.nbytes() + cache.shared_nbytes();
+    let ratio = grown as f64 / reported as f64;
+    assert!((0.95..=1.05).contains(&ratio), "MLX grew {grown} bytes, cache reports {reported}");
+    // 4 bits + norms for 4000 tokens: about 3.6x smaller than float16 keys and values.
+    let fp16 = 2 * 8 * 4000 * 128 * 2;
+    assert!((fp16 as f64 / cache.nbytes() as f64) > 3.0, "nbytes {}", cache.nbytes());
+}
+
