@@ -285,7 +285,10 @@ DEFAULT_QUESTION = "In two sentences, what does the text above say about the wit
 def default_compare_prompt() -> str:
     from .eval import english_text
 
-    return english_text("with") + "\n\n" + DEFAULT_QUESTION
+    text = english_text("with")
+    # About 400 tokens: past the float16 window, short enough for a CPU.
+    cut = text.rfind("\n\n", 0, 1600)
+    return text[: cut if cut > 0 else 1600] + "\n\n" + DEFAULT_QUESTION
 
 
 def cmd_compare(argv: Sequence[str]) -> int:

@@ -49,6 +49,7 @@ class CacheSpec:
     label: str
     kind: str  # fp16 | mlx-quantized | veloxquant
     bits: Optional[int] = None
+    value_bits: Optional[int] = None
     method: Optional[str] = None
     group_size: int = 64
     window: int = 0
@@ -64,7 +65,7 @@ class CacheSpec:
             return mlx_make(model)
         if self.kind == "mlx-quantized":
             return make_mlx_quantized_cache(model, self.bits, self.group_size)
-        cfg = KVConfig(key_method=self.method, key_bits=self.bits, window=self.window, sinks=self.sinks, seed=self.seed)
+        cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed)
         return make_prompt_cache(model, cfg)
 
 
@@ -137,8 +138,9 @@ def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sink
     specs = [CacheSpec("fp16", "fp16")]
     specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
     for m in methods:
-        for b in bits:
-            specs.append(CacheSpec(f"{m}-{b}", "veloxquant", bits=b, method=m, window=window, sinks=sinks))
+        for kb, vb in bits:
+            label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
+            specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=m, window=window, sinks=sinks))
     return specs
 
 
@@ -298,6 +300,20 @@ def _int_list(s: str, name: str) -> List[int]:
         raise SystemExit(f"{name}: expected comma-separated integers, got {s!r}")
 
 
+def _bit_pairs(s: str) -> List[tuple]:
+    """'2,3,4/3' -> [(2, 2), (3, 3), (4, 3)]: key bits, or key/value bits."""
+    out = []
+    for part in (x.strip() for x in s.split(",")):
+        if not part:
+            continue
+        try:
+            kb, _, vb = part.partition("/")
+            out.append((int(kb), int(vb or kb)))
+        except ValueError:
+            raise SystemExit(f"--bits: expected bits or key/value bits like 4/3, got {part!r}")
+    return out
+
+
 def _float_list(s: str, name: str) -> List[float]:
     try:
         v = [float(x) for x in s.split(",") if x.strip()]
@@ -312,9 +328,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="veloxquant eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
     p.add_argument("--methods", default="turboquant-mse", help="veloxquant methods, comma-separated")
-    p.add_argument("--bits", default="2,3,4", help="veloxquant bit widths, comma-separated (default: 2,3,4)")
+    p.add_argument(
+        "--bits", default="2,3/2,3,4/3,4", help="veloxquant bits, comma-separated, key/value pairs allowed (default: 2,3/2,3,4/3,4)"
+    )
     p.add_argument("--mlx-bits", default="4,8", help="mlx_lm affine bit widths (default: 4,8; empty: none)")
-    p.add_argument("--kv-window", type=int, default=0, help="float16 window of recent tokens (default 0: all compressed)")
+    p.add_argument("--kv-window", type=int, default=1, help="float16 window of recent tokens (default 1: all but the newest compressed)")
     p.add_argument("--kv-sinks", type=int, default=0, help="float16 first tokens (default 0)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of text for perplexity (default: 1024)")
     p.add_argument("--prefix", type=int, default=256, help="tokens before scoring starts (default: 256)")
@@ -323,7 +341,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
     p.add_argument("--out", default="eval-results", help="output directory (default: ./eval-results)")
     args = p.parse_args(list(argv) if argv is not None else None)
-    bits = _int_list(args.bits, "--bits")
+    bits = _bit_pairs(args.bits)
     mlx_bits = _int_list(args.mlx_bits, "--mlx-bits")
     lengths = _int_list(args.needle_lengths, "--needle-lengths")
     depths = _float_list(args.needle_depths, "--needle-depths")
@@ -335,9 +353,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for b in mlx_bits:
         if b not in (2, 3, 4, 5, 6, 8):
             raise SystemExit(f"--mlx-bits: {b} is not one of 2, 3, 4, 5, 6, 8")
-    for b in bits:
-        if not 1 <= b <= 16:
-            raise SystemExit(f"--bits: {b} is out of range 1..16")
+    for kb, vb in bits:
+        if not (1 <= kb <= 16 and 1 <= vb <= 16):
+            raise SystemExit(f"--bits: {kb}/{vb} is out of range 1..16")
 
     from . import models
 
