@@ -92,18 +92,23 @@ def _kv_elements(cache) -> int:
     return n
 
 
+def _log_softmax(x: mx.array) -> mx.array:
+    x = x.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
 def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int):
     """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``."""
     x = mx.array(ids)[None]
     outs = []
     logits = model(x[:, :prefix], cache=cache)
-    outs.append(mx.log_softmax(logits[0, -1:].astype(mx.float32), axis=-1))
+    outs.append(_log_softmax(logits[0, -1:]))
     mx.eval(outs[-1])
     pos = prefix
     while pos < len(ids) - 1:
         n = min(chunk, len(ids) - 1 - pos)
         logits = model(x[:, pos : pos + n], cache=cache)
-        outs.append(mx.log_softmax(logits[0].astype(mx.float32), axis=-1))
+        outs.append(_log_softmax(logits[0]))
         mx.eval(outs[-1])
         pos += n
     return mx.concatenate(outs, axis=0)
