@@ -1,0 +1,235 @@
+"""VeloxQuantCache in mlx_lm: config, dispatch, generation, deepcopy, save/load, trim, errors."""
+
+import copy
+import sys
+import types
+
+import mlx.core as mx
+import mlx_lm
+import mlx_lm.models.base as base
+import pytest
+from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
+
+from veloxquant import attention
+from veloxquant.cache import KVConfig, VeloxQuantCache, install, make_mlx_quantized_cache, make_prompt_cache, uninstall
+from conftest import needs_layer_cache
+
+
+# --- config -------------------------------------------------------------------
+
+
+def test_config_defaults_and_layer_overrides():
+    c = KVConfig(key_bits=3, layers={0: None, 2: {"key_bits": 8}, 3: {"value_bits": 2}})
+    assert (c.value_method, c.value_bits) == ("turboquant-mse", 3)
+    assert c.for_layer(0) is None
+    assert (c.for_layer(2).key_bits, c.for_layer(2).value_bits) == (8, 8)
+    assert (c.for_layer(3).key_bits, c.for_layer(3).value_bits) == (3, 2)
+    assert c.for_layer(1).settings() == c.settings()
+    assert KVConfig.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize(
+    "kwargs, name",
+    [
+        ({"key_bits": 0}, "key_bits"),
+        ({"value_bits": 2.5}, "value_bits"),
+        ({"window": -1}, "window"),
+        ({"sinks": True}, "sinks"),
+        ({"policy": "fast"}, "policy"),
+        ({"key_method": ""}, "key_method"),
+        ({"layers": {"0": None}}, "layers"),
+        ({"layers": {1: {"bitz": 3}}}, "unknown fields"),
+    ],
+)
+def test_config_errors_name_the_argument(kwargs, name):
+    with pytest.raises(ValueError, match=name):
+        KVConfig(**kwargs)
+
+
+# --- dispatch -----------------------------------------------------------------
+
+
+def test_dispatch_is_idempotent_and_reaches_imported_modules():
+    import mlx_lm.models.llama as llama
+
+    attention.install()
+    first = base.scaled_dot_product_attention
+    attention.install()
+    assert base.scaled_dot_product_attention is first
+    assert llama.scaled_dot_product_attention is first
+    assert attention.installed()
+
+
+def test_dispatch_leaves_other_caches_alone():
+    attention.install()
+    q, k, v = (mx.random.normal((1, 2, 5, 8)) for _ in range(3))
+    got = base.scaled_dot_product_attention(q, k, v, cache=KVCache(), scale=0.3, mask="causal")
+    want = mx.fast.scaled_dot_product_attention(q, k, v, scale=0.3, mask="causal")
+    assert mx.allclose(got, want).item()
+
+
+def test_model_bypassing_the_dispatch_is_refused():
+    mod = types.ModuleType("fake_bypass_model")
+    sys.modules[mod.__name__] = mod
+
+    class Model:
+        layers = [object()]
+
+        def named_modules(self):
+            return []
+
+    Model.__module__ = mod.__name__
+    with pytest.raises(ValueError, match="does not call mlx_lm.models.base.scaled_dot_product_attention"):
+        attention.check_model(Model())
+
+
+# --- with the model -----------------------------------------------------------
+
+
+def _prompt(tok):
+    return tok.apply_chat_template([{"role": "user", "content": "What is the capital of France?"}], add_generation_prompt=True)
+
+
+def test_mlx_quantized_cache_from_first_token(smollm):
+    model, _ = smollm
+    caches = make_mlx_quantized_cache(model, bits=8)
+    assert all(type(c) is QuantizedKVCache and c.bits == 8 for c in caches)
+    with pytest.raises(ValueError, match="bits"):
+        make_mlx_quantized_cache(model, bits=7)
+
+
+def test_install_and_uninstall(smollm):
+    model, _ = smollm
+    install(model, kind="mlx-quantized", bits=4)
+    assert all(isinstance(c, QuantizedKVCache) for c in mlx_lm.models.cache.make_prompt_cache(model))
+    uninstall(model)
+    assert all(type(c) is KVCache for c in mlx_lm.models.cache.make_prompt_cache(model))
+    with pytest.raises(ValueError, match="kind"):
+        install(model, kind="fp8")
+
+
+def test_hybrid_models_keep_their_other_caches(smollm):
+    model, _ = smollm
+    orig = model.make_cache
+    try:
+        object.__setattr__(model, "make_cache", lambda: [RotatingKVCache(16)] + [KVCache() for _ in model.layers[1:]])
+        if not hasattr(__import__("veloxquant._native")._native, "LayerCache"):
+            pytest.skip("no LayerCache")
+        caches = make_prompt_cache(model, KVConfig(layers={1: None}))
+        assert type(caches[0]) is RotatingKVCache and type(caches[1]) is KVCache
+        assert all(isinstance(c, VeloxQuantCache) for c in caches[2:])
+        object.__setattr__(model, "make_cache", lambda: [RotatingKVCache(16) for _ in model.layers])
+        with pytest.raises(ValueError, match="no layer of this model has a plain KVCache"):
+            make_prompt_cache(model)
+    finally:
+        model.__dict__.pop("make_cache", None)
+    assert model.make_cache == orig
+
+
+@needs_layer_cache
+def test_fp16_method_generates_like_mlx_lm(smollm):
+    model, tok = smollm
+    prompt = _prompt(tok)
+    want = mlx_lm.generate(model, tok, prompt, max_tokens=6)
+    install(model, KVConfig(key_method="fp16", window=0, sinks=0))
+    try:
+        got = mlx_lm.generate(model, tok, prompt, max_tokens=6)
+        assert isinstance(mlx_lm.models.cache.make_prompt_cache(model)[0], VeloxQuantCache)
+    finally:
+        uninstall(model)
+    assert got == want
+
+
+@pytest.fixture
+def filled(smollm):
+    if not hasattr(__import__("veloxquant._native")._native, "LayerCache"):
+        pytest.skip("no LayerCache")
+    model, tok = smollm
+    caches = make_prompt_cache(model, KVConfig(key_bits=4, window=8, sinks=2))
+    ids = mx.array(_prompt(tok))[None]
+    model(ids, cache=caches)
+    return model, caches, ids
+
+
+def _next_logits(model, caches, token=28):
+    return model(mx.array([[token]]), cache=caches)[0, -1].astype(mx.float32)
+
+
+@needs_layer_cache
+def test_compressed_cache_is_smaller():
+    c = VeloxQuantCache(KVConfig(key_bits=4, value_bits=3, window=1, sinks=0))
+    k = mx.random.normal((1, 3, 512, 64)).astype(mx.float16)
+    out_k, out_v = c.update_and_fetch(k, k)
+    assert c.offset == 512 and out_k.shape == k.shape
+    # about 3.5 bits per element plus norms, against 16
+    assert 3.5 <= 8 * c.nbytes / (2 * k.size) < 4.0
+    assert mx.abs(out_k - k).mean().item() < 0.2
+
+
+@needs_layer_cache
+def test_compressed_attention_is_close(filled, smollm):
+    model, caches, ids = filled
+    ref = mlx_lm.models.cache.make_prompt_cache(model)
+    model(ids, cache=ref)
+    a, b = _next_logits(model, caches), _next_logits(model, ref)
+    # 4-bit keys and values keep the next token among the float16 cache's top 5
+    assert b.argmax().item() in mx.argsort(-a)[:5].tolist()
+    assert caches[0].offset == ids.shape[1] + 1 and not caches[0].empty()
+
+
+@needs_layer_cache
+def test_deepcopy_is_independent(filled):
+    model, caches, ids = filled
+    twin = copy.deepcopy(caches)
+    assert [c.nbytes for c in twin] == [c.nbytes for c in caches]
+    a = _next_logits(model, caches)
+    assert twin[0].offset == ids.shape[1]  # the copy did not see the new token
+    b = _next_logits(model, twin)
+    assert mx.allclose(a, b, atol=1e-3).item()
+
+
+@needs_layer_cache
+def test_save_and_load_prompt_cache_compressed(filled, tmp_path):
+    model, caches, ids = filled
+    f = str(tmp_path / "cache.safetensors")
+    save_prompt_cache(f, caches, {"note": "x"})
+    loaded, meta = load_prompt_cache(f, return_metadata=True)
+    assert meta["note"] == "x"
+    assert all(type(c) is VeloxQuantCache for c in loaded)
+    assert [c.offset for c in loaded] == [c.offset for c in caches]
+    assert loaded[3].config == caches[3].config
+    # what is saved is the compressed state, not float16 keys and values
+    import os
+
+    assert os.path.getsize(f) < sum(c.nbytes + c.layer.shared_nbytes for c in caches) + 256 * 1024
+    a, b = _next_logits(model, caches), _next_logits(model, loaded)
+    assert mx.allclose(a, b, atol=1e-3).item()
+
+
+@needs_layer_cache
+def test_trim(filled):
+    model, caches, ids = filled
+    n = ids.shape[1]
+    assert caches[0].is_trimmable()
+    assert mlx_lm.models.cache.trim_prompt_cache(caches, 5) == 5
+    assert all(c.offset == n - 5 for c in caches)
+    assert caches[0].make_mask(3) == "causal" and caches[0].make_mask(1) is None
+
+
+@needs_layer_cache
+def test_batching_is_refused_clearly(filled):
+    _, caches, _ = filled
+    assert not hasattr(caches[0], "merge")  # so mlx_lm's server serves one request at a time
+    with pytest.raises(AttributeError, match="does not support batched generation"):
+        caches[0].merge(caches)
+
+
+def test_cache_errors():
+    with pytest.raises(TypeError, match="KVConfig"):
+        VeloxQuantCache({"key_bits": 4})
+    c = VeloxQuantCache()
+    assert c.empty() and c.offset == 0 and c.nbytes == 0
+    with pytest.raises(ValueError, match=r"\[batch, kv_heads, tokens, head_dim\]"):
+        c.update_and_fetch(mx.zeros((2, 3, 4)), mx.zeros((2, 3, 4)))
+    with pytest.raises(RuntimeError, match="before any keys"):
+        c.attention(mx.zeros((1, 1, 1, 64)), 1.0)

@@ -1,0 +1,146 @@
+"""The command line: generate, serve (a real HTTP request on loopback), compare, eval, errors."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+
+from conftest import needs_layer_cache
+
+PROMPT = "What is the capital of France?"
+
+
+def run(*args, timeout=300):
+    return subprocess.run(
+        [sys.executable, "-m", "veloxquant", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+@pytest.fixture(scope="module", autouse=True)
+def converted(smollm):
+    # The session fixture converts the model once; subprocesses then find it.
+    return smollm
+
+
+@pytest.mark.parametrize(
+    "extra, kind",
+    [
+        ([], "fp16"),
+        (["--kv-cache", "mlx-quantized", "--kv-bits", "8"], "mlx-quantized 8b"),
+        pytest.param(["--kv-cache", "veloxquant", "--kv-bits", "4", "--kv-window", "8"], "veloxquant keys turboquant-mse/4b", marks=needs_layer_cache),
+    ],
+)
+def test_generate(extra, kind):
+    r = run("generate", "--prompt", PROMPT, "--max-tokens", "6", "--temp", "0", *extra)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    text = out.split("=" * 10)[1].strip()
+    # the 135M model's answer changes under 8-bit keys already: only fp16 is pinned
+    assert ("Paris" in text) if kind == "fp16" else text
+    assert f"({kind}" in out
+    for line in ("Prefill: ", "Decode: 6 tokens", "KV cache: ", "Peak memory: "):
+        assert line in out
+    kv = int(out.split("KV cache: ")[1].split(" bytes")[0].replace(",", ""))
+    assert kv > 0
+
+
+def test_generate_quiet_prints_only_the_text():
+    r = run("generate", "--prompt", PROMPT, "--max-tokens", "3", "--verbose", "False")
+    assert r.returncode == 0, r.stderr
+    assert "KV cache" not in r.stdout and r.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["generate", "--kv-cache", "zip"], "--kv-cache: invalid choice"),
+        (["generate", "--kv-cache", "mlx-quantized", "--kv-bits", "7"], "--kv-bits for mlx-quantized must be"),
+        (["generate", "--kv-value-bits", "3"], "--kv-value-bits applies only to --kv-cache veloxquant"),
+        (["generate", "--kv-cache", "veloxquant", "--kv-window", "-2"], "window must be an integer >= 0"),
+        (["compare", "--caches", "fp16,gz"], "--caches: unknown"),
+        (["eval", "--needle-depths", "2"], "--needle-depths: depths must be between 0 and 1"),
+        (["nosuch"], "unknown command 'nosuch'"),
+    ],
+)
+def test_bad_arguments_are_named(args, message):
+    r = run(*args, timeout=120)
+    assert r.returncode != 0
+    assert message in r.stderr, r.stderr
+
+
+@needs_layer_cache
+def test_generate_bad_method_is_named():
+    r = run("generate", "--kv-cache", "veloxquant", "--kv-method", "bogus", timeout=120)
+    assert r.returncode != 0 and "--kv-method" in r.stderr and "bogus" in r.stderr
+
+
+def test_help_lists_mlx_lm_and_kv_options():
+    r = run("generate", "--help", timeout=120)
+    assert r.returncode == 0
+    for opt in ("--max-tokens", "--draft-model", "--prompt-cache-file", "--kv-cache", "--kv-method", "--kv-bits", "--kv-value-bits", "--kv-window"):
+        assert opt in r.stdout
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [[], pytest.param(["--kv-cache", "veloxquant", "--kv-window", "8"], marks=needs_layer_cache)],
+    ids=["fp16", "veloxquant"],
+)
+def test_serve_answers_a_request(extra):
+    port = _free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant", "serve", "--host", "127.0.0.1", "--port", str(port), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=2).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise AssertionError("server did not start: " + (proc.stdout.read() if proc.poll() is not None else ""))
+                time.sleep(0.5)
+        body = json.dumps(
+            {"messages": [{"role": "user", "content": PROMPT}], "max_tokens": 6, "temperature": 0}
+        ).encode()
+        for _ in range(2):  # the second request reuses (copies and trims) the cached prompt
+            req = urllib.request.Request(
+                f"http://127.0.0.1:{port}/v1/chat/completions", body, {"Content-Type": "application/json"}
+            )
+            reply = json.loads(urllib.request.urlopen(req, timeout=180).read())
+            content = reply["choices"][0]["message"]["content"]
+            assert ("Paris" in content) if not extra else content.strip()
+            assert reply["usage"]["completion_tokens"] == 6
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+@needs_layer_cache
+def test_example_notebook_runs(tmp_path):
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.path.join(here, "..", "..", "examples", "compress_layer.ipynb")
+    nb = nbformat.read(path, as_version=4)
+    nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
+    assert (tmp_path / "layer_error.png").stat().st_size > 1000

