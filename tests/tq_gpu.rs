@@ -60,15 +60,21 @@ fn gpu_cache_matches_cpu_cache() {
             let e = rel_err(&f32s(&g), &f32s(&c));
             assert!(e <= 2e-2, "decoded {name} d={d} {dtype}: GPU and CPU caches differ by {e}");
         }
-        // The fused kernel against decode-then-SDPA over the same GPU cache.
+        // The fused kernel against the CPU kernel over the same stored state,
+        // and against decode-then-SDPA on the GPU (whose float32 matmuls may
+        // round through TF32, hence the looser bound there).
+        let same_on_cpu = LayerCache::from_bytes(&on_gpu.to_bytes().unwrap(), Some(Stream::cpu())).unwrap();
         let (kd, vd) = on_gpu.dequantize().unwrap();
         for (l, causal) in [(1, false), (7, true)] {
             let q = normal(&mut rng, &[2, hq as i32, l, d as i32], dtype);
             let scale = 1.0 / (d as f32).sqrt();
             let g = f32s(&on_gpu.attention(&q, scale, causal).unwrap());
+            let same = f32s(&same_on_cpu.attention(&q, scale, causal).unwrap());
+            let e = rel_err(&g, &same);
+            assert!(e <= tol, "attention d={d} {dtype} L={l}: relative error {e} against the CPU kernel on the same state");
             let r = f32s(&ops::scaled_dot_product_attention(&q, &kd, &vd, scale, causal && l > 1, &gpu).unwrap());
             let e = rel_err(&g, &r);
-            assert!(e <= tol, "attention d={d} {dtype} L={l}: relative error {e} against decode + SDPA");
+            assert!(e <= tol.max(2e-3), "attention d={d} {dtype} L={l}: relative error {e} against decode + SDPA");
             let c = f32s(&on_cpu.attention(&q, scale, causal).unwrap());
             let e = rel_err(&g, &c);
             assert!(e <= 5e-2, "attention d={d} {dtype} L={l}: GPU and CPU caches differ by {e}");

@@ -312,9 +312,16 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
     )?;
-    // The query, rotated and scaled once for every threadgroup.
+    // The query, rotated and scaled once for every threadgroup. A GPU matmul
+    // may round float32 through TF32, so a few queries are rotated with an
+    // exact broadcast product instead.
     let qf = ops::astype(q, Dtype::F32, s)?;
-    let qr = ops::matmul(&qf, &ops::transpose(layer.rot_k, &[1, 0], s)?, s)?;
+    let qr = if rows <= 64 {
+        let prod = ops::multiply(&ops::expand_dims(&qf, -2, s)?, layer.rot_k, s)?;
+        ops::sum_axis(&prod, -1, false, s)?
+    } else {
+        ops::matmul(&qf, &ops::transpose(layer.rot_k, &[1, 0], s)?, s)?
+    };
     let qr = ops::multiply(&qr, &Array::scalar_f32(scale)?, s)?;
     let blocks = units * num_splits;
     let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
