@@ -312,11 +312,12 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
     )?;
-    // The query, rotated and scaled once for every threadgroup. A GPU matmul
-    // may round float32 through TF32, so a few queries are rotated with an
-    // exact broadcast product instead.
+    // The query, rotated and scaled once for every threadgroup. MLX's CUDA
+    // matmul rounds float32 through TF32 (relative error ~3e-4), so up to
+    // 2^24 products (decode, short verification) use an exact broadcast
+    // product; long prefills use the matmul.
     let qf = ops::astype(q, Dtype::F32, s)?;
-    let qr = if rows <= 64 {
+    let qr = if rows * sh.dim * sh.dim <= 1 << 24 {
         let prod = ops::multiply(&ops::expand_dims(&qf, -2, s)?, layer.rot_k, s)?;
         ops::sum_axis(&prod, -1, false, s)?
     } else {
