@@ -20,7 +20,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape, FromF32};
 use veloxquant::cpu::{Float, VqElement};
-use veloxquant::quant::{Rotation, RotationKind, ScalarCodebook};
+use veloxquant::quant::ScalarCodebook;
 
 fn read(rel: &str) -> String {
     let path = metal_emulator::repo_root().join(rel);
@@ -59,21 +59,7 @@ fn reduce_kernel() -> MetalKernel {
 /// Row-major `Π` as `src/cache/state.rs` builds it: Hadamard where the size
 /// allows, else dense; column j is `forward(e_j)`.
 fn rotation_matrix(dim: usize, seed: u64) -> Vec<f32> {
-    let rot = Rotation::new(RotationKind::Hadamard, dim, seed)
-        .or_else(|_| Rotation::new(RotationKind::Dense, dim, seed))
-        .unwrap();
-    let mut m = vec![0.0f32; dim * dim];
-    let mut e = vec![0.0f32; dim];
-    let mut col = vec![0.0f32; dim];
-    for j in 0..dim {
-        e.iter_mut().for_each(|v| *v = 0.0);
-        e[j] = 1.0;
-        rot.forward(&e, &mut col);
-        for i in 0..dim {
-            m[i * dim + j] = col[i];
-        }
-    }
-    m
+    veloxquant::cache::rotation_matrix(dim, seed).unwrap()
 }
 
 fn centroids(dim: usize, bits: u32) -> Vec<f32> {

@@ -12,7 +12,7 @@ mod state;
 use std::fmt;
 use std::str::FromStr;
 
-pub use state::LayerCache;
+pub use state::{rotation_matrix, LayerCache};
 
 use crate::error::{Error, Result};
 use crate::kernels::Policy;

@@ -19,9 +19,9 @@ const MIN_CAPACITY: usize = 256;
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
 const STATE_VERSION: &str = "1";
 
-/// Row-major `Π` of the rotation for `(dim, seed)`: Hadamard where the size
-/// allows, else dense. Computed once per process.
-fn rotation_matrix(dim: usize, seed: u64) -> Result<Vec<f32>> {
+/// Row-major `Π` of the cache's rotation for `(dim, seed)`: Hadamard where
+/// the size allows, else dense. Computed once per process.
+pub fn rotation_matrix(dim: usize, seed: u64) -> Result<Vec<f32>> {
     static CACHE: OnceLock<Mutex<HashMap<(usize, u64), Vec<f32>>>> = OnceLock::new();
     let cache = CACHE.get_or_init(Default::default);
     if let Some(m) = cache.lock().expect("rotation cache").get(&(dim, seed)) {
@@ -30,17 +30,7 @@ fn rotation_matrix(dim: usize, seed: u64) -> Result<Vec<f32>> {
     let rot = Rotation::new(RotationKind::Hadamard, dim, seed)
         .or_else(|_| Rotation::new(RotationKind::Dense, dim, seed))
         .map_err(|e| Error::invalid("head_dim", e.to_string()))?;
-    let mut m = vec![0.0f32; dim * dim];
-    let mut e = vec![0.0f32; dim];
-    let mut col = vec![0.0f32; dim];
-    for j in 0..dim {
-        e.iter_mut().for_each(|v| *v = 0.0);
-        e[j] = 1.0;
-        rot.forward(&e, &mut col);
-        for i in 0..dim {
-            m[i * dim + j] = col[i];
-        }
-    }
+    let m = rot.to_dense();
     cache.lock().expect("rotation cache").insert((dim, seed), m.clone());
     Ok(m)
 }

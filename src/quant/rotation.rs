@@ -185,6 +185,23 @@ impl Rotation {
         }
     }
 
+    /// `Π` as a dense row-major `[d, d]` matrix (column `j` is `Π e_j`).
+    pub fn to_dense(&self) -> Vec<f32> {
+        let d = self.dim;
+        let mut m = vec![0.0f32; d * d];
+        let mut e = vec![0.0f32; d];
+        let mut col = vec![0.0f32; d];
+        for j in 0..d {
+            e.iter_mut().for_each(|v| *v = 0.0);
+            e[j] = 1.0;
+            self.forward(&e, &mut col);
+            for i in 0..d {
+                m[i * d + j] = col[i];
+            }
+        }
+        m
+    }
+
     /// `out = Π x`.
     pub fn forward(&self, x: &[f32], out: &mut [f32]) {
         let d = self.dim;
