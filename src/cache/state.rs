@@ -17,7 +17,7 @@ use crate::stream::Stream;
 /// Slots a store starts with; it then doubles.
 const MIN_CAPACITY: usize = 256;
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
-const STATE_VERSION: &str = "1";
+const STATE_VERSION: &str = "2";
 
 /// Row-major `Π` of the cache's rotation for `(dim, seed)`: Hadamard where
 /// the size allows, else dense. Computed once per process.
@@ -54,6 +54,11 @@ struct Dense {
 }
 
 struct Compressed {
+    /// Per-channel mean of the keys of the first append `[B, Hkv, 1, D]`
+    /// (float32), subtracted from every key before it is stored. Softmax is
+    /// unchanged by it (it shifts a query's scores by one constant), and it
+    /// takes the channel offsets of real keys out of what the codes must hold.
+    k_mean: Option<Array>,
     k_codes: Array,
     k_norms: Array,
     v_codes: Array,
@@ -131,6 +136,7 @@ impl LayerCache {
             Some(Store::Compressed(c)) => {
                 c.k_codes.nbytes() + c.k_norms.nbytes() + c.v_codes.nbytes() + c.v_norms.nbytes() + c.win_k.nbytes()
                     + c.win_v.nbytes()
+                    + c.k_mean.as_ref().map_or(0, Array::nbytes)
             }
         }
     }
@@ -190,6 +196,7 @@ impl LayerCache {
                 let wcap = (self.cfg.sinks + 2 * self.cfg.window) as i32;
                 let cap = MIN_CAPACITY as i32;
                 Store::Compressed(Compressed {
+                    k_mean: None,
                     k_codes: ops::zeros(&[b, h, cap, self.key_row_bytes() as i32], Dtype::U8, s)?,
                     k_norms: ops::zeros(&[b, h, cap], Dtype::F16, s)?,
                     v_codes: ops::zeros(&[b, h, cap, self.value_row_bytes() as i32], Dtype::U8, s)?,
@@ -263,7 +270,13 @@ impl LayerCache {
         let rotate = |x: &Array| -> Result<Array> {
             ops::astype(&ops::matmul(&ops::astype(x, Dtype::F32, &s)?, &rot_t, &s)?, dtype, &s)
         };
-        let (rk, rv) = (rotate(keys)?, rotate(values)?);
+        if c.k_mean.is_none() {
+            let kf = ops::astype(keys, Dtype::F32, &s)?;
+            let sum = ops::sum_axis(&kf, 2, true, &s)?;
+            c.k_mean = Some(ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)?);
+        }
+        let centred = ops::subtract(&ops::astype(keys, Dtype::F32, &s)?, c.k_mean.as_ref().expect("set above"), &s)?;
+        let (rk, rv) = (rotate(&centred)?, rotate(values)?);
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);
@@ -423,7 +436,15 @@ impl LayerCache {
                     let r = turboquant::decode_rotated(&layer, values, s)?;
                     ops::astype(&ops::matmul(&r, rot, s)?, self.dtype, s)
                 };
-                Ok((back(false)?, back(true)?))
+                let Some(Store::Compressed(c)) = &self.store else { unreachable!() };
+                let keys = match &c.k_mean {
+                    Some(mean) => {
+                        let r = turboquant::decode_rotated(&layer, false, s)?;
+                        ops::astype(&ops::add(&ops::matmul(&r, rot, s)?, mean, s)?, self.dtype, s)?
+                    }
+                    None => back(false)?,
+                };
+                Ok((keys, back(true)?))
             }
         }
     }
@@ -547,6 +568,9 @@ mod state_io {
                 let n = x.len as i32;
                 let kr = cache.key_row_bytes() as i32;
                 let vr = cache.value_row_bytes() as i32;
+                if let Some(mean) = &x.k_mean {
+                    put("k_mean", mean.clone())?;
+                }
                 put("k_codes", ops::slice(&x.k_codes, &[0, 0, 0, 0], &[b, h, n, kr], s)?)?;
                 put("v_codes", ops::slice(&x.v_codes, &[0, 0, 0, 0], &[b, h, n, vr], s)?)?;
                 put("k_norms", ops::slice(&x.k_norms, &[0, 0, 0], &[b, h, n], s)?)?;
@@ -647,7 +671,13 @@ mod state_io {
                 let (kn, vn) = (tensor("k_norms", Dtype::F16, &[b, h, n as i32])?, tensor("v_norms", Dtype::F16, &[b, h, n as i32])?);
                 let wk = tensor("win_k", dtype, &[b, h, (ns + nr) as i32, d])?;
                 let wv = tensor("win_v", dtype, &[b, h, (ns + nr) as i32, d])?;
+                let mean = match st.tensor("k_mean") {
+                    Ok(_) => Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
+                    Err(_) if n + ns + nr == 0 => None,
+                    Err(_) => return Err(corrupt("k_mean: missing")),
+                };
                 let Some(Store::Compressed(c)) = &mut cache.store else { unreachable!() };
+                c.k_mean = mean;
                 let mut cap = c.capacity;
                 grow(&mut [&mut c.k_codes, &mut c.k_norms, &mut c.v_codes, &mut c.v_norms], &mut cap, n, &s)?;
                 c.capacity = cap;
