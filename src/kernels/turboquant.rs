@@ -187,6 +187,17 @@ fn tile_rows(g: usize, queries: usize) -> Option<(usize, usize)> {
     Some((per_tile, g * per_tile))
 }
 
+/// `tile_rows`, with fewer queries per tile while the threadgroup memory
+/// would exceed `limit` (large head dimensions); `None` when even one query
+/// per tile does not fit.
+fn tile_rows_within(g: usize, queries: usize, limit: usize, d: usize, kbits: u32, vbits: u32) -> Option<(usize, usize)> {
+    let (mut per_tile, _) = tile_rows(g, queries)?;
+    while per_tile > 1 && attention_shared_bytes(d, kbits, vbits, g * per_tile) > limit {
+        per_tile -= 1;
+    }
+    (attention_shared_bytes(d, kbits, vbits, g * per_tile) <= limit).then_some((per_tile, g * per_tile))
+}
+
 /// Attention of `q` `[B, Hq, L, d]` over one layer's compressed keys and
 /// values and its float16 windows. Returns `[B, Hq, L, d]` in `q`'s dtype.
 pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) -> Result<Array> {
@@ -206,17 +217,15 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
     let stream = opts.resolve_stream()?;
     let mut imp = select(&ATTENTION, opts.policy, &stream)?;
     let g = sh.q_heads / sh.kv_heads;
-    let tiles = tile_rows(g, sh.queries);
+    let backend = stream.backend()?;
+    let tiles = tile_rows_within(g, sh.queries, shared_limit(backend), sh.dim, sh.key_bits, sh.value_bits);
     if matches!(imp, Implementation::Metal | Implementation::Cuda) {
-        let backend = stream.backend()?;
         let why = match tiles {
-            None => Some(format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")),
-            Some((_, rows)) if attention_shared_bytes(sh.dim, sh.key_bits, sh.value_bits, rows) > shared_limit(backend) => {
-                Some(format!(
-                    "head_dim {} with {}/{} bits needs more threadgroup memory than {} offers",
-                    sh.dim, sh.key_bits, sh.value_bits, backend.name()
-                ))
-            }
+            None if g > MAX_TILE_ROWS => Some(format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")),
+            None => Some(format!(
+                "head_dim {} with {}/{} bits needs more threadgroup memory than {} offers",
+                sh.dim, sh.key_bits, sh.value_bits, backend.name()
+            )),
             Some(_) => None,
         };
         if let Some(why) = why {
