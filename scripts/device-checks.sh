@@ -2,7 +2,7 @@
 # Runs on the NVIDIA GPU machine, after .device/b/install.sh put MLX's CUDA
 # build into /root/site (see scripts/build-cuda.sh): the GPU kernel tests, the
 # Python GPU checks and the benchmarks. Output goes to $OUT. CHECKS picks a
-# subset: any of tests, python, vq, quant, attention (default: all); TESTS
+# subset: any of tests, python, vq, quant, attention, plot (default: all); TESTS
 # picks the test binaries.
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
@@ -11,7 +11,7 @@ export PYTHONPATH=/root/site
 export LD_LIBRARY_PATH=/root/site/mlx/lib
 python3 -m pip install -q --no-index --no-deps --target /root/site --upgrade .device/build/veloxquant-*-cp312-*.whl
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader; python3 --version; } | tee "$OUT/machine.txt"
-CHECKS="${CHECKS:-tests python vq quant attention}"
+CHECKS="${CHECKS:-tests python vq quant attention plot}"
 want() { [[ " $CHECKS " == *" $1 "* ]]; }
 status=0
 if want tests; then
@@ -32,5 +32,8 @@ if want quant; then
 fi
 if want attention; then
   python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
+fi
+if want plot; then
+  python3 -m veloxquant.plot_kernels --device gpu --max-n 1048576 --out "$OUT/kernels_cuda.png" 2>&1 | tee "$OUT/kernels_cuda.txt" || status=1
 fi
 exit $status
