@@ -59,9 +59,6 @@ struct Compressed {
     /// unchanged by it (it shifts a query's scores by one constant), and it
     /// takes the channel offsets of real keys out of what the codes must hold.
     k_mean: Option<Array>,
-    /// The same for values: stored values are centred, and the mean is added
-    /// to the attention output (softmax weights sum to one).
-    v_mean: Option<Array>,
     k_codes: Array,
     k_norms: Array,
     v_codes: Array,
@@ -140,7 +137,6 @@ impl LayerCache {
                 c.k_codes.nbytes() + c.k_norms.nbytes() + c.v_codes.nbytes() + c.v_norms.nbytes() + c.win_k.nbytes()
                     + c.win_v.nbytes()
                     + c.k_mean.as_ref().map_or(0, Array::nbytes)
-                    + c.v_mean.as_ref().map_or(0, Array::nbytes)
             }
         }
     }
@@ -201,7 +197,6 @@ impl LayerCache {
                 let cap = MIN_CAPACITY as i32;
                 Store::Compressed(Compressed {
                     k_mean: None,
-                    v_mean: None,
                     k_codes: ops::zeros(&[b, h, cap, self.key_row_bytes() as i32], Dtype::U8, s)?,
                     k_norms: ops::zeros(&[b, h, cap], Dtype::F16, s)?,
                     v_codes: ops::zeros(&[b, h, cap, self.value_row_bytes() as i32], Dtype::U8, s)?,
@@ -275,18 +270,13 @@ impl LayerCache {
         let rotate = |x: &Array| -> Result<Array> {
             ops::astype(&ops::matmul(&ops::astype(x, Dtype::F32, &s)?, &rot_t, &s)?, dtype, &s)
         };
-        let mean = |x: &Array| -> Result<Array> {
-            let sum = ops::sum_axis(&ops::astype(x, Dtype::F32, &s)?, 2, true, &s)?;
-            ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)
-        };
         if c.k_mean.is_none() {
-            c.k_mean = Some(mean(keys)?);
-            c.v_mean = Some(mean(values)?);
+            let kf = ops::astype(keys, Dtype::F32, &s)?;
+            let sum = ops::sum_axis(&kf, 2, true, &s)?;
+            c.k_mean = Some(ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)?);
         }
-        let centre = |x: &Array, m: &Option<Array>| -> Result<Array> {
-            ops::subtract(&ops::astype(x, Dtype::F32, &s)?, m.as_ref().expect("set above"), &s)
-        };
-        let (rk, rv) = (rotate(&centre(keys, &c.k_mean)?)?, rotate(&centre(values, &c.v_mean)?)?);
+        let centred = ops::subtract(&ops::astype(keys, Dtype::F32, &s)?, c.k_mean.as_ref().expect("set above"), &s)?;
+        let (rk, rv) = (rotate(&centred)?, rotate(values)?);
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);
@@ -387,15 +377,9 @@ impl LayerCache {
                 let v = ops::slice(&d.values, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
                 ops::scaled_dot_product_attention(queries, &k, &v, scale, causal && qs[2] > 1, s)
             }
-            Store::Compressed(c) => {
+            Store::Compressed(_) => {
                 let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
-                let out = turboquant::tq_attention(queries, &layer, scale, &self.opts())?;
-                let Some(v_mean) = &c.v_mean else { return Ok(out) };
-                // Every query head of a KV head gets that head's value mean.
-                let (b, hkv, d) = (qs[0], self.cfg.kv_heads as i32, qs[3]);
-                let grouped = ops::reshape(&out, &[b, hkv, -1, d], s)?;
-                let shifted = ops::add(&ops::astype(&grouped, Dtype::F32, s)?, v_mean, s)?;
-                ops::reshape(&ops::astype(&shifted, out.dtype(), s)?, &qs, s)
+                turboquant::tq_attention(queries, &layer, scale, &self.opts())
             }
         }
     }
@@ -448,16 +432,19 @@ impl LayerCache {
             Some(Store::Compressed(_)) => {
                 let layer = self.tq_layer(self.cfg.kv_heads, 1, false)?;
                 let rot = &self.shared.as_ref().expect("initialised").rotation;
-                let Some(Store::Compressed(c)) = &self.store else { unreachable!() };
-                let back = |values: bool, mean: &Option<Array>| -> Result<Array> {
-                    let r = ops::matmul(&turboquant::decode_rotated(&layer, values, s)?, rot, s)?;
-                    let r = match mean {
-                        Some(m) => ops::add(&r, m, s)?,
-                        None => r,
-                    };
-                    ops::astype(&r, self.dtype, s)
+                let back = |values: bool| -> Result<Array> {
+                    let r = turboquant::decode_rotated(&layer, values, s)?;
+                    ops::astype(&ops::matmul(&r, rot, s)?, self.dtype, s)
                 };
-                Ok((back(false, &c.k_mean)?, back(true, &c.v_mean)?))
+                let Some(Store::Compressed(c)) = &self.store else { unreachable!() };
+                let keys = match &c.k_mean {
+                    Some(mean) => {
+                        let r = turboquant::decode_rotated(&layer, false, s)?;
+                        ops::astype(&ops::add(&ops::matmul(&r, rot, s)?, mean, s)?, self.dtype, s)?
+                    }
+                    None => back(false)?,
+                };
+                Ok((keys, back(true)?))
             }
         }
     }
@@ -581,9 +568,8 @@ mod state_io {
                 let n = x.len as i32;
                 let kr = cache.key_row_bytes() as i32;
                 let vr = cache.value_row_bytes() as i32;
-                if let (Some(km), Some(vm)) = (&x.k_mean, &x.v_mean) {
-                    put("k_mean", km.clone())?;
-                    put("v_mean", vm.clone())?;
+                if let Some(mean) = &x.k_mean {
+                    put("k_mean", mean.clone())?;
                 }
                 put("k_codes", ops::slice(&x.k_codes, &[0, 0, 0, 0], &[b, h, n, kr], s)?)?;
                 put("v_codes", ops::slice(&x.v_codes, &[0, 0, 0, 0], &[b, h, n, vr], s)?)?;
@@ -685,17 +671,13 @@ mod state_io {
                 let (kn, vn) = (tensor("k_norms", Dtype::F16, &[b, h, n as i32])?, tensor("v_norms", Dtype::F16, &[b, h, n as i32])?);
                 let wk = tensor("win_k", dtype, &[b, h, (ns + nr) as i32, d])?;
                 let wv = tensor("win_v", dtype, &[b, h, (ns + nr) as i32, d])?;
-                let (k_mean, v_mean) = match st.tensor("k_mean") {
-                    Ok(_) => (
-                        Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
-                        Some(tensor("v_mean", Dtype::F32, &[b, h, 1, d])?),
-                    ),
-                    Err(_) if n + ns + nr == 0 => (None, None),
+                let mean = match st.tensor("k_mean") {
+                    Ok(_) => Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
+                    Err(_) if n + ns + nr == 0 => None,
                     Err(_) => return Err(corrupt("k_mean: missing")),
                 };
                 let Some(Store::Compressed(c)) = &mut cache.store else { unreachable!() };
-                c.k_mean = k_mean;
-                c.v_mean = v_mean;
+                c.k_mean = mean;
                 let mut cap = c.capacity;
                 grow(&mut [&mut c.k_codes, &mut c.k_norms, &mut c.v_codes, &mut c.v_norms], &mut cap, n, &s)?;
                 c.capacity = cap;
