@@ -12,7 +12,6 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, load
 
 from veloxquant import attention
 from veloxquant.cache import KVConfig, VeloxQuantCache, install, make_mlx_quantized_cache, make_prompt_cache, uninstall
-from conftest import needs_layer_cache
 
 
 # --- config -------------------------------------------------------------------
@@ -113,8 +112,6 @@ def test_hybrid_models_keep_their_other_caches(smollm):
     orig = model.make_cache
     try:
         object.__setattr__(model, "make_cache", lambda: [RotatingKVCache(16)] + [KVCache() for _ in model.layers[1:]])
-        if not hasattr(__import__("veloxquant._native")._native, "LayerCache"):
-            pytest.skip("no LayerCache")
         caches = make_prompt_cache(model, KVConfig(layers={1: None}))
         assert type(caches[0]) is RotatingKVCache and type(caches[1]) is KVCache
         assert all(isinstance(c, VeloxQuantCache) for c in caches[2:])
@@ -126,7 +123,6 @@ def test_hybrid_models_keep_their_other_caches(smollm):
     assert model.make_cache == orig
 
 
-@needs_layer_cache
 def test_fp16_method_generates_like_mlx_lm(smollm):
     model, tok = smollm
     prompt = _prompt(tok)
@@ -142,8 +138,6 @@ def test_fp16_method_generates_like_mlx_lm(smollm):
 
 @pytest.fixture
 def filled(smollm):
-    if not hasattr(__import__("veloxquant._native")._native, "LayerCache"):
-        pytest.skip("no LayerCache")
     model, tok = smollm
     caches = make_prompt_cache(model, KVConfig(key_bits=4, window=8, sinks=2))
     ids = mx.array(_prompt(tok))[None]
@@ -155,7 +149,6 @@ def _next_logits(model, caches, token=28):
     return model(mx.array([[token]]), cache=caches)[0, -1].astype(mx.float32)
 
 
-@needs_layer_cache
 def test_compressed_cache_is_smaller():
     c = VeloxQuantCache(KVConfig(key_bits=4, value_bits=3, window=1, sinks=0))
     k = mx.random.normal((1, 3, 512, 64)).astype(mx.float16)
@@ -166,7 +159,6 @@ def test_compressed_cache_is_smaller():
     assert mx.abs(out_k - k).mean().item() < 0.2
 
 
-@needs_layer_cache
 def test_compressed_attention_is_close(filled, smollm):
     model, caches, ids = filled
     ref = mlx_lm.models.cache.make_prompt_cache(model)
@@ -177,7 +169,6 @@ def test_compressed_attention_is_close(filled, smollm):
     assert caches[0].offset == ids.shape[1] + 1 and not caches[0].empty()
 
 
-@needs_layer_cache
 def test_deepcopy_is_independent(filled):
     model, caches, ids = filled
     twin = copy.deepcopy(caches)
@@ -188,7 +179,6 @@ def test_deepcopy_is_independent(filled):
     assert mx.allclose(a, b, atol=1e-3).item()
 
 
-@needs_layer_cache
 def test_save_and_load_prompt_cache_compressed(filled, tmp_path):
     model, caches, ids = filled
     f = str(tmp_path / "cache.safetensors")
@@ -206,7 +196,6 @@ def test_save_and_load_prompt_cache_compressed(filled, tmp_path):
     assert mx.allclose(a, b, atol=1e-3).item()
 
 
-@needs_layer_cache
 def test_trim(filled):
     model, caches, ids = filled
     n = ids.shape[1]
@@ -216,7 +205,6 @@ def test_trim(filled):
     assert caches[0].make_mask(3) == "causal" and caches[0].make_mask(1) is None
 
 
-@needs_layer_cache
 def test_batching_is_refused_clearly(filled):
     _, caches, _ = filled
     assert not hasattr(caches[0], "merge")  # so mlx_lm's server serves one request at a time

@@ -10,7 +10,6 @@ import urllib.request
 
 import pytest
 
-from conftest import needs_layer_cache
 
 PROMPT = "What is the capital of France?"
 
@@ -32,7 +31,7 @@ def converted(smollm):
     [
         ([], "fp16"),
         (["--kv-cache", "mlx-quantized", "--kv-bits", "8"], "mlx-quantized 8b"),
-        pytest.param(["--kv-cache", "veloxquant", "--kv-bits", "4", "--kv-window", "8"], "veloxquant keys turboquant-mse/4b", marks=needs_layer_cache),
+        (["--kv-cache", "veloxquant", "--kv-bits", "4", "--kv-window", "8"], "veloxquant keys turboquant-mse/4b"),
     ],
 )
 def test_generate(extra, kind):
@@ -73,7 +72,6 @@ def test_bad_arguments_are_named(args, message):
     assert message in r.stderr, r.stderr
 
 
-@needs_layer_cache
 def test_generate_bad_method_is_named():
     r = run("generate", "--kv-cache", "veloxquant", "--kv-method", "bogus", timeout=120)
     assert r.returncode != 0 and "--kv-method" in r.stderr and "bogus" in r.stderr
@@ -94,7 +92,7 @@ def _free_port():
 
 @pytest.mark.parametrize(
     "extra",
-    [[], pytest.param(["--kv-cache", "veloxquant", "--kv-window", "8"], marks=needs_layer_cache)],
+    [[], ["--kv-cache", "veloxquant", "--kv-window", "8"]],
     ids=["fp16", "veloxquant"],
 )
 def test_serve_answers_a_request(extra):
@@ -135,7 +133,6 @@ def test_serve_answers_a_request(extra):
             proc.wait()
 
 
-@needs_layer_cache
 def test_example_notebook_runs(tmp_path):
     nbformat = pytest.importorskip("nbformat")
     nbclient = pytest.importorskip("nbclient")
@@ -144,3 +141,24 @@ def test_example_notebook_runs(tmp_path):
     nb = nbformat.read(path, as_version=4)
     nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", resources={"metadata": {"path": str(tmp_path)}}).execute()
     assert (tmp_path / "layer_error.png").stat().st_size > 1000
+
+
+def test_eval_writes_table_and_plots(tmp_path):
+    r = run(
+        "eval", "--tokens", "48", "--prefix", "16", "--chunk", "16", "--bits", "4", "--mlx-bits", "",
+        "--needle-lengths", "", "--out", str(tmp_path), timeout=600,
+    )
+    assert r.returncode == 0, r.stderr
+    table = (tmp_path / "results.md").read_text()
+    assert "| fp16 |" in table and "| turboquant-mse-4 |" in table
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    fp16, tq = results[0], results[1]
+    assert fp16["ppl"] > 1 and fp16["top1"] == 1.0 and fp16["kl"] == 0.0
+    # Bits held count every byte: above the 4-bit codes, and at 48 tokens
+    # above float16 too (256-slot stores and the float16 windows dominate).
+    assert tq["bits_per_element"] > 4 and tq["kv_bytes"] / fp16["kv_bytes"] == pytest.approx(
+        tq["bits_per_element"] / fp16["bits_per_element"], rel=1e-6
+    )
+    assert 0 < tq["top1"] <= 1 and tq["kl"] > 0
+    for png in ("perplexity.png", "top1.png", "kl.png"):
+        assert (tmp_path / png).stat().st_size > 1000
