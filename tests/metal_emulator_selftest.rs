@@ -307,8 +307,17 @@ back[i] = float(h[i]) + float(b[i]);
     }
 }
 
-fn expect_failure(result: Result<Vec<HostArray>, EmuError>, start: Instant, limit: Duration, needle: &str) -> String {
-    let elapsed = start.elapsed();
+/// Runs `run` once to compile the kernel (cached by source), then again,
+/// timed, so that only the failing run counts against a test's limit.
+fn run_after_compile(run: impl Fn() -> Result<Vec<HostArray>, EmuError>) -> (Result<Vec<HostArray>, EmuError>, Duration) {
+    let _ = run();
+    let start = Instant::now();
+    let r = run();
+    (r, start.elapsed())
+}
+
+fn expect_failure(run: impl Fn() -> Result<Vec<HostArray>, EmuError>, limit: Duration, needle: &str) -> String {
+    let (result, elapsed) = run_after_compile(run);
     let err = match result {
         Ok(_) => panic!("the kernel was expected to fail ({needle})"),
         Err(e) => e.to_string(),
@@ -328,7 +337,6 @@ fn barrier_in_a_divergent_branch_fails_fast() {
          if (lid < 16) {\n  threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n\
          out[thread_position_in_grid.x] = x[lid];",
     );
-    // Compile first (cached by source), so that only the failing run is timed.
     let run = || {
         k
             .launch()
@@ -338,10 +346,7 @@ fn barrier_in_a_divergent_branch_fails_fast() {
             .threadgroup(64, 1, 1)
             .run()
     };
-    let _ = run();
-    let start = Instant::now();
-    let r = run();
-    expect_failure(r, start, Duration::from_secs(10), "had returned from the kernel");
+    expect_failure(run, Duration::from_secs(10), "had returned from the kernel");
 }
 
 #[test]
@@ -355,7 +360,6 @@ fn barriers_at_different_places_fail_fast() {
          threadgroup_barrier(mem_flags::mem_threadgroup);\n}\n\
          out[thread_position_in_grid.x] = x[lid];",
     );
-    // Compile first (cached by source), so that only the failing run is timed.
     let run = || {
         k
             .launch()
@@ -365,10 +369,7 @@ fn barriers_at_different_places_fail_fast() {
             .threadgroup(32, 1, 1)
             .run()
     };
-    let _ = run();
-    let start = Instant::now();
-    let r = run();
-    expect_failure(r, start, Duration::from_secs(10), "different barriers");
+    expect_failure(run, Duration::from_secs(10), "different barriers");
 }
 
 #[test]
@@ -384,7 +385,6 @@ fn deadlock_times_out_within_seconds() {
          volatile uint spin = 0;\n  while (spin == 0) {\n  }\n}\n\
          out[thread_position_in_grid.x] = x[lid];",
     );
-    // Compile first (cached by source), so that only the failing run is timed.
     let run = || {
         k
             .launch()
@@ -395,10 +395,7 @@ fn deadlock_times_out_within_seconds() {
             .barrier_timeout(Duration::from_millis(500))
             .run()
     };
-    let _ = run();
-    let start = Instant::now();
-    let r = run();
-    expect_failure(r, start, Duration::from_secs(10), "deadlock at threadgroup_barrier");
+    expect_failure(run, Duration::from_secs(10), "deadlock at threadgroup_barrier");
 }
 
 #[test]
@@ -412,7 +409,6 @@ fn divergent_simd_call_fails_fast() {
          if (lane < 8) {\n  v = simd_sum(v);\n} else {\n  v = simd_max(v);\n}\n\
          out[thread_position_in_grid.x] = uint(v);",
     );
-    // Compile first (cached by source), so that only the failing run is timed.
     let run = || {
         k
             .launch()
@@ -422,10 +418,7 @@ fn divergent_simd_call_fails_fast() {
             .threadgroup(32, 1, 1)
             .run()
     };
-    let _ = run();
-    let start = Instant::now();
-    let r = run();
-    expect_failure(r, start, Duration::from_secs(10), "divergent simd functions");
+    expect_failure(run, Duration::from_secs(10), "divergent simd functions");
 }
 
 #[test]
@@ -436,7 +429,6 @@ fn runaway_kernel_is_killed() {
         &["out"],
         "volatile uint spin = x[0];\nwhile (spin == 0) {\n}\nout[thread_position_in_grid.x] = spin;",
     );
-    // Compile first (cached by source), so that only the failing run is timed.
     let run = || {
         k
             .launch()
@@ -447,11 +439,7 @@ fn runaway_kernel_is_killed() {
             .timeout(Duration::from_secs(2))
             .run()
     };
-    let _ = run();
-    let start = Instant::now();
-    let r = run();
-    // Compiling counts against the limit below, not against the kill timeout.
-    let elapsed = start.elapsed();
+    let (r, elapsed) = run_after_compile(run);
     assert!(matches!(r, Err(EmuError::Timeout(_))), "{:?}", r.map(|_| ()));
     assert!(elapsed < Duration::from_secs(30), "{elapsed:?}");
 }
