@@ -150,9 +150,7 @@ impl LayerCache {
     }
 
     fn check_input(&self, argument: &'static str, a: &Array) -> Result<Vec<i32>> {
-        if !matches!(a.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-            return Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: "float32, float16 or bfloat16".into() });
-        }
+        crate::kernels::check_float(argument, a)?;
         let s = a.shape();
         if s.len() != 4 || s[1] as usize != self.cfg.kv_heads || s[3] as usize != self.cfg.head_dim {
             return Err(Error::invalid(

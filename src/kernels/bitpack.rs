@@ -1,7 +1,7 @@
 //! `bit_pack` / `bit_unpack`: dense b-bit codes along the last axis.
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::{cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Source};
+use super::{check_bits, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Source};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -11,14 +11,6 @@ use crate::stream::Stream;
 
 const PACK: KernelSpec = KernelSpec { name: "bit_pack", gpu: Some(Source::BitPack), cpu: true };
 const UNPACK: KernelSpec = KernelSpec { name: "bit_unpack", gpu: Some(Source::BitUnpack), cpu: true };
-
-fn check_bits(bits: u32) -> Result<()> {
-    if cpu::SUPPORTED_BITS.contains(&bits) {
-        Ok(())
-    } else {
-        Err(Error::invalid("bits", format!("{bits} is not supported; use one of {:?}", cpu::SUPPORTED_BITS)))
-    }
-}
 
 fn check_u8(argument: &'static str, a: &Array) -> Result<()> {
     if a.dtype() != Dtype::U8 {
@@ -41,7 +33,7 @@ fn rows_and_last(shape: &[i32]) -> (usize, usize) {
 /// stored) into uint8 `[..., ceil(n * bits / 8)]`.
 pub fn bit_pack(codes: &Array, bits: u32, opts: &Options) -> Result<Array> {
     check_u8("codes", codes)?;
-    check_bits(bits)?;
+    check_bits("bits", bits)?;
     let stream = opts.resolve_stream()?;
     let shape = codes.shape();
     let (rows, n) = rows_and_last(&shape);
@@ -90,7 +82,7 @@ pub fn bit_pack(codes: &Array, bits: u32, opts: &Options) -> Result<Array> {
 /// Unpacks uint8 `[..., ceil(n * bits / 8)]` into `n` codes (uint8 `[..., n]`).
 pub fn bit_unpack(packed: &Array, bits: u32, n: usize, opts: &Options) -> Result<Array> {
     check_u8("packed", packed)?;
-    check_bits(bits)?;
+    check_bits("bits", bits)?;
     let stream = opts.resolve_stream()?;
     let shape = packed.shape();
     let (rows, nbytes) = rows_and_last(&shape);

@@ -149,6 +149,27 @@ pub(crate) fn take_vector(v: ffi::mlx_vector_array) -> Result<Vec<Array>> {
     }
 }
 
+/// Element types of the float kernels' inputs.
+pub(crate) const FLOAT_TYPES: &str = "float32, float16 or bfloat16";
+
+/// `a` must be float32, float16 or bfloat16.
+pub(crate) fn check_float(argument: &'static str, a: &Array) -> Result<()> {
+    if matches!(a.dtype(), crate::Dtype::F32 | crate::Dtype::F16 | crate::Dtype::BF16) {
+        Ok(())
+    } else {
+        Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: FLOAT_TYPES.into() })
+    }
+}
+
+/// Code widths every packing kernel supports.
+pub(crate) fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
+    if crate::cpu::SUPPORTED_BITS.contains(&bits) {
+        Ok(())
+    } else {
+        Err(Error::invalid(argument, format!("{bits} is not supported; use one of {:?}", crate::cpu::SUPPORTED_BITS)))
+    }
+}
+
 /// Threads per threadgroup for the one-thread-per-item kernels.
 pub(crate) const THREADGROUP: i32 = 256;
 

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -62,16 +62,6 @@ macro_rules! by_dtype {
     };
 }
 
-const FLOATS: &str = "float32, float16 or bfloat16";
-
-fn check_float(argument: &'static str, a: &Array) -> Result<()> {
-    if matches!(a.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-        Ok(())
-    } else {
-        Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: FLOATS.into() })
-    }
-}
-
 fn check_dtype(argument: &'static str, a: &Array, want: Dtype) -> Result<()> {
     if a.dtype() == want {
         Ok(())
@@ -84,15 +74,7 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
     if matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
         Ok(())
     } else {
-        Err(Error::Dtype { argument: "dtype", found: dtype.to_string(), expected: FLOATS.into() })
-    }
-}
-
-fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
-    if cpu::SUPPORTED_BITS.contains(&bits) {
-        Ok(())
-    } else {
-        Err(Error::invalid(argument, format!("{bits} is not supported; use one of {:?}", cpu::SUPPORTED_BITS)))
+        Err(Error::Dtype { argument: "dtype", found: dtype.to_string(), expected: super::FLOAT_TYPES.into() })
     }
 }
 

@@ -6,7 +6,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::{cpu_primitive, params, select, Implementation, KernelSpec, Options, Source};
+use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
@@ -18,19 +18,11 @@ const ENCODE: KernelSpec = KernelSpec { name: "tq_encode", gpu: Some(Source::TqE
 const ATTENTION: KernelSpec = KernelSpec { name: "tq_attention", gpu: Some(Source::TqAttention), cpu: true };
 
 /// Bit widths of the cache's TurboQuant codes.
-pub const TQ_BITS: [u32; 5] = [1, 2, 3, 4, 8];
+pub const TQ_BITS: [u32; 5] = crate::cpu::SUPPORTED_BITS;
 /// Query rows one GPU threadgroup serves (heads sharing a KV head x queries).
 const MAX_TILE_ROWS: usize = 16;
 /// Tokens per GPU threadgroup iteration (its thread count).
 const ATTENTION_THREADS: usize = 128;
-
-fn check_float(argument: &'static str, a: &Array) -> Result<()> {
-    if matches!(a.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-        Ok(())
-    } else {
-        Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: "float32, float16 or bfloat16".into() })
-    }
-}
 
 fn check_f32(argument: &'static str, a: &Array, shape: &[i32]) -> Result<()> {
     if a.dtype() != Dtype::F32 {
@@ -48,14 +40,6 @@ pub fn check_head_dim(argument: &'static str, d: usize) -> Result<()> {
         return Err(Error::invalid(argument, format!("head dimension {d} is not supported (a multiple of 8, at most 256)")));
     }
     Ok(())
-}
-
-fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
-    if TQ_BITS.contains(&bits) {
-        Ok(())
-    } else {
-        Err(Error::invalid(argument, format!("{bits} bits are not supported; use one of {TQ_BITS:?}")))
-    }
 }
 
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms

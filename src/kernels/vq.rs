@@ -25,10 +25,7 @@ pub fn vq_quantize_reference_chunk_rows(k: usize, d: usize) -> usize {
 }
 
 fn check(x: &Array, codebook: &Array) -> Result<(usize, usize, usize)> {
-    let float_types = "float32, float16 or bfloat16";
-    if !matches!(x.dtype(), Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-        return Err(Error::Dtype { argument: "x", found: x.dtype().to_string(), expected: float_types.into() });
-    }
+    super::check_float("x", x)?;
     if codebook.dtype() != x.dtype() {
         return Err(Error::Dtype {
             argument: "codebook",
