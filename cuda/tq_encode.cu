@@ -1,6 +1,6 @@
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
 // rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
-// params = {N}. One block of D threads per vector: the norm, y = Π x/‖x‖, the
+// N = x's rows. One block of D threads per vector: the norm, y = Π x/‖x‖, the
 // nearest centroid per coordinate and the packing, with no intermediate in
 // global memory. Arithmetic matches crate::cpu::turboquant::tq_encode bit for
 // bit (round-to-nearest intrinsics, sequential sums, no fma).
@@ -9,7 +9,7 @@ constexpr int K = 1 << B_BITS;
 __shared__ float u[D];
 __shared__ unsigned char idx[D];
 __shared__ float s_norm[1];
-const uint32_t n = params[0];
+const uint32_t n = x_shape[0];
 const uint64_t v = blockIdx.x;
 const int i = threadIdx.x;
 if (v >= n || i >= D) {

@@ -1,9 +1,9 @@
 // tq_reduce: combine the splits of each query row and rotate back:
 // out = Πᵀ (Σ_s e^(m_s - M) acc_s) / (Σ_s e^(m_s - M) l_s). Rows with no
-// visible token give zeros. Template T, D; params = {R, S}. One block of D
-// threads per row.
+// visible token give zeros. Template T, D; part_m is [R, S] (rows, splits).
+// One block of D threads per row.
 __shared__ float a[D];
-const uint32_t R = params[0], S = params[1];
+const uint32_t R = part_m_shape[0], S = part_m_shape[1];
 const uint64_t row = blockIdx.x;
 const int i = threadIdx.x;
 if (row >= R || i >= D) {

@@ -1,6 +1,6 @@
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
 // rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
-// params = {N}. One threadgroup of D threads per vector: the norm,
+// N = x's rows. One threadgroup of D threads per vector: the norm,
 // y = Π x/‖x‖, the nearest centroid per coordinate and the packing, with no
 // intermediate in device memory. Same arithmetic order as the CPU kernel,
 // never contracted into an fma.
@@ -10,7 +10,7 @@ constexpr int K = 1 << B_BITS;
 threadgroup float u[D];
 threadgroup uchar idx[D];
 threadgroup float s_norm[1];
-const uint n = params[0];
+const uint n = uint(x_shape[0]);
 const uint v = threadgroup_position_in_grid.x;
 const int i = int(thread_position_in_threadgroup.x);
 if (v >= n) {

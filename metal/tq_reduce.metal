@@ -1,9 +1,9 @@
 // tq_reduce: combine the splits of each query row and rotate back:
 // out = Πᵀ (Σ_s e^(m_s - M) acc_s) / (Σ_s e^(m_s - M) l_s). Rows with no
-// visible token give zeros. Template T, D; params = {R, S}. One threadgroup
-// of D threads per row.
+// visible token give zeros. Template T, D; part_m is [R, S] (rows, splits).
+// One threadgroup of D threads per row.
 threadgroup float a[D];
-const uint R = params[0], S = params[1];
+const uint R = uint(part_m_shape[0]), S = uint(part_m_shape[1]);
 const uint row = threadgroup_position_in_grid.x;
 const int i = int(thread_position_in_threadgroup.x);
 if (row >= R) {

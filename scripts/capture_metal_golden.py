@@ -88,7 +88,7 @@ def tq_cases():
     out = []
     enc_in = lambda t, d, b, rot: [
         ("x", t, (37, d)), ("rotation", "float32", (d, d) if rot else (1,)),
-        ("centroids", "float32", (1 << b,)), ("params", "uint32", (1,))]
+        ("centroids", "float32", (1 << b,))]
     enc_out = [("codes", "uint8"), ("norms", "float16")]
     enc_t = lambda t, d, b, rot: [("T", "dtype", t), ("D", "int", d), ("B_BITS", "int", b), ("ROTATE", "bool", rot)]
     for b in [1, 2, 3, 4, 8]:
@@ -124,10 +124,27 @@ def tq_cases():
     att("tq_attention_float16_d256_k1v2_qn1", "float16", 256, 1, 2, 4, 4, 1, 1, wcap=0)
     att("tq_attention_float32_d80_k8v4_qn2", "float32", 80, 8, 4, 2, 1, 3, 2)
 
+    def dec(name, t, d, kb, vb, hq, hkv, qn, n_comp, n_win, n_sink, causal):
+        inputs = [
+            ("q", t, (1, hq, 1, d)), ("rot", "float32", (d, d)),
+            ("k_codes", "uint8", (1, hkv, n_comp, d * kb // 8)), ("k_norms", "float16", (1, hkv, n_comp)),
+            ("k_cent", "float32", (1 << kb,)),
+            ("v_codes", "uint8", (1, hkv, n_comp, d * vb // 8)), ("v_norms", "float16", (1, hkv, n_comp)),
+            ("v_cent", "float32", (1 << vb,)),
+            ("win_k", t, (1, hkv, n_win, d)), ("win_v", t, (1, hkv, n_win, d))]
+        outputs = [("m_out", "float32"), ("l_out", "float32"), ("acc_out", "float32")]
+        template = [("T", "dtype", t), ("D", "int", d), ("KB", "int", kb), ("VB", "int", vb), ("QN", "int", qn),
+                    ("N_SINK", "int", n_sink), ("CAUSAL", "bool", causal), ("SCALE", "int", 1040187392)]
+        out.append(kernel_case(name, "veloxquant_tq_decode", inputs, outputs, template, body="tq_decode"))
+
+    dec("tq_decode_float16_d128_k4v3_qn4", "float16", 128, 4, 3, 32, 8, 4, 300, 40, 4, True)
+    dec("tq_decode_bfloat16_d64_k4v2_qn3", "bfloat16", 64, 4, 2, 9, 3, 3, 50, 9, 0, False)
+    # No compressed token yet: zero-size views of the stores (constant memory).
+    dec("tq_decode_float32_d256_k1v2_qn1", "float32", 256, 1, 2, 1, 1, 1, 0, 3, 3, True)
+
     def red(name, t, d, rows, splits):
         inputs = [("part_m", "float32", (rows, splits)), ("part_l", "float32", (rows, splits)),
-                  ("part_acc", "float32", (rows, splits, d)), ("rot_v", "float32", (d, d)),
-                  ("params", "uint32", (2,))]
+                  ("part_acc", "float32", (rows, splits, d)), ("rot_v", "float32", (d, d))]
         out.append(kernel_case(name, "veloxquant_tq_reduce", inputs, [("out", t)],
                                [("T", "dtype", t), ("D", "int", d)], body="tq_reduce"))
 

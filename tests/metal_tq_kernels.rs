@@ -31,7 +31,7 @@ fn read(rel: &str) -> String {
 fn encode_kernel() -> MetalKernel {
     MetalKernel::new(
         "veloxquant_tq_encode",
-        &["x", "rotation", "centroids", "params"],
+        &["x", "rotation", "centroids"],
         &["codes", "norms"],
         &read("metal/tq_encode.metal"),
     )
@@ -47,10 +47,19 @@ fn attention_kernel() -> MetalKernel {
     .with_header(&read("metal/tq_common.h"))
 }
 
+fn decode_kernel() -> MetalKernel {
+    MetalKernel::new(
+        "veloxquant_tq_decode",
+        &["q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v"],
+        &["m_out", "l_out", "acc_out"],
+        &read("metal/tq_decode.metal"),
+    )
+}
+
 fn reduce_kernel() -> MetalKernel {
     MetalKernel::new(
         "veloxquant_tq_reduce",
-        &["part_m", "part_l", "part_acc", "rot_v", "params"],
+        &["part_m", "part_l", "part_acc", "rot_v"],
         &["out"],
         &read("metal/tq_reduce.metal"),
     )
@@ -105,14 +114,14 @@ fn gpu_encode<T: Element>(
     let row_bytes = d * bits as usize / 8;
     let rotation = match rot {
         Some(r) => HostArray::new(&[d, d], r),
-        None => HostArray::new(&[1], &[0.0f32]),
+        // The host passes the codebook as the unread placeholder.
+        None => HostArray::new(&[1 << bits], cent),
     };
     let out = encode_kernel()
         .launch()
         .input(HostArray::new(&[n, d], x))
         .input(rotation)
         .input(HostArray::new(&[1 << bits], cent))
-        .input(HostArray::new(&[1], &[n as u32]))
         .output(&[n, row_bytes], Dtype::U8)
         .output(&[n], Dtype::F16)
         .template("T", TemplateArg::Dtype(T::DTYPE))
@@ -320,18 +329,112 @@ fn build_layer<T: Float>(sh: &AttentionShape, seed: u64) -> Layer<T> {
     layer
 }
 
-/// `kernels::turboquant::attention_gpu`: the split plan, the attention pass
-/// into float32 partials, the reduction into `[rows, D]` of `T`. Returns the
-/// output and the number of splits.
-fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32) -> (Vec<T>, usize) {
+/// `kernels::turboquant::split_plan`.
+fn split_plan(sh: &AttentionShape, units: usize) -> (usize, usize, usize) {
+    let wanted_splits = (1024 / units.max(1)).max(1);
+    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS).max(1) * ATTENTION_THREADS;
+    let comp_splits = sh.compressed.div_ceil(split_tokens);
+    (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(ATTENTION_THREADS))
+}
+
+/// `kernels::turboquant::attention_gpu`: the partials of `tq_decode` (one
+/// query) or `tq_attention` (several), then the reduction into `[rows, D]`
+/// of `T`. `q` is `[B, Hq, L, D]` row-contiguous, or with `q_transposed` laid
+/// out `[B, L, Hq, D]` and handed over as a strided view (decode reads
+/// strides). Returns the output and the number of splits.
+fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32, q_transposed: bool) -> (Vec<T>, usize) {
+    let d = sh.dim;
+    let rows = sh.batch * sh.q_heads * sh.queries;
+    let parts = if sh.queries == 1 { decode_partials(q, layer, sh, scale, q_transposed) } else { tile_partials(q, layer, sh, scale) };
+    let num_splits = parts[0].shape[1];
+    let tag = format!("{:?} {sh:?}", T::DTYPE);
+    let out = reduce_kernel()
+        .launch()
+        .input(parts[0].clone())
+        .input(parts[1].clone())
+        .input(parts[2].clone())
+        .input(HostArray::new(&[d, d], &layer.rot))
+        .output(&[rows, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .grid((rows * d) as u32, 1, 1)
+        .threadgroup(d as u32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
+    (out[0].to_vec(), num_splits)
+}
+
+/// `kernels::turboquant::decode_partials`: the query as given, leading-slice
+/// views of the stores and windows, no parameter buffer.
+fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32, q_transposed: bool) -> Vec<HostArray> {
+    let d = sh.dim;
+    let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
+    let qn = head_rows.min(4);
+    let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
+    let (_, _, num_splits) = split_plan(sh, units);
+    let (b, h, hq, l) = (sh.batch, sh.kv_heads, sh.q_heads, sh.queries);
+    let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
+    let (nc, nw) = (sh.compressed, sh.sinks + sh.recent);
+    let q_arr = if q_transposed {
+        // The same logical [B, Hq, L, D] held as [B, L, Hq, D].
+        let mut t = Vec::with_capacity(q.len());
+        for bi in 0..b {
+            for li in 0..l {
+                for hi in 0..hq {
+                    let o = ((bi * hq + hi) * l + li) * d;
+                    t.extend_from_slice(&q[o..o + d]);
+                }
+            }
+        }
+        let strides = vec![(l * hq * d) as i64, d as i64, (hq * d) as i64, 1];
+        HostArray { strides: Some(strides), ..HostArray::new(&[b, hq, l, d], &t) }
+    } else {
+        HostArray::new(&[b, hq, l, d], q)
+    };
+    let view = |base: HostArray, len: usize| {
+        let mut shape = base.shape.clone();
+        shape[2] = len;
+        HostArray::leading_slice(&base, &shape)
+    };
+    let rows = b * hq * l;
+    let tag = format!("{:?} {sh:?}", T::DTYPE);
+    decode_kernel()
+        .launch()
+        .input(q_arr)
+        .input(HostArray::new(&[d, d], &layer.rot))
+        .input(view(HostArray::new(&[b, h, sh.capacity, kb], &layer.k_codes), nc))
+        .input(view(HostArray::new(&[b, h, sh.capacity], &layer.k_norms), nc))
+        .input(HostArray::new(&[1 << sh.key_bits], &layer.k_cent))
+        .input(view(HostArray::new(&[b, h, sh.capacity, vb], &layer.v_codes), nc))
+        .input(view(HostArray::new(&[b, h, sh.capacity], &layer.v_norms), nc))
+        .input(HostArray::new(&[1 << sh.value_bits], &layer.v_cent))
+        .input(view(HostArray::new(&[b, h, sh.window_capacity, d], &layer.win_k), nw))
+        .input(view(HostArray::new(&[b, h, sh.window_capacity, d], &layer.win_v), nw))
+        .output(&[rows, num_splits], Dtype::F32)
+        .output(&[rows, num_splits], Dtype::F32)
+        .output(&[rows, num_splits, d], Dtype::F32)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .template("KB", TemplateArg::Int(sh.key_bits as i32))
+        .template("VB", TemplateArg::Int(sh.value_bits as i32))
+        .template("QN", TemplateArg::Int(qn as i32))
+        .template("N_SINK", TemplateArg::Int(sh.sinks as i32))
+        .template("CAUSAL", TemplateArg::Bool(sh.causal))
+        .template("SCALE", TemplateArg::Int(scale.to_bits() as i32))
+        .grid((units * num_splits * ATTENTION_THREADS) as u32, 1, 1)
+        .threadgroup(ATTENTION_THREADS as u32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("tq_decode {tag}: {e}"))
+}
+
+/// `kernels::turboquant::tile_partials`: queries rotated and scaled by the
+/// host, the params buffer, tiles of up to 16 rows.
+fn tile_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32) -> Vec<HostArray> {
     let g = sh.q_heads / sh.kv_heads;
     let (per_tile, qn) = tile_rows(g, sh.queries);
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
-    let wanted_splits = (1024 / units.max(1)).max(1);
-    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS).max(1) * ATTENTION_THREADS;
-    let comp_splits = sh.compressed.div_ceil(split_tokens);
-    let num_splits = comp_splits + (sh.sinks + sh.recent).div_ceil(ATTENTION_THREADS);
+    let (split_tokens, comp_splits, num_splits) = split_plan(sh, units);
     // The host rotates and scales the queries once: qr = scale * Π q.
     let d = sh.dim;
     let qr: Vec<f32> = (0..q.len())
@@ -360,10 +463,10 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     .iter()
     .map(|&v| v as u32)
     .collect();
-    let (heads, kb, vb) = (sh.batch * sh.kv_heads, d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
+    let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
     let blocks = units * num_splits;
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    let parts = attention_kernel()
+    attention_kernel()
         .launch()
         .input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, d], &qr))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, kb], &layer.k_codes))
@@ -386,23 +489,7 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
         .grid((blocks * ATTENTION_THREADS) as u32, 1, 1)
         .threadgroup(ATTENTION_THREADS as u32, 1, 1)
         .run()
-        .unwrap_or_else(|e| panic!("tq_attention {tag}: {e}"));
-    assert_eq!(heads * sh.capacity * kb, layer.k_codes.len());
-    let out = reduce_kernel()
-        .launch()
-        .input(parts[0].clone())
-        .input(parts[1].clone())
-        .input(parts[2].clone())
-        .input(HostArray::new(&[d, d], &layer.rot))
-        .input(HostArray::new(&[2], &[rows as u32, num_splits as u32]))
-        .output(&[rows, d], T::DTYPE)
-        .template("T", TemplateArg::Dtype(T::DTYPE))
-        .template("D", TemplateArg::Int(d as i32))
-        .grid((rows * d) as u32, 1, 1)
-        .threadgroup(d as u32, 1, 1)
-        .run()
-        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
-    (out[0].to_vec(), num_splits)
+        .unwrap_or_else(|e| panic!("tq_attention {tag}: {e}"))
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -428,13 +515,19 @@ fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, parts: (usize, usi
 
 /// Runs one case; returns the number of splits the host would use.
 fn check_attention<T: Float + FromF32 + Element>(sh: AttentionShape, tol: f32, seed: u64) -> usize {
+    check_attention_q::<T>(sh, tol, seed, false)
+}
+
+/// As `check_attention`; with `q_transposed` the decode kernel reads the
+/// queries through transposed strides, as mlx_lm hands them over.
+fn check_attention_q<T: Float + FromF32 + Element>(sh: AttentionShape, tol: f32, seed: u64, q_transposed: bool) -> usize {
     let layer = build_layer::<T>(&sh, seed);
     let mut rng = ChaCha8Rng::seed_from_u64(seed ^ 0x5eed);
     let q: Vec<T> = conv(&gaussian(&mut rng, sh.batch * sh.q_heads * sh.queries * sh.dim, 1.0));
     let scale = 1.0 / (sh.dim as f32).sqrt();
     let mut want = vec![<T as Float>::from_f32(0.0); q.len()];
     tq::tq_attention(&q, &layer.inputs(), &sh, scale, &mut want);
-    let (got, splits) = gpu_attention(&q, &layer, &sh, scale);
+    let (got, splits) = gpu_attention(&q, &layer, &sh, scale, q_transposed);
     let (got, want): (Vec<f32>, Vec<f32>) =
         (got.iter().map(|v| v.to_f32()).collect(), want.iter().map(|v| v.to_f32()).collect());
     assert!(want.iter().all(|v| v.is_finite()), "CPU output not finite: {sh:?}");
@@ -486,3 +579,26 @@ fn tq_attention_f16_matches_cpu() {
     check_attention::<f16>(shape(1, 8, 2, 5, 64, (4, 300, 40), true), 1e-2, 32);
 }
 
+
+#[test]
+fn tq_decode_head_dims_bits_and_groups_match_cpu() {
+    // Every supported head size (TPT 4, 8, 8, 8, 16 lanes per token, chunks
+    // not dividing evenly at 80 and 96), queries through transposed strides.
+    for (i, d) in [64, 80, 96, 128, 256].into_iter().enumerate() {
+        let s = check_attention_q::<f32>(shape(1, 8, 2, 1, d, (4, 300, 40), true), 1e-5, 200 + i as u64, true);
+        assert!(s > 2, "expected several splits, got {s}");
+    }
+    // Groups of 3 (one tile of 3 rows), 8 (two tiles of 4), 1; batch 2.
+    check_attention_q::<f32>(shape(1, 9, 3, 1, 64, (4, 260, 9), true), 1e-5, 210, true);
+    check_attention_q::<f32>(shape(2, 16, 2, 1, 128, (4, 200, 17), true), 1e-5, 211, false);
+    check_attention_q::<f32>(shape(1, 2, 2, 1, 64, (1, 129, 128), false), 1e-5, 212, true);
+    // Every key and value width.
+    for (kb, vb) in [(1, 2), (2, 8), (3, 3), (8, 1)] {
+        let sh = AttentionShape { key_bits: kb, value_bits: vb, ..shape(1, 4, 1, 1, 128, (2, 170, 30), true) };
+        check_attention_q::<f32>(sh, 1e-5, 220 + kb as u64, true);
+    }
+    // Half types; no compressed token yet (empty store views).
+    check_attention_q::<f16>(shape(1, 8, 2, 1, 128, (4, 300, 40), true), 1e-2, 230, true);
+    check_attention_q::<bf16>(shape(1, 8, 2, 1, 64, (4, 300, 40), true), 1e-2, 231, true);
+    check_attention_q::<f32>(shape(1, 4, 2, 1, 64, (3, 0, 2), true), 1e-5, 232, true);
+}

@@ -103,13 +103,13 @@ fn create(backend: Backend, source: Source) -> Result<Handle> {
         match backend {
             Backend::Metal => {
                 let k = ffi::mlx_fast_metal_kernel_new(
-                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), true, false,
+                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), source.row_contiguous(), false,
                 );
                 (!k.ctx.is_null()).then_some(Handle::Metal(k))
             }
             _ => {
                 let k = ffi::mlx_fast_cuda_kernel_new(
-                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), true, 0,
+                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), source.row_contiguous(), 0,
                 );
                 (!k.ctx.is_null()).then_some(Handle::Cuda(k))
             }

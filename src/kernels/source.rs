@@ -8,6 +8,7 @@ pub enum Source {
     VqQuantize,
     TqEncode,
     TqAttention,
+    TqDecode,
     TqReduce,
     ScalarQuantize,
     ScalarDequantize,
@@ -28,6 +29,7 @@ impl Source {
             Source::VqQuantize => "veloxquant_vq_quantize",
             Source::TqEncode => "veloxquant_tq_encode",
             Source::TqAttention => "veloxquant_tq_attention",
+            Source::TqDecode => "veloxquant_tq_decode",
             Source::TqReduce => "veloxquant_tq_reduce",
             Source::ScalarQuantize => "veloxquant_scalar_quantize",
             Source::ScalarDequantize => "veloxquant_scalar_dequantize",
@@ -47,6 +49,7 @@ impl Source {
             Source::VqQuantize => include_str!("../../metal/vq_quantize.metal"),
             Source::TqEncode => include_str!("../../metal/tq_encode.metal"),
             Source::TqAttention => include_str!("../../metal/tq_attention.metal"),
+            Source::TqDecode => include_str!("../../metal/tq_decode.metal"),
             Source::TqReduce => include_str!("../../metal/tq_reduce.metal"),
             Source::ScalarQuantize => include_str!("../../metal/scalar_quantize.metal"),
             Source::ScalarDequantize => include_str!("../../metal/scalar_dequantize.metal"),
@@ -66,6 +69,7 @@ impl Source {
             Source::VqQuantize => include_str!("../../cuda/vq_quantize.cu"),
             Source::TqEncode => include_str!("../../cuda/tq_encode.cu"),
             Source::TqAttention => include_str!("../../cuda/tq_attention.cu"),
+            Source::TqDecode => include_str!("../../cuda/tq_decode.cu"),
             Source::TqReduce => include_str!("../../cuda/tq_reduce.cu"),
             Source::ScalarQuantize => include_str!("../../cuda/scalar_quantize.cu"),
             Source::ScalarDequantize => include_str!("../../cuda/scalar_dequantize.cu"),
@@ -83,11 +87,14 @@ impl Source {
             Source::BitPack => &["codes", "params"],
             Source::BitUnpack => &["packed", "params"],
             Source::VqQuantize => &["x", "codebook", "params"],
-            Source::TqEncode => &["x", "rotation", "centroids", "params"],
+            Source::TqEncode => &["x", "rotation", "centroids"],
             Source::TqAttention => &[
                 "qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params",
             ],
-            Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v", "params"],
+            Source::TqDecode => &[
+                "q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v",
+            ],
+            Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v"],
             Source::ScalarQuantize => &["x", "codebook", "params"],
             Source::ScalarDequantize => &["packed", "codebook", "params"],
             Source::KiviQuantize => &["x", "params"],
@@ -105,7 +112,7 @@ impl Source {
             Source::BitUnpack => &["codes"],
             Source::VqQuantize => &["indices"],
             Source::TqEncode => &["codes", "norms"],
-            Source::TqAttention => &["m_out", "l_out", "acc_out"],
+            Source::TqAttention | Source::TqDecode => &["m_out", "l_out", "acc_out"],
             Source::TqReduce => &["out"],
             Source::ScalarQuantize => &["packed"],
             Source::ScalarDequantize => &["y"],
@@ -128,6 +135,16 @@ impl Source {
 
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
-        ""
+        match self {
+            Source::TqDecode => include_str!("../../cuda/tq_common.cuh"),
+            _ => "",
+        }
+    }
+
+    /// Whether MLX must hand the inputs over row-contiguous (copying views).
+    /// `tq_decode` reads its inputs through their strides, so that views of
+    /// the cache's stores and transposed queries cost no copy.
+    pub fn row_contiguous(self) -> bool {
+        !matches!(self, Source::TqDecode)
     }
 }

@@ -57,15 +57,9 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
     if let Some(r) = rotation {
         check_f32("rotation", r, &[d as i32, d as i32])?;
     }
-    // Bodies always take a `rotation` input; without one they never read it.
-    let no_rotation;
-    let rot_input = match rotation {
-        Some(r) => r,
-        None => {
-            no_rotation = Array::from_slice(&[0.0f32], &[1])?;
-            &no_rotation
-        }
-    };
+    // Bodies always take a `rotation` input; without one they never read it,
+    // so any device array stands in (not a new host array per call).
+    let rot_input = rotation.unwrap_or(centroids);
     let rotate = rotation.is_some();
     check_f32("centroids", centroids, &[1 << bits])?;
     let stream = opts.resolve_stream()?;
@@ -105,12 +99,11 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n])?;
             let threads = i32::try_from(n * d).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
             gpu::launch(
                 &Launch {
                     source: Source::TqEncode,
-                    inputs: &[&flat, rot_input, centroids, &p],
+                    inputs: &[&flat, rot_input, centroids],
                     outputs: &outputs,
                     grid: (threads, 1, 1),
                     threadgroup: (d as i32, 1, 1),
@@ -203,7 +196,8 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
     let g = sh.q_heads / sh.kv_heads;
     let backend = stream.backend()?;
     let tiles = tile_rows_within(g, sh.queries, shared_limit(backend), sh.dim, sh.key_bits, sh.value_bits);
-    if matches!(imp, Implementation::Metal | Implementation::Cuda) {
+    // Decode (one query) always fits `tq_decode`; several queries need tiles.
+    if matches!(imp, Implementation::Metal | Implementation::Cuda) && sh.queries > 1 {
         let why = match tiles {
             None if g > MAX_TILE_ROWS => Some(format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")),
             None => Some(format!(
@@ -262,7 +256,7 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
             .map(|mut v| v.remove(0))
         }
         Implementation::Metal | Implementation::Cuda => {
-            let (per_tile, rows) = tiles.expect("checked above");
+            let (per_tile, rows) = tiles.unwrap_or((1, 1));
             attention_gpu(q, layer, scale, per_tile, rows, &stream)
         }
     }
@@ -288,17 +282,92 @@ fn shared_limit(backend: crate::stream::Backend) -> usize {
     }
 }
 
-fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Array> {
-    let sh = layer.shape;
-    let q_tiles = sh.queries.div_ceil(per_tile);
-    let units = sh.batch * sh.kv_heads * q_tiles;
-    // Compressed tokens: enough splits to fill the GPU several times over,
-    // each a whole number of tiles. Window slots: one tile per split.
+/// Query rows one `tq_decode` threadgroup serves (they live in registers).
+const DECODE_TILE_ROWS: usize = 4;
+
+/// How the compressed tokens are split: `(split_tokens, comp_splits,
+/// num_splits)` for `units` independent (batch, KV head, row tile) units.
+/// Enough splits to fill the GPU several times over, each a whole number of
+/// tiles; the window slots take one split per tile after them.
+fn split_plan(sh: &AttentionShape, units: usize) -> (usize, usize, usize) {
     let wanted_splits = (1024 / units.max(1)).max(1);
     let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE;
     let comp_splits = sh.compressed.div_ceil(split_tokens);
-    let win_splits = (sh.sinks + sh.recent).div_ceil(TILE);
-    let num_splits = comp_splits + win_splits;
+    (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
+}
+
+fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Array> {
+    let sh = layer.shape;
+    let parts = if sh.queries == 1 { decode_partials(q, layer, scale, s)? } else { tile_partials(q, layer, scale, per_tile, tile_rows, s)? };
+    let d = sh.dim as i32;
+    let rows = parts[0].shape()[0];
+    let out = gpu::launch(
+        &Launch {
+            source: Source::TqReduce,
+            inputs: &[&parts[0], &parts[1], &parts[2], layer.rot_v],
+            outputs: &[(vec![rows, d], q.dtype())],
+            grid: (rows * d, 1, 1),
+            threadgroup: (d, 1, 1),
+            template: &[("T", TemplateArg::Dtype(q.dtype())), ("D", TemplateArg::Int(d))],
+        },
+        s,
+    )?
+    .remove(0);
+    ops::reshape(&out, &q.shape(), s)
+}
+
+/// One decode query per head: `tq_decode` reads the query as given (it
+/// rotates and scales it itself) and views of the stores, so that a call
+/// creates no host array and copies nothing.
+fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Vec<Array>> {
+    let sh = layer.shape;
+    let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
+    let qn = head_rows.min(DECODE_TILE_ROWS);
+    let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
+    let (_, _, num_splits) = split_plan(&sh, units);
+    let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
+    let (nc, nw) = (sh.compressed as i32, (sh.sinks + sh.recent) as i32);
+    let used = |a: &Array, len: i32| -> Result<Array> {
+        let mut stop = a.shape();
+        stop[2] = len;
+        ops::slice(a, &vec![0; stop.len()], &stop, s)
+    };
+    let rows = (sh.batch * sh.q_heads * sh.queries) as i32;
+    let blocks = units * num_splits;
+    let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
+    let sp = num_splits as i32;
+    debug_assert_eq!(layer.win_k.shape()[..2], [b, h]);
+    gpu::launch(
+        &Launch {
+            source: Source::TqDecode,
+            inputs: &[q, layer.rot_k, &used(layer.k_codes, nc)?, &used(layer.k_norms, nc)?, layer.k_centroids,
+                      &used(layer.v_codes, nc)?, &used(layer.v_norms, nc)?, layer.v_centroids,
+                      &used(layer.win_k, nw)?, &used(layer.win_v, nw)?],
+            outputs: &[(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)],
+            grid: (threads, 1, 1),
+            threadgroup: (ATTENTION_THREADS as i32, 1, 1),
+            template: &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", TemplateArg::Int(d)),
+                ("KB", TemplateArg::Int(sh.key_bits as i32)),
+                ("VB", TemplateArg::Int(sh.value_bits as i32)),
+                ("QN", TemplateArg::Int(qn as i32)),
+                ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
+                ("CAUSAL", TemplateArg::Bool(sh.causal)),
+                ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
+            ],
+        },
+        s,
+    )
+}
+
+/// Several queries per head (prefill, verification): tiles of up to 16 rows
+/// share each pass over the stores.
+fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Vec<Array>> {
+    let sh = layer.shape;
+    let q_tiles = sh.queries.div_ceil(per_tile);
+    let units = sh.batch * sh.kv_heads * q_tiles;
+    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units);
     let rows = sh.batch * sh.q_heads * sh.queries;
     let p = params(
         "queries",
@@ -307,8 +376,8 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     )?;
     // The query, rotated and scaled once for every threadgroup. MLX's CUDA
     // matmul rounds float32 through TF32 (relative error ~3e-4), so up to
-    // 2^24 products (decode, short verification) use an exact broadcast
-    // product; long prefills use the matmul.
+    // 2^24 products (short verification) use an exact broadcast product;
+    // long prefills use the matmul.
     let qf = ops::astype(q, Dtype::F32, s)?;
     let qr = if rows * sh.dim * sh.dim <= 1 << 24 {
         let prod = ops::multiply(&ops::expand_dims(&qf, -2, s)?, layer.rot_k, s)?;
@@ -320,7 +389,7 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let blocks = units * num_splits;
     let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
-    let parts = gpu::launch(
+    gpu::launch(
         &Launch {
             source: Source::TqAttention,
             inputs: &[&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
@@ -337,21 +406,7 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
             ],
         },
         s,
-    )?;
-    let p2 = params("queries", &[rows, num_splits])?;
-    let out = gpu::launch(
-        &Launch {
-            source: Source::TqReduce,
-            inputs: &[&parts[0], &parts[1], &parts[2], layer.rot_v, &p2],
-            outputs: &[(vec![r, d], q.dtype())],
-            grid: (r * d, 1, 1),
-            threadgroup: (d, 1, 1),
-            template: &[("T", TemplateArg::Dtype(q.dtype())), ("D", TemplateArg::Int(d))],
-        },
-        s,
-    )?
-    .remove(0);
-    ops::reshape(&out, &q.shape(), s)
+    )
 }
 
 /// Decoded keys or values of the layer in the rotated frame, float32

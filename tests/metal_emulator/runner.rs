@@ -66,12 +66,15 @@ element!(bf16, Dtype::BF16);
 element!(f32, Dtype::F32);
 element!(f64, Dtype::F64);
 
-/// A row-contiguous array in host memory.
+/// An array in host memory: row-contiguous, or a strided view of `data`
+/// (what MLX hands a kernel made without `ensure_row_contiguous`).
 #[derive(Clone, Debug, PartialEq)]
 pub struct HostArray {
     pub dtype: Dtype,
     pub shape: Vec<usize>,
     pub data: Vec<u8>,
+    /// Element strides of a view; `None` for row-contiguous.
+    pub strides: Option<Vec<i64>>,
 }
 
 impl HostArray {
@@ -81,7 +84,16 @@ impl HostArray {
         for &v in values {
             v.put(&mut data);
         }
-        HostArray { dtype: T::DTYPE, shape: shape.to_vec(), data }
+        HostArray { dtype: T::DTYPE, shape: shape.to_vec(), data, strides: None }
+    }
+
+    /// A view of `base`'s buffer (from its first element) with `shape` and
+    /// the row-contiguous strides of `base`: a leading slice along each axis,
+    /// as `ops::slice` from the origin gives.
+    pub fn leading_slice(base: &HostArray, shape: &[usize]) -> Self {
+        assert_eq!(shape.len(), base.shape.len(), "a view keeps the rank");
+        assert!(shape.iter().zip(&base.shape).all(|(v, b)| v <= b), "view {shape:?} exceeds {:?}", base.shape);
+        HostArray { shape: shape.to_vec(), strides: Some(contiguous_strides(&base.shape)), ..base.clone() }
     }
 
     /// A 0-d array.
@@ -97,6 +109,14 @@ impl HostArray {
     fn info(&self) -> InputInfo {
         InputInfo { dtype: self.dtype, shape: self.shape.clone() }
     }
+}
+
+fn contiguous_strides(shape: &[usize]) -> Vec<i64> {
+    let mut strides = vec![1i64; shape.len()];
+    for d in (0..shape.len().saturating_sub(1)).rev() {
+        strides[d] = strides[d + 1] * shape[d + 1] as i64;
+    }
+    strides
 }
 
 #[derive(Debug)]
@@ -218,8 +238,15 @@ impl<'k> Run<'k> {
             return Err(EmuError::Invalid(format!("threadgroup {tx}x{ty}x{tz} exceeds 1024 threads")));
         }
         for (a, name) in self.inputs.iter().zip(&k.input_names) {
-            let expect = a.shape.iter().product::<usize>() * a.dtype.size();
-            if a.data.len() != expect {
+            let expect = match &a.strides {
+                None => a.shape.iter().product::<usize>() * a.dtype.size(),
+                Some(_) if a.shape.contains(&0) => 0,
+                Some(st) => {
+                    let last: i64 = a.shape.iter().zip(st).map(|(&d, &s)| (d as i64 - 1) * s).sum();
+                    (last as usize + 1) * a.dtype.size()
+                }
+            };
+            if a.data.len() < expect || (a.strides.is_none() && a.data.len() != expect) {
                 return Err(EmuError::Invalid(format!("input `{name}` holds {} bytes, not {expect}", a.data.len())));
             }
         }
@@ -246,10 +273,7 @@ impl<'k> Run<'k> {
                 buffers.push((format!("{name}_shape"), bytes));
             }
             if info.strides {
-                let mut strides = vec![1i64; a.shape.len()];
-                for d in (0..a.shape.len().saturating_sub(1)).rev() {
-                    strides[d] = strides[d + 1] * a.shape[d + 1] as i64;
-                }
+                let strides = a.strides.clone().unwrap_or_else(|| contiguous_strides(&a.shape));
                 let bytes = strides.iter().flat_map(|s| s.to_le_bytes()).collect();
                 args.push(format!("(const int64_t*)b[{}]", buffers.len()));
                 buffers.push((format!("{name}_strides"), bytes));
@@ -299,7 +323,7 @@ impl<'k> Run<'k> {
         Ok(outputs
             .into_iter()
             .zip(&self.outputs)
-            .map(|(data, (shape, dtype))| HostArray { dtype: *dtype, shape: shape.clone(), data })
+            .map(|(data, (shape, dtype))| HostArray { dtype: *dtype, shape: shape.clone(), data, strides: None })
             .collect())
     }
 }

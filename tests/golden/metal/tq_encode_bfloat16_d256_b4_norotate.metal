@@ -1,16 +1,16 @@
 template <typename T, int D, int B_BITS, bool ROTATE>
-[[kernel]] void custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint32_tc_uint8_t_float16_t(
+[[kernel]] void custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint8_t_float16_t(
   const device bfloat16_t* x [[buffer(0)]],
-  const constant float* rotation [[buffer(1)]],
-  const device float* centroids [[buffer(2)]],
-  const constant uint32_t* params [[buffer(3)]],
+  const constant int* x_shape [[buffer(1)]],
+  const constant float* rotation [[buffer(2)]],
+  const device float* centroids [[buffer(3)]],
   device uint8_t* codes [[buffer(4)]],
   device float16_t* norms [[buffer(5)]],
   uint3 thread_position_in_threadgroup [[thread_position_in_threadgroup]],
   uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]) {
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
 // rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
-// params = {N}. One threadgroup of D threads per vector: the norm,
+// N = x's rows. One threadgroup of D threads per vector: the norm,
 // y = Π x/‖x‖, the nearest centroid per coordinate and the packing, with no
 // intermediate in device memory. Same arithmetic order as the CPU kernel,
 // never contracted into an fma.
@@ -20,7 +20,7 @@ constexpr int K = 1 << B_BITS;
 threadgroup float u[D];
 threadgroup uchar idx[D];
 threadgroup float s_norm[1];
-const uint n = params[0];
+const uint n = uint(x_shape[0]);
 const uint v = threadgroup_position_in_grid.x;
 const int i = int(thread_position_in_threadgroup.x);
 if (v >= n) {
@@ -73,4 +73,4 @@ if (i % 8 == 0) {
 
 }
 
-template [[host_name("custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint32_tc_uint8_t_float16_t")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint32_tc_uint8_t_float16_t<bfloat16_t, 256, 4, 0>) custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint32_tc_uint8_t_float16_t<bfloat16_t, 256, 4, 0>;
+template [[host_name("custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint8_t_float16_t")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint8_t_float16_t<bfloat16_t, 256, 4, 0>) custom_kernel_veloxquant_tq_encode__bfloat16_t_256_4_0_bfloat16_t_floatc_float_uint8_t_float16_t<bfloat16_t, 256, 4, 0>;

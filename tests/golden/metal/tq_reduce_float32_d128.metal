@@ -1,19 +1,19 @@
 template <typename T, int D>
-[[kernel]] void custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_uint32_tc_float(
+[[kernel]] void custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_float(
   const device float* part_m [[buffer(0)]],
-  const device float* part_l [[buffer(1)]],
-  const device float* part_acc [[buffer(2)]],
-  const device float* rot_v [[buffer(3)]],
-  const constant uint32_t* params [[buffer(4)]],
+  const constant int* part_m_shape [[buffer(1)]],
+  const device float* part_l [[buffer(2)]],
+  const device float* part_acc [[buffer(3)]],
+  const device float* rot_v [[buffer(4)]],
   device float* out [[buffer(5)]],
   uint3 thread_position_in_threadgroup [[thread_position_in_threadgroup]],
   uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]) {
 // tq_reduce: combine the splits of each query row and rotate back:
 // out = Πᵀ (Σ_s e^(m_s - M) acc_s) / (Σ_s e^(m_s - M) l_s). Rows with no
-// visible token give zeros. Template T, D; params = {R, S}. One threadgroup
-// of D threads per row.
+// visible token give zeros. Template T, D; part_m is [R, S] (rows, splits).
+// One threadgroup of D threads per row.
 threadgroup float a[D];
-const uint R = params[0], S = params[1];
+const uint R = uint(part_m_shape[0]), S = uint(part_m_shape[1]);
 const uint row = threadgroup_position_in_grid.x;
 const int i = int(thread_position_in_threadgroup.x);
 if (row >= R) {
@@ -39,4 +39,4 @@ out[ulong(row) * D + i] = T(y);
 
 }
 
-template [[host_name("custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_uint32_tc_float")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_uint32_tc_float<float, 128>) custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_uint32_tc_float<float, 128>;
+template [[host_name("custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_float")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_float<float, 128>) custom_kernel_veloxquant_tq_reduce__float_128_float_float_float_float_float<float, 128>;
