@@ -66,7 +66,9 @@ fn gpu_cache_matches_cpu_cache() {
         let same_on_cpu = LayerCache::from_bytes(&on_gpu.to_bytes().unwrap(), Some(Stream::cpu())).unwrap();
         let (kd, vd) = on_gpu.dequantize().unwrap();
         for (l, causal) in [(1, false), (7, true)] {
-            let q = normal(&mut rng, &[2, hq as i32, l, d as i32], dtype);
+            // Laid out [B, L, Hq, D] and transposed, as mlx_lm hands queries over.
+            let q = normal(&mut rng, &[2, l, hq as i32, d as i32], dtype);
+            let q = ops::transpose(&q, &[0, 2, 1, 3], &gpu).unwrap();
             let scale = 1.0 / (d as f32).sqrt();
             let g = f32s(&on_gpu.attention(&q, scale, causal).unwrap());
             let same = f32s(&same_on_cpu.attention(&q, scale, causal).unwrap());
