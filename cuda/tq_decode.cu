@@ -53,17 +53,37 @@ const uint32_t b = blk / Hkv;
 const float ninf = -__int_as_float(0x7f800000);
 for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
 for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
-// The tile's queries, rotated and scaled: qs = SCALE * Π q.
-const float scale = __int_as_float(SCALE);
+// The tile's queries, rotated and scaled: qs = SCALE * Π q. The raw rows
+// are staged first (one load per thread, all in flight); each thread then
+// owns output dimensions i and reads row i of Π once, as float4, for all
+// QN rows.
 for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
-  const uint32_t rr = tile * QN + e / D, i = e % D;
-  float y = 0.0f;
+  const uint32_t rr = tile * QN + e / D, j = e % D;
+  float x = 0.0f;
   if (rr < head_rows) {
     const int64_t qo = int64_t(b) * q_strides[0] + int64_t(hk * G + rr / L) * q_strides[1] + int64_t(rr % L) * q_strides[2];
-    const float* ri = rot + uint64_t(i) * D;
-    for (int j = 0; j < D; ++j) y += ri[j] * static_cast<float>(q[qo + j * q_strides[3]]);
+    x = static_cast<float>(q[qo + int64_t(j) * q_strides[3]]);
   }
-  qs[e] = y * scale;
+  a_s[e] = x;
+}
+__syncthreads();
+const float scale = __int_as_float(SCALE);
+for (uint32_t i = tid; i < uint32_t(D); i += TG) {
+  const float4* ri = reinterpret_cast<const float4*>(rot + uint64_t(i) * D);
+  float y[QN];
+#pragma unroll
+  for (int r = 0; r < QN; ++r) y[r] = 0.0f;
+#pragma unroll 8
+  for (int j4 = 0; j4 < D / 4; ++j4) {
+    const float4 w = ri[j4];
+#pragma unroll
+    for (int r = 0; r < QN; ++r) {
+      const float* x = a_s + r * D + 4 * j4;
+      y[r] += w.x * x[0] + w.y * x[1] + w.z * x[2] + w.w * x[3];
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < QN; ++r) qs[r * D + i] = y[r] * scale;
 }
 __syncthreads();
 const uint32_t li = tid % TPT, gi = tid / TPT;
@@ -99,6 +119,23 @@ if (compressed) {
   t_begin = (split - comp_splits) * TG;
   t_end = min(t_begin + uint32_t(TG), n_win);
 }
+// The raw codes and norms of the group's next compressed token, fetched one
+// iteration ahead so that their loads overlap this token's arithmetic.
+unsigned long long kraw[CPT], vraw[CPT];
+float kn_next = 0.0f, vn_next = 0.0f;
+auto fetch = [&](uint32_t t) {
+  const uint8_t* kp = k_codes + int64_t(b) * k_codes_strides[0] + int64_t(hk) * k_codes_strides[1] + int64_t(t) * k_codes_strides[2];
+  const uint8_t* vp = v_codes + int64_t(b) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1] + int64_t(t) * v_codes_strides[2];
+#pragma unroll
+  for (int k = 0; k < CPT; ++k) {
+    const uint32_t c = li + k * TPT;
+    kraw[k] = c < uint32_t(NCH) ? tq_load_bytes<KB>(kp + c * KB) : 0ull;
+    vraw[k] = c < uint32_t(NCH) ? tq_load_bytes<VB>(vp + c * VB) : 0ull;
+  }
+  kn_next = __half2float(k_norms[int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1] + int64_t(t) * k_norms_strides[2]]);
+  vn_next = __half2float(v_norms[int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1] + int64_t(t) * v_norms_strides[2]]);
+};
+if (compressed && t_begin + gi < t_end) fetch(t_begin + gi);
 // Every lane runs every iteration (the shuffles need the whole warp); a
 // group past the end holds no token.
 for (uint32_t base = t_begin; base < t_end; base += GROUPS) {
@@ -109,24 +146,17 @@ for (uint32_t base = t_begin; base < t_end; base += GROUPS) {
   uint32_t pos = 0;
   if (have && compressed) {
     pos = N_SINK + t;
-    const uint8_t* kp = k_codes + int64_t(b) * k_codes_strides[0] + int64_t(hk) * k_codes_strides[1] + int64_t(t) * k_codes_strides[2];
-    const uint8_t* vp = v_codes + int64_t(b) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1] + int64_t(t) * v_codes_strides[2];
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
-      const uint32_t c = li + k * TPT;
-      unsigned long long kbits = 0, vbits = 0;
-      if (c < uint32_t(NCH)) {
-        kbits = tq_load_bytes<KB>(kp + c * KB);
-        vbits = tq_load_bytes<VB>(vp + c * VB);
-      }
 #pragma unroll
       for (int j = 0; j < 8; ++j) {
-        kx[k * 8 + j] = kc[unsigned(kbits >> (j * KB)) & ((1u << KB) - 1u)];
-        vx[k * 8 + j] = vc[unsigned(vbits >> (j * VB)) & ((1u << VB) - 1u)];
+        kx[k * 8 + j] = kc[unsigned(kraw[k] >> (j * KB)) & ((1u << KB) - 1u)];
+        vx[k * 8 + j] = vc[unsigned(vraw[k] >> (j * VB)) & ((1u << VB) - 1u)];
       }
     }
-    kn = __half2float(k_norms[int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1] + int64_t(t) * k_norms_strides[2]]);
-    vn = __half2float(v_norms[int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1] + int64_t(t) * v_norms_strides[2]]);
+    kn = kn_next;
+    vn = vn_next;
+    if (t + GROUPS < t_end) fetch(t + GROUPS);
   } else if (have) {
     pos = t < uint32_t(N_SINK) ? t : n_comp + t;
     const T* wk = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1] + int64_t(t) * win_k_strides[2];

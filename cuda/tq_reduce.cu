@@ -11,9 +11,12 @@ if (row >= R || i >= D) {
 }
 const float ninf = -__int_as_float(0x7f800000);
 float M = ninf;
+// Unrolled so that many independent loads are in flight (few blocks run).
+#pragma unroll 8
 for (uint32_t s = 0; s < S; ++s) M = fmaxf(M, part_m[row * S + s]);
 float lsum = 0.0f, ai = 0.0f;
 if (M != ninf) {
+#pragma unroll 8
   for (uint32_t s = 0; s < S; ++s) {
     const float w = expf(part_m[row * S + s] - M);
     lsum += w * part_l[row * S + s];
@@ -23,6 +26,7 @@ if (M != ninf) {
 a[i] = lsum > 0.0f ? ai / lsum : 0.0f;
 __syncthreads();
 float y = 0.0f;
+#pragma unroll 8
 for (int j = 0; j < D; ++j) {
   y += rot_v[j * D + i] * a[j];
 }

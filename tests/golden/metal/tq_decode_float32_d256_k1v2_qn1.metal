@@ -85,16 +85,32 @@ const uint hk = blk % Hkv;
 const uint b = blk / Hkv;
 for (uint k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
 for (uint k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
-// The tile's queries, rotated and scaled: qs = SCALE * Π q.
-const float scale = as_type<float>(SCALE);
+// The tile's queries, rotated and scaled: qs = SCALE * Π q. The raw rows
+// are staged first (one load per thread, all in flight); each thread then
+// owns output dimensions i and reads row i of Π once, as float4, for all
+// QN rows.
 for (uint e = tid; e < uint(QN * D); e += TG) {
-  const uint rr = tile * QN + e / D, i = e % D;
-  float y = 0.0f;
+  const uint rr = tile * QN + e / D, j = e % D;
+  float x = 0.0f;
   if (rr < head_rows) {
     const long qo = long(b) * q_strides[0] + long(hk * G + rr / L) * q_strides[1] + long(rr % L) * q_strides[2];
-    for (int j = 0; j < D; ++j) y += rot[i * D + j] * float(q[qo + j * q_strides[3]]);
+    x = float(q[qo + long(j) * q_strides[3]]);
   }
-  qs[e] = y * scale;
+  a_s[e] = x;
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const float scale = as_type<float>(SCALE);
+for (uint i = tid; i < uint(D); i += TG) {
+  float y[QN];
+  for (int r = 0; r < QN; ++r) y[r] = 0.0f;
+  for (int j4 = 0; j4 < D / 4; ++j4) {
+    const float4 w = float4(rot[i * D + 4 * j4], rot[i * D + 4 * j4 + 1], rot[i * D + 4 * j4 + 2], rot[i * D + 4 * j4 + 3]);
+    for (int r = 0; r < QN; ++r) {
+      const uint x = r * D + 4 * j4;
+      y[r] += w.x * a_s[x] + w.y * a_s[x + 1] + w.z * a_s[x + 2] + w.w * a_s[x + 3];
+    }
+  }
+  for (int r = 0; r < QN; ++r) qs[r * D + i] = y[r] * scale;
 }
 threadgroup_barrier(mem_flags::mem_threadgroup);
 const uint li = tid % TPT, gi = tid / TPT;
