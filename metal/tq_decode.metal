@@ -2,12 +2,15 @@
 // split of the layer's tokens -> the split's running max, sum and accumulator
 // of the online softmax, in the rotated frame (tq_reduce finishes).
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
-// N_SINK (sink tokens held), CAUSAL, SCALE (the score scale's float32 bits).
+// TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
+// CAUSAL, SCALE (the score scale's float32 bits).
 // Inputs, read through their shapes and strides (no parameter buffer, no
 // copies): q [B, Hq, L, D] as the model gives it; rot [D, D] float32, the
-// keys' rotation Π; k_codes/v_codes [B, Hkv, n_comp, D*bits/8] and
-// k_norms/v_norms [B, Hkv, n_comp], views of the stores; the codebooks;
-// win_k/win_v [B, Hkv, n_win, D], views of the rotated windows (sinks first).
+// keys' rotation Π; the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
+// v_norms [B, Hkv, CAP]; k_norms [B, Hkv, n_comp], a view whose length is the
+// compressed count; the codebooks; the rotated windows (sinks first) win_v
+// [B, Hkv, WCAP, D] and win_k [B, Hkv, n_win, D], a view whose length is the
+// count of window tokens.
 // Rows of a KV head are r = h * L + l (its G heads, L queries); a tile holds
 // QN consecutive rows. The grid is B * Hkv * tiles * splits threadgroups;
 // window slots take ceil(n_win / 128) splits of 128, compressed tokens the
@@ -20,7 +23,6 @@
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int NCH = D / 8;
-constexpr int TPT = NCH > 16 ? 16 : NCH > 8 ? 8 : NCH > 4 ? 4 : NCH > 2 ? 2 : 1;
 constexpr int CPT = (NCH + TPT - 1) / TPT;
 constexpr int GROUPS = TG / TPT;
 constexpr int KROW = D * KB / 8;

@@ -127,19 +127,19 @@ def tq_cases():
     def dec(name, t, d, kb, vb, hq, hkv, qn, n_comp, n_win, n_sink, causal):
         inputs = [
             ("q", t, (1, hq, 1, d)), ("rot", "float32", (d, d)),
-            ("k_codes", "uint8", (1, hkv, n_comp, d * kb // 8)), ("k_norms", "float16", (1, hkv, n_comp)),
+            ("k_codes", "uint8", (1, hkv, 256, d * kb // 8)), ("k_norms", "float16", (1, hkv, n_comp)),
             ("k_cent", "float32", (1 << kb,)),
-            ("v_codes", "uint8", (1, hkv, n_comp, d * vb // 8)), ("v_norms", "float16", (1, hkv, n_comp)),
+            ("v_codes", "uint8", (1, hkv, 256, d * vb // 8)), ("v_norms", "float16", (1, hkv, 256)),
             ("v_cent", "float32", (1 << vb,)),
-            ("win_k", t, (1, hkv, n_win, d)), ("win_v", t, (1, hkv, n_win, d))]
+            ("win_k", t, (1, hkv, n_win, d)), ("win_v", t, (1, hkv, 68, d))]
         outputs = [("m_out", "float32"), ("l_out", "float32"), ("acc_out", "float32")]
         template = [("T", "dtype", t), ("D", "int", d), ("KB", "int", kb), ("VB", "int", vb), ("QN", "int", qn),
-                    ("N_SINK", "int", n_sink), ("CAUSAL", "bool", causal), ("SCALE", "int", 1040187392)]
+                    ("TPT", "int", min(16, 1 << max(0, (d // 16 - 1).bit_length()))), ("N_SINK", "int", n_sink), ("CAUSAL", "bool", causal), ("SCALE", "int", 1040187392)]
         out.append(kernel_case(name, "veloxquant_tq_decode", inputs, outputs, template, body="tq_decode"))
 
     dec("tq_decode_float16_d128_k4v3_qn4", "float16", 128, 4, 3, 32, 8, 4, 300, 40, 4, True)
     dec("tq_decode_bfloat16_d64_k4v2_qn3", "bfloat16", 64, 4, 2, 9, 3, 3, 50, 9, 0, False)
-    # No compressed token yet: zero-size views of the stores (constant memory).
+    # No compressed token yet: a zero-size view of the key norms (constant memory).
     dec("tq_decode_float32_d256_k1v2_qn1", "float32", 256, 1, 2, 1, 1, 1, 0, 3, 3, True)
 
     def red(name, t, d, rows, splits):

@@ -364,8 +364,9 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     (out[0].to_vec(), num_splits)
 }
 
-/// `kernels::turboquant::decode_partials`: the query as given, leading-slice
-/// views of the stores and windows, no parameter buffer.
+/// `kernels::turboquant::decode_partials`: the query as given, the stores,
+/// leading-slice views of the key norms and the key window for the lengths,
+/// no parameter buffer.
 fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32, q_transposed: bool) -> Vec<HostArray> {
     let d = sh.dim;
     let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
@@ -402,14 +403,14 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
         .launch()
         .input(q_arr)
         .input(HostArray::new(&[d, d], &layer.rot))
-        .input(view(HostArray::new(&[b, h, sh.capacity, kb], &layer.k_codes), nc))
+        .input(HostArray::new(&[b, h, sh.capacity, kb], &layer.k_codes))
         .input(view(HostArray::new(&[b, h, sh.capacity], &layer.k_norms), nc))
         .input(HostArray::new(&[1 << sh.key_bits], &layer.k_cent))
-        .input(view(HostArray::new(&[b, h, sh.capacity, vb], &layer.v_codes), nc))
-        .input(view(HostArray::new(&[b, h, sh.capacity], &layer.v_norms), nc))
+        .input(HostArray::new(&[b, h, sh.capacity, vb], &layer.v_codes))
+        .input(HostArray::new(&[b, h, sh.capacity], &layer.v_norms))
         .input(HostArray::new(&[1 << sh.value_bits], &layer.v_cent))
         .input(view(HostArray::new(&[b, h, sh.window_capacity, d], &layer.win_k), nw))
-        .input(view(HostArray::new(&[b, h, sh.window_capacity, d], &layer.win_v), nw))
+        .input(HostArray::new(&[b, h, sh.window_capacity, d], &layer.win_v))
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits, d], Dtype::F32)
@@ -418,6 +419,7 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
         .template("KB", TemplateArg::Int(sh.key_bits as i32))
         .template("VB", TemplateArg::Int(sh.value_bits as i32))
         .template("QN", TemplateArg::Int(qn as i32))
+        .template("TPT", TemplateArg::Int(veloxquant::kernels::turboquant::decode_lanes(d) as i32))
         .template("N_SINK", TemplateArg::Int(sh.sinks as i32))
         .template("CAUSAL", TemplateArg::Bool(sh.causal))
         .template("SCALE", TemplateArg::Int(scale.to_bits() as i32))

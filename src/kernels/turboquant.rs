@@ -285,6 +285,15 @@ fn shared_limit(backend: crate::stream::Backend) -> usize {
 /// Query rows one `tq_decode` threadgroup serves (they live in registers).
 const DECODE_TILE_ROWS: usize = 4;
 
+/// Lanes of `tq_decode` that share one token: each holds at most two chunks
+/// of 8 dimensions, so that queries and accumulators stay in registers.
+pub fn decode_lanes(d: usize) -> usize {
+    if let Some(v) = std::env::var("VELOXQUANT_TPT").ok().and_then(|v| v.parse().ok()) {
+        return v;
+    }
+    (d / 8).div_ceil(2).next_power_of_two().min(16)
+}
+
 /// How the compressed tokens are split: `(split_tokens, comp_splits,
 /// num_splits)` for `units` independent (batch, KV head, row tile) units.
 /// Enough splits to fill the GPU several times over, each a whole number of
@@ -301,24 +310,24 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let parts = if sh.queries == 1 { decode_partials(q, layer, scale, s)? } else { tile_partials(q, layer, scale, per_tile, tile_rows, s)? };
     let d = sh.dim as i32;
     let rows = parts[0].shape()[0];
-    let out = gpu::launch(
+    Ok(gpu::launch(
         &Launch {
             source: Source::TqReduce,
             inputs: &[&parts[0], &parts[1], &parts[2], layer.rot_v],
-            outputs: &[(vec![rows, d], q.dtype())],
+            outputs: &[(q.shape(), q.dtype())],
             grid: (rows * d, 1, 1),
             threadgroup: (d, 1, 1),
             template: &[("T", TemplateArg::Dtype(q.dtype())), ("D", TemplateArg::Int(d))],
         },
         s,
     )?
-    .remove(0);
-    ops::reshape(&out, &q.shape(), s)
+    .remove(0))
 }
 
 /// One decode query per head: `tq_decode` reads the query as given (it
-/// rotates and scales it itself) and views of the stores, so that a call
-/// creates no host array and copies nothing.
+/// rotates and scales it itself) and the stores through their strides; two
+/// views carry the lengths (the compressed norms, the keys' window), so that
+/// a call creates no host array and copies nothing.
 fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Vec<Array>> {
     let sh = layer.shape;
     let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
@@ -340,9 +349,8 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     gpu::launch(
         &Launch {
             source: Source::TqDecode,
-            inputs: &[q, layer.rot_k, &used(layer.k_codes, nc)?, &used(layer.k_norms, nc)?, layer.k_centroids,
-                      &used(layer.v_codes, nc)?, &used(layer.v_norms, nc)?, layer.v_centroids,
-                      &used(layer.win_k, nw)?, &used(layer.win_v, nw)?],
+            inputs: &[q, layer.rot_k, layer.k_codes, &used(layer.k_norms, nc)?, layer.k_centroids, layer.v_codes,
+                      layer.v_norms, layer.v_centroids, &used(layer.win_k, nw)?, layer.win_v],
             outputs: &[(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
             threadgroup: (ATTENTION_THREADS as i32, 1, 1),
@@ -352,6 +360,7 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
                 ("KB", TemplateArg::Int(sh.key_bits as i32)),
                 ("VB", TemplateArg::Int(sh.value_bits as i32)),
                 ("QN", TemplateArg::Int(qn as i32)),
+                ("TPT", TemplateArg::Int(decode_lanes(sh.dim) as i32)),
                 ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
                 ("CAUSAL", TemplateArg::Bool(sh.causal)),
                 ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
