@@ -6,7 +6,7 @@
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
-__shared__ float qs[QN * QF];
+__shared__ float qs[QN * D];
 __shared__ float p_s[TG * QN];
 __shared__ float red[QN * WARPS];
 const uint32_t Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
@@ -31,10 +31,17 @@ if (b >= Bn) {
 }
 const uint64_t head = uint64_t(b) * Hkv + hk;
 const float ninf = -__int_as_float(0x7f800000);
-for (int e = tid; e < QN * QF; e += TG) {
-  const int r = e / QF, i = e % QF;
+// Each row's prepared query (a row past L reads the last one; it is masked).
+uint64_t qrow[QN];
+#pragma unroll
+for (int r = 0; r < QN; ++r) {
+  const uint32_t ql = min(qt * QT + r % QT, L - 1);
+  qrow[r] = ((uint64_t(b) * Hq + hk * G + r / QT) * L + ql) * QF;
+}
+for (int e = tid; e < QN * D; e += TG) {
+  const int r = e / D, i = e % D;
   const uint32_t ql = qt * QT + r % QT;
-  qs[e] = ql < L ? qf[((uint64_t(b) * Hq + hk * G + r / QT) * L + ql) * QF + i] : 0.0f;
+  qs[e] = ql < L ? qf[qrow[r] + i] : 0.0f;
 }
 float m_run[QN], l_run[QN];
 #pragma unroll
@@ -65,12 +72,25 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
   uint32_t pos = 0xffffffffu;
-  if (compressed && tid < count) {
+  if (compressed && tid < count && KM == 4) {
+    pos = n_sink + t;
+    // Product quantization: one lookup per sub-vector in each row's table.
+    constexpr int KROW = (D / KG * KB + 7) / 8;
+    const uint8_t* krow = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + t) * KROW;
+    for (int p = 0; p < D / KG; ++p) {
+      const unsigned c = kv_code_at(krow, unsigned(p), unsigned(KB));
+#pragma unroll
+      for (int r = 0; r < QN; ++r) s[r] += qf[qrow[r] + D + uint64_t(p) * (1u << KB) + c];
+    }
+    const float n = kv_float(k_scales[head * CAP + t]);
+#pragma unroll
+    for (int r = 0; r < QN; ++r) s[r] *= n;
+  } else if (compressed && tid < count) {
     pos = n_sink + t;
     for (int j = 0; j < D; ++j) {
       const float kj = kv_element<KM, KB, KG, D>(k_codes, k_scales, k_zeros, k_table, head, t, CAP, j);
 #pragma unroll
-      for (int r = 0; r < QN; ++r) s[r] += qs[r * QF + j] * kj;
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kj;
     }
   } else if (!compressed && tid < count) {
     pos = t < n_sink ? t : n_comp + t;
@@ -78,7 +98,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     for (int j = 0; j < D; ++j) {
       const float kv = kv_float(krow[j]);
 #pragma unroll
-      for (int r = 0; r < QN; ++r) s[r] += qs[r * QF + j] * kv;
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kv;
     }
   }
   float mx[QN];

@@ -1,6 +1,7 @@
 // Shared by the kv_attention bodies: decoding one element of a compressed
 // token for each codec (0 dense, 1 TurboQuant-MSE, 2 KIVI per channel over
-// groups of G tokens, 3 KIVI per token over groups of G channels).
+// groups of G tokens, 3 KIVI per token over groups of G channels, 4 product
+// quantization with sub-vectors of G channels).
 
 template <typename X>
 __device__ inline float kv_float(X x) {
@@ -30,6 +31,10 @@ __device__ inline float kv_element(const C* codes, const S* scales, const S* zer
   const uint64_t slot = head * cap + ct;
   if constexpr (M == 0) {
     return kv_float(codes[slot * D + j]);
+  } else if constexpr (M == 4) {
+    constexpr int ROW = (D / G * B + 7) / 8;
+    const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j) / G, unsigned(B));
+    return table[c * G + j % G] * kv_float(scales[slot]);
   } else {
     constexpr int ROW = (D * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));

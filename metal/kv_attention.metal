@@ -7,7 +7,8 @@
 // tiles of 128, one token per thread for the scores, channels across threads
 // for the values.
 // Inputs: qf float32 [B, Hq, L, QF] (queries in the key frame, scaled, from
-// the host); per side codes (uint8, or T for the dense codec), scales and
+// the host; for product-quantized keys followed by the lookup table of every
+// sub-vector, read from device memory); per side codes (uint8, or T for the dense codec), scales and
 // zeros (float16), table (float32 codebook); the float16 windows in each
 // side's frame; params = {B, Hq, Hkv, L, n_sink, n_comp, n_recent, CAP, WCAP,
 // split_tokens, num_splits, q_tiles, causal, comp_splits}.
@@ -17,9 +18,9 @@
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
-constexpr int KROW = KM == 0 ? D : (D * KB + 7) / 8;
-constexpr int VROW = VM == 0 ? D : (D * VB + 7) / 8;
-threadgroup float qs[QN * QF];
+constexpr int KROW = KM == 0 ? D : KM == 4 ? (D / KG * KB + 7) / 8 : (D * KB + 7) / 8;
+constexpr int VROW = VM == 0 ? D : VM == 4 ? (D / VG * VB + 7) / 8 : (D * VB + 7) / 8;
+threadgroup float qs[QN * D];
 threadgroup float p_s[QN * TG];
 threadgroup float red[QN * WARPS];
 const uint Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
@@ -44,10 +45,16 @@ if (b >= Bn) {
   return;
 }
 const ulong head = ulong(b) * Hkv + hk;
-for (int e = tid; e < QN * QF; e += TG) {
-  const int r = e / QF, i = e % QF;
+// Each row's prepared query (a row past L reads the last one; it is masked).
+ulong qrow[QN];
+for (int r = 0; r < QN; ++r) {
+  const uint ql = min(qt * QT + uint(r) % QT, L - 1);
+  qrow[r] = ((ulong(b) * Hq + hk * G + uint(r) / QT) * L + ql) * QF;
+}
+for (int e = tid; e < QN * D; e += TG) {
+  const int r = e / D, i = e % D;
   const uint ql = qt * QT + uint(r) % QT;
-  qs[e] = ql < L ? qf[((ulong(b) * Hq + hk * G + uint(r) / QT) * L + ql) * QF + i] : 0.0f;
+  qs[e] = ql < L ? qf[qrow[r] + i] : 0.0f;
 }
 float m_run[QN], l_run[QN];
 for (int r = 0; r < QN; ++r) {
@@ -74,18 +81,26 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
   float s[QN];
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
   uint pos = 0xffffffffu;
-  if (compressed && uint(tid) < count) {
+  if (compressed && uint(tid) < count && KM == 4) {
+    pos = n_sink + t;
+    // Product quantization: one lookup per sub-vector in each row's table.
+    for (int p = 0; p < D / KG; ++p) {
+      const uint c = VQ_CODE_AT(k_codes, (head * CAP + t) * KROW, uint(p), uint(KB));
+      for (int r = 0; r < QN; ++r) s[r] += qf[qrow[r] + D + uint(p) * (1u << KB) + c];
+    }
+    for (int r = 0; r < QN; ++r) s[r] *= float(k_scales[head * CAP + t]);
+  } else if (compressed && uint(tid) < count) {
     pos = n_sink + t;
     for (int j = 0; j < D; ++j) {
       const float kj = KV_ELEMENT(KM, KB, KG, KROW, k_codes, k_scales, k_zeros, k_table, head, t, CAP, j);
-      for (int r = 0; r < QN; ++r) s[r] += qs[r * QF + j] * kj;
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kj;
     }
   } else if (!compressed && uint(tid) < count) {
     pos = t < n_sink ? t : n_comp + t;
     const ulong kbase = (head * WCAP + t) * D;
     for (int j = 0; j < D; ++j) {
       const float kv = float(win_k[kbase + j]);
-      for (int r = 0; r < QN; ++r) s[r] += qs[r * QF + j] * kv;
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kv;
     }
   }
   float mx[QN];

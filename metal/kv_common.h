@@ -2,7 +2,8 @@
 
 // Element j of compressed token `ct` of KV head `head`, decoded in its side's
 // frame. M: codec (0 dense, 1 TurboQuant-MSE, 2 KIVI per channel over groups
-// of G tokens, 3 KIVI per token over groups of G channels); B: bits; ROW:
+// of G tokens, 3 KIVI per token over groups of G channels, 4 product
+// quantization with sub-vectors of G channels); B: bits; ROW:
 // elements of a code row; CAP: token slots per head. A macro, so that it reads
 // any address space. Every branch compiles for any codec; the constant
 // template arguments leave one.
@@ -10,6 +11,10 @@
   ((M) == 0 ? float((codes)[((head) * (CAP) + (ct)) * D + (j)])                                          \
    : (M) == 1                                                                                            \
        ? (table)[VQ_CODE_AT(codes, ((head) * (CAP) + (ct)) * (ROW), uint(j), uint(B))] *                 \
+             float((scales)[(head) * (CAP) + (ct)])                                                      \
+   : (M) == 4                                                                                            \
+       ? (table)[VQ_CODE_AT(codes, ((head) * (CAP) + (ct)) * (ROW), uint(j) / uint(G), uint(B)) * (G) + \
+                 uint(j) % uint(G)] *                                                                    \
              float((scales)[(head) * (CAP) + (ct)])                                                      \
        : float((zeros)[KV_PARAM(M, G, head, ct, CAP, j)]) +                                              \
              float((scales)[KV_PARAM(M, G, head, ct, CAP, j)]) *                                         \

@@ -218,8 +218,10 @@ fn channel_offsets_of_keys_do_not_cost_precision() {
 
 /// Key and value methods with their bits, mixed: every method on both sides
 /// and in combination with the others.
-const MIXED: [(Method, u32, Method, u32); 6] = [
+const MIXED: [(Method, u32, Method, u32); 8] = [
     (Method::Kivi, 4, Method::Kivi, 2),
+    (Method::Pq, 2, Method::Pq, 4),
+    (Method::Pq, 1, Method::Kivi, 4),
     (Method::TurboQuantMse, 4, Method::Kivi, 3),
     (Method::Kivi, 2, Method::TurboQuantMse, 3),
     (Method::Kivi, 8, Method::Fp16, 16),
@@ -237,7 +239,7 @@ fn mixed_config(d: usize, hkv: usize, m: (Method, u32, Method, u32), policy: Pol
 
 #[test]
 fn mixed_methods_fused_attention_matches_decoded_sdpa() {
-    let dims = [(64usize, Dtype::F32, 1e-5), (80, Dtype::F16, 1e-2), (96, Dtype::F32, 1e-5), (128, Dtype::BF16, 2e-2), (256, Dtype::F16, 1e-2), (128, Dtype::F32, 1e-5)];
+    let dims = [(64usize, Dtype::F32, 1e-5), (128, Dtype::F32, 1e-5), (80, Dtype::F16, 1e-2), (80, Dtype::F16, 1e-2), (96, Dtype::F32, 1e-5), (128, Dtype::BF16, 2e-2), (256, Dtype::F16, 1e-2), (128, Dtype::F32, 1e-5)];
     for (i, &m) in MIXED.iter().enumerate() {
         let (d, dtype, tol) = dims[i];
         // Batch 2, GQA 4:1, a prefill chunk and single tokens.

@@ -112,7 +112,11 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
         dense: if sc.codec == Codec::Dense { vec![<T as Float>::from_f32(f32::NAN); heads * cap * d] } else { Vec::new() },
         scales: if pc > 0 { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
         zeros: if sc.has_zeros() { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
-        table: if sc.codec == Codec::TurboQuantMse { ScalarCodebook::sphere(d, sc.bits).unwrap().centroids().to_vec() } else { Vec::new() },
+        table: match sc.codec {
+            Codec::TurboQuantMse => ScalarCodebook::sphere(d, sc.bits).unwrap().centroids().to_vec(),
+            Codec::ProductQuantized => veloxquant::cache::pq_codebook(d, sc.group).unwrap(),
+            _ => Vec::new(),
+        },
         window: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
     };
     let (c0, c1, total, n) = (sh.sinks, sh.sinks + sh.compressed, sh.total(), sh.compressed);
@@ -132,6 +136,16 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
                 &mut side.codes[slots.start * row..slots.end * row],
                 &mut side.scales[slots],
             ),
+            Codec::ProductQuantized => {
+                // Norms, then the unit vectors' sub-vectors into the codebook.
+                let mut unit = Vec::with_capacity(n * d);
+                for (i, tok) in comp.chunks(d).enumerate() {
+                    let norm = tok.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>().sqrt();
+                    side.scales[slots.start + i] = f16::from_f32(norm);
+                    unit.extend(tok.iter().map(|v| v.to_f32() / norm));
+                }
+                veloxquant::cpu::pq_encode(&unit, n, d, &side.table, sc.group, sc.bits, &mut side.codes[slots.start * row..slots.end * row]);
+            }
             Codec::KiviPerChannel | Codec::KiviPerToken => {
                 let per_channel = sc.codec == Codec::KiviPerChannel;
                 let (p0, prows) = if per_channel { (hd * pr, n.div_ceil(sc.group)) } else { (hd * cap, n) };
@@ -182,7 +196,7 @@ fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, key: SideCodec, va
 /// into float32 partials, the reduction into `[rows, D]` of `T`.
 fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideData<T>, rot: &[f32], sh: &KvShape) -> (Vec<T>, usize) {
     let g = sh.q_heads / sh.kv_heads;
-    let (per_tile, qn) = tile_rows(g, sh.queries, 32 * 1024, sh.query_features).expect("fits");
+    let (per_tile, qn) = tile_rows(g, sh.queries, 32 * 1024, sh.dim).expect("fits");
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
     let (split_tokens, comp_splits, num_splits) = split_plan(sh, units);
@@ -269,7 +283,21 @@ fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usiz
     let q = gaussian(&mut rng, sh.batch * sh.q_heads * sh.queries * d, 1.0);
     let q: Vec<f32> = q.iter().map(|&x| <T as Float>::from_f32(x).to_f32()).collect();
     let framed = if sh.key.codec.rotated() { rotate(&rot, &q, d) } else { q };
-    let qf: Vec<f32> = framed.iter().map(|x| x * scale).collect();
+    let mut qf: Vec<f32> = framed.iter().map(|x| x * scale).collect();
+    if sh.key.codec == Codec::ProductQuantized {
+        // Each row followed by its lookup table ⟨q_p, codebook[c]⟩.
+        let (sub, entries) = (sh.key.group, 1usize << sh.key.bits);
+        qf = qf
+            .chunks(d)
+            .flat_map(|row| {
+                let lut: Vec<f32> = (0..d / sub)
+                    .flat_map(|p| (0..entries).map(move |c| (p, c)))
+                    .map(|(p, c)| (0..sub).map(|i| row[p * sub + i] * k.table[c * sub + i]).sum::<f32>())
+                    .collect();
+                row.iter().copied().chain(lut).collect::<Vec<f32>>()
+            })
+            .collect();
+    }
     let rot_v: &[f32] = if sh.value.codec.rotated() { &rot } else { &[] };
     let mut want = vec![<T as Float>::from_f32(0.0); sh.batch * sh.q_heads * sh.queries * d];
     kv::kv_attention(&qf, &k.view(), &v.view(), rot_v, &sh, &mut want);
@@ -312,4 +340,14 @@ fn dense_sides_and_f16_match_cpu() {
     check::<f16>(shape(1, 4, 2, 1, 80, k, v, (4, 140, 7), true), 1e-2, 4);
     let (k, v) = (codec(Codec::Dense, 16, 1), codec(Codec::KiviPerToken, 4, 16));
     check::<f32>(shape(1, 2, 2, 1, 256, k, v, (0, 60, 3), true), 1e-5, 5);
+}
+
+#[test]
+fn product_quantized_keys_and_values_match_cpu() {
+    // Keys scored through each query's lookup table (read from device
+    // memory), values decoded from the codebook; 2 and 4 bits per element.
+    let (k, v) = (codec(Codec::ProductQuantized, 8, 4), codec(Codec::ProductQuantized, 8, 2));
+    check::<f32>(shape(1, 4, 2, 3, 64, k, v, (4, 150, 9), true), 1e-5, 6);
+    let (k, v) = (codec(Codec::ProductQuantized, 8, 8), codec(Codec::KiviPerToken, 4, 32));
+    check::<f16>(shape(2, 2, 1, 1, 128, k, v, (0, 200, 5), false), 1e-2, 7);
 }

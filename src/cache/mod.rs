@@ -13,7 +13,7 @@ mod state;
 use std::fmt;
 use std::str::FromStr;
 
-pub use state::{rotation_matrix, LayerCache};
+pub use state::{pq_codebook, rotation_matrix, LayerCache};
 
 use crate::cpu::kv_attention::{Codec, SideCodec};
 use crate::error::{Error, Result};
@@ -29,10 +29,19 @@ pub enum Method {
     /// KIVI: asymmetric min/max codes; keys per channel over groups of
     /// tokens, values per token over groups of channels.
     Kivi,
+    /// Product quantization (VecInfer-style): norm + one 8-bit code per
+    /// sub-vector of the rotated unit vector; `bits` per element sets the
+    /// sub-vector size (`8 / bits` channels).
+    Pq,
 }
 
 /// Every method, in the order the documentation lists them.
-pub const METHODS: [Method; 3] = [Method::Fp16, Method::TurboQuantMse, Method::Kivi];
+pub const METHODS: [Method; 4] = [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq];
+
+/// Bits per element of product quantization (8-bit codes of 8, 4, 2 channels).
+pub const PQ_BITS: [u32; 3] = [1, 2, 4];
+/// Bits of a product-quantization code (a codebook of 256 entries).
+pub const PQ_CODE_BITS: u32 = 8;
 
 impl Method {
     pub fn name(self) -> &'static str {
@@ -40,6 +49,7 @@ impl Method {
             Method::Fp16 => "fp16",
             Method::TurboQuantMse => "turboquant-mse",
             Method::Kivi => "kivi",
+            Method::Pq => "pq",
         }
     }
 }
@@ -57,6 +67,7 @@ impl FromStr for Method {
             "fp16" | "float16" => Ok(Method::Fp16),
             "turboquant-mse" | "turboquant" => Ok(Method::TurboQuantMse),
             "kivi" => Ok(Method::Kivi),
+            "pq" => Ok(Method::Pq),
             other => {
                 let names: Vec<String> = METHODS.iter().map(|m| format!("{:?}", m.name())).collect();
                 Err(Error::invalid("method", format!("{other:?} is not one of {}", names.join(", "))))
@@ -109,6 +120,7 @@ impl CacheConfig {
                 Method::Fp16 => continue,
                 Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
                 Method::Kivi => &crate::cpu::SUPPORTED_BITS,
+                Method::Pq => &PQ_BITS,
             };
             if !supported.contains(&bits) {
                 return Err(Error::invalid(arg, format!("{bits} is not supported by {method}; use one of {supported:?}")));
@@ -146,6 +158,7 @@ impl CacheConfig {
             Method::Kivi => {
                 (Codec::KiviPerToken, (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| self.head_dim % g == 0).unwrap_or(8))
             }
+            Method::Pq => return SideCodec { codec: Codec::ProductQuantized, bits: PQ_CODE_BITS, group: (8 / bits.max(1)) as usize },
         };
         SideCodec { codec, bits, group }
     }

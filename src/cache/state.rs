@@ -41,6 +41,28 @@ fn centroids(dim: usize, bits: u32) -> Result<Vec<f32>> {
     Ok(ScalarCodebook::sphere(dim, bits).map_err(|e| Error::invalid("bits", e.to_string()))?.centroids().to_vec())
 }
 
+/// The product-quantization codebook `[2^PQ_CODE_BITS, sub]` (row-major) for
+/// rotated unit vectors of size `dim`: k-means over seeded Gaussian
+/// sub-vectors of variance `1/dim` (what a rotated unit vector's coordinates
+/// are close to). Trained once per process.
+pub fn pq_codebook(dim: usize, sub: usize) -> Result<Vec<f32>> {
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, StandardNormal};
+    static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Vec<f32>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(c) = cache.lock().expect("codebook cache").get(&(dim, sub)) {
+        return Ok(c.clone());
+    }
+    let entries = 1usize << super::PQ_CODE_BITS;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0f_c0de);
+    let sd = 1.0 / (dim as f32).sqrt();
+    let samples: Vec<f32> = (0..64 * entries * sub).map(|_| { let g: f32 = StandardNormal.sample(&mut rng); sd * g }).collect();
+    let (codebook, _) = crate::quant::pq::kmeans(&samples, sub, entries, 0, 25, 1e-4)
+        .map_err(|e| Error::invalid("bits", e.to_string()))?;
+    cache.lock().expect("codebook cache").insert((dim, sub), codebook.clone());
+    Ok(codebook)
+}
+
 /// Arrays shared by every layer with the same head size, seed, methods and bits.
 struct Shared {
     /// `Π`, when either side's frame is rotated.
@@ -84,8 +106,8 @@ impl Side {
     /// Shape of the scale and zero arrays for `rows` parameter rows.
     fn param_shape(&self, b: i32, h: i32, rows: usize, dim: usize) -> Vec<i32> {
         match self.codec.codec {
-            // TurboQuant's norms keep the layout `tq_attention` reads.
-            Codec::TurboQuantMse => vec![b, h, rows as i32],
+            // Norms keep the layout `tq_attention` reads.
+            Codec::TurboQuantMse | Codec::ProductQuantized => vec![b, h, rows as i32],
             _ => vec![b, h, rows as i32, self.codec.param_cols(dim) as i32],
         }
     }
@@ -93,7 +115,7 @@ impl Side {
     /// Name of the scale array in the state (what it holds).
     fn scales_name(&self) -> &'static str {
         match self.codec.codec {
-            Codec::TurboQuantMse => "norms",
+            Codec::TurboQuantMse | Codec::ProductQuantized => "norms",
             _ => "scales",
         }
     }
@@ -141,6 +163,18 @@ impl Side {
                 let table = table.expect("TurboQuant has centroids");
                 let (codes, norms) = turboquant::tq_encode(x, None, table, sc.bits, opts)?;
                 Encoded { codes, scales: Some(norms), zeros: None }
+            }
+            Codec::ProductQuantized => {
+                // Norm (saturated at float16's largest), then the unit
+                // vector's sub-vectors into the codebook.
+                let xf = ops::astype(x, Dtype::F32, &s)?;
+                let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, &s)?, -1, true, &s)?, &s)?;
+                let unit = ops::divide(&xf, &ops::maximum(&norm, &Array::scalar_f32(f32::MIN_POSITIVE)?, &s)?, &s)?;
+                let table = table.expect("product quantization has a codebook");
+                let codebook = ops::reshape(table, &[1 << sc.bits, sc.group as i32], &s)?;
+                let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?;
+                let norm = ops::minimum(&ops::reshape(&norm, &[b, h, m], &s)?, &Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?, &s)?;
+                Encoded { codes, scales: Some(ops::astype(&norm, Dtype::F16, &s)?), zeros: None }
             }
             Codec::KiviPerChannel | Codec::KiviPerToken => {
                 let mode = if sc.codec == Codec::KiviPerChannel { KiviMode::Keys } else { KiviMode::Values };
@@ -322,6 +356,10 @@ impl LayerCache {
         Ok(match sc.codec {
             Codec::TurboQuantMse => {
                 let c = centroids(self.cfg.head_dim, sc.bits)?;
+                Some(Array::from_slice(&c, &[c.len() as i32])?)
+            }
+            Codec::ProductQuantized => {
+                let c = pq_codebook(self.cfg.head_dim, sc.group)?;
                 Some(Array::from_slice(&c, &[c.len() as i32])?)
             }
             Codec::Dense | Codec::KiviPerChannel | Codec::KiviPerToken => None,

@@ -5,7 +5,8 @@
 //! The host prepares every query once as a row of `query_features` floats,
 //! already multiplied by the softmax scale: the query in the key frame (the
 //! rotation for the rotating codecs, the identity for the others) followed by
-//! what a codec scores against besides it (nothing for the codecs here).
+//! what a codec scores against besides it: for product quantization the
+//! lookup table `⟨q_p, codebook[c]⟩` of every sub-vector `p` and entry `c`.
 //! Values are accumulated in the value frame; the output is brought back with
 //! `Πᵀ` when the value frame is rotated.
 
@@ -26,6 +27,10 @@ pub enum Codec {
     KiviPerChannel,
     /// KIVI per token: a float16 (scale, zero) per group of `group` channels.
     KiviPerToken,
+    /// Product quantization of the rotated unit vector: a float16 norm and
+    /// one `bits`-bit code per sub-vector of `group` channels, into one
+    /// codebook of `2^bits` entries shared by every position.
+    ProductQuantized,
 }
 
 impl Codec {
@@ -36,12 +41,13 @@ impl Codec {
             Codec::TurboQuantMse => 1,
             Codec::KiviPerChannel => 2,
             Codec::KiviPerToken => 3,
+            Codec::ProductQuantized => 4,
         }
     }
 
     /// Whether the side's frame is the cache's rotation (else the identity).
     pub fn rotated(self) -> bool {
-        matches!(self, Codec::TurboQuantMse)
+        matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized)
     }
 }
 
@@ -51,7 +57,8 @@ pub struct SideCodec {
     pub codec: Codec,
     pub bits: u32,
     /// Tokens per (scale, zero) row for `KiviPerChannel`, channels per group
-    /// for `KiviPerToken`; 1 otherwise.
+    /// for `KiviPerToken`, channels per sub-vector for `ProductQuantized`; 1
+    /// otherwise.
     pub group: usize,
 }
 
@@ -60,6 +67,7 @@ impl SideCodec {
     pub fn row_len(&self, dim: usize) -> usize {
         match self.codec {
             Codec::Dense => dim,
+            Codec::ProductQuantized => super::packed_len(dim / self.group, self.bits),
             _ => super::packed_len(dim, self.bits),
         }
     }
@@ -76,7 +84,7 @@ impl SideCodec {
     pub fn param_cols(&self, dim: usize) -> usize {
         match self.codec {
             Codec::Dense => 0,
-            Codec::TurboQuantMse => 1,
+            Codec::TurboQuantMse | Codec::ProductQuantized => 1,
             Codec::KiviPerChannel => dim,
             Codec::KiviPerToken => dim / self.group,
         }
@@ -178,6 +186,15 @@ fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head
             }
             s
         }
+        Codec::ProductQuantized => {
+            // The query's lookup table follows its first `d` features.
+            let entries = 1usize << sc.bits;
+            let mut s = 0.0f32;
+            for p in 0..d / sc.group {
+                s += q[d + p * entries + code_at(codes, p, sc.bits)];
+            }
+            s * k.scales[slot].to_f32()
+        }
     }
 }
 
@@ -198,6 +215,17 @@ fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, h
             let n = v.scales[slot].to_f32();
             for (j, o) in out.iter_mut().enumerate() {
                 *o = v.table[code_at(codes, j, sc.bits)] * n;
+            }
+        }
+        Codec::ProductQuantized => {
+            let codes = &v.codes[slot * row..(slot + 1) * row];
+            let n = v.scales[slot].to_f32();
+            let s = sc.group;
+            for (p, chunk) in out.chunks_mut(s).enumerate() {
+                let c = code_at(codes, p, sc.bits);
+                for (o, &e) in chunk.iter_mut().zip(&v.table[c * s..(c + 1) * s]) {
+                    *o = e * n;
+                }
             }
         }
         Codec::KiviPerChannel | Codec::KiviPerToken => {

@@ -54,9 +54,14 @@ impl KvLayer<'_> {
     }
 }
 
-/// Floats per prepared query row for these key codecs.
-pub fn query_features(dim: usize, _key: &SideCodec) -> usize {
-    dim
+/// Floats per prepared query row for this key codec: the query in the key
+/// frame, and for product quantization its lookup table (one row of
+/// `2^bits` entries per sub-vector).
+pub fn query_features(dim: usize, key: &SideCodec) -> usize {
+    match key.codec {
+        Codec::ProductQuantized => dim + dim / key.group * (1 << key.bits),
+        _ => dim,
+    }
 }
 
 /// The queries prepared once for every threadgroup: float32 `[B, Hq, L,
@@ -73,7 +78,19 @@ fn prepare_queries(q: &Array, layer: &KvLayer<'_>, scale: f32, s: &Stream) -> Re
         }
         Some(rot) => ops::matmul(&qf, &ops::transpose(rot, &[1, 0], s)?, s)?,
     };
-    ops::multiply(&framed, &Array::scalar_f32(scale)?, s)
+    let framed = ops::multiply(&framed, &Array::scalar_f32(scale)?, s)?;
+    if sh.key.codec != Codec::ProductQuantized {
+        return Ok(framed);
+    }
+    // The lookup table ⟨q_p, codebook[c]⟩: [..., D/s, s] x [s, K].
+    let table = layer.keys.table.ok_or_else(|| Error::invalid("layer", "product quantization needs its codebook"))?;
+    let (sub, entries) = (sh.key.group as i32, 1i32 << sh.key.bits);
+    let lead = [sh.batch as i32, sh.q_heads as i32, sh.queries as i32];
+    let parts = ops::reshape(&framed, &[lead[0], lead[1], lead[2], sh.dim as i32 / sub, sub], s)?;
+    let codebook_t = ops::transpose(&ops::reshape(table, &[entries, sub], s)?, &[1, 0], s)?;
+    let lut = ops::sum_axis(&ops::multiply(&ops::expand_dims(&parts, -1, s)?, &codebook_t, s)?, -2, false, s)?;
+    let lut = ops::reshape(&lut, &[lead[0], lead[1], lead[2], sh.dim as i32 / sub * entries], s)?;
+    ops::concatenate(&[framed, lut], 3, s)
 }
 
 /// Attention of `q` `[B, Hq, L, D]` over one layer's stored keys and values
@@ -96,12 +113,12 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
     let mut imp = select(&ATTENTION, opts.policy, &stream)?;
     let g = sh.q_heads / sh.kv_heads;
     let backend = stream.backend()?;
-    let tiles = tile_rows(g, sh.queries, shared_limit(backend), sh.query_features);
+    let tiles = tile_rows(g, sh.queries, shared_limit(backend), sh.dim);
     if matches!(imp, Implementation::Metal | Implementation::Cuda) && tiles.is_none() {
         let why = if g > MAX_TILE_ROWS {
             format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")
         } else {
-            format!("{} query features per row need more threadgroup memory than {} offers", sh.query_features, backend.name())
+            format!("head_dim {} needs more threadgroup memory than {} offers", sh.dim, backend.name())
         };
         if opts.policy == Policy::Require {
             return Err(Error::Unsupported(format!("kv_attention: {why}")));
@@ -178,9 +195,11 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
     }
 }
 
-/// Threadgroup memory of one attention threadgroup for `rows` query rows (bytes).
-fn attention_shared_bytes(rows: usize, query_features: usize) -> usize {
-    4 * rows * query_features + 4 * rows * TILE + 4 * rows * (TILE / 32)
+/// Threadgroup memory of one attention threadgroup for `rows` query rows
+/// (bytes): the rows' first `dim` features are staged; lookup tables are read
+/// from device memory.
+fn attention_shared_bytes(rows: usize, dim: usize) -> usize {
+    4 * rows * dim + 4 * rows * TILE + 4 * rows * (TILE / 32)
 }
 
 /// Threadgroup memory one threadgroup may use, per back-end.
@@ -194,15 +213,15 @@ fn shared_limit(backend: Backend) -> usize {
 /// (queries per tile, rows per tile): the query heads of one KV head times as
 /// many queries as fit in `MAX_TILE_ROWS` and the threadgroup memory; `None`
 /// when not even one query per tile fits.
-pub fn tile_rows(g: usize, queries: usize, limit: usize, query_features: usize) -> Option<(usize, usize)> {
+pub fn tile_rows(g: usize, queries: usize, limit: usize, dim: usize) -> Option<(usize, usize)> {
     if g > MAX_TILE_ROWS {
         return None;
     }
     let mut per_tile = if queries <= 1 { 1 } else { (MAX_TILE_ROWS / g).min(queries) };
-    while per_tile > 1 && attention_shared_bytes(g * per_tile, query_features) > limit {
+    while per_tile > 1 && attention_shared_bytes(g * per_tile, dim) > limit {
         per_tile -= 1;
     }
-    (attention_shared_bytes(g * per_tile, query_features) <= limit).then_some((per_tile, g * per_tile))
+    (attention_shared_bytes(g * per_tile, dim) <= limit).then_some((per_tile, g * per_tile))
 }
 
 /// How the GPU pass splits the sequence: (split_tokens, comp_splits, num_splits).
@@ -314,6 +333,15 @@ pub fn decode_compressed(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, 
             let norms = ops::slice(side.scales.ok_or_else(|| missing("norms"))?, &[0, 0, 0], &[b, h, n], s)?;
             let norms = ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)?;
             ops::multiply(&vals, &norms, s)
+        }
+        Codec::ProductQuantized => {
+            let c = codes(sc.row_len(sh.dim) as i32)?;
+            let idx = ops::astype(&super::bit_unpack(&c, sc.bits, sh.dim / sc.group, &off)?, Dtype::U32, s)?;
+            let table = side.table.ok_or_else(|| missing("its codebook"))?;
+            let entries = ops::reshape(table, &[1 << sc.bits, sc.group as i32], s)?;
+            let vals = ops::reshape(&ops::take_axis(&entries, &idx, 0, s)?, &[b, h, n, d], s)?;
+            let norms = ops::slice(side.scales.ok_or_else(|| missing("norms"))?, &[0, 0, 0], &[b, h, n], s)?;
+            ops::multiply(&vals, &ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)?, s)
         }
         Codec::KiviPerChannel | Codec::KiviPerToken => {
             let (scales, zeros) = (params_of(side.scales, "scales")?, params_of(side.zeros, "zeros")?);
