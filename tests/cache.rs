@@ -364,3 +364,20 @@ fn wrong_bits_and_methods_name_the_argument() {
     let e = "nope".parse::<Method>().unwrap_err().to_string();
     assert!(e.starts_with("method: \"nope\" is not one of") && e.contains("\"kivi\""), "{e}");
 }
+
+#[test]
+fn pq_compression_error_falls_with_bits() {
+    let mut errs = Vec::new();
+    for bits in [1u32, 2, 4] {
+        let mut cfg = config(128, 2, Method::Pq, Policy::Auto);
+        cfg.key_bits = bits;
+        cfg.value_bits = bits;
+        (cfg.window, cfg.sinks) = (1, 0);
+        let (cache, chunks) = filled(cfg, 1, 400, 0, Dtype::F32, 8);
+        let (_, v) = concat_tokens(&chunks);
+        let (_, vd) = cache.dequantize().unwrap();
+        errs.push(rel_err(&vd, &v).powi(2));
+    }
+    // Relative MSE: far from useless at 1 bit, and each doubling helps.
+    assert!(errs[0] < 0.5 && errs[1] < 0.7 * errs[0] && errs[2] < 0.7 * errs[1], "relative MSE by bits 1, 2, 4: {errs:?}");
+}

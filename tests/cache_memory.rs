@@ -64,6 +64,7 @@ fn resident_memory_is_the_reported_nbytes() {
         (Method::Kivi, 4, Method::Kivi, 2, 2.2),
         (Method::Kivi, 2, Method::TurboQuantMse, 4, 2.2),
         (Method::TurboQuantMse, 4, Method::Fp16, 16, 1.1),
+        (Method::Pq, 2, Method::Pq, 1, 4.0),
     ] {
         let mut cfg = config(128, 8, km, Policy::Auto);
         cfg.key_bits = kb;

@@ -37,6 +37,8 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         (Method::Kivi, 8, Method::Fp16, 16, 96, 2, 8, Dtype::F16, 1e-2),
         (Method::Fp16, 16, Method::Kivi, 4, 80, 2, 4, Dtype::F32, 1e-5),
         (Method::Kivi, 4, Method::Kivi, 4, 256, 1, 4, Dtype::F16, 1e-2),
+        (Method::Pq, 2, Method::Pq, 4, 128, 8, 32, Dtype::F32, 1e-5),
+        (Method::Pq, 1, Method::Kivi, 2, 64, 2, 8, Dtype::F16, 1e-2),
     ] {
         let mut cfg = CacheConfig::new(d, hkv);
         (cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits) = (km, kb, vm, vb);

@@ -82,6 +82,8 @@ def test_errors_name_the_argument():
 
 METHOD_PAIRS = [
     ("kivi", 4, "kivi", 2),
+    ("pq", 2, "pq", 4),
+    ("pq", 1, "kivi", 4),
     ("turboquant-mse", 4, "kivi", 3),
     ("kivi", 2, "turboquant-mse", 4),
     ("kivi", 8, "fp16", 16),
@@ -107,7 +109,7 @@ def test_every_method_mix_attends_like_decode_then_sdpa(key_method, key_bits, va
     ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask="causal")
     assert rel_err(cache.attention(q, 0.125, mask="causal"), ref) < 1e-5
     # The reconstruction is close to what went in (8 bits closest).
-    assert rel_err(kd, k) < (0.02 if key_bits == 8 else 0.45)
+    assert rel_err(kd, k) < (0.02 if key_bits == 8 else 0.6)
     data = cache.to_bytes()
     back = LayerCache.from_bytes(data)
     assert back.to_bytes() == data
@@ -120,3 +122,5 @@ def test_mixed_methods_errors_name_the_argument():
         LayerCache(64, 2, value_method="kivi", value_bits=5)
     with pytest.raises(ValueError, match=r"^method: \"pq-ish\" is not one of"):
         LayerCache(64, 2, value_method="pq-ish")
+    with pytest.raises(ValueError, match=r"^key_bits: 3 is not supported by pq"):
+        LayerCache(64, 2, key_method="pq", key_bits=3)

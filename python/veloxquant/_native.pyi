@@ -121,14 +121,15 @@ class Quantizer:
     @staticmethod
     def load(path: Union[str, os.PathLike[str]]) -> Quantizer: ...
 
-_Method = Literal["fp16", "turboquant-mse", "kivi"]
+_Method = Literal["fp16", "turboquant-mse", "kivi", "pq"]
 
 class LayerCache:
     """One attention layer's compressed key/value cache.
 
     Keys and values each have their own method and bits (docs/CACHE_API.md):
     ``"fp16"`` (the uncompressed control, bits ignored), ``"turboquant-mse"``
-    (1, 2, 3, 4 or 8 bits), ``"kivi"`` (1, 2, 3, 4 or 8 bits).
+    (1, 2, 3, 4 or 8 bits), ``"kivi"`` (1, 2, 3, 4 or 8 bits), ``"pq"``
+    (1, 2 or 4 bits per element).
     """
 
     def __init__(
