@@ -128,8 +128,8 @@ impl Side {
         self.arrays().map(Array::nbytes).sum()
     }
 
-    /// Grows the stores from `old` to `new` token slots (zeros appended).
-    fn grow(&mut self, old: usize, new: usize, s: &Stream) -> Result<()> {
+    /// Grows the stores to `new` token slots (zeros appended).
+    fn grow(&mut self, new: usize, s: &Stream) -> Result<()> {
         let append = |a: &mut Array, rows: usize| -> Result<()> {
             let mut shape = a.shape();
             let extra = rows - shape[2] as usize;
@@ -139,7 +139,6 @@ impl Side {
             }
             Ok(())
         };
-        let _ = old;
         append(&mut self.codes, new)?;
         let rows = self.codec.param_rows(new);
         for a in [self.scales.as_mut(), self.zeros.as_mut()].into_iter().flatten() {
@@ -548,8 +547,8 @@ impl LayerCache {
             while cap < needed {
                 cap *= 2;
             }
-            c.keys.grow(c.capacity, cap, &s)?;
-            c.values.grow(c.capacity, cap, &s)?;
+            c.keys.grow(cap, &s)?;
+            c.values.grow(cap, &s)?;
             c.capacity = cap;
         }
         c.keys.write(ek, first, &s)?;
@@ -959,7 +958,7 @@ mod state_io {
         }
         let w0 = cache.cfg.sinks as i32;
         for (side, prefix, win) in [(&mut c.keys, "k", &wk), (&mut c.values, "v", &wv)] {
-            side.grow(c.capacity, cap, &s)?;
+            side.grow(cap, &s)?;
             let sc = side.codec;
             let codes_dtype = side.codes.dtype();
             let codes = tensor(&format!("{prefix}_codes"), codes_dtype, &[b, h, n as i32, sc.row_len(d as usize) as i32])?;
