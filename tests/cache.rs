@@ -187,8 +187,10 @@ fn bad_input_names_the_argument() {
     c.head_dim = 100;
     assert!(LayerCache::new(c, None).err().unwrap().to_string().starts_with("head_dim: head dimension 100"));
     let mut c = cfg;
-    c.value_method = Method::Fp16;
-    assert!(LayerCache::new(c, None).err().unwrap().to_string().starts_with("value_method:"));
+    c.key_method = Method::Kivi;
+    c.key_bits = 6;
+    let e = LayerCache::new(c, None).err().unwrap().to_string();
+    assert!(e.starts_with("key_bits: 6 is not supported by kivi"), "{e}");
     let _ = f16::ONE;
 }
 
@@ -212,4 +214,170 @@ fn channel_offsets_of_keys_do_not_cost_precision() {
     let err: f64 = f32s(&kd).iter().zip(&keys).map(|(a, b)| f64::from(a - b).powi(2)).sum();
     let varying: f64 = noise.iter().map(|v| f64::from(*v).powi(2)).sum();
     assert!(err / varying < 0.012, "error / varying energy = {}", err / varying);
+}
+
+/// Key and value methods with their bits, mixed: every method on both sides
+/// and in combination with the others.
+const MIXED: [(Method, u32, Method, u32); 8] = [
+    (Method::Kivi, 4, Method::Kivi, 2),
+    (Method::Pq, 2, Method::Pq, 4),
+    (Method::Pq, 1, Method::Kivi, 4),
+    (Method::TurboQuantMse, 4, Method::Kivi, 3),
+    (Method::Kivi, 2, Method::TurboQuantMse, 3),
+    (Method::Kivi, 8, Method::Fp16, 16),
+    (Method::Fp16, 16, Method::Kivi, 4),
+    (Method::TurboQuantMse, 3, Method::Fp16, 16),
+];
+
+fn mixed_config(d: usize, hkv: usize, m: (Method, u32, Method, u32), policy: Policy) -> CacheConfig {
+    let mut c = config(d, hkv, m.0, policy);
+    c.key_bits = m.1;
+    c.value_method = m.2;
+    c.value_bits = m.3;
+    c
+}
+
+#[test]
+fn mixed_methods_fused_attention_matches_decoded_sdpa() {
+    let dims = [(64usize, Dtype::F32, 1e-5), (128, Dtype::F32, 1e-5), (80, Dtype::F16, 1e-2), (80, Dtype::F16, 1e-2), (96, Dtype::F32, 1e-5), (128, Dtype::BF16, 2e-2), (256, Dtype::F16, 1e-2), (128, Dtype::F32, 1e-5)];
+    for (i, &m) in MIXED.iter().enumerate() {
+        let (d, dtype, tol) = dims[i];
+        // Batch 2, GQA 4:1, a prefill chunk and single tokens.
+        let (cache, _) = filled(mixed_config(d, 2, m, Policy::Require), 2, 70, 3, dtype, 40 + i as u64);
+        assert!(cache.compressed_tokens() > 0, "{m:?}: some tokens are compressed");
+        let (k, v) = cache.dequantize().unwrap();
+        let scale = 1.0 / (d as f32).sqrt();
+        let mut rng = ChaCha8Rng::seed_from_u64(i as u64);
+        for (l, causal) in [(1, false), (1, true), (6, true), (6, false)] {
+            let q = normal(&mut rng, &[2, 8, l, d as i32], dtype);
+            let fused = cache.attention(&q, scale, causal).unwrap();
+            let sdpa = ops::scaled_dot_product_attention(&q, &k, &v, scale, causal && l > 1, &Stream::cpu()).unwrap();
+            let e = rel_err(&fused, &sdpa);
+            assert!(e <= tol, "{m:?} d={d} {dtype} L={l} causal={causal}: fused vs decode+SDPA relative error {e}");
+        }
+        // A reloaded cache attends identically; the reference graph (policy
+        // off) over the same tokens agrees with the fused kernel.
+        let back = LayerCache::from_bytes(&cache.to_bytes().unwrap(), Some(Stream::cpu())).unwrap();
+        let q = normal(&mut rng, &[2, 8, 1, d as i32], dtype);
+        let fused = cache.attention(&q, scale, false).unwrap();
+        assert_eq!(f32s(&back.attention(&q, scale, false).unwrap()), f32s(&fused), "{m:?}: reloaded");
+        let (reference, _) = filled(mixed_config(d, 2, m, Policy::Off), 2, 70, 3, dtype, 40 + i as u64);
+        let e = rel_err(&reference.attention(&q, scale, false).unwrap(), &fused);
+        assert!(e <= tol.max(1e-4), "{m:?}: reference graph vs fused kernel relative error {e}");
+    }
+}
+
+#[test]
+fn kivi_compression_error_and_groups() {
+    // KIVI 4 bits: keys per channel over 16-token groups (the window), values
+    // per token over 32 channels; both well under a few percent of energy,
+    // and 2 bits clearly worse than 4.
+    let mut errs = Vec::new();
+    for bits in [2u32, 4] {
+        let mut cfg = config(128, 2, Method::Kivi, Policy::Auto);
+        cfg.key_bits = bits;
+        cfg.value_bits = bits;
+        cfg.sinks = 0;
+        let (cache, chunks) = filled(cfg, 1, 600, 0, Dtype::F32, 6);
+        assert_eq!(cache.compressed_tokens() % 16, 0, "whole key groups are compressed");
+        let (k, v) = concat_tokens(&chunks);
+        let (kd, vd) = cache.dequantize().unwrap();
+        errs.push((rel_err(&kd, &k).powi(2), rel_err(&vd, &v).powi(2)));
+    }
+    let ((k2, v2), (k4, v4)) = (errs[0], errs[1]);
+    assert!(k4 > 1e-4 && k4 < 0.01 && v4 > 1e-4 && v4 < 0.01, "4-bit relative MSE keys {k4} values {v4}");
+    assert!(k2 > 4.0 * k4 && v2 > 4.0 * v4, "2 bits {k2}/{v2} vs 4 bits {k4}/{v4}");
+}
+
+#[test]
+fn trim_inside_a_kivi_key_group_keeps_groups_aligned() {
+    let mut cfg = config(64, 2, Method::Kivi, Policy::Require);
+    cfg.value_method = Method::TurboQuantMse;
+    let (mut cache, chunks) = filled(cfg, 1, 100, 0, Dtype::F32, 13);
+    // 4 sinks, 80 compressed (5 groups of 16), 16 recent.
+    assert_eq!((cache.offset(), cache.compressed_tokens()), (100, 80));
+    let (k_before, _) = cache.dequantize().unwrap();
+    assert_eq!(cache.trim(16 + 7), 23);
+    assert_eq!(cache.compressed_tokens(), 73, "the last key group is partial now");
+    // Enough new tokens to flush: the partial group is compressed again,
+    // starting on its group boundary.
+    let mut rng = ChaCha8Rng::seed_from_u64(14);
+    let k = normal(&mut rng, &[1, 2, 40, 64], Dtype::F32);
+    cache.append(&k, &k).unwrap();
+    assert_eq!(cache.offset(), 117);
+    assert_eq!(cache.compressed_tokens() % 16, 0, "groups aligned again: {}", cache.compressed_tokens());
+    let (k_after, v_after) = cache.dequantize().unwrap();
+    // Tokens before the reopened group decode as before.
+    let s = Stream::cpu();
+    let head = |a: &Array, n: i32| ops::slice(a, &[0, 0, 0, 0], &[1, 2, n, 64], &s).unwrap();
+    assert_eq!(f32s(&head(&k_after, 4 + 64)), f32s(&head(&k_before, 4 + 64)));
+    // The reopened tokens were compressed twice: still close to the originals.
+    let (orig, _) = concat_tokens(&chunks);
+    let part = |a: &Array| ops::slice(a, &[0, 0, 68, 0], &[1, 2, 77, 64], &s).unwrap();
+    let e = rel_err(&part(&k_after), &part(&orig));
+    assert!(e < 0.15, "reopened keys relative error {e}");
+    let q = normal(&mut rng, &[1, 4, 3, 64], Dtype::F32);
+    let fused = cache.attention(&q, 0.125, true).unwrap();
+    let sdpa = ops::scaled_dot_product_attention(&q, &k_after, &v_after, 0.125, true, &s).unwrap();
+    assert!(rel_err(&fused, &sdpa) <= 1e-5);
+}
+
+#[test]
+fn every_method_state_round_trips_bit_identically() {
+    for (i, &m) in MIXED.iter().enumerate() {
+        let (cache, _) = filled(mixed_config(64, 2, m, Policy::Auto), 2, 50, 2, Dtype::F16, 60 + i as u64);
+        let bytes = cache.to_bytes().unwrap();
+        let back = LayerCache::from_bytes(&bytes, Some(Stream::cpu())).unwrap();
+        assert_eq!(back.to_bytes().unwrap(), bytes, "{m:?}: round trip is bit-identical");
+        assert_eq!(back.config(), cache.config());
+        assert_eq!((back.offset(), back.compressed_tokens()), (cache.offset(), cache.compressed_tokens()));
+        let (k0, v0) = cache.dequantize().unwrap();
+        let (k1, v1) = back.dequantize().unwrap();
+        assert_eq!((f32s(&k0), f32s(&v0)), (f32s(&k1), f32s(&v1)), "{m:?}: same tokens");
+        // A state missing a tensor, or with one of the wrong shape, names `state`.
+        for name in ["k_codes", "v_codes", "win_k"] {
+            let mut broken = bytes.clone();
+            let pat = format!("\"{name}\"").into_bytes();
+            let at = broken.windows(pat.len()).position(|w| w == pat.as_slice()).expect("tensor name in the header");
+            *broken.get_mut(at + pat.len() - 2).unwrap() = b'#';
+            let e = LayerCache::from_bytes(&broken, None).err().unwrap().to_string();
+            assert!(e.starts_with("state:") && e.contains(name), "{m:?}: {e}");
+        }
+        let e = LayerCache::from_bytes(&bytes[..bytes.len() - 3], None).err().unwrap().to_string();
+        assert!(e.starts_with("state:"), "{e}");
+    }
+}
+
+#[test]
+fn wrong_bits_and_methods_name_the_argument() {
+    for (method, bits, arg) in [(Method::Kivi, 5u32, "key_bits"), (Method::TurboQuantMse, 6, "key_bits")] {
+        let mut c = config(64, 2, method, Policy::Auto);
+        c.key_bits = bits;
+        let e = LayerCache::new(c, None).err().unwrap().to_string();
+        assert!(e.starts_with(&format!("{arg}: {bits} is not supported by {method}")), "{e}");
+    }
+    let mut c = config(64, 2, Method::Fp16, Policy::Auto);
+    c.value_method = Method::Kivi;
+    c.value_bits = 7;
+    let e = LayerCache::new(c, None).err().unwrap().to_string();
+    assert!(e.starts_with("value_bits: 7 is not supported by kivi"), "{e}");
+    let e = "nope".parse::<Method>().unwrap_err().to_string();
+    assert!(e.starts_with("method: \"nope\" is not one of") && e.contains("\"kivi\""), "{e}");
+}
+
+#[test]
+fn pq_compression_error_falls_with_bits() {
+    let mut errs = Vec::new();
+    for bits in [1u32, 2, 4] {
+        let mut cfg = config(128, 2, Method::Pq, Policy::Auto);
+        cfg.key_bits = bits;
+        cfg.value_bits = bits;
+        (cfg.window, cfg.sinks) = (1, 0);
+        let (cache, chunks) = filled(cfg, 1, 400, 0, Dtype::F32, 8);
+        let (_, v) = concat_tokens(&chunks);
+        let (_, vd) = cache.dequantize().unwrap();
+        errs.push(rel_err(&vd, &v).powi(2));
+    }
+    // Relative MSE: far from useless at 1 bit, and each doubling helps.
+    assert!(errs[0] < 0.5 && errs[1] < 0.7 * errs[0] && errs[2] < 0.7 * errs[1], "relative MSE by bits 1, 2, 4: {errs:?}");
 }

@@ -24,15 +24,17 @@ fn config(d: usize, hkv: usize, method: Method, policy: Policy) -> CacheConfig {
     c
 }
 
-#[test]
-fn resident_memory_is_the_reported_nbytes() {
+/// MLX's active memory grows by the cache's `nbytes + shared_nbytes` when it
+/// fills (within 5%).
+fn check_resident(cfg: CacheConfig, tokens: i32) -> LayerCache {
     let s = Stream::cpu();
-    let cfg = config(128, 8, Method::TurboQuantMse, Policy::Auto);
+    let (h, d) = (cfg.kv_heads as i32, cfg.head_dim as i32);
+    let tag = format!("{}/{} {}/{}", cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits);
     let mut cache = LayerCache::new(cfg, Some(s.clone())).unwrap();
     let mut rng = ChaCha8Rng::seed_from_u64(10);
-    let k = normal(&mut rng, &[1, 8, 4000, 128], Dtype::F16);
-    let v = normal(&mut rng, &[1, 8, 4000, 128], Dtype::F16);
-    let q = normal(&mut rng, &[1, 8, 1, 128], Dtype::F16);
+    let k = normal(&mut rng, &[1, h, tokens, d], Dtype::F16);
+    let v = normal(&mut rng, &[1, h, tokens, d], Dtype::F16);
+    let q = normal(&mut rng, &[1, h, 1, d], Dtype::F16);
     veloxquant::eval(&[&k, &v, &q]).unwrap();
     veloxquant::array::clear_cache().unwrap();
     let before = active_memory().unwrap();
@@ -46,9 +48,30 @@ fn resident_memory_is_the_reported_nbytes() {
     let grown = active_memory().unwrap() - before;
     let reported = cache.nbytes() + cache.shared_nbytes();
     let ratio = grown as f64 / reported as f64;
-    assert!((0.95..=1.05).contains(&ratio), "MLX grew {grown} bytes, cache reports {reported}");
+    assert!((0.95..=1.05).contains(&ratio), "{tag}: MLX grew {grown} bytes, cache reports {reported}");
+    cache
+}
+
+// One test: MLX's active-memory counter is global, so the cases run one
+// after the other.
+#[test]
+fn resident_memory_is_the_reported_nbytes() {
+    let cache = check_resident(config(128, 8, Method::TurboQuantMse, Policy::Auto), 4000);
     // 4 bits + norms for 4000 tokens: about 3.6x smaller than float16 keys and values.
     let fp16 = 2 * 8 * 4000 * 128 * 2;
     assert!((fp16 as f64 / cache.nbytes() as f64) > 3.0, "nbytes {}", cache.nbytes());
+    for (km, kb, vm, vb, smaller) in [
+        (Method::Kivi, 4, Method::Kivi, 2, 2.2),
+        (Method::Kivi, 2, Method::TurboQuantMse, 4, 2.2),
+        (Method::TurboQuantMse, 4, Method::Fp16, 16, 1.1),
+        (Method::Pq, 2, Method::Pq, 1, 4.0),
+    ] {
+        let mut cfg = config(128, 8, km, Policy::Auto);
+        cfg.key_bits = kb;
+        cfg.value_method = vm;
+        cfg.value_bits = vb;
+        let cache = check_resident(cfg, 3000);
+        let fp16 = 2 * 8 * 3000 * 128 * 2;
+        assert!(fp16 as f64 / cache.nbytes() as f64 > smaller, "{km}/{vm}: nbytes {}", cache.nbytes());
+    }
 }
-

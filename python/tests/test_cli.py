@@ -32,6 +32,10 @@ def converted(smollm):
         ([], "fp16"),
         (["--kv-cache", "mlx-quantized", "--kv-bits", "8"], "mlx-quantized 8b"),
         (["--kv-cache", "veloxquant", "--kv-bits", "4", "--kv-window", "8"], "veloxquant keys turboquant-mse/4b"),
+        (
+            ["--kv-cache", "veloxquant", "--kv-method", "kivi", "--kv-value-method", "turboquant-mse", "--kv-window", "8"],
+            "veloxquant keys kivi/4b, values turboquant-mse/4b",
+        ),
     ],
 )
 def test_generate(extra, kind):

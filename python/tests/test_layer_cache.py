@@ -78,3 +78,49 @@ def test_errors_name_the_argument():
     cache.append(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
     with pytest.raises(TypeError, match=r"^mask: array masks"):
         cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask=mx.zeros((1, 4)))
+
+
+METHOD_PAIRS = [
+    ("kivi", 4, "kivi", 2),
+    ("pq", 2, "pq", 4),
+    ("pq", 1, "kivi", 4),
+    ("turboquant-mse", 4, "kivi", 3),
+    ("kivi", 2, "turboquant-mse", 4),
+    ("kivi", 8, "fp16", 16),
+    ("fp16", 16, "kivi", 4),
+    ("turboquant-mse", 3, "fp16", 16),
+]
+
+
+@pytest.mark.parametrize("key_method, key_bits, value_method, value_bits", METHOD_PAIRS)
+def test_every_method_mix_attends_like_decode_then_sdpa(key_method, key_bits, value_method, value_bits):
+    cache = LayerCache(
+        64, 2, key_method=key_method, key_bits=key_bits, value_method=value_method, value_bits=value_bits,
+        window=32, sinks=4, policy="require",
+    )
+    k = mx.random.normal((2, 2, 300, 64), key=mx.random.key(1))
+    v = mx.random.normal((2, 2, 300, 64), key=mx.random.key(2))
+    cache.append(k, v)
+    assert cache.offset == 300 and cache.compressed_tokens > 0
+    kd, vd = cache.dequantize()
+    q = mx.random.normal((2, 8, 1, 64), key=mx.random.key(3))
+    assert rel_err(cache.attention(q, 0.125), mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125)) < 1e-5
+    q = mx.random.normal((2, 8, 5, 64), key=mx.random.key(4))
+    ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask="causal")
+    assert rel_err(cache.attention(q, 0.125, mask="causal"), ref) < 1e-5
+    # The reconstruction is close to what went in (8 bits closest).
+    assert rel_err(kd, k) < (0.02 if key_bits == 8 else 0.6)
+    data = cache.to_bytes()
+    back = LayerCache.from_bytes(data)
+    assert back.to_bytes() == data
+    assert (back.config["key_method"], back.config["value_method"]) == (key_method, value_method)
+    assert cache.trim(7) == 7 and cache.offset == 293
+
+
+def test_mixed_methods_errors_name_the_argument():
+    with pytest.raises(ValueError, match=r"^value_bits: 5 is not supported by kivi"):
+        LayerCache(64, 2, value_method="kivi", value_bits=5)
+    with pytest.raises(ValueError, match=r"^method: \"pq-ish\" is not one of"):
+        LayerCache(64, 2, value_method="pq-ish")
+    with pytest.raises(ValueError, match=r"^key_bits: 3 is not supported by pq"):
+        LayerCache(64, 2, key_method="pq", key_bits=3)

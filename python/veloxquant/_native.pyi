@@ -121,16 +121,24 @@ class Quantizer:
     @staticmethod
     def load(path: Union[str, os.PathLike[str]]) -> Quantizer: ...
 
+_Method = Literal["fp16", "turboquant-mse", "kivi", "pq"]
+
 class LayerCache:
-    """One attention layer's compressed key/value cache."""
+    """One attention layer's compressed key/value cache.
+
+    Keys and values each have their own method and bits (docs/CACHE_API.md):
+    ``"fp16"`` (the uncompressed control, bits ignored), ``"turboquant-mse"``
+    (1, 2, 3, 4 or 8 bits), ``"kivi"`` (1, 2, 3, 4 or 8 bits), ``"pq"``
+    (1, 2 or 4 bits per element).
+    """
 
     def __init__(
         self,
         head_dim: int,
         n_kv_heads: int,
-        key_method: str = "turboquant-mse",
+        key_method: _Method = "turboquant-mse",
         key_bits: int = 4,
-        value_method: str = "turboquant-mse",
+        value_method: _Method = "turboquant-mse",
         value_bits: int = 4,
         window: int = 128,
         sinks: int = 4,

@@ -1,19 +1,21 @@
 //! The compressed key/value cache of one attention layer, and attention over it.
 //!
-//! Keys and values are kept only as packed codes and float16 norms in stores
-//! that grow by doubling, plus two float16 windows: the first `sinks` tokens
-//! (attention sinks) and the most recent `window` tokens (up to `window +
-//! window` before the oldest `window` of them are compressed in one batch). No
-//! float16 copy of a compressed token is kept. The `fp16` method is the
-//! uncompressed control: dense buffers and MLX's fused attention.
+//! Keys and values each have their own method and bits. Compressed tokens are
+//! kept only as packed codes and their side data (norms, scales, zeros) in
+//! stores that grow by doubling, plus two float16 windows: the first `sinks`
+//! tokens (attention sinks) and the most recent `window` tokens (up to
+//! `window + window` before the oldest of them are compressed in one batch).
+//! No float16 copy of a compressed token is kept. `fp16` for both keys and
+//! values is the uncompressed control: dense buffers and MLX's fused attention.
 
 mod state;
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use state::{rotation_matrix, LayerCache};
+pub use state::{pq_codebook, rotation_matrix, LayerCache};
 
+use crate::cpu::kv_attention::{Codec, SideCodec};
 use crate::error::{Error, Result};
 use crate::kernels::Policy;
 
@@ -24,13 +26,30 @@ pub enum Method {
     Fp16,
     /// TurboQuant-MSE: norm + rotated Lloyd–Max codes.
     TurboQuantMse,
+    /// KIVI: asymmetric min/max codes; keys per channel over groups of
+    /// tokens, values per token over groups of channels.
+    Kivi,
+    /// Product quantization (VecInfer-style): norm + one 8-bit code per
+    /// sub-vector of the rotated unit vector; `bits` per element sets the
+    /// sub-vector size (`8 / bits` channels).
+    Pq,
 }
+
+/// Every method, in the order the documentation lists them.
+pub const METHODS: [Method; 4] = [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq];
+
+/// Bits per element of product quantization (8-bit codes of 8, 4, 2 channels).
+pub const PQ_BITS: [u32; 3] = [1, 2, 4];
+/// Bits of a product-quantization code (a codebook of 256 entries).
+pub const PQ_CODE_BITS: u32 = 8;
 
 impl Method {
     pub fn name(self) -> &'static str {
         match self {
             Method::Fp16 => "fp16",
             Method::TurboQuantMse => "turboquant-mse",
+            Method::Kivi => "kivi",
+            Method::Pq => "pq",
         }
     }
 }
@@ -47,7 +66,12 @@ impl FromStr for Method {
         match s {
             "fp16" | "float16" => Ok(Method::Fp16),
             "turboquant-mse" | "turboquant" => Ok(Method::TurboQuantMse),
-            other => Err(Error::invalid("method", format!("{other:?} is not one of \"fp16\", \"turboquant-mse\""))),
+            "kivi" => Ok(Method::Kivi),
+            "pq" => Ok(Method::Pq),
+            other => {
+                let names: Vec<String> = METHODS.iter().map(|m| format!("{:?}", m.name())).collect();
+                Err(Error::invalid("method", format!("{other:?} is not one of {}", names.join(", "))))
+            }
         }
     }
 }
@@ -91,25 +115,54 @@ impl CacheConfig {
         if self.kv_heads == 0 {
             return Err(Error::invalid("kv_heads", "must be at least 1"));
         }
-        if self.key_method != self.value_method {
-            return Err(Error::invalid(
-                "value_method",
-                format!("{} with keys in {} is not supported; use the same method for both", self.value_method, self.key_method),
-            ));
+        for (arg, method, bits) in [("key_bits", self.key_method, self.key_bits), ("value_bits", self.value_method, self.value_bits)] {
+            let supported: &[u32] = match method {
+                Method::Fp16 => continue,
+                Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
+                Method::Kivi => &crate::cpu::SUPPORTED_BITS,
+                Method::Pq => &PQ_BITS,
+            };
+            if !supported.contains(&bits) {
+                return Err(Error::invalid(arg, format!("{bits} is not supported by {method}; use one of {supported:?}")));
+            }
         }
-        if self.key_method == Method::TurboQuantMse {
-            for (arg, bits) in [("key_bits", self.key_bits), ("value_bits", self.value_bits)] {
-                if !crate::kernels::turboquant::TQ_BITS.contains(&bits) {
-                    return Err(Error::invalid(
-                        arg,
-                        format!("{bits} is not supported by turboquant-mse; use one of {:?}", crate::kernels::turboquant::TQ_BITS),
-                    ));
-                }
-            }
-            if self.window == 0 {
-                return Err(Error::invalid("window", "must be at least 1 token for turboquant-mse"));
-            }
+        if self.compressed() && self.window == 0 {
+            return Err(Error::invalid("window", "must be at least 1 token for a compressed method"));
         }
         Ok(())
     }
+
+    /// Whether either side is compressed (else the dense control).
+    pub fn compressed(&self) -> bool {
+        self.key_method != Method::Fp16 || self.value_method != Method::Fp16
+    }
+
+    /// How the keys' compressed tokens are stored.
+    pub fn key_codec(&self) -> SideCodec {
+        self.codec(self.key_method, self.key_bits, true)
+    }
+
+    /// How the values' compressed tokens are stored.
+    pub fn value_codec(&self) -> SideCodec {
+        self.codec(self.value_method, self.value_bits, false)
+    }
+
+    fn codec(&self, method: Method, bits: u32, keys: bool) -> SideCodec {
+        let (codec, group) = match method {
+            Method::Fp16 => (Codec::Dense, 1),
+            Method::TurboQuantMse => (Codec::TurboQuantMse, 1),
+            // Keys: KIVI's groups of 32 tokens, or the window when smaller,
+            // so that a window flush can always compress whole groups.
+            Method::Kivi if keys => (Codec::KiviPerChannel, KIVI_GROUP.min(self.window.max(1))),
+            // Values: the largest multiple of 8 up to 32 channels dividing the head.
+            Method::Kivi => {
+                (Codec::KiviPerToken, (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| self.head_dim % g == 0).unwrap_or(8))
+            }
+            Method::Pq => return SideCodec { codec: Codec::ProductQuantized, bits: PQ_CODE_BITS, group: (8 / bits.max(1)) as usize },
+        };
+        SideCodec { codec, bits, group }
+    }
 }
+
+/// KIVI's group size (tokens for keys, channels for values).
+pub const KIVI_GROUP: usize = 32;

@@ -3,13 +3,15 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use super::{CacheConfig, Method};
+use super::CacheConfig;
 use crate::array::Array;
+use crate::cpu::kv_attention::{Codec, KvShape, SideCodec};
 use crate::cpu::turboquant::AttentionShape;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
+use crate::kernels::kv_attention::{self, KvLayer, KvSideArrays};
 use crate::kernels::turboquant::{self, TqLayer};
-use crate::kernels::{Options, Policy};
+use crate::kernels::{self, KiviMode, Options, Policy};
 use crate::ops;
 use crate::quant::{Rotation, RotationKind, ScalarCodebook};
 use crate::stream::Stream;
@@ -17,7 +19,7 @@ use crate::stream::Stream;
 /// Slots a store starts with; it then doubles.
 const MIN_CAPACITY: usize = 256;
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
-const STATE_VERSION: &str = "2";
+const STATE_VERSION: &str = "3";
 
 /// Row-major `Π` of the cache's rotation for `(dim, seed)`: Hadamard where
 /// the size allows, else dense. Computed once per process.
@@ -39,11 +41,35 @@ fn centroids(dim: usize, bits: u32) -> Result<Vec<f32>> {
     Ok(ScalarCodebook::sphere(dim, bits).map_err(|e| Error::invalid("bits", e.to_string()))?.centroids().to_vec())
 }
 
-/// Arrays shared by every layer with the same head size, seed and bits.
+/// The product-quantization codebook `[2^PQ_CODE_BITS, sub]` (row-major) for
+/// rotated unit vectors of size `dim`: k-means over seeded Gaussian
+/// sub-vectors of variance `1/dim` (what a rotated unit vector's coordinates
+/// are close to). Trained once per process.
+pub fn pq_codebook(dim: usize, sub: usize) -> Result<Vec<f32>> {
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, StandardNormal};
+    static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Vec<f32>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(c) = cache.lock().expect("codebook cache").get(&(dim, sub)) {
+        return Ok(c.clone());
+    }
+    let entries = 1usize << super::PQ_CODE_BITS;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0f_c0de);
+    let sd = 1.0 / (dim as f32).sqrt();
+    let samples: Vec<f32> = (0..64 * entries * sub).map(|_| { let g: f32 = StandardNormal.sample(&mut rng); sd * g }).collect();
+    let (codebook, _) = crate::quant::pq::kmeans(&samples, sub, entries, 0, 25, 1e-4)
+        .map_err(|e| Error::invalid("bits", e.to_string()))?;
+    cache.lock().expect("codebook cache").insert((dim, sub), codebook.clone());
+    Ok(codebook)
+}
+
+/// Arrays shared by every layer with the same head size, seed, methods and bits.
 struct Shared {
-    rotation: Array,
-    k_centroids: Array,
-    v_centroids: Array,
+    /// `Π`, when either side's frame is rotated.
+    rotation: Option<Array>,
+    /// Codebooks of the key and value codecs that have one.
+    k_table: Option<Array>,
+    v_table: Option<Array>,
 }
 
 struct Dense {
@@ -53,23 +79,171 @@ struct Dense {
     capacity: usize,
 }
 
+/// One side's (keys' or values') compressed tokens and window.
+struct Side {
+    codec: SideCodec,
+    /// `[B, Hkv, capacity, row_len]`: uint8 codes, or the tokens in the
+    /// cache's dtype for the dense codec.
+    codes: Array,
+    /// Norms (TurboQuant, `[B, Hkv, capacity]`) or KIVI scales
+    /// (`[B, Hkv, param_rows, param_cols]`), float16.
+    scales: Option<Array>,
+    /// KIVI zeros, float16, shaped as the scales.
+    zeros: Option<Array>,
+    /// Float16 window `[B, Hkv, sinks + 2 * window, D]` in the side's frame
+    /// (rotated for the rotating codecs): sinks first.
+    window: Array,
+}
+
+/// A compressed side's new tokens, encoded.
+struct Encoded {
+    codes: Array,
+    scales: Option<Array>,
+    zeros: Option<Array>,
+}
+
+impl Side {
+    /// Shape of the scale and zero arrays for `rows` parameter rows.
+    fn param_shape(&self, b: i32, h: i32, rows: usize, dim: usize) -> Vec<i32> {
+        match self.codec.codec {
+            // Norms keep the layout `tq_attention` reads.
+            Codec::TurboQuantMse | Codec::ProductQuantized => vec![b, h, rows as i32],
+            _ => vec![b, h, rows as i32, self.codec.param_cols(dim) as i32],
+        }
+    }
+
+    /// Name of the scale array in the state (what it holds).
+    fn scales_name(&self) -> &'static str {
+        match self.codec.codec {
+            Codec::TurboQuantMse | Codec::ProductQuantized => "norms",
+            _ => "scales",
+        }
+    }
+
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        [Some(&self.codes), self.scales.as_ref(), self.zeros.as_ref(), Some(&self.window)].into_iter().flatten()
+    }
+
+    fn nbytes(&self) -> usize {
+        self.arrays().map(Array::nbytes).sum()
+    }
+
+    /// Grows the stores to `new` token slots (zeros appended).
+    fn grow(&mut self, new: usize, s: &Stream) -> Result<()> {
+        let append = |a: &mut Array, rows: usize| -> Result<()> {
+            let mut shape = a.shape();
+            let extra = rows - shape[2] as usize;
+            if extra > 0 {
+                shape[2] = extra as i32;
+                *a = ops::concatenate(&[a.clone(), ops::zeros(&shape, a.dtype(), s)?], 2, s)?;
+            }
+            Ok(())
+        };
+        append(&mut self.codes, new)?;
+        let rows = self.codec.param_rows(new);
+        for a in [self.scales.as_mut(), self.zeros.as_mut()].into_iter().flatten() {
+            append(a, rows)?;
+        }
+        Ok(())
+    }
+
+    /// Encodes `x` `[B, Hkv, m, D]` (in the side's frame; `m` a whole number
+    /// of the codec's token groups).
+    fn encode(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
+        let s = opts.resolve_stream()?;
+        let shape = x.shape();
+        let (b, h, m, d) = (shape[0], shape[1], shape[2], shape[3]);
+        let sc = self.codec;
+        let flat = |a: &Array| ops::reshape(a, &[b * h * m, d], &s);
+        let per_head = |a: Array, rows: usize, cols: usize| ops::reshape(&a, &[b, h, rows as i32, cols as i32], &s);
+        Ok(match sc.codec {
+            Codec::Dense => Encoded { codes: ops::astype(x, dtype, &s)?, scales: None, zeros: None },
+            Codec::TurboQuantMse => {
+                let table = table.expect("TurboQuant has centroids");
+                let (codes, norms) = turboquant::tq_encode(x, None, table, sc.bits, opts)?;
+                Encoded { codes, scales: Some(norms), zeros: None }
+            }
+            Codec::ProductQuantized => {
+                // Norm (saturated at float16's largest), then the unit
+                // vector's sub-vectors into the codebook.
+                let xf = ops::astype(x, Dtype::F32, &s)?;
+                let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, &s)?, -1, true, &s)?, &s)?;
+                let unit = ops::divide(&xf, &ops::maximum(&norm, &Array::scalar_f32(f32::MIN_POSITIVE)?, &s)?, &s)?;
+                let table = table.expect("product quantization has a codebook");
+                let codebook = ops::reshape(table, &[1 << sc.bits, sc.group as i32], &s)?;
+                let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?;
+                let norm = ops::minimum(&ops::reshape(&norm, &[b, h, m], &s)?, &Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?, &s)?;
+                Encoded { codes, scales: Some(ops::astype(&norm, Dtype::F16, &s)?), zeros: None }
+            }
+            Codec::KiviPerChannel | Codec::KiviPerToken => {
+                let mode = if sc.codec == Codec::KiviPerChannel { KiviMode::Keys } else { KiviMode::Values };
+                // Per channel, groups of rows never cross heads: m is a whole
+                // number of groups.
+                let (codes, scales, zeros) = kernels::kivi_quantize(&flat(x)?, sc.bits, sc.group, mode, opts)?;
+                let (rows, cols) = (sc.param_rows(m as usize), sc.param_cols(d as usize));
+                Encoded {
+                    codes: per_head(codes, m as usize, sc.row_len(d as usize))?,
+                    scales: Some(per_head(scales, rows, cols)?),
+                    zeros: Some(per_head(zeros, rows, cols)?),
+                }
+            }
+        })
+    }
+
+    /// Writes `e` at token slot `lo` (a multiple of the codec's token group).
+    fn write(&mut self, e: Encoded, lo: usize, s: &Stream) -> Result<()> {
+        let put = |a: &Array, new: &Array, lo: usize| -> Result<Array> {
+            let sh = new.shape();
+            let mut start = vec![0i32; sh.len()];
+            start[2] = lo as i32;
+            let mut stop = sh.clone();
+            stop[2] += lo as i32;
+            ops::slice_update(a, new, &start, &stop, s)
+        };
+        self.codes = put(&self.codes, &e.codes, lo)?;
+        let plo = self.codec.param_rows(lo);
+        if let (Some(a), Some(n)) = (&self.scales, &e.scales) {
+            self.scales = Some(put(a, n, plo)?);
+        }
+        if let (Some(a), Some(n)) = (&self.zeros, &e.zeros) {
+            self.zeros = Some(put(a, n, plo)?);
+        }
+        Ok(())
+    }
+
+    fn arrays_for_kernel<'a>(&'a self, table: Option<&'a Array>) -> KvSideArrays<'a> {
+        KvSideArrays { codes: &self.codes, scales: self.scales.as_ref(), zeros: self.zeros.as_ref(), table, window: &self.window }
+    }
+}
+
 struct Compressed {
     /// Per-channel mean of the keys of the first append `[B, Hkv, 1, D]`
     /// (float32), subtracted from every key before it is stored. Softmax is
     /// unchanged by it (it shifts a query's scores by one constant), and it
     /// takes the channel offsets of real keys out of what the codes must hold.
     k_mean: Option<Array>,
-    k_codes: Array,
-    k_norms: Array,
-    v_codes: Array,
-    v_norms: Array,
+    keys: Side,
+    values: Side,
     capacity: usize,
     len: usize,
-    /// Float16 windows `[B, Hkv, sinks + 2 * window, D]`, rotated: sinks first.
-    win_k: Array,
-    win_v: Array,
     n_sink: usize,
     n_recent: usize,
+}
+
+impl Compressed {
+    /// Tokens both sides compress together: a flush starts and ends on a
+    /// multiple of it.
+    fn token_group(&self) -> usize {
+        let group = |sc: &SideCodec| if sc.codec == Codec::KiviPerChannel { sc.group } else { 1 };
+        let (a, b) = (group(&self.keys.codec), group(&self.values.codec));
+        let gcd = |mut x: usize, mut y: usize| {
+            while y != 0 {
+                (x, y) = (y, x % y);
+            }
+            x
+        };
+        a / gcd(a, b) * b
+    }
 }
 
 enum Store {
@@ -95,12 +269,22 @@ impl LayerCache {
             Some(s) => s,
             None => Stream::default_stream()?,
         };
-        if cfg.policy == Policy::Require && cfg.key_method == Method::TurboQuantMse {
+        if cfg.policy == Policy::Require && cfg.compressed() {
             // Fail at construction, not at the first append.
-            let probe = crate::kernels::KernelSpec { name: "tq_attention", gpu: Some(crate::kernels::Source::TqAttention), cpu: true };
-            crate::kernels::select(&probe, Policy::Require, &stream)?;
+            let (name, source) = if Self::turboquant_only(&cfg) {
+                ("tq_attention", kernels::Source::TqAttention)
+            } else {
+                ("kv_attention", kernels::Source::KvAttention)
+            };
+            let probe = kernels::KernelSpec { name, gpu: Some(source), cpu: true };
+            kernels::select(&probe, Policy::Require, &stream)?;
         }
         Ok(LayerCache { cfg, stream, batch: 0, dtype: Dtype::F16, shared: None, store: None })
+    }
+
+    /// TurboQuant-MSE keys and values: the `tq_attention` fast path.
+    fn turboquant_only(cfg: &CacheConfig) -> bool {
+        cfg.key_codec().codec == Codec::TurboQuantMse && cfg.value_codec().codec == Codec::TurboQuantMse
     }
 
     pub fn config(&self) -> &CacheConfig {
@@ -134,18 +318,16 @@ impl LayerCache {
             None => 0,
             Some(Store::Dense(d)) => d.keys.nbytes() + d.values.nbytes(),
             Some(Store::Compressed(c)) => {
-                c.k_codes.nbytes() + c.k_norms.nbytes() + c.v_codes.nbytes() + c.v_norms.nbytes() + c.win_k.nbytes()
-                    + c.win_v.nbytes()
-                    + c.k_mean.as_ref().map_or(0, Array::nbytes)
+                c.keys.nbytes() + c.values.nbytes() + c.k_mean.as_ref().map_or(0, Array::nbytes)
             }
         }
     }
 
     /// Bytes of the rotation and codebooks, which every layer with the same
-    /// head size, seed and bits shares; count them once per model.
+    /// head size, seed, methods and bits shares; count them once per model.
     pub fn shared_nbytes(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| {
-            s.rotation.nbytes() + s.k_centroids.nbytes() + s.v_centroids.nbytes()
+            [s.rotation.as_ref(), s.k_table.as_ref(), s.v_table.as_ref()].into_iter().flatten().map(Array::nbytes).sum()
         })
     }
 
@@ -169,54 +351,72 @@ impl LayerCache {
         Ok(s)
     }
 
+    fn table(&self, sc: &SideCodec) -> Result<Option<Array>> {
+        Ok(match sc.codec {
+            Codec::TurboQuantMse => {
+                let c = centroids(self.cfg.head_dim, sc.bits)?;
+                Some(Array::from_slice(&c, &[c.len() as i32])?)
+            }
+            Codec::ProductQuantized => {
+                let c = pq_codebook(self.cfg.head_dim, sc.group)?;
+                Some(Array::from_slice(&c, &[c.len() as i32])?)
+            }
+            Codec::Dense | Codec::KiviPerChannel | Codec::KiviPerToken => None,
+        })
+    }
+
     fn init(&mut self, batch: usize, dtype: Dtype) -> Result<()> {
         let s = &self.stream;
         let (b, h, d) = (batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
         self.batch = batch;
         self.dtype = dtype;
-        self.store = Some(match self.cfg.key_method {
-            Method::Fp16 => Store::Dense(Dense {
-                keys: ops::zeros(&[b, h, MIN_CAPACITY as i32, d], dtype, s)?,
-                values: ops::zeros(&[b, h, MIN_CAPACITY as i32, d], dtype, s)?,
+        let cap = MIN_CAPACITY;
+        if !self.cfg.compressed() {
+            self.store = Some(Store::Dense(Dense {
+                keys: ops::zeros(&[b, h, cap as i32, d], dtype, s)?,
+                values: ops::zeros(&[b, h, cap as i32, d], dtype, s)?,
                 len: 0,
-                capacity: MIN_CAPACITY,
-            }),
-            Method::TurboQuantMse => {
-                let dim = self.cfg.head_dim;
-                let rot = rotation_matrix(dim, self.cfg.seed)?;
-                let kc = centroids(dim, self.cfg.key_bits)?;
-                let vc = centroids(dim, self.cfg.value_bits)?;
-                self.shared = Some(Shared {
-                    rotation: Array::from_slice(&rot, &[d, d])?,
-                    k_centroids: Array::from_slice(&kc, &[kc.len() as i32])?,
-                    v_centroids: Array::from_slice(&vc, &[vc.len() as i32])?,
-                });
-                let wcap = (self.cfg.sinks + 2 * self.cfg.window) as i32;
-                let cap = MIN_CAPACITY as i32;
-                Store::Compressed(Compressed {
-                    k_mean: None,
-                    k_codes: ops::zeros(&[b, h, cap, self.key_row_bytes() as i32], Dtype::U8, s)?,
-                    k_norms: ops::zeros(&[b, h, cap], Dtype::F16, s)?,
-                    v_codes: ops::zeros(&[b, h, cap, self.value_row_bytes() as i32], Dtype::U8, s)?,
-                    v_norms: ops::zeros(&[b, h, cap], Dtype::F16, s)?,
-                    capacity: MIN_CAPACITY,
-                    len: 0,
-                    win_k: ops::zeros(&[b, h, wcap, d], dtype, s)?,
-                    win_v: ops::zeros(&[b, h, wcap, d], dtype, s)?,
-                    n_sink: 0,
-                    n_recent: 0,
-                })
+                capacity: cap,
+            }));
+            return Ok(());
+        }
+        let (kc, vc) = (self.cfg.key_codec(), self.cfg.value_codec());
+        let rotation = if kc.codec.rotated() || vc.codec.rotated() {
+            let rot = rotation_matrix(self.cfg.head_dim, self.cfg.seed)?;
+            Some(Array::from_slice(&rot, &[d, d])?)
+        } else {
+            None
+        };
+        self.shared = Some(Shared { rotation, k_table: self.table(&kc)?, v_table: self.table(&vc)? });
+        let wcap = (self.cfg.sinks + 2 * self.cfg.window) as i32;
+        let side = |codec: SideCodec| -> Result<Side> {
+            let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
+            let mut side = Side {
+                codec,
+                codes: ops::zeros(&[b, h, cap as i32, codec.row_len(d as usize) as i32], codes_dtype, s)?,
+                scales: None,
+                zeros: None,
+                window: ops::zeros(&[b, h, wcap, d], dtype, s)?,
+            };
+            if codec.param_cols(d as usize) > 0 {
+                let shape = side.param_shape(b, h, codec.param_rows(cap), d as usize);
+                side.scales = Some(ops::zeros(&shape, Dtype::F16, s)?);
+                if codec.has_zeros() {
+                    side.zeros = Some(ops::zeros(&shape, Dtype::F16, s)?);
+                }
             }
-        });
+            Ok(side)
+        };
+        self.store = Some(Store::Compressed(Compressed {
+            k_mean: None,
+            keys: side(kc)?,
+            values: side(vc)?,
+            capacity: cap,
+            len: 0,
+            n_sink: 0,
+            n_recent: 0,
+        }));
         Ok(())
-    }
-
-    fn key_row_bytes(&self) -> usize {
-        self.cfg.head_dim * self.cfg.key_bits as usize / 8
-    }
-
-    fn value_row_bytes(&self) -> usize {
-        self.cfg.head_dim * self.cfg.value_bits as usize / 8
     }
 
     /// Appends `keys` and `values` `[B, Hkv, T, D]` (a prefill chunk or one token).
@@ -256,17 +456,25 @@ impl LayerCache {
     fn append_compressed(&mut self, keys: &Array, values: &Array, shape: &[i32]) -> Result<()> {
         let s = self.stream.clone();
         let opts = self.opts();
-        let (kbits, vbits) = (self.cfg.key_bits, self.cfg.value_bits);
         let (sinks, window) = (self.cfg.sinks, self.cfg.window);
-        let shared = self.shared.as_ref().expect("initialised with the store");
         let dtype = self.dtype;
+        // A trim may have cut into a token group of the compressed store: the
+        // group's kept tokens are decoded and compressed again with the next
+        // flush, so that groups stay aligned.
+        let reopened = self.reopened_tokens()?;
+        let shared = self.shared.as_ref().expect("initialised with the store");
         let Some(Store::Compressed(c)) = &mut self.store else { unreachable!() };
         let (b, h, t, d) = (shape[0], shape[1], shape[2] as usize, shape[3]);
-        // Rotate the new tokens once; the windows hold them rotated, so that
-        // attention works in one frame.
-        let rot_t = ops::transpose(&shared.rotation, &[1, 0], &s)?;
-        let rotate = |x: &Array| -> Result<Array> {
-            ops::astype(&ops::matmul(&ops::astype(x, Dtype::F32, &s)?, &rot_t, &s)?, dtype, &s)
+        // Bring the new tokens into each side's frame once; the windows hold
+        // them so, and attention works in those frames.
+        let rot_t = shared.rotation.as_ref().map(|r| ops::transpose(r, &[1, 0], &s)).transpose()?;
+        let frame = |x: &Array, sc: &SideCodec| -> Result<Array> {
+            let xf = ops::astype(x, Dtype::F32, &s)?;
+            let xf = match (&rot_t, sc.codec.rotated()) {
+                (Some(r), true) => ops::matmul(&xf, r, &s)?,
+                _ => xf,
+            };
+            ops::astype(&xf, dtype, &s)
         };
         if c.k_mean.is_none() {
             let kf = ops::astype(keys, Dtype::F32, &s)?;
@@ -274,15 +482,15 @@ impl LayerCache {
             c.k_mean = Some(ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)?);
         }
         let centred = ops::subtract(&ops::astype(keys, Dtype::F32, &s)?, c.k_mean.as_ref().expect("set above"), &s)?;
-        let (rk, rv) = (rotate(&centred)?, rotate(values)?);
+        let (rk, rv) = (frame(&centred, &c.keys.codec)?, frame(values, &c.values.codec)?);
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);
             let (lo, hi) = (c.n_sink as i32, (c.n_sink + take) as i32);
-            let part_k = ops::slice(&rk, &[0, 0, 0, 0], &[b, h, take as i32, d], &s)?;
-            let part_v = ops::slice(&rv, &[0, 0, 0, 0], &[b, h, take as i32, d], &s)?;
-            c.win_k = ops::slice_update(&c.win_k, &part_k, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
-            c.win_v = ops::slice_update(&c.win_v, &part_v, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
+            for (side, x) in [(&mut c.keys, &rk), (&mut c.values, &rv)] {
+                let part = ops::slice(x, &[0, 0, 0, 0], &[b, h, take as i32, d], &s)?;
+                side.window = ops::slice_update(&side.window, &part, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
+            }
             c.n_sink += take;
             start = take;
         }
@@ -293,25 +501,35 @@ impl LayerCache {
         let new_k = ops::slice(&rk, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
         let new_v = ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
         let w0 = sinks as i32;
-        let pending = c.n_recent + rest;
-        if pending <= 2 * window {
-            let (lo, hi) = (w0 + c.n_recent as i32, w0 + pending as i32);
-            c.win_k = ops::slice_update(&c.win_k, &new_k, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
-            c.win_v = ops::slice_update(&c.win_v, &new_v, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
-            c.n_recent = pending;
+        if c.n_recent + rest <= 2 * window {
+            let (lo, hi) = (w0 + c.n_recent as i32, w0 + (c.n_recent + rest) as i32);
+            for (side, x) in [(&mut c.keys, &new_k), (&mut c.values, &new_v)] {
+                side.window = ops::slice_update(&side.window, x, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
+            }
+            c.n_recent += rest;
             return Ok(());
         }
-        // Compress the oldest `m` pending tokens in one batch; keep the newest
-        // `window` in float16.
-        let m = pending - window;
-        let gather = |win: &Array, new: &Array| -> Result<Array> {
-            if c.n_recent == 0 {
-                return Ok(new.clone());
+        // Compress the oldest pending tokens in one batch, a whole number of
+        // token groups starting on a group boundary; keep the newest (at
+        // least `window`) in float16.
+        let group = c.token_group();
+        let reopen = reopened.as_ref().map_or(0, |(k, _)| k.shape()[2] as usize);
+        let first = c.len - reopen;
+        let pending = reopen + c.n_recent + rest;
+        let m = (pending - window) / group * group;
+        let gather = |side: &Side, new: &Array, reopened: Option<&Array>| -> Result<Array> {
+            let mut parts = Vec::new();
+            if let Some(r) = reopened {
+                parts.push(ops::astype(r, dtype, &s)?);
             }
-            let old = ops::slice(win, &[0, 0, w0, 0], &[b, h, w0 + c.n_recent as i32, d], &s)?;
-            ops::concatenate(&[old, new.clone()], 2, &s)
+            if c.n_recent > 0 {
+                parts.push(ops::slice(&side.window, &[0, 0, w0, 0], &[b, h, w0 + c.n_recent as i32, d], &s)?);
+            }
+            parts.push(new.clone());
+            ops::concatenate(&parts, 2, &s)
         };
-        let (pk, pv) = (gather(&c.win_k, &new_k)?, gather(&c.win_v, &new_v)?);
+        let pk = gather(&c.keys, &new_k, reopened.as_ref().map(|r| &r.0))?;
+        let pv = gather(&c.values, &new_v, reopened.as_ref().map(|r| &r.1))?;
         let pend = pending as i32;
         let split = |p: &Array| -> Result<(Array, Array)> {
             Ok((
@@ -321,27 +539,46 @@ impl LayerCache {
         };
         let (ck, keep_k) = split(&pk)?;
         let (cv, keep_v) = split(&pv)?;
-        // The windows are rotated already.
-        let (kcodes, knorms) = turboquant::tq_encode(&ck, None, &shared.k_centroids, kbits, &opts)?;
-        let (vcodes, vnorms) = turboquant::tq_encode(&cv, None, &shared.v_centroids, vbits, &opts)?;
-        let needed = c.len + m;
+        let ek = c.keys.encode(&ck, shared.k_table.as_ref(), dtype, &opts)?;
+        let ev = c.values.encode(&cv, shared.v_table.as_ref(), dtype, &opts)?;
+        let needed = first + m;
         if needed > c.capacity {
             let mut cap = c.capacity;
-            grow(&mut [&mut c.k_codes, &mut c.k_norms, &mut c.v_codes, &mut c.v_norms], &mut cap, needed, &s)?;
+            while cap < needed {
+                cap *= 2;
+            }
+            c.keys.grow(cap, &s)?;
+            c.values.grow(cap, &s)?;
             c.capacity = cap;
         }
-        let (lo, hi) = (c.len as i32, needed as i32);
-        let (kr, vr) = ((d as u32 * kbits / 8) as i32, (d as u32 * vbits / 8) as i32);
-        c.k_codes = ops::slice_update(&c.k_codes, &kcodes, &[0, 0, lo, 0], &[b, h, hi, kr], &s)?;
-        c.v_codes = ops::slice_update(&c.v_codes, &vcodes, &[0, 0, lo, 0], &[b, h, hi, vr], &s)?;
-        c.k_norms = ops::slice_update(&c.k_norms, &knorms, &[0, 0, lo], &[b, h, hi], &s)?;
-        c.v_norms = ops::slice_update(&c.v_norms, &vnorms, &[0, 0, lo], &[b, h, hi], &s)?;
-        let keep = window as i32;
-        c.win_k = ops::slice_update(&c.win_k, &keep_k, &[0, 0, w0, 0], &[b, h, w0 + keep, d], &s)?;
-        c.win_v = ops::slice_update(&c.win_v, &keep_v, &[0, 0, w0, 0], &[b, h, w0 + keep, d], &s)?;
+        c.keys.write(ek, first, &s)?;
+        c.values.write(ev, first, &s)?;
+        let keep = (pending - m) as i32;
+        for (side, x) in [(&mut c.keys, &keep_k), (&mut c.values, &keep_v)] {
+            side.window = ops::slice_update(&side.window, x, &[0, 0, w0, 0], &[b, h, w0 + keep, d], &s)?;
+        }
         c.len = needed;
-        c.n_recent = window;
+        c.n_recent = pending - m;
         Ok(())
+    }
+
+    /// The compressed tokens after the last whole token group, decoded into
+    /// each side's frame (float32), when a trim left a partial group.
+    fn reopened_tokens(&self) -> Result<Option<(Array, Array)>> {
+        let Some(Store::Compressed(c)) = &self.store else { return Ok(None) };
+        let partial = c.len % c.token_group();
+        if partial == 0 {
+            return Ok(None);
+        }
+        let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
+        let s = &self.stream;
+        let sh = &layer.shape;
+        let (b, h, d) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
+        let tail = |side: &KvSideArrays<'_>, sc: &SideCodec| -> Result<Array> {
+            let all = kv_attention::decode_compressed(side, sc, sh, s)?;
+            ops::slice(&all, &[0, 0, (c.len - partial) as i32, 0], &[b, h, c.len as i32, d], s)
+        };
+        Ok(Some((tail(&layer.keys, &sh.key)?, tail(&layer.values, &sh.value)?)))
     }
 
     /// Attention of `queries` `[B, Hq, L, D]` over the cache. With `causal`,
@@ -375,9 +612,13 @@ impl LayerCache {
                 let v = ops::slice(&d.values, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
                 ops::scaled_dot_product_attention(queries, &k, &v, scale, causal && qs[2] > 1, s)
             }
-            Store::Compressed(_) => {
+            Store::Compressed(_) if Self::turboquant_only(&self.cfg) => {
                 let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
                 turboquant::tq_attention(queries, &layer, scale, &self.opts())
+            }
+            Store::Compressed(_) => {
+                let layer = self.kv_layer(qs[1] as usize, qs[2] as usize, causal)?;
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts())
             }
         }
     }
@@ -387,6 +628,13 @@ impl LayerCache {
             return Err(Error::invalid("method", "not a compressed cache"));
         };
         let sh = self.shared.as_ref().expect("initialised");
+        let rot = sh.rotation.as_ref().expect("TurboQuant rotates");
+        fn norms(side: &Side) -> &Array {
+            side.scales.as_ref().expect("TurboQuant has norms")
+        }
+        fn table(t: &Option<Array>) -> &Array {
+            t.as_ref().expect("TurboQuant has centroids")
+        }
         Ok(TqLayer {
             shape: AttentionShape {
                 batch: self.batch,
@@ -403,16 +651,45 @@ impl LayerCache {
                 window_capacity: self.cfg.sinks + 2 * self.cfg.window,
                 causal,
             },
-            rot_k: &sh.rotation,
-            rot_v: &sh.rotation,
-            k_codes: &c.k_codes,
-            k_norms: &c.k_norms,
-            k_centroids: &sh.k_centroids,
-            v_codes: &c.v_codes,
-            v_norms: &c.v_norms,
-            v_centroids: &sh.v_centroids,
-            win_k: &c.win_k,
-            win_v: &c.win_v,
+            rot_k: rot,
+            rot_v: rot,
+            k_codes: &c.keys.codes,
+            k_norms: norms(&c.keys),
+            k_centroids: table(&sh.k_table),
+            v_codes: &c.values.codes,
+            v_norms: norms(&c.values),
+            v_centroids: table(&sh.v_table),
+            win_k: &c.keys.window,
+            win_v: &c.values.window,
+        })
+    }
+
+    fn kv_layer(&self, q_heads: usize, queries: usize, causal: bool) -> Result<KvLayer<'_>> {
+        let Some(Store::Compressed(c)) = &self.store else {
+            return Err(Error::invalid("method", "not a compressed cache"));
+        };
+        let sh = self.shared.as_ref().expect("initialised");
+        let key = c.keys.codec;
+        Ok(KvLayer {
+            shape: KvShape {
+                batch: self.batch,
+                q_heads,
+                kv_heads: self.cfg.kv_heads,
+                queries,
+                dim: self.cfg.head_dim,
+                key,
+                value: c.values.codec,
+                query_features: kv_attention::query_features(self.cfg.head_dim, &key),
+                sinks: c.n_sink,
+                compressed: c.len,
+                recent: c.n_recent,
+                capacity: c.capacity,
+                window_capacity: self.cfg.sinks + 2 * self.cfg.window,
+                causal,
+            },
+            rotation: sh.rotation.as_ref(),
+            keys: c.keys.arrays_for_kernel(sh.k_table.as_ref()),
+            values: c.values.arrays_for_kernel(sh.v_table.as_ref()),
         })
     }
 
@@ -427,22 +704,14 @@ impl LayerCache {
                 ops::slice(&d.keys, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?,
                 ops::slice(&d.values, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?,
             )),
-            Some(Store::Compressed(_)) => {
-                let layer = self.tq_layer(self.cfg.kv_heads, 1, false)?;
-                let rot = &self.shared.as_ref().expect("initialised").rotation;
-                let back = |values: bool| -> Result<Array> {
-                    let r = turboquant::decode_rotated(&layer, values, s)?;
-                    ops::astype(&ops::matmul(&r, rot, s)?, self.dtype, s)
-                };
-                let Some(Store::Compressed(c)) = &self.store else { unreachable!() };
-                let keys = match &c.k_mean {
-                    Some(mean) => {
-                        let r = turboquant::decode_rotated(&layer, false, s)?;
-                        ops::astype(&ops::add(&ops::matmul(&r, rot, s)?, mean, s)?, self.dtype, s)?
-                    }
-                    None => back(false)?,
-                };
-                Ok((keys, back(true)?))
+            Some(Store::Compressed(c)) => {
+                let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
+                let mut keys = kv_attention::decode(&layer, false, s)?;
+                if let Some(mean) = &c.k_mean {
+                    keys = ops::add(&keys, mean, s)?;
+                }
+                let values = kv_attention::decode(&layer, true, s)?;
+                Ok((ops::astype(&keys, self.dtype, s)?, ops::astype(&values, self.dtype, s)?))
             }
         }
     }
@@ -527,6 +796,26 @@ mod state_io {
         Error::invalid("state", msg)
     }
 
+    /// The first `rows` rows (axis 2) of `a`.
+    fn head_rows(a: &Array, rows: usize, s: &Stream) -> Result<Array> {
+        let mut stop = a.shape();
+        stop[2] = rows as i32;
+        ops::slice(a, &vec![0; stop.len()], &stop, s)
+    }
+
+    /// The state tensors of one side: its used codes, scales and zeros.
+    fn side_tensors(side: &Side, prefix: &str, len: usize, s: &Stream) -> Result<Vec<(String, Array)>> {
+        let mut out = vec![(format!("{prefix}_codes"), head_rows(&side.codes, len, s)?)];
+        let rows = side.codec.param_rows(len);
+        if let Some(a) = &side.scales {
+            out.push((format!("{prefix}_{}", side.scales_name()), head_rows(a, rows, s)?));
+        }
+        if let Some(a) = &side.zeros {
+            out.push((format!("{prefix}_zeros"), head_rows(a, rows, s)?));
+        }
+        Ok(out)
+    }
+
     pub(super) fn save(cache: &LayerCache) -> Result<Vec<u8>> {
         let c = &cache.cfg;
         let mut meta: BTreeMap<String, String> = BTreeMap::new();
@@ -549,55 +838,44 @@ mod state_io {
         }
         let s = &cache.stream;
         let (b, h, d) = (cache.batch as i32, c.kv_heads as i32, c.head_dim as i32);
-        let mut tensors: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = Vec::new();
-        let mut put = |name: &str, a: Array| -> Result<()> {
-            let shape = a.shape().iter().map(|&v| v as usize).collect();
-            tensors.push((name.to_string(), a.dtype(), shape, a.to_bytes()?));
-            Ok(())
-        };
+        let mut tensors: Vec<(String, Array)> = Vec::new();
         match &cache.store {
             None => {}
             Some(Store::Dense(x)) => {
                 let n = x.len as i32;
-                put("keys", ops::slice(&x.keys, &[0, 0, 0, 0], &[b, h, n, d], s)?)?;
-                put("values", ops::slice(&x.values, &[0, 0, 0, 0], &[b, h, n, d], s)?)?;
+                tensors.push(("keys".into(), ops::slice(&x.keys, &[0, 0, 0, 0], &[b, h, n, d], s)?));
+                tensors.push(("values".into(), ops::slice(&x.values, &[0, 0, 0, 0], &[b, h, n, d], s)?));
             }
             Some(Store::Compressed(x)) => {
-                let n = x.len as i32;
-                let kr = cache.key_row_bytes() as i32;
-                let vr = cache.value_row_bytes() as i32;
                 if let Some(mean) = &x.k_mean {
-                    put("k_mean", mean.clone())?;
+                    tensors.push(("k_mean".into(), mean.clone()));
                 }
-                put("k_codes", ops::slice(&x.k_codes, &[0, 0, 0, 0], &[b, h, n, kr], s)?)?;
-                put("v_codes", ops::slice(&x.v_codes, &[0, 0, 0, 0], &[b, h, n, vr], s)?)?;
-                put("k_norms", ops::slice(&x.k_norms, &[0, 0, 0], &[b, h, n], s)?)?;
-                put("v_norms", ops::slice(&x.v_norms, &[0, 0, 0], &[b, h, n], s)?)?;
-                let used = (c.sinks + x.n_recent) as i32;
+                tensors.extend(side_tensors(&x.keys, "k", x.len, s)?);
+                tensors.extend(side_tensors(&x.values, "v", x.len, s)?);
                 // Sinks then recent tokens, as stored.
-                let (ns, nr) = (x.n_sink as i32, x.n_recent as i32);
-                let w0 = c.sinks as i32;
+                let (ns, nr, w0) = (x.n_sink as i32, x.n_recent as i32, c.sinks as i32);
                 let take = |w: &Array| -> Result<Array> {
                     let sink = ops::slice(w, &[0, 0, 0, 0], &[b, h, ns, d], s)?;
                     let recent = ops::slice(w, &[0, 0, w0, 0], &[b, h, w0 + nr, d], s)?;
                     ops::concatenate(&[sink, recent], 2, s)
                 };
-                let _ = used;
-                put("win_k", take(&x.win_k)?)?;
-                put("win_v", take(&x.win_v)?)?;
+                tensors.push(("win_k".into(), take(&x.keys.window)?));
+                tensors.push(("win_v".into(), take(&x.values.window)?));
                 meta.insert("n_sink".into(), x.n_sink.to_string());
                 meta.insert("n_recent".into(), x.n_recent.to_string());
                 meta.insert("compressed".into(), x.len.to_string());
             }
         }
-        let views: Vec<crate::safetensors_io::TensorBytes<'_>> = tensors
-            .iter()
-            .map(|(n, dt, shape, bytes)| crate::safetensors_io::TensorBytes {
-                name: n,
-                dtype: st_name(*dt),
-                shape,
-                data: bytes,
+        let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
+            .into_iter()
+            .map(|(name, a)| {
+                let shape = a.shape().iter().map(|&v| v as usize).collect();
+                Ok((name, a.dtype(), shape, a.to_bytes()?))
             })
+            .collect::<Result<_>>()?;
+        let views: Vec<crate::safetensors_io::TensorBytes<'_>> = data
+            .iter()
+            .map(|(n, dt, shape, bytes)| crate::safetensors_io::TensorBytes { name: n, dtype: st_name(*dt), shape, data: bytes })
             .collect();
         Ok(crate::safetensors_io::write(&meta, &views))
     }
@@ -620,8 +898,11 @@ mod state_io {
         }
         let st = SafeTensors::deserialize(bytes).map_err(|e| corrupt(format!("not a cache state: {e}")))?;
         let mut cfg = CacheConfig::new(field(&meta, "head_dim")?, field(&meta, "kv_heads")?);
-        cfg.key_method = meta.get("key_method").ok_or_else(|| corrupt("missing key_method"))?.parse()?;
-        cfg.value_method = meta.get("value_method").ok_or_else(|| corrupt("missing value_method"))?.parse()?;
+        let method = |key: &str| -> Result<super::super::Method> {
+            meta.get(key).ok_or_else(|| corrupt(format!("missing field {key:?}")))?.parse().map_err(|e: Error| corrupt(e.to_string()))
+        };
+        cfg.key_method = method("key_method")?;
+        cfg.value_method = method("value_method")?;
         cfg.key_bits = field(&meta, "key_bits")?;
         cfg.value_bits = field(&meta, "value_bits")?;
         cfg.window = field(&meta, "window")?;
@@ -649,55 +930,57 @@ mod state_io {
         };
         cache.init(batch, dtype)?;
         let s = cache.stream.clone();
-        match cache.cfg.key_method {
-            Method::Fp16 => {
-                let n = st.tensor("keys").map_err(|e| corrupt(e.to_string()))?.shape().get(2).copied().unwrap_or(0);
-                let k = tensor("keys", dtype, &[b, h, n as i32, d])?;
-                let v = tensor("values", dtype, &[b, h, n as i32, d])?;
-                cache.append(&k, &v)?;
-            }
-            Method::TurboQuantMse => {
-                let n: usize = field(&meta, "compressed")?;
-                let ns: usize = field(&meta, "n_sink")?;
-                let nr: usize = field(&meta, "n_recent")?;
-                if ns > cache.cfg.sinks || nr > 2 * cache.cfg.window || (ns < cache.cfg.sinks && n + nr > 0) {
-                    return Err(corrupt(format!("inconsistent counts: {ns} sinks, {n} compressed, {nr} recent")));
-                }
-                let kr = cache.key_row_bytes() as i32;
-                let vr = cache.value_row_bytes() as i32;
-                let (kc, vc) = (tensor("k_codes", Dtype::U8, &[b, h, n as i32, kr])?, tensor("v_codes", Dtype::U8, &[b, h, n as i32, vr])?);
-                let (kn, vn) = (tensor("k_norms", Dtype::F16, &[b, h, n as i32])?, tensor("v_norms", Dtype::F16, &[b, h, n as i32])?);
-                let wk = tensor("win_k", dtype, &[b, h, (ns + nr) as i32, d])?;
-                let wv = tensor("win_v", dtype, &[b, h, (ns + nr) as i32, d])?;
-                let mean = match st.tensor("k_mean") {
-                    Ok(_) => Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
-                    Err(_) if n + ns + nr == 0 => None,
-                    Err(_) => return Err(corrupt("k_mean: missing")),
-                };
-                let Some(Store::Compressed(c)) = &mut cache.store else { unreachable!() };
-                c.k_mean = mean;
-                let mut cap = c.capacity;
-                grow(&mut [&mut c.k_codes, &mut c.k_norms, &mut c.v_codes, &mut c.v_norms], &mut cap, n, &s)?;
-                c.capacity = cap;
-                let ni = n as i32;
-                c.k_codes = ops::slice_update(&c.k_codes, &kc, &[0, 0, 0, 0], &[b, h, ni, kr], &s)?;
-                c.v_codes = ops::slice_update(&c.v_codes, &vc, &[0, 0, 0, 0], &[b, h, ni, vr], &s)?;
-                c.k_norms = ops::slice_update(&c.k_norms, &kn, &[0, 0, 0], &[b, h, ni], &s)?;
-                c.v_norms = ops::slice_update(&c.v_norms, &vn, &[0, 0, 0], &[b, h, ni], &s)?;
-                let w0 = cache.cfg.sinks as i32;
-                let place = |win: &Array, saved: &Array| -> Result<Array> {
-                    let sink = ops::slice(saved, &[0, 0, 0, 0], &[b, h, ns as i32, d], &s)?;
-                    let recent = ops::slice(saved, &[0, 0, ns as i32, 0], &[b, h, (ns + nr) as i32, d], &s)?;
-                    let w = ops::slice_update(win, &sink, &[0, 0, 0, 0], &[b, h, ns as i32, d], &s)?;
-                    ops::slice_update(&w, &recent, &[0, 0, w0, 0], &[b, h, w0 + nr as i32, d], &s)
-                };
-                c.win_k = place(&c.win_k, &wk)?;
-                c.win_v = place(&c.win_v, &wv)?;
-                c.len = n;
-                c.n_sink = ns;
-                c.n_recent = nr;
-            }
+        if !cache.cfg.compressed() {
+            let n = st.tensor("keys").map_err(|e| corrupt(format!("keys: {e}")))?.shape().get(2).copied().unwrap_or(0);
+            let k = tensor("keys", dtype, &[b, h, n as i32, d])?;
+            let v = tensor("values", dtype, &[b, h, n as i32, d])?;
+            cache.append(&k, &v)?;
+            return Ok(cache);
         }
+        let n: usize = field(&meta, "compressed")?;
+        let ns: usize = field(&meta, "n_sink")?;
+        let nr: usize = field(&meta, "n_recent")?;
+        if ns > cache.cfg.sinks || nr > 2 * cache.cfg.window || (ns < cache.cfg.sinks && n + nr > 0) {
+            return Err(corrupt(format!("inconsistent counts: {ns} sinks, {n} compressed, {nr} recent")));
+        }
+        let wk = tensor("win_k", dtype, &[b, h, (ns + nr) as i32, d])?;
+        let wv = tensor("win_v", dtype, &[b, h, (ns + nr) as i32, d])?;
+        let mean = match st.tensor("k_mean") {
+            Ok(_) => Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
+            Err(_) if n + ns + nr == 0 => None,
+            Err(_) => return Err(corrupt("k_mean: missing")),
+        };
+        let Some(Store::Compressed(c)) = &mut cache.store else { unreachable!() };
+        c.k_mean = mean;
+        let mut cap = c.capacity;
+        while cap < n {
+            cap *= 2;
+        }
+        let w0 = cache.cfg.sinks as i32;
+        for (side, prefix, win) in [(&mut c.keys, "k", &wk), (&mut c.values, "v", &wv)] {
+            side.grow(cap, &s)?;
+            let sc = side.codec;
+            let codes_dtype = side.codes.dtype();
+            let codes = tensor(&format!("{prefix}_codes"), codes_dtype, &[b, h, n as i32, sc.row_len(d as usize) as i32])?;
+            let params_shape = side.param_shape(b, h, sc.param_rows(n), d as usize);
+            let scales = match side.scales {
+                Some(_) => Some(tensor(&format!("{prefix}_{}", side.scales_name()), Dtype::F16, &params_shape)?),
+                None => None,
+            };
+            let zeros = match side.zeros {
+                Some(_) => Some(tensor(&format!("{prefix}_zeros"), Dtype::F16, &params_shape)?),
+                None => None,
+            };
+            side.write(Encoded { codes, scales, zeros }, 0, &s)?;
+            let sink = ops::slice(win, &[0, 0, 0, 0], &[b, h, ns as i32, d], &s)?;
+            let recent = ops::slice(win, &[0, 0, ns as i32, 0], &[b, h, (ns + nr) as i32, d], &s)?;
+            let w = ops::slice_update(&side.window, &sink, &[0, 0, 0, 0], &[b, h, ns as i32, d], &s)?;
+            side.window = ops::slice_update(&w, &recent, &[0, 0, w0, 0], &[b, h, w0 + nr as i32, d], &s)?;
+        }
+        c.capacity = cap;
+        c.len = n;
+        c.n_sink = ns;
+        c.n_recent = nr;
         Ok(cache)
     }
 }

@@ -9,6 +9,7 @@
 mod bitpack;
 pub mod cpu_primitive;
 pub mod gpu;
+pub mod kv_attention;
 mod quant;
 pub mod source;
 pub mod turboquant;

@@ -10,6 +10,8 @@ pub enum Source {
     TqAttention,
     TqDecode,
     TqReduce,
+    KvAttention,
+    KvReduce,
     ScalarQuantize,
     ScalarDequantize,
     KiviQuantize,
@@ -31,6 +33,8 @@ impl Source {
             Source::TqAttention => "veloxquant_tq_attention",
             Source::TqDecode => "veloxquant_tq_decode",
             Source::TqReduce => "veloxquant_tq_reduce",
+            Source::KvAttention => "veloxquant_kv_attention",
+            Source::KvReduce => "veloxquant_kv_reduce",
             Source::ScalarQuantize => "veloxquant_scalar_quantize",
             Source::ScalarDequantize => "veloxquant_scalar_dequantize",
             Source::KiviQuantize => "veloxquant_kivi_quantize",
@@ -51,6 +55,8 @@ impl Source {
             Source::TqAttention => include_str!("../../metal/tq_attention.metal"),
             Source::TqDecode => include_str!("../../metal/tq_decode.metal"),
             Source::TqReduce => include_str!("../../metal/tq_reduce.metal"),
+            Source::KvAttention => include_str!("../../metal/kv_attention.metal"),
+            Source::KvReduce => include_str!("../../metal/kv_reduce.metal"),
             Source::ScalarQuantize => include_str!("../../metal/scalar_quantize.metal"),
             Source::ScalarDequantize => include_str!("../../metal/scalar_dequantize.metal"),
             Source::KiviQuantize => include_str!("../../metal/kivi_quantize.metal"),
@@ -71,6 +77,8 @@ impl Source {
             Source::TqAttention => include_str!("../../cuda/tq_attention.cu"),
             Source::TqDecode => include_str!("../../cuda/tq_decode.cu"),
             Source::TqReduce => include_str!("../../cuda/tq_reduce.cu"),
+            Source::KvAttention => include_str!("../../cuda/kv_attention.cu"),
+            Source::KvReduce => include_str!("../../cuda/kv_reduce.cu"),
             Source::ScalarQuantize => include_str!("../../cuda/scalar_quantize.cu"),
             Source::ScalarDequantize => include_str!("../../cuda/scalar_dequantize.cu"),
             Source::KiviQuantize => include_str!("../../cuda/kivi_quantize.cu"),
@@ -95,6 +103,11 @@ impl Source {
                 "q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v",
             ],
             Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v"],
+            Source::KvReduce => &["part_m", "part_l", "part_acc", "rot_v", "params"],
+            Source::KvAttention => &[
+                "qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k",
+                "win_v", "params",
+            ],
             Source::ScalarQuantize => &["x", "codebook", "params"],
             Source::ScalarDequantize => &["packed", "codebook", "params"],
             Source::KiviQuantize => &["x", "params"],
@@ -112,8 +125,8 @@ impl Source {
             Source::BitUnpack => &["codes"],
             Source::VqQuantize => &["indices"],
             Source::TqEncode => &["codes", "norms"],
-            Source::TqAttention | Source::TqDecode => &["m_out", "l_out", "acc_out"],
-            Source::TqReduce => &["out"],
+            Source::TqAttention | Source::TqDecode | Source::KvAttention => &["m_out", "l_out", "acc_out"],
+            Source::TqReduce | Source::KvReduce => &["out"],
             Source::ScalarQuantize => &["packed"],
             Source::ScalarDequantize => &["y"],
             Source::KiviQuantize => &["packed", "scales", "zeros"],
@@ -129,6 +142,7 @@ impl Source {
     pub fn metal_header(self) -> &'static str {
         match self {
             Source::TqAttention => include_str!("../../metal/tq_common.h"),
+            Source::KvAttention => concat!(include_str!("../../metal/tq_common.h"), include_str!("../../metal/kv_common.h")),
             _ => "",
         }
     }
@@ -137,6 +151,7 @@ impl Source {
     pub fn cuda_header(self) -> &'static str {
         match self {
             Source::TqDecode => include_str!("../../cuda/tq_common.cuh"),
+            Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             _ => "",
         }
     }

@@ -1,0 +1,48 @@
+// Shared by the kv_attention bodies: decoding one element of a compressed
+// token for each codec (0 dense, 1 TurboQuant-MSE, 2 KIVI per channel over
+// groups of G tokens, 3 KIVI per token over groups of G channels, 4 product
+// quantization with sub-vectors of G channels).
+
+template <typename X>
+__device__ inline float kv_float(X x) {
+  return static_cast<float>(x);
+}
+template <>
+__device__ inline float kv_float<__half>(__half x) {
+  return __half2float(x);
+}
+template <>
+__device__ inline float kv_float<__nv_bfloat16>(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
+
+// Code j of a densely packed row of `bits`-bit codes (crate::cpu::bit_pack's layout).
+__device__ inline unsigned kv_code_at(const uint8_t* row, unsigned j, unsigned bits) {
+  const unsigned o = j * bits, byte = o >> 3, shift = o & 7u;
+  unsigned v = row[byte];
+  if (shift + bits > 8u) v |= unsigned(row[byte + 1]) << 8;
+  return (v >> shift) & ((1u << bits) - 1u);
+}
+
+// Element j of compressed token `ct` of KV head `head`, in its side's frame.
+template <int M, int B, int G, int D, typename C, typename S>
+__device__ inline float kv_element(const C* codes, const S* scales, const S* zeros, const float* table,
+                                   uint64_t head, uint64_t ct, uint64_t cap, int j) {
+  const uint64_t slot = head * cap + ct;
+  if constexpr (M == 0) {
+    return kv_float(codes[slot * D + j]);
+  } else if constexpr (M == 4) {
+    constexpr int ROW = (D / G * B + 7) / 8;
+    const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j) / G, unsigned(B));
+    return table[c * G + j % G] * kv_float(scales[slot]);
+  } else {
+    constexpr int ROW = (D * B + 7) / 8;
+    const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));
+    if constexpr (M == 1) {
+      return table[c] * kv_float(scales[slot]);
+    } else {
+      const uint64_t p = M == 2 ? (head * ((cap + G - 1) / G) + ct / G) * D + j : slot * (D / G) + j / G;
+      return kv_float(zeros[p]) + kv_float(scales[p]) * float(c);
+    }
+  }
+}

@@ -1,0 +1,342 @@
+//! Attention over a cache whose keys and values each have their own codec
+//! (`kv_attention`): scores straight from the key codes, online softmax,
+//! values decoded on the fly, float16 windows included.
+//!
+//! The host prepares every query once as a row of `query_features` floats,
+//! already multiplied by the softmax scale: the query in the key frame (the
+//! rotation for the rotating codecs, the identity for the others) followed by
+//! what a codec scores against besides it: for product quantization the
+//! lookup table `⟨q_p, codebook[c]⟩` of every sub-vector `p` and entry `c`.
+//! Values are accumulated in the value frame; the output is brought back with
+//! `Πᵀ` when the value frame is rotated.
+
+use half::f16;
+
+use super::turboquant::{code_at, FromF32};
+use super::vq::VqElement;
+
+/// How one side (keys or values) stores its compressed tokens.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Codec {
+    /// The tokens themselves, in the cache's dtype.
+    Dense,
+    /// Norm (float16) + `bits`-bit Lloyd–Max codes of the rotated unit vector.
+    TurboQuantMse,
+    /// KIVI per channel: a float16 (scale, zero) per channel for every group
+    /// of `group` consecutive tokens.
+    KiviPerChannel,
+    /// KIVI per token: a float16 (scale, zero) per group of `group` channels.
+    KiviPerToken,
+    /// Product quantization of the rotated unit vector: a float16 norm and
+    /// one `bits`-bit code per sub-vector of `group` channels, into one
+    /// codebook of `2^bits` entries shared by every position.
+    ProductQuantized,
+}
+
+impl Codec {
+    /// The number the GPU bodies know the codec by (template `KM` / `VM`).
+    pub fn id(self) -> i32 {
+        match self {
+            Codec::Dense => 0,
+            Codec::TurboQuantMse => 1,
+            Codec::KiviPerChannel => 2,
+            Codec::KiviPerToken => 3,
+            Codec::ProductQuantized => 4,
+        }
+    }
+
+    /// Whether the side's frame is the cache's rotation (else the identity).
+    pub fn rotated(self) -> bool {
+        matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized)
+    }
+}
+
+/// One side's codec and its sizes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SideCodec {
+    pub codec: Codec,
+    pub bits: u32,
+    /// Tokens per (scale, zero) row for `KiviPerChannel`, channels per group
+    /// for `KiviPerToken`, channels per sub-vector for `ProductQuantized`; 1
+    /// otherwise.
+    pub group: usize,
+}
+
+impl SideCodec {
+    /// Elements of a code row per token: bytes, or `dim` values for `Dense`.
+    pub fn row_len(&self, dim: usize) -> usize {
+        match self.codec {
+            Codec::Dense => dim,
+            Codec::ProductQuantized => super::packed_len(dim / self.group, self.bits),
+            _ => super::packed_len(dim, self.bits),
+        }
+    }
+
+    /// Rows of the scale and zero arrays for `tokens` token slots.
+    pub fn param_rows(&self, tokens: usize) -> usize {
+        match self.codec {
+            Codec::KiviPerChannel => tokens.div_ceil(self.group),
+            _ => tokens,
+        }
+    }
+
+    /// Columns of the scale and zero arrays (0: the codec has none).
+    pub fn param_cols(&self, dim: usize) -> usize {
+        match self.codec {
+            Codec::Dense => 0,
+            Codec::TurboQuantMse | Codec::ProductQuantized => 1,
+            Codec::KiviPerChannel => dim,
+            Codec::KiviPerToken => dim / self.group,
+        }
+    }
+
+    /// Whether the codec has a zero array (else scales only).
+    pub fn has_zeros(&self) -> bool {
+        matches!(self.codec, Codec::KiviPerChannel | Codec::KiviPerToken)
+    }
+}
+
+/// Sizes of one `kv_attention` call.
+#[derive(Clone, Copy, Debug)]
+pub struct KvShape {
+    pub batch: usize,
+    pub q_heads: usize,
+    pub kv_heads: usize,
+    /// Queries per head (1 when decoding).
+    pub queries: usize,
+    pub dim: usize,
+    pub key: SideCodec,
+    pub value: SideCodec,
+    /// Floats per prepared query row (`dim` plus what the key codec needs).
+    pub query_features: usize,
+    /// Tokens held: float16 sinks first, then compressed, then the recent window.
+    pub sinks: usize,
+    pub compressed: usize,
+    pub recent: usize,
+    /// Token slots per head of the compressed stores and of the windows.
+    pub capacity: usize,
+    pub window_capacity: usize,
+    /// Query `l` sits at position `total - queries + l` and sees positions up to it.
+    pub causal: bool,
+}
+
+impl KvShape {
+    pub fn total(&self) -> usize {
+        self.sinks + self.compressed + self.recent
+    }
+}
+
+/// Read-only views of one side's stored tokens. Arrays a codec does not use
+/// are empty.
+pub struct KvSide<'a, T> {
+    /// Packed codes `[B, Hkv, capacity, row_len]`.
+    pub codes: &'a [u8],
+    /// `Dense` tokens `[B, Hkv, capacity, dim]`.
+    pub dense: &'a [T],
+    /// Norms or scales `[B, Hkv, param_rows(capacity), param_cols]`.
+    pub scales: &'a [f16],
+    /// Zeros, shaped as the scales.
+    pub zeros: &'a [f16],
+    /// Codebook of the codec (float32).
+    pub table: &'a [f32],
+    /// Float16/bfloat16/float32 window `[B, Hkv, window_capacity, dim]` in the
+    /// side's frame: sinks from slot 0, recent tokens after them.
+    pub window: &'a [T],
+}
+
+/// `⟨q, k⟩` of the compressed key at slot `ct` of `head`, `q` a prepared row.
+#[inline]
+fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
+    let d = sh.dim;
+    let slot = head * sh.capacity + ct;
+    let row = sc.row_len(d);
+    let codes = if sc.codec == Codec::Dense { &[][..] } else { &k.codes[slot * row..(slot + 1) * row] };
+    match sc.codec {
+        Codec::Dense => {
+            let x = &k.dense[slot * d..(slot + 1) * d];
+            let mut s = 0.0f32;
+            for j in 0..d {
+                s += q[j] * x[j].to_f32();
+            }
+            s
+        }
+        Codec::TurboQuantMse => {
+            let mut s = 0.0f32;
+            for j in 0..d {
+                s += q[j] * k.table[code_at(codes, j, sc.bits)];
+            }
+            s * k.scales[slot].to_f32()
+        }
+        Codec::KiviPerChannel => {
+            let p0 = (head * sc.param_rows(sh.capacity) + ct / sc.group) * d;
+            let mut s = 0.0f32;
+            for j in 0..d {
+                let v = k.zeros[p0 + j].to_f32() + k.scales[p0 + j].to_f32() * code_at(codes, j, sc.bits) as f32;
+                s += q[j] * v;
+            }
+            s
+        }
+        Codec::KiviPerToken => {
+            let p0 = slot * (d / sc.group);
+            let mut s = 0.0f32;
+            for j in 0..d {
+                let p = p0 + j / sc.group;
+                let v = k.zeros[p].to_f32() + k.scales[p].to_f32() * code_at(codes, j, sc.bits) as f32;
+                s += q[j] * v;
+            }
+            s
+        }
+        Codec::ProductQuantized => {
+            // The query's lookup table follows its first `d` features.
+            let entries = 1usize << sc.bits;
+            let mut s = 0.0f32;
+            for p in 0..d / sc.group {
+                s += q[d + p * entries + code_at(codes, p, sc.bits)];
+            }
+            s * k.scales[slot].to_f32()
+        }
+    }
+}
+
+/// The compressed token at slot `ct` of `head`, decoded into `out` (its frame).
+#[inline]
+fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head: usize, ct: usize, out: &mut [f32]) {
+    let d = sh.dim;
+    let slot = head * sh.capacity + ct;
+    let row = sc.row_len(d);
+    match sc.codec {
+        Codec::Dense => {
+            for (o, x) in out.iter_mut().zip(&v.dense[slot * d..(slot + 1) * d]) {
+                *o = x.to_f32();
+            }
+        }
+        Codec::TurboQuantMse => {
+            let codes = &v.codes[slot * row..(slot + 1) * row];
+            let n = v.scales[slot].to_f32();
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = v.table[code_at(codes, j, sc.bits)] * n;
+            }
+        }
+        Codec::ProductQuantized => {
+            let codes = &v.codes[slot * row..(slot + 1) * row];
+            let n = v.scales[slot].to_f32();
+            let s = sc.group;
+            for (p, chunk) in out.chunks_mut(s).enumerate() {
+                let c = code_at(codes, p, sc.bits);
+                for (o, &e) in chunk.iter_mut().zip(&v.table[c * s..(c + 1) * s]) {
+                    *o = e * n;
+                }
+            }
+        }
+        Codec::KiviPerChannel | Codec::KiviPerToken => {
+            let codes = &v.codes[slot * row..(slot + 1) * row];
+            for (j, o) in out.iter_mut().enumerate() {
+                let p = if sc.codec == Codec::KiviPerChannel {
+                    (head * sc.param_rows(sh.capacity) + ct / sc.group) * d + j
+                } else {
+                    slot * (d / sc.group) + j / sc.group
+                };
+                *o = v.zeros[p].to_f32() + v.scales[p].to_f32() * code_at(codes, j, sc.bits) as f32;
+            }
+        }
+    }
+}
+
+/// Attention of the prepared queries `qf` `[batch, q_heads, queries,
+/// query_features]` over the layer, into `out` `[batch, q_heads, queries,
+/// dim]`. `rot_v` is `Π` (`dim * dim`) when the value frame is rotated, else
+/// empty.
+pub fn kv_attention<T: VqElement + FromF32>(
+    qf: &[f32],
+    keys: &KvSide<'_, T>,
+    values: &KvSide<'_, T>,
+    rot_v: &[f32],
+    sh: &KvShape,
+    out: &mut [T],
+) {
+    let d = sh.dim;
+    let qn = sh.query_features;
+    let g = sh.q_heads / sh.kv_heads;
+    let rows_per_kv = g * sh.queries;
+    let total = sh.total();
+    assert_eq!(qf.len(), sh.batch * sh.q_heads * sh.queries * qn, "qf length");
+    assert!(rot_v.is_empty() || rot_v.len() == d * d, "rot_v size");
+    // Work unit: one (batch, kv head): its g query heads share every key read.
+    super::for_each_chunk(out, rows_per_kv * d, 1, |unit0, chunk| {
+        let mut acc = vec![0.0f32; rows_per_kv * d];
+        let mut m = vec![f32::NEG_INFINITY; rows_per_kv];
+        let mut l = vec![0.0f32; rows_per_kv];
+        let mut vals = vec![0.0f32; d];
+        let mut scores = vec![0.0f32; rows_per_kv];
+        for (u, out_unit) in chunk.chunks_mut(rows_per_kv * d).enumerate() {
+            let unit = unit0 + u;
+            let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
+            let head = b * sh.kv_heads + hk;
+            // Rows of this unit: heads hk*g .. hk*g+g, each with `queries` queries.
+            let q_row = |r: usize| {
+                let (hq, ql) = (hk * g + r / sh.queries, r % sh.queries);
+                &qf[((b * sh.q_heads + hq) * sh.queries + ql) * qn..][..qn]
+            };
+            m.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
+            l.iter_mut().for_each(|v| *v = 0.0);
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for t in 0..total {
+                if t >= sh.sinks && t < sh.sinks + sh.compressed {
+                    let ct = t - sh.sinks;
+                    for (r, s) in scores.iter_mut().enumerate() {
+                        *s = key_score(keys, &sh.key, sh, head, ct, q_row(r));
+                    }
+                    decode_token(values, &sh.value, sh, head, ct, &mut vals);
+                } else {
+                    let w = if t < sh.sinks { t } else { t - sh.compressed };
+                    let slot = head * sh.window_capacity + w;
+                    let krow = &keys.window[slot * d..(slot + 1) * d];
+                    for (r, s) in scores.iter_mut().enumerate() {
+                        let q = q_row(r);
+                        let mut dot = 0.0f32;
+                        for j in 0..d {
+                            dot += q[j] * krow[j].to_f32();
+                        }
+                        *s = dot;
+                    }
+                    for (v, x) in vals.iter_mut().zip(&values.window[slot * d..(slot + 1) * d]) {
+                        *v = x.to_f32();
+                    }
+                }
+                for r in 0..rows_per_kv {
+                    if sh.causal && t > total - sh.queries + r % sh.queries {
+                        continue;
+                    }
+                    let s = scores[r];
+                    let m_new = m[r].max(s);
+                    let alpha = (m[r] - m_new).exp();
+                    let p = (s - m_new).exp();
+                    l[r] = l[r] * alpha + p;
+                    for (av, &v) in acc[r * d..(r + 1) * d].iter_mut().zip(&vals) {
+                        *av = *av * alpha + p * v;
+                    }
+                    m[r] = m_new;
+                }
+            }
+            // Back from the value frame: out = Πᵀ acc / l (or acc / l).
+            for r in 0..rows_per_kv {
+                let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
+                let a = &acc[r * d..(r + 1) * d];
+                let dst = &mut out_unit[r * d..(r + 1) * d];
+                for (i, o) in dst.iter_mut().enumerate() {
+                    let y = if rot_v.is_empty() {
+                        a[i]
+                    } else {
+                        let mut y = 0.0f32;
+                        for j in 0..d {
+                            y += rot_v[j * d + i] * a[j];
+                        }
+                        y
+                    };
+                    *o = T::from_f32(y * inv);
+                }
+            }
+        }
+    });
+}
+

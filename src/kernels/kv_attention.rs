@@ -1,0 +1,398 @@
+//! `kv_attention`: fused decode attention over a cache whose keys and values
+//! each have their own codec (`crate::cpu::kv_attention::Codec`). The host
+//! prepares the queries once (the key frame's rotation and the softmax scale
+//! applied), one pass scores straight from the key codes with an online
+//! softmax and decodes values on the fly, split across the sequence, and
+//! `kv_reduce` combines the splits and rotates the output back where the
+//! value frame is rotated.
+
+use half::{bf16, f16};
+
+use super::gpu::{self, Launch, TemplateArg};
+use super::{check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source};
+use crate::array::Array;
+use crate::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::stream::{Backend, Stream};
+
+const ATTENTION: KernelSpec = KernelSpec { name: "kv_attention", gpu: Some(Source::KvAttention), cpu: true };
+/// Query rows one GPU threadgroup serves (heads sharing a KV head x queries).
+const MAX_TILE_ROWS: usize = 16;
+/// Threads of an attention threadgroup, and tokens per tile.
+const TILE: usize = 128;
+
+/// One side's stored arrays, as the kernels read them.
+pub struct KvSideArrays<'a> {
+    /// uint8 codes `[B, Hkv, capacity, row_len]` (`Dense`: the tokens in the cache's dtype).
+    pub codes: &'a Array,
+    /// float16 `[B, Hkv, param_rows, param_cols]`, when the codec has scales or norms.
+    pub scales: Option<&'a Array>,
+    pub zeros: Option<&'a Array>,
+    /// float32 codebook, when the codec has one.
+    pub table: Option<&'a Array>,
+    /// `[B, Hkv, window_capacity, D]` in the cache's dtype, in the side's frame.
+    pub window: &'a Array,
+}
+
+/// One layer's stored keys and values.
+pub struct KvLayer<'a> {
+    pub shape: KvShape,
+    /// `Π` float32 `[D, D]`, present when either side's frame is rotated.
+    pub rotation: Option<&'a Array>,
+    pub keys: KvSideArrays<'a>,
+    pub values: KvSideArrays<'a>,
+}
+
+impl KvLayer<'_> {
+    fn rotation_for(&self, side: &SideCodec) -> Result<Option<&Array>> {
+        if !side.codec.rotated() {
+            return Ok(None);
+        }
+        self.rotation.map(Some).ok_or_else(|| Error::invalid("rotation", "a rotated codec needs the rotation"))
+    }
+}
+
+/// Floats per prepared query row for this key codec: the query in the key
+/// frame, and for product quantization its lookup table (one row of
+/// `2^bits` entries per sub-vector).
+pub fn query_features(dim: usize, key: &SideCodec) -> usize {
+    match key.codec {
+        Codec::ProductQuantized => dim + dim / key.group * (1 << key.bits),
+        _ => dim,
+    }
+}
+
+/// The queries prepared once for every threadgroup: float32 `[B, Hq, L,
+/// query_features]`, `scale * q` in the key frame.
+fn prepare_queries(q: &Array, layer: &KvLayer<'_>, scale: f32, s: &Stream) -> Result<Array> {
+    let sh = layer.shape;
+    let qf = ops::astype(q, Dtype::F32, s)?;
+    let framed = match layer.rotation_for(&sh.key)? {
+        None => qf,
+        // MLX's CUDA matmul rounds float32 through TF32, so small batches of
+        // rows use an exact broadcast product.
+        Some(rot) if sh.batch * sh.q_heads * sh.queries * sh.dim * sh.dim <= 1 << 24 => {
+            ops::sum_axis(&ops::multiply(&ops::expand_dims(&qf, -2, s)?, rot, s)?, -1, false, s)?
+        }
+        Some(rot) => ops::matmul(&qf, &ops::transpose(rot, &[1, 0], s)?, s)?,
+    };
+    let framed = ops::multiply(&framed, &Array::scalar_f32(scale)?, s)?;
+    if sh.key.codec != Codec::ProductQuantized {
+        return Ok(framed);
+    }
+    // The lookup table ⟨q_p, codebook[c]⟩: [..., D/s, s] x [s, K].
+    let table = layer.keys.table.ok_or_else(|| Error::invalid("layer", "product quantization needs its codebook"))?;
+    let (sub, entries) = (sh.key.group as i32, 1i32 << sh.key.bits);
+    let lead = [sh.batch as i32, sh.q_heads as i32, sh.queries as i32];
+    let parts = ops::reshape(&framed, &[lead[0], lead[1], lead[2], sh.dim as i32 / sub, sub], s)?;
+    let codebook_t = ops::transpose(&ops::reshape(table, &[entries, sub], s)?, &[1, 0], s)?;
+    let lut = ops::sum_axis(&ops::multiply(&ops::expand_dims(&parts, -1, s)?, &codebook_t, s)?, -2, false, s)?;
+    let lut = ops::reshape(&lut, &[lead[0], lead[1], lead[2], sh.dim as i32 / sub * entries], s)?;
+    ops::concatenate(&[framed, lut], 3, s)
+}
+
+/// Attention of `q` `[B, Hq, L, D]` over one layer's stored keys and values
+/// and its float16 windows. Returns `[B, Hq, L, D]` in `q`'s dtype.
+pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) -> Result<Array> {
+    let sh = layer.shape;
+    check_float("queries", q)?;
+    let want = [sh.batch as i32, sh.q_heads as i32, sh.queries as i32, sh.dim as i32];
+    if q.shape() != want {
+        return Err(Error::invalid("queries", format!("shape {:?}, expected {want:?}", q.shape())));
+    }
+    if layer.keys.window.dtype() != q.dtype() {
+        return Err(Error::Dtype {
+            argument: "queries",
+            found: q.dtype().to_string(),
+            expected: format!("{} (the cache's dtype)", layer.keys.window.dtype()),
+        });
+    }
+    let stream = opts.resolve_stream()?;
+    let mut imp = select(&ATTENTION, opts.policy, &stream)?;
+    let g = sh.q_heads / sh.kv_heads;
+    let backend = stream.backend()?;
+    let tiles = tile_rows(g, sh.queries, shared_limit(backend), sh.dim);
+    if matches!(imp, Implementation::Metal | Implementation::Cuda) && tiles.is_none() {
+        let why = if g > MAX_TILE_ROWS {
+            format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")
+        } else {
+            format!("head_dim {} needs more threadgroup memory than {} offers", sh.dim, backend.name())
+        };
+        if opts.policy == Policy::Require {
+            return Err(Error::Unsupported(format!("kv_attention: {why}")));
+        }
+        imp = Implementation::Reference;
+    }
+    if sh.total() == 0 || sh.queries == 0 {
+        return ops::zeros(&want, q.dtype(), &stream);
+    }
+    if imp == Implementation::Reference {
+        return attention_reference(q, layer, scale, &stream);
+    }
+    let qf = prepare_queries(q, layer, scale, &stream)?;
+    // Arrays a codec does not use travel as placeholders it never reads.
+    let none_f16 = Array::from_slice(&[f16::ZERO; 8], &[8])?;
+    let none_f32 = Array::from_slice(&[0.0f32; 8], &[8])?;
+    let side_inputs = |side: &KvSideArrays<'_>| -> [Array; 4] {
+        [
+            side.codes.clone(),
+            side.scales.cloned().unwrap_or_else(|| none_f16.clone()),
+            side.zeros.cloned().unwrap_or_else(|| none_f16.clone()),
+            side.table.cloned().unwrap_or_else(|| none_f32.clone()),
+        ]
+    };
+    let (ki, vi) = (side_inputs(&layer.keys), side_inputs(&layer.values));
+    let rot_v = layer.rotation_for(&sh.value)?.cloned();
+    match imp {
+        Implementation::Cpu => {
+            let dtype = q.dtype();
+            let rot_input = rot_v.clone().unwrap_or_else(|| none_f32.clone());
+            let rotate_back = rot_v.is_some();
+            let inputs = [&qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
+                          layer.values.window, &rot_input];
+            cpu_primitive::apply(
+                "veloxquant_kv_attention",
+                &inputs,
+                &[(want.to_vec(), dtype)],
+                &stream,
+                Box::new(move |ins, outs| {
+                    macro_rules! side {
+                        ($t:ty, $sc:expr, $i:expr, $win:expr) => {
+                            KvSide::<$t> {
+                                codes: if $sc.codec == Codec::Dense { &[] } else { ins[$i].as_slice::<u8>()? },
+                                dense: if $sc.codec == Codec::Dense { ins[$i].as_slice::<$t>()? } else { &[] },
+                                scales: if $sc.param_cols(sh.dim) > 0 { ins[$i + 1].as_slice::<f16>()? } else { &[] },
+                                zeros: if $sc.has_zeros() { ins[$i + 2].as_slice::<f16>()? } else { &[] },
+                                table: ins[$i + 3].as_slice::<f32>()?,
+                                window: ins[$win].as_slice::<$t>()?,
+                            }
+                        };
+                    }
+                    macro_rules! run {
+                        ($t:ty) => {{
+                            let keys = side!($t, sh.key, 1, 9);
+                            let values = side!($t, sh.value, 5, 10);
+                            let rot = if rotate_back { ins[11].as_slice::<f32>()? } else { &[] };
+                            kv::kv_attention(ins[0].as_slice::<f32>()?, &keys, &values, rot, &sh, outs[0].as_mut_slice::<$t>()?)
+                        }};
+                    }
+                    match dtype {
+                        Dtype::F32 => run!(f32),
+                        Dtype::F16 => run!(f16),
+                        _ => run!(bf16),
+                    }
+                    Ok(())
+                }),
+            )
+            .map(|mut v| v.remove(0))
+        }
+        _ => {
+            let (per_tile, rows) = tiles.expect("checked above");
+            attention_gpu(q, &qf, layer, &ki, &vi, rot_v.as_ref(), per_tile, rows, &stream)
+        }
+    }
+}
+
+/// Threadgroup memory of one attention threadgroup for `rows` query rows
+/// (bytes): the rows' first `dim` features are staged; lookup tables are read
+/// from device memory.
+fn attention_shared_bytes(rows: usize, dim: usize) -> usize {
+    4 * rows * dim + 4 * rows * TILE + 4 * rows * (TILE / 32)
+}
+
+/// Threadgroup memory one threadgroup may use, per back-end.
+fn shared_limit(backend: Backend) -> usize {
+    match backend {
+        Backend::Metal => 32 * 1024,
+        _ => 48 * 1024,
+    }
+}
+
+/// (queries per tile, rows per tile): the query heads of one KV head times as
+/// many queries as fit in `MAX_TILE_ROWS` and the threadgroup memory; `None`
+/// when not even one query per tile fits.
+pub fn tile_rows(g: usize, queries: usize, limit: usize, dim: usize) -> Option<(usize, usize)> {
+    if g > MAX_TILE_ROWS {
+        return None;
+    }
+    let mut per_tile = if queries <= 1 { 1 } else { (MAX_TILE_ROWS / g).min(queries) };
+    while per_tile > 1 && attention_shared_bytes(g * per_tile, dim) > limit {
+        per_tile -= 1;
+    }
+    (attention_shared_bytes(g * per_tile, dim) <= limit).then_some((per_tile, g * per_tile))
+}
+
+/// How the GPU pass splits the sequence: (split_tokens, comp_splits, num_splits).
+pub fn split_plan(sh: &KvShape, units: usize) -> (usize, usize, usize) {
+    // Compressed tokens: enough splits to fill the GPU several times over,
+    // each a whole number of tiles. Window slots: one tile per split.
+    let wanted_splits = (1024 / units.max(1)).max(1);
+    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE;
+    let comp_splits = sh.compressed.div_ceil(split_tokens);
+    (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn attention_gpu(
+    q: &Array,
+    qf: &Array,
+    layer: &KvLayer<'_>,
+    ki: &[Array; 4],
+    vi: &[Array; 4],
+    rot_v: Option<&Array>,
+    per_tile: usize,
+    tile_rows: usize,
+    s: &Stream,
+) -> Result<Array> {
+    let sh = layer.shape;
+    let q_tiles = sh.queries.div_ceil(per_tile);
+    let units = sh.batch * sh.kv_heads * q_tiles;
+    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units);
+    let rows = sh.batch * sh.q_heads * sh.queries;
+    let p = params(
+        "queries",
+        &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
+          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
+    )?;
+    let threads = i32::try_from(units * num_splits * TILE).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
+    let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
+    let int = |v: usize| TemplateArg::Int(v as i32);
+    let parts = gpu::launch(
+        &Launch {
+            source: Source::KvAttention,
+            inputs: &[qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
+                      layer.values.window, &p],
+            outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
+            grid: (threads, 1, 1),
+            threadgroup: (TILE as i32, 1, 1),
+            template: &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", int(sh.dim)),
+                ("KM", TemplateArg::Int(sh.key.codec.id())),
+                ("KB", int(sh.key.bits as usize)),
+                ("KG", int(sh.key.group)),
+                ("VM", TemplateArg::Int(sh.value.codec.id())),
+                ("VB", int(sh.value.bits as usize)),
+                ("VG", int(sh.value.group)),
+                ("QN", int(tile_rows)),
+                ("QF", int(sh.query_features)),
+            ],
+        },
+        s,
+    )?;
+    let p2 = params("queries", &[rows, num_splits])?;
+    let none = Array::from_slice(&[0.0f32; 8], &[8])?;
+    let out = gpu::launch(
+        &Launch {
+            source: Source::KvReduce,
+            inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&none), &p2],
+            outputs: &[(vec![r, d], q.dtype())],
+            grid: (r * d, 1, 1),
+            threadgroup: (d, 1, 1),
+            template: &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", TemplateArg::Int(d)),
+                ("ROTATE", TemplateArg::Bool(rot_v.is_some())),
+            ],
+        },
+        s,
+    )?
+    .remove(0);
+    ops::reshape(&out, &q.shape(), s)
+}
+
+/// The compressed tokens of one side decoded in its frame, float32
+/// `[B, Hkv, compressed, D]`, with plain MLX ops.
+pub fn decode_compressed(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, s: &Stream) -> Result<Array> {
+    let (b, h, d, n) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32, sh.compressed as i32);
+    let codes = |row: i32| ops::slice(side.codes, &[0, 0, 0, 0], &[b, h, n, row], s);
+    let off = Options::on(s.clone(), Policy::Off);
+    let unpacked = || -> Result<Array> {
+        let c = codes(sc.row_len(sh.dim) as i32)?;
+        ops::astype(&super::bit_unpack(&c, sc.bits, sh.dim, &off)?, Dtype::F32, s)
+    };
+    let missing = |what: &str| Error::invalid("layer", format!("{:?} needs {what}", sc.codec));
+    let params_of = |a: Option<&Array>, what: &str| -> Result<Array> {
+        let a = a.ok_or_else(|| missing(what))?;
+        let rows = sc.param_rows(sh.compressed) as i32;
+        ops::astype(&ops::slice(a, &[0, 0, 0, 0], &[b, h, rows, sc.param_cols(sh.dim) as i32], s)?, Dtype::F32, s)
+    };
+    // Index arrays that spread one parameter row (column) over its group.
+    let spread = |len: usize, group: usize| -> Result<Array> {
+        let idx: Vec<u32> = (0..len).map(|i| (i / group) as u32).collect();
+        Array::from_slice(&idx, &[len as i32])
+    };
+    match sc.codec {
+        Codec::Dense => ops::astype(&codes(d)?, Dtype::F32, s),
+        Codec::TurboQuantMse => {
+            let idx = ops::astype(&unpacked()?, Dtype::U32, s)?;
+            let vals = ops::take_axis(side.table.ok_or_else(|| missing("centroids"))?, &idx, 0, s)?;
+            // Norms are `[B, Hkv, capacity]`, the layout `tq_attention` reads.
+            let norms = ops::slice(side.scales.ok_or_else(|| missing("norms"))?, &[0, 0, 0], &[b, h, n], s)?;
+            let norms = ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)?;
+            ops::multiply(&vals, &norms, s)
+        }
+        Codec::ProductQuantized => {
+            let c = codes(sc.row_len(sh.dim) as i32)?;
+            let idx = ops::astype(&super::bit_unpack(&c, sc.bits, sh.dim / sc.group, &off)?, Dtype::U32, s)?;
+            let table = side.table.ok_or_else(|| missing("its codebook"))?;
+            let entries = ops::reshape(table, &[1 << sc.bits, sc.group as i32], s)?;
+            let vals = ops::reshape(&ops::take_axis(&entries, &idx, 0, s)?, &[b, h, n, d], s)?;
+            let norms = ops::slice(side.scales.ok_or_else(|| missing("norms"))?, &[0, 0, 0], &[b, h, n], s)?;
+            ops::multiply(&vals, &ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)?, s)
+        }
+        Codec::KiviPerChannel | Codec::KiviPerToken => {
+            let (scales, zeros) = (params_of(side.scales, "scales")?, params_of(side.zeros, "zeros")?);
+            let (idx, axis) = if sc.codec == Codec::KiviPerChannel {
+                (spread(sh.compressed, sc.group)?, 2)
+            } else {
+                (spread(sh.dim, sc.group)?, 3)
+            };
+            let scales = ops::take_axis(&scales, &idx, axis, s)?;
+            let zeros = ops::take_axis(&zeros, &idx, axis, s)?;
+            ops::add(&zeros, &ops::multiply(&scales, &unpacked()?, s)?, s)
+        }
+    }
+}
+
+/// One side's tokens in its frame, float32 `[B, Hkv, total, D]`, in position
+/// order (sinks, compressed, recent).
+pub fn decode_framed(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, s: &Stream) -> Result<Array> {
+    let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
+    let win = ops::astype(side.window, Dtype::F32, s)?;
+    let mut parts = Vec::new();
+    if sh.sinks > 0 {
+        parts.push(ops::slice(&win, &[0, 0, 0, 0], &[b, h, sh.sinks as i32, d], s)?);
+    }
+    if sh.compressed > 0 {
+        parts.push(decode_compressed(side, sc, sh, s)?);
+    }
+    if sh.recent > 0 {
+        let w0 = sh.sinks as i32;
+        parts.push(ops::slice(&win, &[0, 0, w0, 0], &[b, h, w0 + sh.recent as i32, d], s)?);
+    }
+    ops::concatenate(&parts, 2, s)
+}
+
+/// One side's tokens back in the model's frame, float32 `[B, Hkv, total, D]`.
+pub fn decode(layer: &KvLayer<'_>, values: bool, s: &Stream) -> Result<Array> {
+    let sh = &layer.shape;
+    let (side, sc) = if values { (&layer.values, &sh.value) } else { (&layer.keys, &sh.key) };
+    let framed = decode_framed(side, sc, sh, s)?;
+    match layer.rotation_for(sc)? {
+        Some(rot) => ops::matmul(&framed, rot, s),
+        None => Ok(framed),
+    }
+}
+
+/// Reference graph: decode both sides, then MLX's attention.
+fn attention_reference(q: &Array, layer: &KvLayer<'_>, scale: f32, s: &Stream) -> Result<Array> {
+    let keys = decode(layer, false, s)?;
+    let values = decode(layer, true, s)?;
+    let qf = ops::astype(q, Dtype::F32, s)?;
+    let sh = layer.shape;
+    let o = ops::scaled_dot_product_attention(&qf, &keys, &values, scale, sh.causal && sh.queries > 1, s)?;
+    ops::astype(&o, q.dtype(), s)
+}

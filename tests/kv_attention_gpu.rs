@@ -1,0 +1,68 @@
+//! Mixed-method caches (`kv_attention`) on the GPU against the CPU kernel:
+//! the fused GPU kernel over a state agrees to rounding with the CPU kernel
+//! over the same state (moved through the bytes) and with decode-then-SDPA
+//! on the GPU. Ignored where MLX has no GPU back-end; run on the GPU machine
+//! with `--ignored`.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use veloxquant::cache::{CacheConfig, LayerCache, Method};
+use veloxquant::{ops, Array, Dtype, Policy, Stream};
+
+fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
+    let n: i32 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
+    ops::astype(&Array::from_slice(&v, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
+}
+
+fn f32s(a: &Array) -> Vec<f32> {
+    ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
+}
+
+fn rel_err(a: &[f32], b: &[f32]) -> f64 {
+    let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
+    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
+    (num / den).sqrt()
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_mixed_methods_match_cpu_kernel() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    for &(km, kb, vm, vb, d, hkv, hq, dtype, tol) in &[
+        (Method::Kivi, 4u32, Method::Kivi, 2u32, 128usize, 8usize, 32usize, Dtype::F32, 1e-5),
+        (Method::Kivi, 2, Method::TurboQuantMse, 4, 128, 8, 32, Dtype::F16, 1e-2),
+        (Method::TurboQuantMse, 4, Method::Kivi, 3, 64, 3, 9, Dtype::BF16, 2e-2),
+        (Method::Kivi, 8, Method::Fp16, 16, 96, 2, 8, Dtype::F16, 1e-2),
+        (Method::Fp16, 16, Method::Kivi, 4, 80, 2, 4, Dtype::F32, 1e-5),
+        (Method::Kivi, 4, Method::Kivi, 4, 256, 1, 4, Dtype::F16, 1e-2),
+        (Method::Pq, 2, Method::Pq, 4, 128, 8, 32, Dtype::F32, 1e-5),
+        (Method::Pq, 1, Method::Kivi, 2, 64, 2, 8, Dtype::F16, 1e-2),
+    ] {
+        let mut cfg = CacheConfig::new(d, hkv);
+        (cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits) = (km, kb, vm, vb);
+        cfg.policy = Policy::Require;
+        let mut on_gpu = LayerCache::new(cfg, Some(gpu.clone())).unwrap();
+        let mut rng = ChaCha8Rng::seed_from_u64(d as u64 + kb as u64);
+        for t in [1000, 1, 1, 300, 1] {
+            let k = normal(&mut rng, &[2, hkv as i32, t, d as i32], dtype);
+            let v = normal(&mut rng, &[2, hkv as i32, t, d as i32], dtype);
+            on_gpu.append(&k, &v).unwrap();
+        }
+        let same_on_cpu = LayerCache::from_bytes(&on_gpu.to_bytes().unwrap(), Some(Stream::cpu())).unwrap();
+        let (kd, vd) = on_gpu.dequantize().unwrap();
+        let tag = format!("{km}/{kb} {vm}/{vb} d={d} {dtype}");
+        for (l, causal) in [(1, false), (7, true)] {
+            let q = normal(&mut rng, &[2, hq as i32, l, d as i32], dtype);
+            let scale = 1.0 / (d as f32).sqrt();
+            let g = f32s(&on_gpu.attention(&q, scale, causal).unwrap());
+            let c = f32s(&same_on_cpu.attention(&q, scale, causal).unwrap());
+            let e = rel_err(&g, &c);
+            assert!(e <= tol, "{tag} L={l}: relative error {e} against the CPU kernel on the same state");
+            let r = f32s(&ops::scaled_dot_product_attention(&q, &kd, &vd, scale, causal && l > 1, &gpu).unwrap());
+            let e = rel_err(&g, &r);
+            assert!(e <= tol.max(2e-3), "{tag} L={l}: relative error {e} against decode + SDPA");
+        }
+    }
+}

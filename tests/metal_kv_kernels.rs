@@ -1,0 +1,353 @@
+//! The mixed-method attention kernels (metal/kv_attention.metal,
+//! kv_reduce.metal) on the emulator, launched exactly as
+//! `src/kernels/kv_attention.rs` launches them (kernel names, input and
+//! output names and order, params layout, template arguments, the split plan
+//! and tile rows, grid in threads), against `veloxquant::cpu::kv_attention`:
+//! relative error (max |gpu - cpu| over max |cpu|) at most 1e-5 in f32 and
+//! 1e-2 in f16. The stores are filled by the CPU encoders, laid out as the
+//! cache holds them; unused slots hold garbage (NaN parameters and window
+//! rows, random codes) that must never be read.
+
+mod metal_emulator;
+
+use half::f16;
+use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
+use rand::{RngExt, SeedableRng};
+use rand_chacha::ChaCha8Rng;
+use veloxquant::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
+use veloxquant::cpu::turboquant::{self as tq, FromF32};
+use veloxquant::cpu::{Float, VqElement};
+use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
+use veloxquant::quant::ScalarCodebook;
+
+fn read(rel: &str) -> String {
+    let path = metal_emulator::repo_root().join(rel);
+    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+}
+
+// Names as `Source::{name, input_names, output_names, metal_header}` give them to MLX.
+fn attention_kernel() -> MetalKernel {
+    MetalKernel::new(
+        "veloxquant_kv_attention",
+        &["qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k", "win_v", "params"],
+        &["m_out", "l_out", "acc_out"],
+        &read("metal/kv_attention.metal"),
+    )
+    .with_header(&(read("metal/tq_common.h") + &read("metal/kv_common.h")))
+}
+
+fn reduce_kernel() -> MetalKernel {
+    MetalKernel::new(
+        "veloxquant_kv_reduce",
+        &["part_m", "part_l", "part_acc", "rot_v", "params"],
+        &["out"],
+        &read("metal/kv_reduce.metal"),
+    )
+}
+
+/// Roughly Gaussian values (sum of uniforms), standard deviation `scale`.
+fn gaussian(rng: &mut ChaCha8Rng, len: usize, scale: f32) -> Vec<f32> {
+    (0..len).map(|_| ((0..4).map(|_| rng.random::<f32>()).sum::<f32>() - 2.0) * 1.73 * scale).collect()
+}
+
+fn conv<T: Float>(x: &[f32]) -> Vec<T> {
+    x.iter().map(|&v| <T as Float>::from_f32(v)).collect()
+}
+
+/// `y = Π x` for each row of `x`.
+fn rotate(rot: &[f32], x: &[f32], d: usize) -> Vec<f32> {
+    let mut out = vec![0.0f32; x.len()];
+    for (src, dst) in x.chunks(d).zip(out.chunks_mut(d)) {
+        for i in 0..d {
+            dst[i] = (0..d).map(|j| rot[i * d + j] * src[j]).sum();
+        }
+    }
+    out
+}
+
+/// One side's stored data, laid out as the cache holds it.
+struct SideData<T> {
+    sc: SideCodec,
+    codes: Vec<u8>,
+    dense: Vec<T>,
+    scales: Vec<f16>,
+    zeros: Vec<f16>,
+    table: Vec<f32>,
+    window: Vec<T>,
+}
+
+impl<T: VqElement + Element> SideData<T> {
+    fn view(&self) -> KvSide<'_, T> {
+        KvSide { codes: &self.codes, dense: &self.dense, scales: &self.scales, zeros: &self.zeros, table: &self.table, window: &self.window }
+    }
+
+    /// The arrays the host passes (8-element placeholders for the unused ones).
+    fn inputs(&self, sh: &KvShape) -> [HostArray; 4] {
+        let (b, h, cap, d) = (sh.batch, sh.kv_heads, sh.capacity, sh.dim);
+        let codes = if self.sc.codec == Codec::Dense {
+            HostArray::new(&[b, h, cap, d], &self.dense)
+        } else {
+            HostArray::new(&[b, h, cap, self.sc.row_len(d)], &self.codes)
+        };
+        let params = |v: &[f16]| {
+            if v.is_empty() {
+                HostArray::new(&[8], &[f16::ZERO; 8])
+            } else {
+                HostArray::new(&[v.len()], v)
+            }
+        };
+        let table = if self.table.is_empty() { HostArray::new(&[8], &[0.0f32; 8]) } else { HostArray::new(&[self.table.len()], &self.table) };
+        [codes, params(&self.scales), params(&self.zeros), table]
+    }
+}
+
+/// Tokens of every head, in the side's frame, encoded into the compressed
+/// slots (sinks and recent tokens in the window), garbage elsewhere.
+fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], tokens: &[Vec<f32>], rng: &mut ChaCha8Rng) -> SideData<T> {
+    let (d, heads, cap) = (sh.dim, sh.batch * sh.kv_heads, sh.capacity);
+    let (pr, pc) = (sc.param_rows(cap), sc.param_cols(d));
+    let mut side = SideData {
+        sc,
+        codes: (0..heads * cap * sc.row_len(d)).map(|_| rng.random::<u8>()).collect(),
+        dense: if sc.codec == Codec::Dense { vec![<T as Float>::from_f32(f32::NAN); heads * cap * d] } else { Vec::new() },
+        scales: if pc > 0 { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
+        zeros: if sc.has_zeros() { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
+        table: match sc.codec {
+            Codec::TurboQuantMse => ScalarCodebook::sphere(d, sc.bits).unwrap().centroids().to_vec(),
+            Codec::ProductQuantized => veloxquant::cache::pq_codebook(d, sc.group).unwrap(),
+            _ => Vec::new(),
+        },
+        window: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
+    };
+    let (c0, c1, total, n) = (sh.sinks, sh.sinks + sh.compressed, sh.total(), sh.compressed);
+    for (hd, x) in tokens.iter().enumerate() {
+        let framed: Vec<T> = conv(&if sc.codec.rotated() { rotate(rot, x, d) } else { x.clone() });
+        let comp = &framed[c0 * d..c1 * d];
+        let row = sc.row_len(d);
+        let slots = hd * cap..hd * cap + n;
+        match sc.codec {
+            Codec::Dense => side.dense[slots.start * d..slots.end * d].copy_from_slice(comp),
+            Codec::TurboQuantMse => tq::tq_encode(
+                comp,
+                None,
+                &side.table,
+                d,
+                sc.bits,
+                &mut side.codes[slots.start * row..slots.end * row],
+                &mut side.scales[slots],
+            ),
+            Codec::ProductQuantized => {
+                // Norms, then the unit vectors' sub-vectors into the codebook.
+                let mut unit = Vec::with_capacity(n * d);
+                for (i, tok) in comp.chunks(d).enumerate() {
+                    let norm = tok.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>().sqrt();
+                    side.scales[slots.start + i] = f16::from_f32(norm);
+                    unit.extend(tok.iter().map(|v| v.to_f32() / norm));
+                }
+                veloxquant::cpu::pq_encode(&unit, n, d, &side.table, sc.group, sc.bits, &mut side.codes[slots.start * row..slots.end * row]);
+            }
+            Codec::KiviPerChannel | Codec::KiviPerToken => {
+                let per_channel = sc.codec == Codec::KiviPerChannel;
+                let (p0, prows) = if per_channel { (hd * pr, n.div_ceil(sc.group)) } else { (hd * cap, n) };
+                veloxquant::cpu::kivi_quantize(
+                    comp,
+                    n,
+                    d,
+                    sc.bits,
+                    sc.group,
+                    per_channel,
+                    &mut side.codes[slots.start * row..slots.end * row],
+                    &mut side.scales[p0 * pc..(p0 + prows) * pc],
+                    &mut side.zeros[p0 * pc..(p0 + prows) * pc],
+                );
+            }
+        }
+        let w0 = hd * sh.window_capacity * d;
+        for (w, t) in (0..sh.sinks).chain(c1..total).enumerate() {
+            side.window[w0 + w * d..w0 + (w + 1) * d].copy_from_slice(&framed[t * d..(t + 1) * d]);
+        }
+    }
+    side
+}
+
+#[allow(clippy::too_many_arguments)]
+fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, key: SideCodec, value: SideCodec, parts: (usize, usize, usize), causal: bool) -> KvShape {
+    let (sinks, compressed, recent) = parts;
+    KvShape {
+        batch: b,
+        q_heads: hq,
+        kv_heads: hkv,
+        queries: l,
+        dim: d,
+        key,
+        value,
+        query_features: veloxquant::kernels::kv_attention::query_features(d, &key),
+        sinks,
+        compressed,
+        recent,
+        // Room left in both stores, as in the cache.
+        capacity: compressed + 37,
+        window_capacity: sinks + recent + 5,
+        causal,
+    }
+}
+
+/// `kernels::kv_attention::attention_gpu`: the split plan, the attention pass
+/// into float32 partials, the reduction into `[rows, D]` of `T`.
+fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideData<T>, rot: &[f32], sh: &KvShape) -> (Vec<T>, usize) {
+    let g = sh.q_heads / sh.kv_heads;
+    let (per_tile, qn) = tile_rows(g, sh.queries, 32 * 1024, sh.dim).expect("fits");
+    let q_tiles = sh.queries.div_ceil(per_tile);
+    let units = sh.batch * sh.kv_heads * q_tiles;
+    let (split_tokens, comp_splits, num_splits) = split_plan(sh, units);
+    let d = sh.dim;
+    let rows = sh.batch * sh.q_heads * sh.queries;
+    let params: Vec<u32> = [
+        sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
+        sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits,
+    ]
+    .iter()
+    .map(|&x| x as u32)
+    .collect();
+    let tag = format!("{:?} {sh:?}", T::DTYPE);
+    let kernel = attention_kernel();
+    let mut launch = kernel.launch().input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, sh.query_features], qf));
+    for a in k.inputs(sh).into_iter().chain(v.inputs(sh)) {
+        launch = launch.input(a);
+    }
+    let win = [sh.batch, sh.kv_heads, sh.window_capacity, d];
+    let parts = launch
+        .input(HostArray::new(&win, &k.window))
+        .input(HostArray::new(&win, &v.window))
+        .input(HostArray::new(&[params.len()], &params))
+        .output(&[rows, num_splits], Dtype::F32)
+        .output(&[rows, num_splits], Dtype::F32)
+        .output(&[rows, num_splits, d], Dtype::F32)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .template("KM", TemplateArg::Int(sh.key.codec.id()))
+        .template("KB", TemplateArg::Int(sh.key.bits as i32))
+        .template("KG", TemplateArg::Int(sh.key.group as i32))
+        .template("VM", TemplateArg::Int(sh.value.codec.id()))
+        .template("VB", TemplateArg::Int(sh.value.bits as i32))
+        .template("VG", TemplateArg::Int(sh.value.group as i32))
+        .template("QN", TemplateArg::Int(qn as i32))
+        .template("QF", TemplateArg::Int(sh.query_features as i32))
+        .grid((units * num_splits * 128) as u32, 1, 1)
+        .threadgroup(128, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("kv_attention {tag}: {e}"));
+    let rotate_back = sh.value.codec.rotated();
+    let rot_v = if rotate_back { HostArray::new(&[d, d], rot) } else { HostArray::new(&[8], &[0.0f32; 8]) };
+    let out = reduce_kernel()
+        .launch()
+        .input(parts[0].clone())
+        .input(parts[1].clone())
+        .input(parts[2].clone())
+        .input(rot_v)
+        .input(HostArray::new(&[2], &[rows as u32, num_splits as u32]))
+        .output(&[rows, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .template("ROTATE", TemplateArg::Bool(rotate_back))
+        .grid((rows * d) as u32, 1, 1)
+        .threadgroup(d as u32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("kv_reduce {tag}: {e}"));
+    (out[0].to_vec(), num_splits)
+}
+
+fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usize {
+    let mut rng = ChaCha8Rng::seed_from_u64(seed);
+    let d = sh.dim;
+    let rot = veloxquant::cache::rotation_matrix(d, seed).unwrap();
+    let heads = sh.batch * sh.kv_heads;
+    // Keys with per-token scales and a few outlier channels, so that the
+    // softmax is far from uniform and KIVI's per-channel groups matter.
+    let keys: Vec<Vec<f32>> = (0..heads)
+        .map(|h| {
+            let mut k = gaussian(&mut rng, sh.total() * d, 1.0);
+            for (t, row) in k.chunks_mut(d).enumerate() {
+                let s = 0.5 + 2.0 * ((t * 7919 + h * 31) % 17) as f32 / 17.0;
+                row.iter_mut().for_each(|v| *v *= s);
+                row[3] += 4.0;
+            }
+            k
+        })
+        .collect();
+    let values: Vec<Vec<f32>> = (0..heads).map(|_| gaussian(&mut rng, sh.total() * d, 1.0)).collect();
+    let k = build_side::<T>(sh.key, &sh, &rot, &keys, &mut rng);
+    let v = build_side::<T>(sh.value, &sh, &rot, &values, &mut rng);
+    // The host's prepared queries: scale * (Π q or q).
+    let scale = 1.0 / (d as f32).sqrt();
+    let q = gaussian(&mut rng, sh.batch * sh.q_heads * sh.queries * d, 1.0);
+    let q: Vec<f32> = q.iter().map(|&x| <T as Float>::from_f32(x).to_f32()).collect();
+    let framed = if sh.key.codec.rotated() { rotate(&rot, &q, d) } else { q };
+    let mut qf: Vec<f32> = framed.iter().map(|x| x * scale).collect();
+    if sh.key.codec == Codec::ProductQuantized {
+        // Each row followed by its lookup table ⟨q_p, codebook[c]⟩.
+        let (sub, entries) = (sh.key.group, 1usize << sh.key.bits);
+        qf = qf
+            .chunks(d)
+            .flat_map(|row| {
+                let lut: Vec<f32> = (0..d / sub)
+                    .flat_map(|p| (0..entries).map(move |c| (p, c)))
+                    .map(|(p, c)| (0..sub).map(|i| row[p * sub + i] * k.table[c * sub + i]).sum::<f32>())
+                    .collect();
+                row.iter().copied().chain(lut).collect::<Vec<f32>>()
+            })
+            .collect();
+    }
+    let rot_v: &[f32] = if sh.value.codec.rotated() { &rot } else { &[] };
+    let mut want = vec![<T as Float>::from_f32(0.0); sh.batch * sh.q_heads * sh.queries * d];
+    kv::kv_attention(&qf, &k.view(), &v.view(), rot_v, &sh, &mut want);
+    let (got, splits) = gpu_attention(&qf, &k, &v, &rot, &sh);
+    let (got, want): (Vec<f32>, Vec<f32>) = (got.iter().map(|x| x.to_f32()).collect(), want.iter().map(|x| x.to_f32()).collect());
+    assert!(want.iter().all(|x| x.is_finite()), "CPU output not finite: {sh:?}");
+    let max_ref = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
+    let max_err = got.iter().zip(&want).fold(0.0f32, |m, (a, b)| m.max((a - b).abs()));
+    let rel = max_err / max_ref;
+    eprintln!("{:?} key {:?} value {:?} D={} L={} splits={splits}: relative error {rel:.2e}", T::DTYPE, sh.key, sh.value, d, sh.queries);
+    assert!(max_ref > 0.0 && rel <= tol, "{:?} {sh:?}: relative error {rel:e} > {tol:e}", T::DTYPE);
+    splits
+}
+
+fn codec(codec: Codec, bits: u32, group: usize) -> SideCodec {
+    SideCodec { codec, bits, group }
+}
+
+#[test]
+fn kivi_keys_and_values_decode_matches_cpu() {
+    let (k, v) = (codec(Codec::KiviPerChannel, 4, 16), codec(Codec::KiviPerToken, 2, 32));
+    // Several compressed splits, a partial last key group, GQA 4:2, batch 2.
+    let s = check::<f32>(shape(2, 4, 2, 1, 64, k, v, (4, 300, 21), true), 1e-5, 1);
+    assert!(s > 2, "expected several splits, got {s}");
+}
+
+#[test]
+fn mixed_codecs_multi_token_causal_match_cpu() {
+    // TurboQuant keys (rotated frame) with KIVI values (model frame): QN = 16.
+    let (k, v) = (codec(Codec::TurboQuantMse, 4, 1), codec(Codec::KiviPerToken, 3, 32));
+    check::<f32>(shape(1, 8, 2, 5, 128, k, v, (4, 200, 40), true), 1e-5, 2);
+    // KIVI keys with TurboQuant values (rotated back by the reduction).
+    let (k, v) = (codec(Codec::KiviPerChannel, 2, 32), codec(Codec::TurboQuantMse, 3, 1));
+    check::<f32>(shape(1, 2, 1, 3, 96, k, v, (2, 150, 9), false), 1e-5, 3);
+}
+
+#[test]
+fn dense_sides_and_f16_match_cpu() {
+    let (k, v) = (codec(Codec::KiviPerChannel, 8, 16), codec(Codec::Dense, 16, 1));
+    check::<f16>(shape(1, 4, 2, 1, 80, k, v, (4, 140, 7), true), 1e-2, 4);
+    let (k, v) = (codec(Codec::Dense, 16, 1), codec(Codec::KiviPerToken, 4, 16));
+    check::<f32>(shape(1, 2, 2, 1, 256, k, v, (0, 60, 3), true), 1e-5, 5);
+}
+
+#[test]
+fn product_quantized_keys_and_values_match_cpu() {
+    // Keys scored through each query's lookup table (read from device
+    // memory), values decoded from the codebook; 2 and 4 bits per element.
+    let (k, v) = (codec(Codec::ProductQuantized, 8, 4), codec(Codec::ProductQuantized, 8, 2));
+    check::<f32>(shape(1, 4, 2, 3, 64, k, v, (4, 150, 9), true), 1e-5, 6);
+    let (k, v) = (codec(Codec::ProductQuantized, 8, 8), codec(Codec::KiviPerToken, 4, 32));
+    check::<f16>(shape(2, 2, 1, 1, 128, k, v, (0, 200, 5), false), 1e-2, 7);
+}
