@@ -134,7 +134,7 @@ def tq_cases():
             ("win_k", t, (1, hkv, n_win, d)), ("win_v", t, (1, hkv, 68, d))]
         outputs = [("m_out", "float32"), ("l_out", "float32"), ("acc_out", "float32")]
         template = [("T", "dtype", t), ("D", "int", d), ("KB", "int", kb), ("VB", "int", vb), ("QN", "int", qn),
-                    ("TPT", "int", min(16, 1 << max(0, (d // 16 - 1).bit_length()))), ("N_SINK", "int", n_sink), ("CAUSAL", "bool", causal), ("SCALE", "int", 1040187392)]
+                    ("TPT", "int", min(16, 1 << max(0, (d // 8 - 1).bit_length()))), ("N_SINK", "int", n_sink), ("CAUSAL", "bool", causal), ("SCALE", "int", 1040187392)]
         out.append(kernel_case(name, "veloxquant_tq_decode", inputs, outputs, template, body="tq_decode"))
 
     dec("tq_decode_float16_d128_k4v3_qn4", "float16", 128, 4, 3, 32, 8, 4, 300, 40, 4, True)

@@ -285,13 +285,11 @@ fn shared_limit(backend: crate::stream::Backend) -> usize {
 /// Query rows one `tq_decode` threadgroup serves (they live in registers).
 const DECODE_TILE_ROWS: usize = 4;
 
-/// Lanes of `tq_decode` that share one token: each holds at most two chunks
-/// of 8 dimensions, so that queries and accumulators stay in registers.
+/// Lanes of `tq_decode` that share one token: one chunk of 8 dimensions each
+/// (two at head size 256), so that queries and accumulators stay in
+/// registers and many warps fit on a core.
 pub fn decode_lanes(d: usize) -> usize {
-    if let Some(v) = std::env::var("VELOXQUANT_TPT").ok().and_then(|v| v.parse().ok()) {
-        return v;
-    }
-    (d / 8).div_ceil(2).next_power_of_two().min(16)
+    (d / 8).next_power_of_two().min(16)
 }
 
 /// How the compressed tokens are split: `(split_tokens, comp_splits,

@@ -1,5 +1,5 @@
 template <typename T, int D, int KB, int VB, int QN, int TPT, int N_SINK, bool CAUSAL, int SCALE>
-[[kernel]] void custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_4_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float(
+[[kernel]] void custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_8_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float(
   const device bfloat16_t* q [[buffer(0)]],
   const constant int* q_shape [[buffer(1)]],
   const constant int64_t* q_strides [[buffer(2)]],
@@ -268,4 +268,4 @@ for (uint e = tid; e < uint(QN * D); e += TG) {
 
 }
 
-template [[host_name("custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_4_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_4_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float<bfloat16_t, 64, 4, 2, 3, 4, 0, 0, 1040187392>) custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_4_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float<bfloat16_t, 64, 4, 2, 3, 4, 0, 0, 1040187392>;
+template [[host_name("custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_8_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_8_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float<bfloat16_t, 64, 4, 2, 3, 8, 0, 0, 1040187392>) custom_kernel_veloxquant_tq_decode__bfloat16_t_64_4_2_3_8_0_0_1040187392_bfloat16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_floatc_bfloat16_t_bfloat16_t_float_float_float<bfloat16_t, 64, 4, 2, 3, 8, 0, 0, 1040187392>;

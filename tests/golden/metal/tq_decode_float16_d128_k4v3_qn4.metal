@@ -1,5 +1,5 @@
 template <typename T, int D, int KB, int VB, int QN, int TPT, int N_SINK, bool CAUSAL, int SCALE>
-[[kernel]] void custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_8_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float(
+[[kernel]] void custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_16_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float(
   const device float16_t* q [[buffer(0)]],
   const constant int* q_shape [[buffer(1)]],
   const constant int64_t* q_strides [[buffer(2)]],
@@ -268,4 +268,4 @@ for (uint e = tid; e < uint(QN * D); e += TG) {
 
 }
 
-template [[host_name("custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_8_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_8_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float<float16_t, 128, 4, 3, 4, 8, 4, 1, 1040187392>) custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_8_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float<float16_t, 128, 4, 3, 4, 8, 4, 1, 1040187392>;
+template [[host_name("custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_16_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_16_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float<float16_t, 128, 4, 3, 4, 16, 4, 1, 1040187392>) custom_kernel_veloxquant_tq_decode__float16_t_128_4_3_4_16_4_1_1040187392_float16_t_float_uint8_t_float16_t_float_uint8_t_float16_t_float_float16_t_float16_t_float_float_float<float16_t, 128, 4, 3, 4, 16, 4, 1, 1040187392>;
