@@ -115,7 +115,7 @@ pub fn scalar_boundaries(codebook: &[f32]) -> Vec<f32> {
 /// The number of boundaries strictly below `v`: the index of the nearest
 /// centroid, a value on a boundary going down (NaN gives 0).
 #[inline(always)]
-fn scalar_code(bounds: &[f32], v: f32) -> u8 {
+pub(crate) fn scalar_code(bounds: &[f32], v: f32) -> u8 {
     bounds.iter().map(|&t| u8::from(t < v)).sum()
 }
 
@@ -246,7 +246,7 @@ pub fn kivi_dequantize<T: Float>(
 
 /// `Σ_j a[j] * b[j]` in order, float32, no fused multiply-add.
 #[inline(always)]
-fn dot_f32<T: VqElement>(a: &[f32], b: &[T]) -> f32 {
+pub(crate) fn dot_f32<T: VqElement>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = 0.0f32;
     for (x, y) in a.iter().zip(b) {
         acc += x * y.to_f32();

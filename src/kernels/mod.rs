@@ -11,6 +11,7 @@ pub mod cpu_primitive;
 pub mod gpu;
 mod quant;
 pub mod source;
+pub mod tq_codec;
 pub mod turboquant;
 mod vq;
 
@@ -24,6 +25,7 @@ pub use quant::{
     scalar_quantize, KiviMode, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
 pub use source::Source;
+pub use tq_codec::{tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes, RvqCodes, PROD_BITS};
 pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
 
 use crate::array::Array;

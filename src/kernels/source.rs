@@ -9,6 +9,10 @@ pub enum Source {
     TqEncode,
     TqAttention,
     TqReduce,
+    TqProdEncode,
+    TqProdDecode,
+    TqRvqEncode,
+    TqRvqDecode,
     ScalarQuantize,
     ScalarDequantize,
     KiviQuantize,
@@ -29,6 +33,10 @@ impl Source {
             Source::TqEncode => "veloxquant_tq_encode",
             Source::TqAttention => "veloxquant_tq_attention",
             Source::TqReduce => "veloxquant_tq_reduce",
+            Source::TqProdEncode => "veloxquant_tq_prod_encode",
+            Source::TqProdDecode => "veloxquant_tq_prod_decode",
+            Source::TqRvqEncode => "veloxquant_tq_rvq_encode",
+            Source::TqRvqDecode => "veloxquant_tq_rvq_decode",
             Source::ScalarQuantize => "veloxquant_scalar_quantize",
             Source::ScalarDequantize => "veloxquant_scalar_dequantize",
             Source::KiviQuantize => "veloxquant_kivi_quantize",
@@ -48,6 +56,10 @@ impl Source {
             Source::TqEncode => include_str!("../../metal/tq_encode.metal"),
             Source::TqAttention => include_str!("../../metal/tq_attention.metal"),
             Source::TqReduce => include_str!("../../metal/tq_reduce.metal"),
+            Source::TqProdEncode => include_str!("../../metal/tq_prod_encode.metal"),
+            Source::TqProdDecode => include_str!("../../metal/tq_prod_decode.metal"),
+            Source::TqRvqEncode => include_str!("../../metal/tq_rvq_encode.metal"),
+            Source::TqRvqDecode => include_str!("../../metal/tq_rvq_decode.metal"),
             Source::ScalarQuantize => include_str!("../../metal/scalar_quantize.metal"),
             Source::ScalarDequantize => include_str!("../../metal/scalar_dequantize.metal"),
             Source::KiviQuantize => include_str!("../../metal/kivi_quantize.metal"),
@@ -67,6 +79,10 @@ impl Source {
             Source::TqEncode => include_str!("../../cuda/tq_encode.cu"),
             Source::TqAttention => include_str!("../../cuda/tq_attention.cu"),
             Source::TqReduce => include_str!("../../cuda/tq_reduce.cu"),
+            Source::TqProdEncode => include_str!("../../cuda/tq_prod_encode.cu"),
+            Source::TqProdDecode => include_str!("../../cuda/tq_prod_decode.cu"),
+            Source::TqRvqEncode => include_str!("../../cuda/tq_rvq_encode.cu"),
+            Source::TqRvqDecode => include_str!("../../cuda/tq_rvq_decode.cu"),
             Source::ScalarQuantize => include_str!("../../cuda/scalar_quantize.cu"),
             Source::ScalarDequantize => include_str!("../../cuda/scalar_dequantize.cu"),
             Source::KiviQuantize => include_str!("../../cuda/kivi_quantize.cu"),
@@ -88,6 +104,12 @@ impl Source {
                 "qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params",
             ],
             Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v", "params"],
+            Source::TqProdEncode => &["x", "rotation", "centroids", "sketch", "params"],
+            Source::TqProdDecode => &[
+                "codes", "signs", "norms", "residual_norms", "rotation", "centroids", "sketch", "params",
+            ],
+            Source::TqRvqEncode => &["x", "rotation", "centroids1", "centroids2", "params"],
+            Source::TqRvqDecode => &["codes1", "codes2", "norms", "rotation", "centroids1", "centroids2", "params"],
             Source::ScalarQuantize => &["x", "codebook", "params"],
             Source::ScalarDequantize => &["packed", "codebook", "params"],
             Source::KiviQuantize => &["x", "params"],
@@ -107,6 +129,10 @@ impl Source {
             Source::TqEncode => &["codes", "norms"],
             Source::TqAttention => &["m_out", "l_out", "acc_out"],
             Source::TqReduce => &["out"],
+            Source::TqProdEncode => &["codes", "signs", "norms", "residual_norms"],
+            Source::TqProdDecode => &["y"],
+            Source::TqRvqEncode => &["codes1", "codes2", "norms"],
+            Source::TqRvqDecode => &["y"],
             Source::ScalarQuantize => &["packed"],
             Source::ScalarDequantize => &["y"],
             Source::KiviQuantize => &["packed", "scales", "zeros"],
@@ -121,13 +147,22 @@ impl Source {
     /// Helpers placed before the Metal kernel (MLX's `header`).
     pub fn metal_header(self) -> &'static str {
         match self {
-            Source::TqAttention => include_str!("../../metal/tq_common.h"),
+            Source::TqAttention
+            | Source::TqProdEncode
+            | Source::TqProdDecode
+            | Source::TqRvqEncode
+            | Source::TqRvqDecode => include_str!("../../metal/tq_common.h"),
             _ => "",
         }
     }
 
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
-        ""
+        match self {
+            Source::TqProdEncode | Source::TqProdDecode | Source::TqRvqEncode | Source::TqRvqDecode => {
+                include_str!("../../cuda/tq_common.cuh")
+            }
+            _ => "",
+        }
     }
 }
