@@ -117,7 +117,7 @@ impl Source {
             Source::QjlEncode => &["k", "sketch", "params"],
             Source::QjlScore => &["q", "sketch", "signs", "norms", "params"],
             Source::PqEncode => &["x", "codebook", "params"],
-            Source::PqDecode => &["packed", "codebook", "params"],
+            Source::PqDecode => &["packed", "packed_hi", "codebook", "params"],
         }
     }
 
@@ -139,7 +139,7 @@ impl Source {
             Source::KiviDequantize => &["y"],
             Source::QjlEncode => &["signs", "norms"],
             Source::QjlScore => &["scores"],
-            Source::PqEncode => &["packed"],
+            Source::PqEncode => &["packed", "packed_hi"],
             Source::PqDecode => &["y"],
         }
     }
