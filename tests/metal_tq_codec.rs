@@ -2,7 +2,7 @@
 //! metal/tq_rvq_*.metal) on the emulator, launched exactly as
 //! `src/kernels/tq_codec.rs` launches them (kernel names, input and output
 //! names and order, the 1-element placeholders, params, template arguments,
-//! the tq_common.h header, one threadgroup of D threads per vector), against
+//! the tq_common.h + tq_norm.h header, one threadgroup of D threads per vector), against
 //! `veloxquant::cpu::turboquant`: codes, signs, norms and decoded values bit
 //! for bit in every dtype (both sides convert to float32 first; the Metal norm
 //! emulates the CPU's float64 sum). Inputs include a zero vector and, in
@@ -25,10 +25,15 @@ fn read(rel: &str) -> String {
     std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
 }
 
+/// The header `Source::metal_header` gives these kernels.
+fn header() -> String {
+    read("metal/tq_common.h") + &read("metal/tq_norm.h")
+}
+
 // Names as `Source::{name, input_names, output_names}` give them to MLX.
 fn kernel(name: &str, inputs: &[&str], outputs: &[&str]) -> MetalKernel {
     MetalKernel::new(&format!("veloxquant_{name}"), inputs, outputs, &read(&format!("metal/{name}.metal")))
-        .with_header(&read("metal/tq_common.h"))
+        .with_header(&header())
 }
 
 fn input(n: usize, d: usize, seed: u64, big: bool) -> Vec<f32> {
@@ -245,7 +250,7 @@ fn tq_rvq_matches_cpu() {
     rvq_case::<f32>(37, 80, (2, 1), false);
 }
 
-/// tq_common.h's `tq_norm` (float32 only) against crate::quant's float64
+/// tq_norm.h's `tq_norm` (float32 only) against crate::quant's float64
 /// norm, bit for bit in float32, on vectors whose squares span many binades.
 #[test]
 fn tq_norm_matches_float64_norm() {
@@ -266,7 +271,7 @@ out[r] = tq_norm(v, D);
         })
         .collect();
     let out = MetalKernel::new("tq_norm_probe", &["x"], &["out"], BODY)
-        .with_header(&read("metal/tq_common.h"))
+        .with_header(&header())
         .launch()
         .input(HostArray::new(&[n, d], &x))
         .output(&[n], Dtype::F32)

@@ -147,11 +147,10 @@ impl Source {
     /// Helpers placed before the Metal kernel (MLX's `header`).
     pub fn metal_header(self) -> &'static str {
         match self {
-            Source::TqAttention
-            | Source::TqProdEncode
-            | Source::TqProdDecode
-            | Source::TqRvqEncode
-            | Source::TqRvqDecode => include_str!("../../metal/tq_common.h"),
+            Source::TqAttention => include_str!("../../metal/tq_common.h"),
+            Source::TqProdEncode | Source::TqProdDecode | Source::TqRvqEncode | Source::TqRvqDecode => {
+                concat!(include_str!("../../metal/tq_common.h"), include_str!("../../metal/tq_norm.h"))
+            }
             _ => "",
         }
     }
