@@ -320,20 +320,23 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&[f32]>, u: &m
     s
 }
 
-/// `out = norm · Πᵀ y` (`Σ_k Π_ki y_k` in order), or `norm · y` without a rotation.
-fn unrotate_row<T: Float>(rotation: Option<&[f32]>, y: &[f32], norm: f32, out: &mut [T]) {
+/// `out = norm · Πᵀ y` (`Σ_k Π_ki y_k` in order of k), or `norm · y` without a
+/// rotation. `acc` is scratch of `y.len()`; walking `Π` by rows keeps each
+/// sum's order and reads memory contiguously.
+fn unrotate_row<T: Float>(rotation: Option<&[f32]>, y: &[f32], norm: f32, acc: &mut [f32], out: &mut [T]) {
     let d = y.len();
-    for (i, o) in out.iter_mut().enumerate() {
-        let v = match rotation {
-            Some(rot) => {
-                let mut acc = 0.0f32;
-                for (k, &yk) in y.iter().enumerate() {
-                    acc += rot[k * d + i] * yk;
+    match rotation {
+        Some(rot) => {
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for (k, &yk) in y.iter().enumerate() {
+                for (a, &p) in acc.iter_mut().zip(&rot[k * d..(k + 1) * d]) {
+                    *a += p * yk;
                 }
-                acc
             }
-            None => y[i],
-        };
+        }
+        None => acc.copy_from_slice(y),
+    }
+    for (o, &v) in out.iter_mut().zip(acc.iter()) {
         *o = T::from_f32(v * norm);
     }
 }
@@ -444,7 +447,7 @@ pub fn tq_prod_decode<T: Float>(
     assert_eq!(signs.len(), n * sign_bytes, "signs length");
     assert_eq!(sketch.len(), d * d, "sketch size");
     super::for_each_chunk(out, d, 32, |row0, chunk| {
-        let mut y = vec![0.0f32; d];
+        let (mut y, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (r, o) in chunk.chunks_mut(d).enumerate() {
             let row = row0 + r;
             let rn = if mse_bits > 0 {
@@ -465,7 +468,7 @@ pub fn tq_prod_decode<T: Float>(
                     *v += z * s;
                 }
             }
-            unrotate_row(rotation, &y, norms[row].to_f32(), o);
+            unrotate_row(rotation, &y, norms[row].to_f32(), &mut acc, o);
         }
     });
 }
@@ -534,14 +537,14 @@ pub fn tq_rvq_decode<T: Float>(
     assert_eq!(out.len(), n * d, "out length");
     assert_eq!((codes1.len(), codes2.len()), (n * b1, n * b2), "codes length");
     super::for_each_chunk(out, d, 32, |row0, chunk| {
-        let mut y = vec![0.0f32; d];
+        let (mut y, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (r, o) in chunk.chunks_mut(d).enumerate() {
             let row = row0 + r;
             let (c1, c2) = (&codes1[row * b1..(row + 1) * b1], &codes2[row * b2..(row + 1) * b2]);
             for (j, v) in y.iter_mut().enumerate() {
                 *v = first[code_at(c1, j, bits.0)] + second[code_at(c2, j, bits.1)];
             }
-            unrotate_row(rotation, &y, norms[row].to_f32(), o);
+            unrotate_row(rotation, &y, norms[row].to_f32(), &mut acc, o);
         }
     });
 }
