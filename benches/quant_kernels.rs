@@ -16,8 +16,10 @@ use rand_chacha::ChaCha8Rng;
 use veloxquant::array::{active_memory, clear_cache, peak_memory, reset_peak_memory};
 use veloxquant::kernels::{
     kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
-    KiviMode,
+    tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, KiviMode,
 };
+use veloxquant::quant::qjl::Sketch;
+use veloxquant::quant::ScalarCodebook;
 use veloxquant::{Array, Dtype, Options, Policy, Stream};
 
 const D: usize = 128;
@@ -106,7 +108,25 @@ fn main() {
     let q = random(dtype, &[4, D], 1.0, &mut rng);
     let pq_cb = random(Dtype::F32, &[256, 4], 1.0, &mut rng);
     let pq_codes = pq_encode(&x, &pq_cb, 8, &cpu).unwrap();
-    let all = [&x, &cb4, &packed4, &kc, &ks, &kz, &vc, &vs, &vz, &sketch, &signs, &norms, &q, &pq_cb, &pq_codes];
+    let pq_cb10 = random(Dtype::F32, &[1024, 4], 1.0, &mut rng);
+    let pq_codes10 = pq_encode(&x, &pq_cb10, 10, &cpu).unwrap();
+    let pq_hi10 = pq_codes10.codes_hi.as_ref().expect("10-bit codes have a high plane");
+    // TurboQuant-Prod at 4 bits (3 MSE bits + QJL) and RVQ 2 + 2 bits.
+    let f32_array = |v: &[f32], shape: &[i32]| Array::from_slice(v, shape).unwrap();
+    let rot = f32_array(&veloxquant::cache::rotation_matrix(D, 3).unwrap(), &[D as i32, D as i32]);
+    let tq_sketch = f32_array(&Sketch::new(D, D, true, 4).s, &[D as i32, D as i32]);
+    let cent3 = f32_array(ScalarCodebook::sphere(D, 3).unwrap().centroids(), &[8]);
+    let cent_a = f32_array(ScalarCodebook::sphere(D, 2).unwrap().centroids(), &[4]);
+    let cent_b = f32_array(ScalarCodebook::sphere_residual(D, 2, 2).unwrap().centroids(), &[4]);
+    let prod = tq_prod_encode(&x, Some(&rot), Some(&cent3), &tq_sketch, 4, &cpu).unwrap();
+    let rvq = tq_rvq_encode(&x, Some(&rot), &cent_a, &cent_b, (2, 2), &cpu).unwrap();
+    let prod_codes = prod.codes.as_ref().expect("codes at 4 bits");
+    let prod_rnorms = prod.residual_norms.as_ref().expect("residual norms at 4 bits");
+    let all = [
+        &x, &cb4, &packed4, &kc, &ks, &kz, &vc, &vs, &vz, &sketch, &signs, &norms, &q, &pq_cb, &pq_codes.codes,
+        &pq_cb10, &pq_codes10.codes, pq_hi10, &rot, &tq_sketch, &cent3, &cent_a, &cent_b, prod_codes, &prod.signs,
+        &prod.norms, prod_rnorms, &rvq.codes1, &rvq.codes2, &rvq.norms,
+    ];
     veloxquant::eval(&all).unwrap();
 
     type Case<'a> = (&'static str, Box<dyn Fn(&Options) -> Vec<Array> + 'a>, usize, usize, usize);
@@ -159,8 +179,53 @@ fn main() {
             1,
         ),
         ("qjl_score m=256 Q=4", Box::new(|o| vec![qjl_score(&q, &sketch, &signs, &norms, o).unwrap()]), n * (m / 8 + 2), 4 * n * 4, 1),
-        ("pq_encode s=4 K=256", Box::new(|o| vec![pq_encode(&x, &pq_cb, 8, o).unwrap()]), xb, n * D / 4, 1),
+        ("pq_encode s=4 K=256", Box::new(|o| vec![pq_encode(&x, &pq_cb, 8, o).unwrap().codes]), xb, n * D / 4, 1),
         ("pq_decode s=4 K=256", Box::new(|o| vec![pq_decode(&pq_codes, &pq_cb, 8, D, dtype, o).unwrap()]), n * D / 4, xb, 1),
+        (
+            "pq_encode s=4 K=1024 (10 bits, two planes)",
+            Box::new(|o| {
+                let c = pq_encode(&x, &pq_cb10, 10, o).unwrap();
+                vec![c.codes, c.codes_hi.expect("high plane")]
+            }),
+            xb,
+            n * D * 10 / 32,
+            1,
+        ),
+        ("pq_decode s=4 K=1024", Box::new(|o| vec![pq_decode(&pq_codes10, &pq_cb10, 10, D, dtype, o).unwrap()]), n * D * 10 / 32, xb, 1),
+        (
+            "tq_prod_encode b=4",
+            Box::new(|o| {
+                let e = tq_prod_encode(&x, Some(&rot), Some(&cent3), &tq_sketch, 4, o).unwrap();
+                vec![e.codes.expect("codes"), e.signs, e.norms, e.residual_norms.expect("residual norms")]
+            }),
+            xb + 2 * D * D * 4,
+            n * (D / 2 + 4),
+            1,
+        ),
+        (
+            "tq_prod_decode b=4",
+            Box::new(|o| vec![tq_prod_decode(&prod, Some(&rot), Some(&cent3), &tq_sketch, 4, dtype, o).unwrap()]),
+            n * (D / 2 + 4) + 2 * D * D * 4,
+            xb,
+            1,
+        ),
+        (
+            "tq_rvq_encode b=2+2",
+            Box::new(|o| {
+                let e = tq_rvq_encode(&x, Some(&rot), &cent_a, &cent_b, (2, 2), o).unwrap();
+                vec![e.codes1, e.codes2, e.norms]
+            }),
+            xb + D * D * 4,
+            n * (D / 2 + 2),
+            1,
+        ),
+        (
+            "tq_rvq_decode b=2+2",
+            Box::new(|o| vec![tq_rvq_decode(&rvq, Some(&rot), &cent_a, &cent_b, (2, 2), D, dtype, o).unwrap()]),
+            n * (D / 2 + 2) + D * D * 4,
+            xb,
+            1,
+        ),
     ];
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     for (name, f, read, written, launches) in &cases {

@@ -1,11 +1,16 @@
-// pq_decode: packed uint8 [N, nbytes], codebook float [K, S] -> y T [N, D],
-// sub-vector p of a row = codebook[code p]. params = {N, D, K, nbytes};
-// template T, S, C_BITS. One thread per (row, group of 8 sub-vectors). A code
-// past the codebook (corrupt input) reads entry 0.
+// pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (a
+// 1-element placeholder when C_BITS has one plane), codebook float [K, S] ->
+// y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
+// pq_encode's planes. params = {N, D, K, nbytes, nbytes_hi}; template T, S,
+// C_BITS (1..12). One thread per (row, group of 8 sub-vectors). A code past
+// the codebook (corrupt input) reads entry 0.
+constexpr int LO_BITS = (C_BITS <= 4 || C_BITS == 8) ? C_BITS : (C_BITS < 8 ? 4 : 8);
+constexpr int HI_BITS = C_BITS - LO_BITS;
 const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t kk = params[2];
 const uint32_t nbytes = params[3];
+const uint32_t nbytes_hi = params[4];
 const uint32_t per = d / S;
 const uint32_t groups = (per + 7) / 8;
 const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -14,18 +19,31 @@ if (t >= uint64_t(n) * groups) {
 }
 const uint32_t row = uint32_t(t / groups);
 const uint32_t g = uint32_t(t % groups);
-const uint32_t b0 = g * C_BITS;
-const uint32_t b1 = min(b0 + uint32_t(C_BITS), nbytes);
+const uint32_t b0 = g * LO_BITS;
+const uint32_t b1 = min(b0 + uint32_t(LO_BITS), nbytes);
 const uint64_t src = uint64_t(row) * nbytes;
 uint64_t word = 0;
 for (uint32_t k = b0; k < b1; ++k) {
   word |= uint64_t(packed[src + k]) << (8 * (k - b0));
 }
+uint64_t word_hi = 0;
+if (HI_BITS > 0) {
+  const uint32_t h0 = g * HI_BITS;
+  const uint32_t h1 = min(h0 + uint32_t(HI_BITS), nbytes_hi);
+  const uint64_t src_hi = uint64_t(row) * nbytes_hi;
+  for (uint32_t k = h0; k < h1; ++k) {
+    word_hi |= uint64_t(packed_hi[src_hi + k]) << (8 * (k - h0));
+  }
+}
 const uint32_t first = g * 8;
 const uint32_t count = min(8u, per - first);
-const uint64_t mask = (uint64_t(1) << C_BITS) - 1;
+const uint64_t mask = (uint64_t(1) << LO_BITS) - 1;
+const uint64_t mask_hi = (uint64_t(1) << HI_BITS) - 1;
 for (uint32_t j = 0; j < count; ++j) {
-  uint32_t c = uint32_t((word >> (j * C_BITS)) & mask);
+  uint32_t c = uint32_t((word >> (j * LO_BITS)) & mask);
+  if (HI_BITS > 0) {
+    c |= uint32_t((word_hi >> (j * HI_BITS)) & mask_hi) << LO_BITS;
+  }
   c = c < kk ? c : 0u;
   const uint64_t dst = uint64_t(row) * d + uint64_t(first + j) * S;
 #pragma unroll

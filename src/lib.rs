@@ -9,6 +9,7 @@ pub mod cache;
 pub mod cpu;
 pub mod dtype;
 pub mod error;
+pub mod graph;
 mod ffi;
 pub mod kernels;
 pub mod ops;

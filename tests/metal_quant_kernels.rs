@@ -210,6 +210,9 @@ fn qjl_encode_and_score_match_cpu() {
     qjl::<f32>(3, 16, 1024, 4);
 }
 
+/// The host's `STAGED` choice (`kernels::PQ_STAGE_FLOATS`).
+const PQ_STAGE_FLOATS: usize = 4096;
+
 fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32, tg: u32, round_up: bool) {
     let x: Vec<T> = conv(&data(n as u64 + 5, n * d, 1.0));
     let mut cb = data(k as u64 + s as u64, k * s, 1.0);
@@ -219,33 +222,45 @@ fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32, tg:
         cb[3 * s..4 * s].copy_from_slice(&first);
     }
     let per = d / s;
-    let nbytes = cpu::packed_len(per, bits);
+    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let nbytes = cpu::packed_len(per, lo);
+    let nbytes_hi = if hi > 0 { cpu::packed_len(per, hi) } else { 0 };
+    let hi_shape = if hi > 0 { vec![n, nbytes_hi] } else { vec![1] };
     let mut want = vec![0u8; n * nbytes];
-    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want);
-    let params = [n as u32, d as u32, k as u32, nbytes as u32];
-    let tag = format!("{:?} n={n} d={d} s={s} K={k} bits={bits}", T::DTYPE);
+    let mut want_hi = vec![0u8; n * nbytes_hi];
+    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want, &mut want_hi);
+    let params = [n as u32, d as u32, k as u32, nbytes as u32, nbytes_hi as u32];
+    let staged = k * s <= PQ_STAGE_FLOATS;
+    let tag = format!("{:?} n={n} d={d} s={s} K={k} bits={bits} staged={staged}", T::DTYPE);
     let items = n * per.div_ceil(8);
-    let out = kernel("pq_encode", &["x", "codebook", "params"], &["packed"])
+    let out = kernel("pq_encode", &["x", "codebook", "params"], &["packed", "packed_hi"])
         .launch()
         .input(HostArray::new(&[n, d], &x))
         .input(HostArray::new(&[k, s], &cb))
-        .input(HostArray::new(&[4], &params))
+        .input(HostArray::new(&[5], &params))
         .output(&[n, nbytes], Dtype::U8)
+        .output(&hi_shape, Dtype::U8)
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("S", TemplateArg::Int(s as i32))
         .template("C_BITS", TemplateArg::Int(bits as i32))
+        .template("STAGED", TemplateArg::Bool(staged))
         .grid(grid(items, tg, round_up), 1, 1)
         .threadgroup(tg, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("pq_encode {tag}: {e}"));
     assert_eq!(out[0].to_vec::<u8>(), want, "pq_encode {tag}");
+    if hi > 0 {
+        assert_eq!(out[1].to_vec::<u8>(), want_hi, "pq_encode high plane {tag}");
+    }
     let mut expect = vec![T::default(); n * d];
-    cpu::pq_decode(&want, n, d, &cb, s, bits, &mut expect);
-    let out = kernel("pq_decode", &["packed", "codebook", "params"], &["y"])
+    cpu::pq_decode(&want, &want_hi, n, d, &cb, s, bits, &mut expect);
+    let hi_input = if hi > 0 { HostArray::new(&[n, nbytes_hi], &want_hi) } else { HostArray::new(&[1], &[0u8]) };
+    let out = kernel("pq_decode", &["packed", "packed_hi", "codebook", "params"], &["y"])
         .launch()
         .input(HostArray::new(&[n, nbytes], &want))
+        .input(hi_input)
         .input(HostArray::new(&[k, s], &cb))
-        .input(HostArray::new(&[4], &params))
+        .input(HostArray::new(&[5], &params))
         .output(&[n, d], T::DTYPE)
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("S", TemplateArg::Int(s as i32))
@@ -267,4 +282,18 @@ fn pq_encode_and_decode_match_cpu() {
     }
     pq::<bf16>(1, 8, 8, 1, 1, 32, false);
     pq::<f32>(300, 128, 4, 5, 3, 256, true);
+}
+
+/// Widths above 8 bits and the two-plane layout, codebooks staged in
+/// threadgroup memory (K·s ≤ 4096 floats) and read from device memory
+/// (up to K = 4096, s = 8: 128 KiB), ragged last bytes of both planes.
+#[test]
+fn pq_wide_codebooks_match_cpu() {
+    pq::<f32>(37, 26, 2, 32, 5, 64, false);
+    pq::<f16>(9, 24, 2, 100, 7, 32, true);
+    pq::<f32>(21, 64, 8, 512, 9, 64, true);
+    pq::<bf16>(5, 52, 4, 1024, 10, 32, false);
+    pq::<f32>(13, 32, 2, 2048, 11, 64, false);
+    pq::<f32>(11, 256, 8, 4096, 12, 32, true);
+    pq::<f32>(0, 64, 8, 4096, 12, 32, false);
 }

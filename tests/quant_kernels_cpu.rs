@@ -7,7 +7,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::kernels::{
     kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
-    KiviMode,
+    KiviMode, PqCodes,
 };
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::{KiviKeys, KiviValues, PqConfig, ProductQuantizer, Qjl, Quantizer, ScalarCodebook};
@@ -256,33 +256,51 @@ fn qjl_score_beyond_the_fused_limit_falls_back() {
 
 fn pq_case(sub: usize, bits: u32, n: usize, d: usize, seed: u64) {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
-    let calib = gaussian(&mut rng, 4096.max(n) * d, 1.0);
+    let k = 1usize << bits;
+    let calib = gaussian(&mut rng, 4096.max(n).max(2 * k * sub / d) * d, 1.0);
     let mut cfg = PqConfig::keys(sub, bits);
-    cfg.max_iters = 4;
+    cfg.max_iters = if bits > 8 { 1 } else { 4 };
     let (pq, _) = ProductQuantizer::train(&calib, d, cfg).unwrap();
     let xf = gaussian(&mut rng, n * d, 1.0);
     let t = pq.transform_keys(&xf);
     let enc = pq.encode(&xf).unwrap();
-    let want = enc.buffers.iter().find(|b| b.name == "codes").unwrap().bytes.clone();
-    let k = 1usize << bits;
+    let buf = |name: &str| enc.buffers.iter().find(|b| b.name == name).map(|b| b.bytes.clone());
+    let (want, want_hi) = (buf("codes").unwrap(), buf("codes_hi"));
+    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    assert_eq!(want_hi.is_some(), hi > 0);
     let cb = arr(pq.codebook(), &[k, sub]);
     let per = d / sub;
-    let mut codes = vec![0u8; n * per];
-    cpu::bit_unpack(&want, n, per, bits, &mut codes);
-    let decoded: Vec<f32> = codes.iter().flat_map(|&c| pq.codebook()[c as usize * sub..][..sub].to_vec()).collect();
+    let (nb_lo, nb_hi) = (cpu::packed_len(per, lo), if hi > 0 { cpu::packed_len(per, hi) } else { 0 });
+    let planes = |low: &[u8], high: Option<&[u8]>| -> Vec<usize> {
+        let (mut a, mut b) = (vec![0u8; n * per], vec![0u8; n * per]);
+        cpu::bit_unpack(low, n, per, lo, &mut a);
+        if let Some(h) = high {
+            cpu::bit_unpack(h, n, per, hi, &mut b);
+        }
+        a.iter().zip(&b).map(|(&l, &h)| usize::from(l) | usize::from(h) << lo).collect()
+    };
+    let codes = planes(&want, want_hi.as_deref());
+    let decoded: Vec<f32> = codes.iter().flat_map(|&c| pq.codebook()[c * sub..][..sub].to_vec()).collect();
+    let stored = PqCodes {
+        codes: arr(&want, &[n, nb_lo]),
+        codes_hi: want_hi.as_ref().map(|h| arr(h, &[n, nb_hi])),
+    };
     for policy in [Policy::Require, Policy::Off] {
         let tag = format!("s={sub} bits={bits} n={n} {policy}");
         let p = pq_encode(&arr(&t, &[n, d]), &cb, bits, &opts(policy)).unwrap();
-        let got = p.to_vec::<u8>().unwrap();
+        assert_eq!(p.codes.shape(), vec![n as i32, nb_lo as i32], "{tag}");
+        assert_eq!(p.codes_hi.as_ref().map(|h| h.shape()), (hi > 0).then(|| vec![n as i32, nb_hi as i32]), "{tag}");
+        let got = p.codes.to_vec::<u8>().unwrap();
+        let got_hi = p.codes_hi.as_ref().map(|h| h.to_vec::<u8>().unwrap());
         if policy == Policy::Require {
             assert_eq!(got, want, "{tag}");
+            assert_eq!(got_hi, want_hi, "high plane {tag}");
         } else {
-            let mut g = vec![0u8; n * per];
-            cpu::bit_unpack(&got, n, per, bits, &mut g);
+            let g = planes(&got, got_hi.as_deref());
             let differ = g.iter().zip(&codes).filter(|(a, b)| a != b).count();
             assert!(differ * 1000 <= n * per, "{tag}: {differ}");
         }
-        let y = pq_decode(&arr(&want, &[n, want.len() / n.max(1)]), &cb, bits, d, Dtype::F32, &opts(policy)).unwrap();
+        let y = pq_decode(&stored, &cb, bits, d, Dtype::F32, &opts(policy)).unwrap();
         assert_eq!(y.to_vec::<f32>().unwrap(), decoded, "decode {tag}");
     }
 }
@@ -298,24 +316,37 @@ fn pq_matches_quant_reference() {
 }
 
 #[test]
+fn pq_every_width_up_to_twelve_bits() {
+    // Two-plane widths (5..7: 4 + hi bits, 9..12: 8 + hi bits), one-plane 1, 2;
+    // ragged last bytes (12 codes of odd widths) and, at 12 bits, the largest codebook.
+    for (i, bits) in [1u32, 2, 5, 6, 7, 9, 10, 11].into_iter().enumerate() {
+        pq_case(2, bits, 37, 24, 40 + i as u64);
+    }
+    pq_case(8, 12, 20, 32, 60);
+    pq_case(4, 12, 1, 256, 61);
+}
+
+#[test]
 fn pq_half_inputs_and_small_codebooks() {
     let mut rng = ChaCha8Rng::seed_from_u64(11);
     let (n, d, s, k) = (257, 24, 8, 5);
     let cb = gaussian(&mut rng, k * s, 1.0);
     let xf = gaussian(&mut rng, n * d, 1.0);
     let c = arr(&cb, &[k, s]);
-    let err = |dtype: Dtype, policy: Policy| -> f64 {
+    let err = |dtype: Dtype, policy: Policy, bits: u32| -> f64 {
         let x = ops::astype(&arr(&xf, &[n, d]), dtype, &Stream::cpu()).unwrap();
-        let p = pq_encode(&x, &c, 3, &opts(policy)).unwrap();
-        let y = pq_decode(&p, &c, 3, d, dtype, &opts(policy)).unwrap();
+        let p = pq_encode(&x, &c, bits, &opts(policy)).unwrap();
+        let y = pq_decode(&p, &c, bits, d, dtype, &opts(policy)).unwrap();
         let y = ops::astype(&y, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap();
         y.iter().zip(&xf).map(|(a, b)| ((a - b) as f64).powi(2)).sum::<f64>()
     };
-    let base = err(Dtype::F32, Policy::Require);
+    let base = err(Dtype::F32, Policy::Require, 3);
     for dt in [Dtype::F16, Dtype::BF16] {
         for policy in [Policy::Require, Policy::Off] {
-            let e = err(dt, policy);
-            assert!((e / base - 1.0).abs() < 0.01, "{dt} {policy}: {e} vs {base}");
+            for bits in [3, 10] {
+                let e = err(dt, policy, bits);
+                assert!((e / base - 1.0).abs() < 0.01, "{dt} {policy} bits={bits}: {e} vs {base}");
+            }
         }
     }
 }
@@ -350,5 +381,13 @@ fn bad_input_names_the_argument() {
     assert!(msg(pq_encode(&arr(&[0.5f32; 12], &[2, 6]), &pcb, 1, &o).unwrap_err()).starts_with("x: vector size 6"));
     assert!(msg(pq_encode(&x, &arr(&[0.0f32; 12], &[4, 3]), 2, &o).unwrap_err()).starts_with("codebook: shape"));
     assert!(msg(pq_encode(&x, &arr(&[0.0f32; 12], &[3, 4]), 1, &o).unwrap_err()).starts_with("codebook: shape"));
-    assert!(msg(pq_decode(&u, &pcb, 1, 8, Dtype::F16, &o).unwrap_err()).starts_with("packed:"));
+    let one_plane = |c: &Array| PqCodes { codes: c.clone(), codes_hi: None };
+    assert!(msg(pq_decode(&one_plane(&u), &pcb, 1, 8, Dtype::F16, &o).unwrap_err()).starts_with("codes:"));
+    assert!(msg(pq_encode(&x, &pcb, 13, &o).unwrap_err()).starts_with("bits: 13"));
+    assert!(msg(pq_encode(&x, &pcb, 0, &o).unwrap_err()).starts_with("bits: 0"));
+    let two = pq_encode(&x, &pcb, 5, &o).unwrap();
+    assert!(msg(pq_decode(&one_plane(&two.codes), &pcb, 5, 8, Dtype::F32, &o).unwrap_err()).starts_with("codes_hi:"));
+    assert!(msg(pq_decode(&two, &pcb, 4, 8, Dtype::F32, &o).unwrap_err()).starts_with("codes_hi:"));
+    let wrong_hi = PqCodes { codes: two.codes.clone(), codes_hi: Some(arr(&[0.0f32; 2], &[2, 1])) };
+    assert!(msg(pq_decode(&wrong_hi, &pcb, 5, 8, Dtype::F32, &o).unwrap_err()).starts_with("codes_hi: dtype float32"));
 }

@@ -115,17 +115,20 @@ fn gpu_qjl_matches_cpu() {
 }
 
 fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {
-    let x: Vec<T> = data(n as u64, n * d, 1.0);
+    let x: Vec<T> = data(n as u64 + 5, n * d, 1.0);
     let cb: Vec<f32> = data(k as u64, k * s, 1.0);
     let per = d / s;
-    let mut want = vec![0u8; n * cpu::packed_len(per, bits)];
-    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want);
+    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let mut want = vec![0u8; n * cpu::packed_len(per, lo)];
+    let mut want_hi = vec![0u8; if hi > 0 { n * cpu::packed_len(per, hi) } else { 0 }];
+    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want, &mut want_hi);
     let c = arr(&cb, &[k, s]);
-    let tag = format!("{} n={n} d={d} s={s} K={k}", T::DTYPE);
     let p = pq_encode(&arr(&x, &[n, d]), &c, bits, &gpu()).unwrap();
-    assert_eq!(p.to_vec::<u8>().unwrap(), want, "encode {tag}");
+    let tag = format!("{} n={n} d={d} s={s} K={k} bits={bits}", T::DTYPE);
+    assert_eq!(p.codes.to_vec::<u8>().unwrap(), want, "{tag}");
+    assert_eq!(p.codes_hi.as_ref().map(|h| h.to_vec::<u8>().unwrap()), (hi > 0).then_some(want_hi.clone()), "high plane {tag}");
     let mut y = vec![T::default(); n * d];
-    cpu::pq_decode(&want, n, d, &cb, s, bits, &mut y);
+    cpu::pq_decode(&want, &want_hi, n, d, &cb, s, bits, &mut y);
     let got = pq_decode(&p, &c, bits, d, T::DTYPE, &gpu()).unwrap();
     assert_eq!(f32s::<T>(&got), y.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "decode {tag}");
 }
@@ -138,6 +141,12 @@ fn gpu_pq_matches_cpu() {
         pq::<f16>(1_000, 8 * s + s, s, 16, 4);
     }
     pq::<bf16>(1, 8, 8, 1, 1);
+    // Two planes, staged (K·s ≤ 4096) and unstaged codebooks, up to K = 4096.
+    pq::<f32>(3_001, 26, 2, 32, 5);
+    pq::<f16>(2_000, 64, 8, 512, 9);
+    pq::<bf16>(777, 52, 4, 1024, 10);
+    pq::<f32>(10_000, 128, 4, 4096, 12);
+    pq::<f32>(1_000, 256, 8, 4096, 12);
 }
 
 #[test]

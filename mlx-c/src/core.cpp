@@ -112,6 +112,12 @@ int mlx_vector_string_append_value(mlx_vector_string v, const char* val) {
 size_t mlx_vector_string_size(mlx_vector_string v) {
   return v.ctx ? strings(v).size() : 0;
 }
+int mlx_vector_string_get(char** res, const mlx_vector_string v, size_t idx) {
+  return guard([&] {
+    if (!res) throw std::invalid_argument("null result pointer");
+    *res = strings(v).at(idx).data();
+  });
+}
 
 size_t mlx_dtype_size(mlx_dtype dtype) {
   size_t n = 0;

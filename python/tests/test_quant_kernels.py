@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from veloxquant import kernels as K
+from veloxquant import quant
 
 DTYPES = [mx.float32, mx.float16, mx.bfloat16]
 
@@ -88,14 +89,95 @@ def test_pq_encode_decode_gathers_nearest(policy, s):
     rng = np.random.default_rng(s)
     cb = rng.normal(size=(16, s)).astype(np.float32)
     x = rng.normal(size=(33, 8 * s)).astype(np.float32)
-    packed = K.pq_encode(mx.array(x), mx.array(cb), 4, policy=policy, device="cpu")
-    assert packed.shape == (33, 4)
+    packed, high = K.pq_encode(mx.array(x), mx.array(cb), 4, policy=policy, device="cpu")
+    assert packed.shape == (33, 4) and high is None
     sub = x.reshape(-1, s)
     want = ((sub[:, None] - cb[None]) ** 2).sum(-1).argmin(-1).reshape(33, 8)
     np.testing.assert_array_equal(np_unpack(np.array(packed), 4, 8), want)
     y = K.pq_decode(packed, mx.array(cb), 4, 8 * s, mx.bfloat16, policy=policy, device="cpu")
     assert y.dtype == mx.bfloat16
     np.testing.assert_allclose(as_np(y), cb[want].reshape(33, 8 * s), rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("policy", ["require", "off"])
+@pytest.mark.parametrize("bits", [6, 10, 12])
+def test_pq_wide_codes_use_two_planes(policy, bits):
+    rng = np.random.default_rng(bits)
+    k = min(1 << bits, 1500)
+    cb = rng.normal(size=(k, 2)).astype(np.float32)
+    x = rng.normal(size=(17, 22)).astype(np.float32)
+    low, high = K.pq_encode(mx.array(x), mx.array(cb), bits, policy=policy, device="cpu")
+    lo = 4 if bits < 8 else 8
+    hi = bits - lo
+    assert low.shape == (17, (11 * lo + 7) // 8) and high.shape == (17, (11 * hi + 7) // 8)
+    want = ((x.reshape(-1, 2)[:, None] - cb[None]) ** 2).sum(-1).argmin(-1).reshape(17, 11)
+    codes = np_unpack(np.array(low), lo, 11).astype(np.int64) | (np_unpack(np.array(high), hi, 11).astype(np.int64) << lo)
+    np.testing.assert_array_equal(codes, want)
+    y = K.pq_decode(low, mx.array(cb), bits, 22, codes_hi=high, policy=policy, device="cpu")
+    np.testing.assert_array_equal(np.array(y), cb[want].reshape(17, 22))
+    with pytest.raises(ValueError, match=r"^codes_hi:"):
+        K.pq_decode(low, mx.array(cb), bits, 22, device="cpu")
+
+
+def _artifact(q, tmp_path) -> dict:
+    path = tmp_path / "q.safetensors"
+    q.save(path)
+    return mx.load(str(path))
+
+
+@pytest.mark.parametrize("bits", [1, 3, 9])
+def test_tq_prod_kernels_reproduce_the_quantizer(bits, tmp_path):
+    d = 64
+    q = quant.TurboQuantProd(d, bits, rotation="dense", seed=bits)
+    a = _artifact(q, tmp_path)
+    rot, sketch = a["rotation.matrix"], a["sketch"]
+    cb = a["codebook"] if bits > 1 else None
+    x = np.random.default_rng(bits).normal(size=(21, d)).astype(np.float32)
+    enc = q.encode(x)
+    codes, signs, norms, rnorms = K.tq_prod_encode(mx.array(x), rot, cb, sketch, bits, policy="require", device="cpu")
+    assert np.array(signs).tobytes() == enc.buffers["signs"]
+    assert np.array(norms).tobytes() == enc.buffers["norms"]
+    if bits > 1:
+        assert np.array(codes).tobytes() == enc.buffers["codes"]
+        assert np.array(rnorms).tobytes() == enc.buffers["residual_norms"]
+    else:
+        assert codes is None and rnorms is None
+    for policy in ["require", "off"]:
+        y = K.tq_prod_decode(codes, signs, norms, rnorms, rot, cb, sketch, bits, policy=policy, device="cpu")
+        np.testing.assert_allclose(np.array(y), q.decode(enc, output="numpy"), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tq_rvq_kernels_reproduce_the_quantizer(dtype, tmp_path):
+    d = 128
+    q = quant.TurboQuantRVQ(d, 2, 3, rotation="dense", seed=4)
+    a = _artifact(q, tmp_path)
+    rot, c1, c2 = a["rotation.matrix"], a["codebook1"], a["codebook2"]
+    x = mx.array(np.random.default_rng(5).normal(size=(2, 9, d)).astype(np.float32)).astype(dtype)
+    codes1, codes2, norms = K.tq_rvq_encode(x, rot, c1, c2, 2, 3, policy="require", device="cpu")
+    assert codes1.shape == (2, 9, d * 2 // 8) and codes2.shape == (2, 9, d * 3 // 8) and norms.shape == (2, 9)
+    enc = q.encode(as_np(x).reshape(18, d))
+    assert np.array(codes1).tobytes() == enc.buffers["codes1"]
+    assert np.array(codes2).tobytes() == enc.buffers["codes2"]
+    y = K.tq_rvq_decode(codes1, codes2, norms, rot, c1, c2, 2, 3, d, dtype, device="cpu")
+    assert y.dtype == dtype and y.shape == (2, 9, d)
+    np.testing.assert_allclose(as_np(y).reshape(18, d), q.decode(enc, output="numpy"), rtol=2e-2, atol=2e-2)
+
+
+def test_pending_primitives_counts_launches():
+    a, b, c = mx.array([1.0, 2.0]), mx.array([3.0, 4.0]), mx.array([5.0, 6.0])
+    y = (a + b) * c
+    assert K.pending_primitives([y]) == ["Add", "Multiply"]
+    mx.eval(y)
+    assert K.pending_primitives([y]) == []
+    x = mx.random.normal((4, 64))
+    cb = mx.array(np.sort(np.random.default_rng(0).normal(size=4)).astype(np.float32) / 8)
+    mx.eval(x)
+    out = K.tq_rvq_encode(x, None, cb, cb, 2, 2, policy="require", device="cpu")
+    names = K.pending_primitives(out)
+    assert names.count("veloxquant_tq_rvq_encode") == 1, names
+    with pytest.raises(TypeError, match=r"^arrays\[1\]: expected an mlx.core.array"):
+        K.pending_primitives([y, 3])
 
 
 def test_results_are_lazy_and_compile():
@@ -128,3 +210,12 @@ def test_wrong_arguments_raise_errors_naming_them():
         K.qjl_encode(f32, mx.zeros((16, 8), dtype=mx.float16))
     with pytest.raises(ValueError, match=r"^codebook: shape"):
         K.pq_encode(f32, mx.zeros((4, 3)), 2)
+    with pytest.raises(ValueError, match=r"^bits: 13"):
+        K.pq_encode(f32, mx.zeros((4, 4)), 13)
+    x16 = mx.zeros((4, 16))
+    with pytest.raises(TypeError, match=r"^rotation: dtype float16"):
+        K.tq_prod_encode(x16, mx.zeros((16, 16), dtype=mx.float16), cb, mx.zeros((16, 16)), 3)
+    with pytest.raises(ValueError, match=r"^bits: 6"):
+        K.tq_prod_encode(x16, None, cb, mx.zeros((16, 16)), 6)
+    with pytest.raises(ValueError, match=r"^x: head dimension 12"):
+        K.tq_rvq_encode(mx.zeros((4, 12)), None, cb, cb, 2, 2)

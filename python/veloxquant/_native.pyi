@@ -1,7 +1,7 @@
 """Stubs of the native module ``veloxquant._native``."""
 
 import os
-from typing import Dict, Literal, Optional, Tuple, Union
+from typing import Dict, Literal, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -50,10 +50,69 @@ def qjl_score(
 ) -> mx.array: ...
 def pq_encode(
     x: mx.array, codebook: mx.array, bits: int, *, policy: _Policy = "auto", device: _Device = None
-) -> mx.array: ...
+) -> tuple[mx.array, Optional[mx.array]]: ...
 def pq_decode(
-    packed: mx.array, codebook: mx.array, bits: int, d: int, dtype: _Float, *, policy: _Policy = "auto", device: _Device = None
+    codes: mx.array,
+    codebook: mx.array,
+    bits: int,
+    d: int,
+    dtype: _Float,
+    *,
+    codes_hi: Optional[mx.array] = None,
+    policy: _Policy = "auto",
+    device: _Device = None,
 ) -> mx.array: ...
+def tq_prod_encode(
+    x: mx.array,
+    rotation: Optional[mx.array],
+    centroids: Optional[mx.array],
+    sketch: mx.array,
+    bits: int,
+    *,
+    policy: _Policy = "auto",
+    device: _Device = None,
+) -> tuple[Optional[mx.array], mx.array, mx.array, Optional[mx.array]]: ...
+def tq_prod_decode(
+    codes: Optional[mx.array],
+    signs: mx.array,
+    norms: mx.array,
+    residual_norms: Optional[mx.array],
+    rotation: Optional[mx.array],
+    centroids: Optional[mx.array],
+    sketch: mx.array,
+    bits: int,
+    dtype: _Float,
+    *,
+    policy: _Policy = "auto",
+    device: _Device = None,
+) -> mx.array: ...
+def tq_rvq_encode(
+    x: mx.array,
+    rotation: Optional[mx.array],
+    centroids1: mx.array,
+    centroids2: mx.array,
+    bits1: int,
+    bits2: int,
+    *,
+    policy: _Policy = "auto",
+    device: _Device = None,
+) -> tuple[mx.array, mx.array, mx.array]: ...
+def tq_rvq_decode(
+    codes1: mx.array,
+    codes2: mx.array,
+    norms: mx.array,
+    rotation: Optional[mx.array],
+    centroids1: mx.array,
+    centroids2: mx.array,
+    bits1: int,
+    bits2: int,
+    d: int,
+    dtype: _Float,
+    *,
+    policy: _Policy = "auto",
+    device: _Device = None,
+) -> mx.array: ...
+def pending_primitives(arrays: Sequence[mx.array]) -> list[str]: ...
 def gpu_backend() -> Optional[Literal["metal", "cuda"]]: ...
 def cached_kernel_count() -> int: ...
 

@@ -13,7 +13,7 @@ or an ``mx.Device`` / ``mx.Stream``.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import List, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 
@@ -33,7 +33,14 @@ __all__ = [
     "qjl_score",
     "pq_encode",
     "pq_decode",
+    "tq_prod_encode",
+    "tq_prod_decode",
+    "tq_rvq_encode",
+    "tq_rvq_decode",
+    "pending_primitives",
     "SUPPORTED_BITS",
+    "PQ_BITS",
+    "PROD_BITS",
     "VQ_DIMS",
     "PQ_SUB_DIMS",
     "MAX_CODEBOOK_SIZE",
@@ -43,6 +50,8 @@ SUPPORTED_BITS = (1, 2, 3, 4, 8)
 VQ_DIMS = (2, 4, 8)
 MAX_CODEBOOK_SIZE = 4096
 PQ_SUB_DIMS = (2, 4, 8)
+PQ_BITS = tuple(range(1, 13))
+PROD_BITS = (1, 2, 3, 4, 5, 9)
 
 
 def _device(device: Device) -> Optional[str]:
@@ -146,15 +155,121 @@ def qjl_score(
     return _native.qjl_score(q, sketch, signs, norms, policy=policy, device=_device(device))
 
 
-def pq_encode(x: mx.array, codebook: mx.array, bits: int, *, policy: str = "auto", device: Device = None) -> mx.array:
+def pq_encode(
+    x: mx.array, codebook: mx.array, bits: int, *, policy: str = "auto", device: Device = None
+) -> Tuple[mx.array, Optional[mx.array]]:
     """Product quantization of ``x [..., D]``: the nearest entry of the float32
-    ``codebook [K, s]`` (s in 2, 4, 8; K <= 2**bits) for each of the D/s
-    sub-vectors, packed with ``bits`` bits: uint8 ``[..., ceil(D/s*bits/8)]``."""
+    ``codebook [K, s]`` (s in 2, 4, 8; K <= 2**bits, bits 1..12) for each of
+    the D/s sub-vectors, in ``ProductQuantizer``'s layout: ``(codes, codes_hi)``,
+    ``codes`` uint8 ``[..., ceil(D/s*lo/8)]`` holding the low ``lo`` bits and
+    ``codes_hi`` the remaining ``hi`` bits (``None`` for 1, 2, 3, 4 and 8 bits;
+    ``lo, hi = 4, bits-4`` for 5..7 and ``8, bits-8`` for 9..12)."""
     return _native.pq_encode(x, codebook, bits, policy=policy, device=_device(device))
 
 
 def pq_decode(
-    packed: mx.array, codebook: mx.array, bits: int, d: int, dtype: "mx.Dtype" = mx.float32, *, policy: str = "auto", device: Device = None
+    codes: mx.array,
+    codebook: mx.array,
+    bits: int,
+    d: int,
+    dtype: "mx.Dtype" = mx.float32,
+    *,
+    codes_hi: Optional[mx.array] = None,
+    policy: str = "auto",
+    device: Device = None,
 ) -> mx.array:
-    """The codebook entries of packed PQ codes, as ``dtype`` ``[..., d]``."""
-    return _native.pq_decode(packed, codebook, bits, d, _dtype(dtype), policy=policy, device=_device(device))
+    """The codebook entries of packed PQ codes (both planes of
+    :func:`pq_encode`), as ``dtype`` ``[..., d]``."""
+    return _native.pq_decode(
+        codes, codebook, bits, d, _dtype(dtype), codes_hi=codes_hi, policy=policy, device=_device(device)
+    )
+
+
+def tq_prod_encode(
+    x: mx.array,
+    rotation: Optional[mx.array],
+    centroids: Optional[mx.array],
+    sketch: mx.array,
+    bits: int,
+    *,
+    policy: str = "auto",
+    device: Device = None,
+) -> Tuple[Optional[mx.array], mx.array, mx.array, Optional[mx.array]]:
+    """TurboQuant-Prod encoding of ``x [..., d]`` (d a multiple of 8 up to 256;
+    bits in 1, 2, 3, 4, 5, 9) in one fused kernel: ``(codes, signs, norms,
+    residual_norms)``, the buffers of ``TurboQuantProd``'s encoding. ``rotation``
+    is the float32 ``[d, d]`` matrix (``None`` when ``x`` is rotated already),
+    ``centroids`` the sorted float32 codebook ``[2**(bits-1)]`` (``None`` at 1
+    bit, where ``codes`` and ``residual_norms`` are ``None`` too), ``sketch``
+    the float32 ``[d, d]`` QJL matrix."""
+    return _native.tq_prod_encode(x, rotation, centroids, sketch, bits, policy=policy, device=_device(device))
+
+
+def tq_prod_decode(
+    codes: Optional[mx.array],
+    signs: mx.array,
+    norms: mx.array,
+    residual_norms: Optional[mx.array],
+    rotation: Optional[mx.array],
+    centroids: Optional[mx.array],
+    sketch: mx.array,
+    bits: int,
+    dtype: "mx.Dtype" = mx.float32,
+    *,
+    policy: str = "auto",
+    device: Device = None,
+) -> mx.array:
+    """Inverse of :func:`tq_prod_encode`: ``|x| R^T (c[code] + sqrt(pi/2)/d *
+    |r| * S^T z)`` as ``dtype`` ``[..., d]``, z the +-1 signs."""
+    return _native.tq_prod_decode(
+        codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, _dtype(dtype),
+        policy=policy, device=_device(device),
+    )
+
+
+def tq_rvq_encode(
+    x: mx.array,
+    rotation: Optional[mx.array],
+    centroids1: mx.array,
+    centroids2: mx.array,
+    bits1: int,
+    bits2: int,
+    *,
+    policy: str = "auto",
+    device: Device = None,
+) -> Tuple[mx.array, mx.array, mx.array]:
+    """TurboQuant-RVQ encoding of ``x [..., d]`` in one fused kernel: ``(codes1,
+    codes2, norms)``, the codes of the rotated unit vector in ``centroids1``
+    (``bits1`` bits) and of its residual in ``centroids2`` (``bits2``), each
+    width 1, 2, 3, 4 or 8, as ``TurboQuantRvq``'s encoding."""
+    return _native.tq_rvq_encode(x, rotation, centroids1, centroids2, bits1, bits2, policy=policy, device=_device(device))
+
+
+def tq_rvq_decode(
+    codes1: mx.array,
+    codes2: mx.array,
+    norms: mx.array,
+    rotation: Optional[mx.array],
+    centroids1: mx.array,
+    centroids2: mx.array,
+    bits1: int,
+    bits2: int,
+    d: int,
+    dtype: "mx.Dtype" = mx.float32,
+    *,
+    policy: str = "auto",
+    device: Device = None,
+) -> mx.array:
+    """Inverse of :func:`tq_rvq_encode`: ``|x| R^T (centroids1[a] + centroids2[b])``
+    as ``dtype`` ``[..., d]``."""
+    return _native.tq_rvq_decode(
+        codes1, codes2, norms, rotation, centroids1, centroids2, bits1, bits2, d, _dtype(dtype),
+        policy=policy, device=_device(device),
+    )
+
+
+def pending_primitives(arrays: Sequence[mx.array]) -> List[str]:
+    """Names of the primitives MLX would run to evaluate ``arrays``: one per
+    graph node not evaluated yet (a kernel with several outputs counts once),
+    inputs first. Evaluates nothing; counts the launches an operation adds."""
+    return _native.pending_primitives(list(arrays))

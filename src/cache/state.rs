@@ -171,7 +171,8 @@ impl Side {
                 let unit = ops::divide(&xf, &ops::maximum(&norm, &Array::scalar_f32(f32::MIN_POSITIVE)?, &s)?, &s)?;
                 let table = table.expect("product quantization has a codebook");
                 let codebook = ops::reshape(table, &[1 << sc.bits, sc.group as i32], &s)?;
-                let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?;
+                // 8-bit codes: one plane, no high bits.
+                let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?.codes;
                 let norm = ops::minimum(&ops::reshape(&norm, &[b, h, m], &s)?, &Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?, &s)?;
                 Encoded { codes, scales: Some(ops::astype(&norm, Dtype::F16, &s)?), zeros: None }
             }

@@ -12,9 +12,9 @@ pub mod turboquant;
 mod vq;
 
 pub use bitpack::{bit_pack, bit_unpack, packed_len, SUPPORTED_BITS};
-pub use parallel::for_each_chunk;
+pub use parallel::{for_each_chunk, map_row_ranges};
 pub use quant::{
-    kivi_code, kivi_dequantize, kivi_params, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score,
+    kivi_code, kivi_dequantize, kivi_params, kivi_quantize, pq_decode, pq_encode, PQ_BITS, qjl_encode, qjl_score,
     scalar_boundaries, scalar_dequantize, scalar_quantize, Float,
 };
 pub use vq::{vq_quantize, VqElement};

@@ -39,3 +39,32 @@ where
         }
     });
 }
+
+/// Runs `f(first_row, row_count)` over `rows` split into contiguous ranges,
+/// in parallel when there are at least `min_rows_per_thread` rows per worker,
+/// and returns the results in row order. For kernels with several outputs:
+/// each range fills its own buffers, which the caller copies into place.
+pub fn map_row_ranges<R, F>(rows: usize, min_rows_per_thread: usize, f: F) -> Vec<R>
+where
+    R: Send,
+    F: Fn(usize, usize) -> R + Sync,
+{
+    if rows == 0 {
+        return Vec::new();
+    }
+    let threads = worker_count().min(rows / min_rows_per_thread.max(1)).max(1);
+    let rows_per = rows.div_ceil(threads);
+    if threads == 1 {
+        return vec![f(0, rows)];
+    }
+    std::thread::scope(|scope| {
+        let handles: Vec<_> = (0..rows)
+            .step_by(rows_per)
+            .map(|first| {
+                let f = &f;
+                scope.spawn(move || f(first, rows_per.min(rows - first)))
+            })
+            .collect();
+        handles.into_iter().map(|h| h.join().expect("worker panicked")).collect()
+    })
+}

@@ -115,7 +115,7 @@ pub fn scalar_boundaries(codebook: &[f32]) -> Vec<f32> {
 /// The number of boundaries strictly below `v`: the index of the nearest
 /// centroid, a value on a boundary going down (NaN gives 0).
 #[inline(always)]
-fn scalar_code(bounds: &[f32], v: f32) -> u8 {
+pub(crate) fn scalar_code(bounds: &[f32], v: f32) -> u8 {
     bounds.iter().map(|&t| u8::from(t < v)).sum()
 }
 
@@ -246,7 +246,7 @@ pub fn kivi_dequantize<T: Float>(
 
 /// `Σ_j a[j] * b[j]` in order, float32, no fused multiply-add.
 #[inline(always)]
-fn dot_f32<T: VqElement>(a: &[f32], b: &[T]) -> f32 {
+pub(crate) fn dot_f32<T: VqElement>(a: &[f32], b: &[T]) -> f32 {
     let mut acc = 0.0f32;
     for (x, y) in a.iter().zip(b) {
         acc += x * y.to_f32();
@@ -317,9 +317,9 @@ pub fn qjl_score<T: Float>(
 /// Index of the entry of `codebook` (`k * s`) nearest to `v`, with
 /// `vq_quantize`'s arithmetic (ties to the lowest index).
 #[inline(always)]
-fn nearest<T: VqElement>(v: &[T], codebook: &[f32], s: usize) -> u8 {
+fn nearest<T: VqElement>(v: &[T], codebook: &[f32], s: usize) -> u16 {
     let mut best = f32::INFINITY;
-    let mut best_i = 0u8;
+    let mut best_i = 0u16;
     for (c, entry) in codebook.chunks_exact(s).enumerate() {
         let mut acc = 0.0f32;
         for (a, &b) in v.iter().zip(entry) {
@@ -328,37 +328,107 @@ fn nearest<T: VqElement>(v: &[T], codebook: &[f32], s: usize) -> u8 {
         }
         if acc < best {
             best = acc;
-            best_i = c as u8;
+            best_i = c as u16;
         }
     }
     best_i
 }
 
+/// Bit widths of the product-quantization codes (as `crate::quant::pq`).
+pub const PQ_BITS: std::ops::RangeInclusive<u32> = 1..=12;
+
 /// Product quantization of `x` (`n * d`): each of the `d / s` sub-vectors of
 /// `s` elements is replaced by the index of its nearest entry of `codebook`
-/// (`k * s`, `k ≤ 2^bits`), packed along the row (`n * packed_len(d / s, bits)`).
-pub fn pq_encode<T: Float>(x: &[T], n: usize, d: usize, codebook: &[f32], s: usize, bits: u32, out: &mut [u8]) {
+/// (`k * s`, `k ≤ 2^bits`, `bits` in 1..=12). Codes are packed along the row in
+/// `crate::quant::pq`'s planes: the low `lo` bits in `out`
+/// (`n * packed_len(d / s, lo)`), the high `hi` bits in `out_hi` (empty when
+/// `hi` is 0), `(lo, hi) = crate::quant::pq::planes(bits)`.
+#[allow(clippy::too_many_arguments)]
+pub fn pq_encode<T: Float>(
+    x: &[T],
+    n: usize,
+    d: usize,
+    codebook: &[f32],
+    s: usize,
+    bits: u32,
+    out: &mut [u8],
+    out_hi: &mut [u8],
+) {
     assert_eq!(x.len(), n * d, "x length");
     assert!(s > 0 && d % s == 0 && codebook.len() % s == 0, "sub-vector size");
+    assert!(PQ_BITS.contains(&bits), "bits");
     assert!(codebook.len() / s <= 1 << bits && !codebook.is_empty(), "codebook size");
     let per = d / s;
-    pack_rows(out, n, per, bits, |r, codes| {
-        for (p, c) in codes.iter_mut().enumerate() {
-            *c = nearest(&x[r * d + p * s..r * d + (p + 1) * s], codebook, s);
+    let (lo, hi) = crate::quant::pq::planes(bits);
+    let mut idx = vec![0u16; n * per];
+    super::for_each_chunk(&mut idx, per, 256, |row0, chunk| {
+        for (r, codes) in chunk.chunks_mut(per.max(1)).enumerate() {
+            let row = &x[(row0 + r) * d..(row0 + r + 1) * d];
+            for (p, c) in codes.iter_mut().enumerate() {
+                *c = nearest(&row[p * s..(p + 1) * s], codebook, s);
+            }
         }
     });
+    let low_mask = (1u16 << lo) - 1;
+    pack_rows(out, n, per, lo, |r, codes| {
+        for (c, &i) in codes.iter_mut().zip(&idx[r * per..(r + 1) * per]) {
+            *c = (i & low_mask) as u8;
+        }
+    });
+    if hi > 0 {
+        pack_rows(out_hi, n, per, hi, |r, codes| {
+            for (c, &i) in codes.iter_mut().zip(&idx[r * per..(r + 1) * per]) {
+                *c = (i >> lo) as u8;
+            }
+        });
+    } else {
+        assert!(out_hi.is_empty(), "no high plane at {bits} bits");
+    }
 }
 
-/// The codebook entries of packed PQ codes, as `T` (`n * d`).
-pub fn pq_decode<T: Float>(packed: &[u8], n: usize, d: usize, codebook: &[f32], s: usize, bits: u32, out: &mut [T]) {
+/// Unpacks one row of `codes.len()` codes of `b` bits.
+fn unpack_row(src: &[u8], b: usize, codes: &mut [u8]) {
+    let nbytes = src.len();
+    for (g, group) in codes.chunks_mut(8).enumerate() {
+        get_group(&src[g * b..(g * b + b).min(nbytes)], b, group);
+    }
+}
+
+/// The codebook entries of packed PQ codes (both planes, as [`pq_encode`]
+/// writes them), as `T` (`n * d`).
+#[allow(clippy::too_many_arguments)]
+pub fn pq_decode<T: Float>(
+    packed: &[u8],
+    packed_hi: &[u8],
+    n: usize,
+    d: usize,
+    codebook: &[f32],
+    s: usize,
+    bits: u32,
+    out: &mut [T],
+) {
     assert_eq!(out.len(), n * d, "out length");
     let k = codebook.len() / s;
-    unpack_rows(packed, n, d / s, bits, out, |_, codes, o| {
-        for (p, &c) in codes.iter().enumerate() {
-            // A code past the codebook (corrupt input) reads entry 0, as the GPU bodies do.
-            let c = if (c as usize) < k { c as usize } else { 0 };
-            for (v, &e) in o[p * s..(p + 1) * s].iter_mut().zip(&codebook[c * s..(c + 1) * s]) {
-                *v = T::from_f32(e);
+    let per = d / s;
+    let (lo, hi) = crate::quant::pq::planes(bits);
+    let (nb_lo, nb_hi) = (packed_len(per, lo), if hi > 0 { packed_len(per, hi) } else { 0 });
+    assert_eq!(packed.len(), n * nb_lo, "packed length");
+    assert_eq!(packed_hi.len(), n * nb_hi, "high plane length");
+    super::for_each_chunk(out, d, 256, |row0, chunk| {
+        let (mut low, mut high) = (vec![0u8; per], vec![0u8; per]);
+        for (r, o) in chunk.chunks_mut(d).enumerate() {
+            let row = row0 + r;
+            unpack_row(&packed[row * nb_lo..(row + 1) * nb_lo], lo as usize, &mut low);
+            if hi > 0 {
+                unpack_row(&packed_hi[row * nb_hi..(row + 1) * nb_hi], hi as usize, &mut high);
+            }
+            for p in 0..per {
+                let c = usize::from(low[p]) | usize::from(high[p]) << lo;
+                // A code past the codebook (corrupt input) reads entry 0, as the GPU bodies do.
+                let c = if c < k { c } else { 0 };
+                for (v, &e) in o[p * s..(p + 1) * s].iter_mut().zip(&codebook[c * s..(c + 1) * s]) {
+                    *v = T::from_f32(e);
+                }
             }
         }
     });

@@ -14,6 +14,7 @@
 use half::f16;
 
 use super::vq::VqElement;
+use super::Float;
 
 /// Code `j` of a densely packed row of `bits`-bit codes.
 #[inline(always)]
@@ -42,6 +43,22 @@ fn nearest(y: f32, centroids: &[f32]) -> u8 {
         }
     }
     best_i
+}
+
+/// Coordinate `i` of `Π u` (`Σ_j Π_ij u_j` in order, from 0), or `u_i` without a rotation.
+#[inline(always)]
+fn rotated(rotation: Option<&[f32]>, u: &[f32], i: usize) -> f32 {
+    match rotation {
+        Some(rot) => {
+            let d = u.len();
+            let mut y = 0.0f32;
+            for (&p, &uj) in rot[i * d..(i + 1) * d].iter().zip(u) {
+                y += p * uj;
+            }
+            y
+        }
+        None => u[i],
+    }
 }
 
 /// Largest finite float16: norms beyond it are stored saturated.
@@ -90,17 +107,7 @@ pub fn tq_encode<T: VqElement>(
                 *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
             }
             for (i, code) in idx.iter_mut().enumerate() {
-                let y = match rotation {
-                    Some(rot) => {
-                        let mut y = 0.0f32;
-                        for (&p, &uj) in rot[i * d..(i + 1) * d].iter().zip(&u) {
-                            y += p * uj;
-                        }
-                        y
-                    }
-                    None => u[i],
-                };
-                *code = nearest(y, centroids);
+                *code = nearest(rotated(rotation, &u, i), centroids);
             }
             super::bit_pack(&idx, 1, d, bits, dst);
         }
@@ -280,4 +287,264 @@ impl FromF32 for half::bf16 {
     fn from_f32(v: f32) -> Self {
         half::bf16::from_f32(v)
     }
+}
+
+// ------------------------------------------------ TurboQuant-Prod and -RVQ
+//
+// Fused encoders and decoders of `crate::quant::{TurboQuantProd,
+// TurboQuantRvq}`, bit for bit for float32 input and a dense rotation: the
+// norm as `crate::quant` computes it (float64 squares summed in order), codes
+// from the codebook's decision boundaries (`ScalarCodebook::quantize`), every
+// float32 sum in order from 0, no fused multiply-add. The GPU bodies follow
+// the same order.
+
+/// `√(π/2) / d`, the QJL factor of TurboQuant-Prod's reconstruction, as the
+/// quantizer computes it.
+pub fn prod_scale(d: usize) -> f32 {
+    std::f32::consts::FRAC_PI_2.sqrt() / d as f32
+}
+
+/// Loads one row into `u`, normalizes it and writes `y = Π u` (zeros for a
+/// zero row). Returns the norm.
+fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&[f32]>, u: &mut [f32], y: &mut [f32]) -> f32 {
+    for (uj, v) in u.iter_mut().zip(src) {
+        *uj = v.to_f32();
+    }
+    let s = crate::quant::norm(u);
+    for uj in u.iter_mut() {
+        *uj = if s > 0.0 { *uj / s } else { 0.0 };
+    }
+    for (i, yi) in y.iter_mut().enumerate() {
+        *yi = rotated(rotation, u, i);
+    }
+    s
+}
+
+/// `out = norm · Πᵀ y` (`Σ_k Π_ki y_k` in order of k), or `norm · y` without a
+/// rotation. `acc` is scratch of `y.len()`; walking `Π` by rows keeps each
+/// sum's order and reads memory contiguously.
+fn unrotate_row<T: Float>(rotation: Option<&[f32]>, y: &[f32], norm: f32, acc: &mut [f32], out: &mut [T]) {
+    let d = y.len();
+    match rotation {
+        Some(rot) => {
+            acc.iter_mut().for_each(|v| *v = 0.0);
+            for (k, &yk) in y.iter().enumerate() {
+                for (a, &p) in acc.iter_mut().zip(&rot[k * d..(k + 1) * d]) {
+                    *a += p * yk;
+                }
+            }
+        }
+        None => acc.copy_from_slice(y),
+    }
+    for (o, &v) in out.iter_mut().zip(acc.iter()) {
+        *o = T::from_f32(v * norm);
+    }
+}
+
+/// Copies the per-range buffers of `map_row_ranges` into one output.
+fn gather<T: Copy>(parts: impl Iterator<Item = Vec<T>>, out: &mut [T]) {
+    let mut at = 0;
+    for p in parts {
+        out[at..at + p.len()].copy_from_slice(&p);
+        at += p.len();
+    }
+    assert_eq!(at, out.len(), "output length");
+}
+
+#[derive(Default)]
+struct EncodedRows {
+    codes: Vec<u8>,
+    codes2: Vec<u8>,
+    norms: Vec<f16>,
+    norms2: Vec<f16>,
+}
+
+/// TurboQuant-Prod encoding of `n = norms.len()` rows of `x` (`n * d`):
+/// `codes` the packed `mse_bits`-bit indices of `y = Π x/‖x‖` in the sorted
+/// `centroids` (`2^mse_bits`; both empty when `mse_bits` is 0), `signs` the
+/// packed bits `S r ≥ 0` of the residual `r = y − c[idx]` (`sketch` `d × d`),
+/// `norms` `‖x‖` and `residual_norms` `‖r‖` (empty when `mse_bits` is 0) in
+/// float16, saturated at 65504.
+#[allow(clippy::too_many_arguments)]
+pub fn tq_prod_encode<T: VqElement>(
+    x: &[T],
+    rotation: Option<&[f32]>,
+    centroids: &[f32],
+    sketch: &[f32],
+    d: usize,
+    mse_bits: u32,
+    codes: &mut [u8],
+    signs: &mut [u8],
+    norms: &mut [f16],
+    residual_norms: &mut [f16],
+) {
+    let n = norms.len();
+    let code_bytes = if mse_bits > 0 { super::packed_len(d, mse_bits) } else { 0 };
+    let sign_bytes = super::packed_len(d, 1);
+    assert_eq!(x.len(), n * d, "x length");
+    assert_eq!(sketch.len(), d * d, "sketch size");
+    assert_eq!(codes.len(), n * code_bytes, "codes length");
+    assert_eq!(signs.len(), n * sign_bytes, "signs length");
+    assert_eq!(residual_norms.len(), if mse_bits > 0 { n } else { 0 }, "residual norms length");
+    if mse_bits > 0 {
+        assert_eq!(centroids.len(), 1 << mse_bits, "centroids length");
+    }
+    let bounds = if mse_bits > 0 { super::scalar_boundaries(centroids) } else { Vec::new() };
+    let parts = super::parallel::map_row_ranges(n, 32, |first, count| {
+        let mut out = EncodedRows {
+            codes: vec![0u8; count * code_bytes],
+            codes2: vec![0u8; count * sign_bytes],
+            norms: vec![f16::ZERO; count],
+            norms2: vec![f16::ZERO; if mse_bits > 0 { count } else { 0 }],
+        };
+        let (mut u, mut y, mut idx, mut bits) = (vec![0.0f32; d], vec![0.0f32; d], vec![0u8; d], vec![0u8; d]);
+        for r in 0..count {
+            let s = normalize_rotate_row(&x[(first + r) * d..(first + r + 1) * d], rotation, &mut u, &mut y);
+            out.norms[r] = f16::from_f32(s.min(MAX_NORM));
+            if mse_bits > 0 {
+                for (c, v) in idx.iter_mut().zip(y.iter_mut()) {
+                    *c = super::quant::scalar_code(&bounds, *v);
+                    *v -= centroids[*c as usize];
+                }
+                super::bit_pack(&idx, 1, d, mse_bits, &mut out.codes[r * code_bytes..(r + 1) * code_bytes]);
+                out.norms2[r] = f16::from_f32(crate::quant::norm(&y).min(MAX_NORM));
+            }
+            for (b, row) in bits.iter_mut().zip(sketch.chunks_exact(d)) {
+                *b = u8::from(super::quant::dot_f32(row, &y) >= 0.0);
+            }
+            super::bit_pack(&bits, 1, d, 1, &mut out.codes2[r * sign_bytes..(r + 1) * sign_bytes]);
+        }
+        out
+    });
+    let mut parts: Vec<EncodedRows> = parts;
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.codes)), codes);
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.codes2)), signs);
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.norms)), norms);
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.norms2)), residual_norms);
+}
+
+/// Inverse of [`tq_prod_encode`]: `‖x‖ Πᵀ (c[idx] + scale · ‖r‖ · Sᵀ z)`, `z`
+/// the ±1 signs, `‖r‖ = 1` when `mse_bits` is 0, `scale` = [`prod_scale`].
+#[allow(clippy::too_many_arguments)]
+pub fn tq_prod_decode<T: Float>(
+    codes: &[u8],
+    signs: &[u8],
+    norms: &[f16],
+    residual_norms: &[f16],
+    rotation: Option<&[f32]>,
+    centroids: &[f32],
+    sketch: &[f32],
+    d: usize,
+    mse_bits: u32,
+    scale: f32,
+    out: &mut [T],
+) {
+    let n = norms.len();
+    let code_bytes = if mse_bits > 0 { super::packed_len(d, mse_bits) } else { 0 };
+    let sign_bytes = super::packed_len(d, 1);
+    assert_eq!(out.len(), n * d, "out length");
+    assert_eq!(codes.len(), n * code_bytes, "codes length");
+    assert_eq!(signs.len(), n * sign_bytes, "signs length");
+    assert_eq!(sketch.len(), d * d, "sketch size");
+    super::for_each_chunk(out, d, 32, |row0, chunk| {
+        let (mut y, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for (r, o) in chunk.chunks_mut(d).enumerate() {
+            let row = row0 + r;
+            let rn = if mse_bits > 0 {
+                let crow = &codes[row * code_bytes..(row + 1) * code_bytes];
+                for (j, v) in y.iter_mut().enumerate() {
+                    *v = centroids[code_at(crow, j, mse_bits)];
+                }
+                residual_norms[row].to_f32()
+            } else {
+                y.iter_mut().for_each(|v| *v = 0.0);
+                1.0
+            };
+            let a = scale * rn;
+            let srow = &signs[row * sign_bytes..(row + 1) * sign_bytes];
+            for (k, sk) in sketch.chunks_exact(d).enumerate() {
+                let z = if code_at(srow, k, 1) != 0 { a } else { -a };
+                for (v, &s) in y.iter_mut().zip(sk) {
+                    *v += z * s;
+                }
+            }
+            unrotate_row(rotation, &y, norms[row].to_f32(), &mut acc, o);
+        }
+    });
+}
+
+/// TurboQuant-RVQ encoding of `n = norms.len()` rows of `x` (`n * d`): the
+/// `bits1`-bit index `a` of `y = Π x/‖x‖` in `first`, the `bits2`-bit index
+/// of `y − first[a]` in `second` (both sorted), packed, and `‖x‖` in float16.
+#[allow(clippy::too_many_arguments)]
+pub fn tq_rvq_encode<T: VqElement>(
+    x: &[T],
+    rotation: Option<&[f32]>,
+    first: &[f32],
+    second: &[f32],
+    d: usize,
+    bits: (u32, u32),
+    codes1: &mut [u8],
+    codes2: &mut [u8],
+    norms: &mut [f16],
+) {
+    let n = norms.len();
+    let (b1, b2) = (super::packed_len(d, bits.0), super::packed_len(d, bits.1));
+    assert_eq!(x.len(), n * d, "x length");
+    assert_eq!((codes1.len(), codes2.len()), (n * b1, n * b2), "codes length");
+    assert_eq!((first.len(), second.len()), (1 << bits.0, 1 << bits.1), "codebook lengths");
+    let (bounds1, bounds2) = (super::scalar_boundaries(first), super::scalar_boundaries(second));
+    let mut parts = super::parallel::map_row_ranges(n, 32, |row0, count| {
+        let mut out = EncodedRows {
+            codes: vec![0u8; count * b1],
+            codes2: vec![0u8; count * b2],
+            norms: vec![f16::ZERO; count],
+            norms2: Vec::new(),
+        };
+        let (mut u, mut y, mut i1, mut i2) = (vec![0.0f32; d], vec![0.0f32; d], vec![0u8; d], vec![0u8; d]);
+        for r in 0..count {
+            let s = normalize_rotate_row(&x[(row0 + r) * d..(row0 + r + 1) * d], rotation, &mut u, &mut y);
+            out.norms[r] = f16::from_f32(s.min(MAX_NORM));
+            for ((a, b), &v) in i1.iter_mut().zip(i2.iter_mut()).zip(&y) {
+                *a = super::quant::scalar_code(&bounds1, v);
+                *b = super::quant::scalar_code(&bounds2, v - first[*a as usize]);
+            }
+            super::bit_pack(&i1, 1, d, bits.0, &mut out.codes[r * b1..(r + 1) * b1]);
+            super::bit_pack(&i2, 1, d, bits.1, &mut out.codes2[r * b2..(r + 1) * b2]);
+        }
+        out
+    });
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.codes)), codes1);
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.codes2)), codes2);
+    gather(parts.iter_mut().map(|p| std::mem::take(&mut p.norms)), norms);
+}
+
+/// Inverse of [`tq_rvq_encode`]: `‖x‖ Πᵀ (first[a] + second[b])`.
+#[allow(clippy::too_many_arguments)]
+pub fn tq_rvq_decode<T: Float>(
+    codes1: &[u8],
+    codes2: &[u8],
+    norms: &[f16],
+    rotation: Option<&[f32]>,
+    first: &[f32],
+    second: &[f32],
+    d: usize,
+    bits: (u32, u32),
+    out: &mut [T],
+) {
+    let n = norms.len();
+    let (b1, b2) = (super::packed_len(d, bits.0), super::packed_len(d, bits.1));
+    assert_eq!(out.len(), n * d, "out length");
+    assert_eq!((codes1.len(), codes2.len()), (n * b1, n * b2), "codes length");
+    super::for_each_chunk(out, d, 32, |row0, chunk| {
+        let (mut y, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
+        for (r, o) in chunk.chunks_mut(d).enumerate() {
+            let row = row0 + r;
+            let (c1, c2) = (&codes1[row * b1..(row + 1) * b1], &codes2[row * b2..(row + 1) * b2]);
+            for (j, v) in y.iter_mut().enumerate() {
+                *v = first[code_at(c1, j, bits.0)] + second[code_at(c2, j, bits.1)];
+            }
+            unrotate_row(rotation, &y, norms[row].to_f32(), &mut acc, o);
+        }
+    });
 }

@@ -12,6 +12,7 @@ pub mod gpu;
 pub mod kv_attention;
 mod quant;
 pub mod source;
+pub mod tq_codec;
 pub mod turboquant;
 mod vq;
 
@@ -22,9 +23,10 @@ pub use bitpack::{bit_pack, bit_unpack};
 pub use gpu::{cached_kernel_count, TemplateArg};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize,
-    scalar_quantize, KiviMode, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
+    scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
 pub use source::Source;
+pub use tq_codec::{tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes, RvqCodes, PROD_BITS};
 pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
 
 use crate::array::Array;

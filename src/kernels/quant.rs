@@ -684,6 +684,27 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
 
 // --------------------------------------------------------------------- PQ
 
+/// Floats of a PQ codebook that the GPU encoder stages in threadgroup memory
+/// (16 KiB); larger codebooks are read from device memory.
+pub const PQ_STAGE_FLOATS: usize = 4096;
+
+/// Packed product-quantization codes, named as the buffers of
+/// `ProductQuantizer`'s encoding: `codes` holds the low plane, `codes_hi` the
+/// high bits for widths other than 1, 2, 3, 4 and 8 (`crate::quant::pq::planes`).
+#[derive(Debug)]
+pub struct PqCodes {
+    pub codes: Array,
+    pub codes_hi: Option<Array>,
+}
+
+fn check_pq_bits(bits: u32) -> Result<(u32, u32)> {
+    if cpu::PQ_BITS.contains(&bits) {
+        Ok(crate::quant::pq::planes(bits))
+    } else {
+        Err(Error::invalid("bits", format!("{bits} is not supported; product quantization takes 1..=12")))
+    }
+}
+
 fn check_pq_codebook(codebook: &Array, bits: u32) -> Result<(usize, usize)> {
     check_dtype("codebook", codebook, Dtype::F32)?;
     let sh = codebook.shape();
@@ -699,11 +720,13 @@ fn check_pq_codebook(codebook: &Array, bits: u32) -> Result<(usize, usize)> {
 
 /// Product quantization of `x` `[..., D]`: each of the `D/s` sub-vectors is
 /// replaced by the index of the nearest entry of `codebook` float32 `[K, s]`
-/// (`vq_quantize`'s arithmetic and ties), packed with `bits` bits (1, 2, 3,
-/// 4 or 8; `K ≤ 2^bits`): uint8 `[..., ceil(D/s · bits / 8)]`.
-pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Result<Array> {
+/// (`vq_quantize`'s arithmetic and ties), `bits` bits per code (1..=12;
+/// `K ≤ 2^bits`), packed in `ProductQuantizer`'s planes: `codes` uint8
+/// `[..., ceil(D/s · lo / 8)]` and, when `hi > 0`, `codes_hi` uint8
+/// `[..., ceil(D/s · hi / 8)]`, `(lo, hi) = crate::quant::pq::planes(bits)`.
+pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Result<PqCodes> {
     check_float("x", x)?;
-    check_bits("bits", bits)?;
+    let (lo, hi) = check_pq_bits(bits)?;
     let (k, s) = check_pq_codebook(codebook, bits)?;
     let (n, d) = rows_last("x", x)?;
     if d % s != 0 {
@@ -712,20 +735,43 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
     let per = d / s;
     let stream = opts.resolve_stream()?;
     let imp = select(&PQ_ENC, opts.policy, &stream)?;
-    let nbytes = cpu::packed_len(per, bits);
-    let out_shape = with_last(&x.shape(), nbytes)?;
+    let nb_lo = cpu::packed_len(per, lo);
+    let nb_hi = if hi > 0 { cpu::packed_len(per, hi) } else { 0 };
+    let shape_lo = with_last(&x.shape(), nb_lo)?;
+    let shape_hi = with_last(&x.shape(), nb_hi)?;
+    let finish = |mut planes: Vec<Array>, s: &Stream| -> Result<PqCodes> {
+        let high = planes.pop().expect("two planes");
+        Ok(PqCodes {
+            codes: ops::reshape(&planes.pop().expect("two planes"), &shape_lo, s)?,
+            codes_hi: if hi > 0 { Some(ops::reshape(&high, &shape_hi, s)?) } else { None },
+        })
+    };
     if n * d == 0 {
-        return ops::zeros(&out_shape, Dtype::U8, &stream);
+        let z = |shape: &[i32]| ops::zeros(shape, Dtype::U8, &stream);
+        return finish(vec![z(&shape_lo)?, z(&shape_hi)?], &stream);
     }
     let (ni, di) = (to_i32("x", n)?, to_i32("x", d)?);
     let flat = ops::reshape(x, &[ni, di], &stream)?;
-    let out = vec![(vec![ni, nbytes as i32], Dtype::U8)];
-    let packed = match imp {
+    // A one-plane width still has a (1-element, unwritten) high output, so
+    // that one kernel signature serves every width.
+    let out = vec![
+        (vec![ni, nb_lo as i32], Dtype::U8),
+        (if hi > 0 { vec![ni, nb_hi as i32] } else { vec![1] }, Dtype::U8),
+    ];
+    let planes = match imp {
         Implementation::Reference => {
             let sub = ops::reshape(&ops::astype(&flat, Dtype::F32, &stream)?, &[to_i32("x", n * per)?, s as i32], &stream)?;
             let idx = super::vq_quantize(&sub, codebook, &Options::on(stream.clone(), Policy::Off))?;
-            let codes = ops::reshape(&ops::astype(&idx, Dtype::U8, &stream)?, &[ni, per as i32], &stream)?;
-            pack_reference(&codes, n, per, bits, &stream)?
+            let idx = ops::reshape(&idx, &[ni, per as i32], &stream)?;
+            let u32s = |v: u32| ops::astype(&f32_scalar(v as f32)?, Dtype::U32, &stream);
+            let low = ops::astype(&ops::bitwise_and(&idx, &u32s((1 << lo) - 1)?, &stream)?, Dtype::U8, &stream)?;
+            let high = if hi > 0 {
+                let h = ops::astype(&ops::right_shift(&idx, &u32s(lo)?, &stream)?, Dtype::U8, &stream)?;
+                pack_reference(&h, n, per, hi, &stream)?
+            } else {
+                ops::zeros(&[1], Dtype::U8, &stream)?
+            };
+            vec![pack_reference(&low, n, per, lo, &stream)?, high]
         }
         Implementation::Cpu => {
             let dtype = x.dtype();
@@ -735,15 +781,17 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
                 &out,
                 &stream,
                 Box::new(move |ins, outs| {
-                    let (cb, o) = (ins[1].as_slice::<f32>()?, outs[0].as_mut_slice::<u8>()?);
-                    by_dtype!(dtype, T => cpu::pq_encode(ins[0].as_slice::<T>()?, n, d, cb, s, bits, o));
+                    let cb = ins[1].as_slice::<f32>()?;
+                    let [o, o_hi] = outs else { return Err("two outputs expected".into()) };
+                    let o = o.as_mut_slice::<u8>()?;
+                    let o_hi = if hi > 0 { o_hi.as_mut_slice::<u8>()? } else { &mut [] };
+                    by_dtype!(dtype, T => cpu::pq_encode(ins[0].as_slice::<T>()?, n, d, cb, s, bits, o, o_hi));
                     Ok(())
                 }),
             )?
-            .remove(0)
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n, d, k, nbytes])?;
+            let p = params("x", &[n, d, k, nb_lo, nb_hi])?;
             launch_gpu(
                 Source::PqEncode,
                 &[&flat, codebook, &p],
@@ -753,29 +801,43 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
                     ("T", TemplateArg::Dtype(x.dtype())),
                     ("S", TemplateArg::Int(s as i32)),
                     ("C_BITS", TemplateArg::Int(bits as i32)),
+                    ("STAGED", TemplateArg::Bool(k * s <= PQ_STAGE_FLOATS)),
                 ],
                 &stream,
             )?
-            .remove(0)
         }
     };
-    ops::reshape(&packed, &out_shape, &stream)
+    finish(planes, &stream)
 }
 
 /// Inverse of [`pq_encode`]: the codebook entries of the `d/s` packed codes of
 /// each row, as `dtype` `[..., d]`. A code past the codebook reads entry 0.
-pub fn pq_decode(packed: &Array, codebook: &Array, bits: u32, d: usize, dtype: Dtype, opts: &Options) -> Result<Array> {
-    check_dtype("packed", packed, Dtype::U8)?;
-    check_bits("bits", bits)?;
+pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: Dtype, opts: &Options) -> Result<Array> {
+    let packed = &codes.codes;
+    check_dtype("codes", packed, Dtype::U8)?;
+    let (lo, hi) = check_pq_bits(bits)?;
     check_out_dtype(dtype)?;
     let (k, s) = check_pq_codebook(codebook, bits)?;
     if d % s != 0 {
         return Err(Error::invalid("d", format!("{d} is not a multiple of the sub-vector size {s}")));
     }
     let per = d / s;
-    let (n, nbytes) = rows_last("packed", packed)?;
-    if cpu::packed_len(per, bits) != nbytes {
-        return Err(Error::invalid("packed", format!("{nbytes} bytes per row do not hold {per} codes of {bits} bits")));
+    let (n, nb_lo) = rows_last("codes", packed)?;
+    if cpu::packed_len(per, lo) != nb_lo {
+        return Err(Error::invalid("codes", format!("{nb_lo} bytes per row do not hold {per} codes of {lo} bits")));
+    }
+    let nb_hi = if hi > 0 { cpu::packed_len(per, hi) } else { 0 };
+    match (&codes.codes_hi, hi) {
+        (None, 0) => {}
+        (Some(_), 0) => return Err(Error::invalid("codes_hi", format!("{bits}-bit codes have no high plane"))),
+        (None, _) => return Err(Error::invalid("codes_hi", format!("{bits}-bit codes need a high plane of {hi} bits"))),
+        (Some(h), _) => {
+            check_dtype("codes_hi", h, Dtype::U8)?;
+            let want = with_last(&packed.shape(), nb_hi)?;
+            if h.shape() != want {
+                return Err(Error::invalid("codes_hi", format!("shape {:?}, expected {want:?}", h.shape())));
+            }
+        }
     }
     let stream = opts.resolve_stream()?;
     let imp = select(&PQ_DEC, opts.policy, &stream)?;
@@ -783,40 +845,49 @@ pub fn pq_decode(packed: &Array, codebook: &Array, bits: u32, d: usize, dtype: D
     if n * d == 0 {
         return ops::zeros(&out_shape, dtype, &stream);
     }
-    let (ni, di) = (to_i32("packed", n)?, to_i32("d", d)?);
-    let flat = ops::reshape(packed, &[ni, nbytes as i32], &stream)?;
+    let (ni, di) = (to_i32("codes", n)?, to_i32("d", d)?);
+    let flat = ops::reshape(packed, &[ni, nb_lo as i32], &stream)?;
+    let flat_hi = match &codes.codes_hi {
+        Some(h) => ops::reshape(h, &[ni, nb_hi as i32], &stream)?,
+        None => Array::from_slice(&[0u8], &[1])?,
+    };
     let out = vec![(vec![ni, di], dtype)];
     let y = match imp {
         Implementation::Reference => {
-            let codes = ops::astype(&unpack_reference(&flat, n, per, bits, &stream)?, Dtype::U32, &stream)?;
-            let kk = ops::astype(&f32_scalar(k as f32)?, Dtype::U32, &stream)?;
-            let valid = ops::greater(&kk, &codes, &stream)?;
-            let codes = ops::where_(&valid, &codes, &ops::astype(&f32_scalar(0.0)?, Dtype::U32, &stream)?, &stream)?;
+            let u32s = |v: u32| ops::astype(&f32_scalar(v as f32)?, Dtype::U32, &stream);
+            let mut idx = ops::astype(&unpack_reference(&flat, n, per, lo, &stream)?, Dtype::U32, &stream)?;
+            if hi > 0 {
+                let h = ops::astype(&unpack_reference(&flat_hi, n, per, hi, &stream)?, Dtype::U32, &stream)?;
+                idx = ops::bitwise_or(&idx, &ops::left_shift(&h, &u32s(lo)?, &stream)?, &stream)?;
+            }
+            let valid = ops::greater(&u32s(k as u32)?, &idx, &stream)?;
+            let idx = ops::where_(&valid, &idx, &u32s(0)?, &stream)?;
             // Flat index of element e of entry c: c * s + e.
-            let base = ops::multiply(&ops::expand_dims(&codes, -1, &stream)?, &ops::astype(&f32_scalar(s as f32)?, Dtype::U32, &stream)?, &stream)?;
+            let base = ops::multiply(&ops::expand_dims(&idx, -1, &stream)?, &u32s(s as u32)?, &stream)?;
             let idx = ops::add(&base, &ops::arange(0.0, s as f64, 1.0, Dtype::U32, &stream)?, &stream)?;
             let y = ops::take(codebook, &ops::reshape(&idx, &[ni, di], &stream)?, &stream)?;
             ops::astype(&y, dtype, &stream)?
         }
         Implementation::Cpu => cpu_primitive::apply(
             "veloxquant_pq_decode",
-            &[&flat, codebook],
+            &[&flat, &flat_hi, codebook],
             &out,
             &stream,
             Box::new(move |ins, outs| {
-                let (p, cb) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<f32>()?);
-                by_dtype!(dtype, T => cpu::pq_decode(p, n, d, cb, s, bits, outs[0].as_mut_slice::<T>()?));
+                let (p, cb) = (ins[0].as_slice::<u8>()?, ins[2].as_slice::<f32>()?);
+                let p_hi = if hi > 0 { ins[1].as_slice::<u8>()? } else { &[] };
+                by_dtype!(dtype, T => cpu::pq_decode(p, p_hi, n, d, cb, s, bits, outs[0].as_mut_slice::<T>()?));
                 Ok(())
             }),
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("packed", &[n, d, k, nbytes])?;
+            let p = params("codes", &[n, d, k, nb_lo, nb_hi])?;
             launch_gpu(
                 Source::PqDecode,
-                &[&flat, codebook, &p],
+                &[&flat, &flat_hi, codebook, &p],
                 &out,
-                ("packed", n * per.div_ceil(8)),
+                ("codes", n * per.div_ceil(8)),
                 &[
                     ("T", TemplateArg::Dtype(dtype)),
                     ("S", TemplateArg::Int(s as i32)),

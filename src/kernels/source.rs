@@ -12,6 +12,10 @@ pub enum Source {
     TqReduce,
     KvAttention,
     KvReduce,
+    TqProdEncode,
+    TqProdDecode,
+    TqRvqEncode,
+    TqRvqDecode,
     ScalarQuantize,
     ScalarDequantize,
     KiviQuantize,
@@ -35,6 +39,10 @@ impl Source {
             Source::TqReduce => "veloxquant_tq_reduce",
             Source::KvAttention => "veloxquant_kv_attention",
             Source::KvReduce => "veloxquant_kv_reduce",
+            Source::TqProdEncode => "veloxquant_tq_prod_encode",
+            Source::TqProdDecode => "veloxquant_tq_prod_decode",
+            Source::TqRvqEncode => "veloxquant_tq_rvq_encode",
+            Source::TqRvqDecode => "veloxquant_tq_rvq_decode",
             Source::ScalarQuantize => "veloxquant_scalar_quantize",
             Source::ScalarDequantize => "veloxquant_scalar_dequantize",
             Source::KiviQuantize => "veloxquant_kivi_quantize",
@@ -57,6 +65,10 @@ impl Source {
             Source::TqReduce => include_str!("../../metal/tq_reduce.metal"),
             Source::KvAttention => include_str!("../../metal/kv_attention.metal"),
             Source::KvReduce => include_str!("../../metal/kv_reduce.metal"),
+            Source::TqProdEncode => include_str!("../../metal/tq_prod_encode.metal"),
+            Source::TqProdDecode => include_str!("../../metal/tq_prod_decode.metal"),
+            Source::TqRvqEncode => include_str!("../../metal/tq_rvq_encode.metal"),
+            Source::TqRvqDecode => include_str!("../../metal/tq_rvq_decode.metal"),
             Source::ScalarQuantize => include_str!("../../metal/scalar_quantize.metal"),
             Source::ScalarDequantize => include_str!("../../metal/scalar_dequantize.metal"),
             Source::KiviQuantize => include_str!("../../metal/kivi_quantize.metal"),
@@ -79,6 +91,10 @@ impl Source {
             Source::TqReduce => include_str!("../../cuda/tq_reduce.cu"),
             Source::KvAttention => include_str!("../../cuda/kv_attention.cu"),
             Source::KvReduce => include_str!("../../cuda/kv_reduce.cu"),
+            Source::TqProdEncode => include_str!("../../cuda/tq_prod_encode.cu"),
+            Source::TqProdDecode => include_str!("../../cuda/tq_prod_decode.cu"),
+            Source::TqRvqEncode => include_str!("../../cuda/tq_rvq_encode.cu"),
+            Source::TqRvqDecode => include_str!("../../cuda/tq_rvq_decode.cu"),
             Source::ScalarQuantize => include_str!("../../cuda/scalar_quantize.cu"),
             Source::ScalarDequantize => include_str!("../../cuda/scalar_dequantize.cu"),
             Source::KiviQuantize => include_str!("../../cuda/kivi_quantize.cu"),
@@ -108,6 +124,12 @@ impl Source {
                 "qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k",
                 "win_v", "params",
             ],
+            Source::TqProdEncode => &["x", "rotation", "centroids", "sketch", "params"],
+            Source::TqProdDecode => &[
+                "codes", "signs", "norms", "residual_norms", "rotation", "centroids", "sketch", "params",
+            ],
+            Source::TqRvqEncode => &["x", "rotation", "centroids1", "centroids2", "params"],
+            Source::TqRvqDecode => &["codes1", "codes2", "norms", "rotation", "centroids1", "centroids2", "params"],
             Source::ScalarQuantize => &["x", "codebook", "params"],
             Source::ScalarDequantize => &["packed", "codebook", "params"],
             Source::KiviQuantize => &["x", "params"],
@@ -115,7 +137,7 @@ impl Source {
             Source::QjlEncode => &["k", "sketch", "params"],
             Source::QjlScore => &["q", "sketch", "signs", "norms", "params"],
             Source::PqEncode => &["x", "codebook", "params"],
-            Source::PqDecode => &["packed", "codebook", "params"],
+            Source::PqDecode => &["packed", "packed_hi", "codebook", "params"],
         }
     }
 
@@ -127,13 +149,17 @@ impl Source {
             Source::TqEncode => &["codes", "norms"],
             Source::TqAttention | Source::TqDecode | Source::KvAttention => &["m_out", "l_out", "acc_out"],
             Source::TqReduce | Source::KvReduce => &["out"],
+            Source::TqProdEncode => &["codes", "signs", "norms", "residual_norms"],
+            Source::TqProdDecode => &["y"],
+            Source::TqRvqEncode => &["codes1", "codes2", "norms"],
+            Source::TqRvqDecode => &["y"],
             Source::ScalarQuantize => &["packed"],
             Source::ScalarDequantize => &["y"],
             Source::KiviQuantize => &["packed", "scales", "zeros"],
             Source::KiviDequantize => &["y"],
             Source::QjlEncode => &["signs", "norms"],
             Source::QjlScore => &["scores"],
-            Source::PqEncode => &["packed"],
+            Source::PqEncode => &["packed", "packed_hi"],
             Source::PqDecode => &["y"],
         }
     }
@@ -143,6 +169,9 @@ impl Source {
         match self {
             Source::TqAttention => include_str!("../../metal/tq_common.h"),
             Source::KvAttention => concat!(include_str!("../../metal/tq_common.h"), include_str!("../../metal/kv_common.h")),
+            Source::TqProdEncode | Source::TqProdDecode | Source::TqRvqEncode | Source::TqRvqDecode => {
+                concat!(include_str!("../../metal/tq_common.h"), include_str!("../../metal/tq_norm.h"))
+            }
             _ => "",
         }
     }
@@ -150,7 +179,11 @@ impl Source {
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
         match self {
-            Source::TqDecode => include_str!("../../cuda/tq_common.cuh"),
+            Source::TqDecode
+            | Source::TqProdEncode
+            | Source::TqProdDecode
+            | Source::TqRvqEncode
+            | Source::TqRvqDecode => include_str!("../../cuda/tq_common.cuh"),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             _ => "",
         }

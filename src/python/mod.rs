@@ -260,29 +260,160 @@ fn pq_encode(
     bits: u32,
     policy: &str,
     device: Option<&str>,
-) -> PyResult<Py<PyAny>> {
+) -> PyResult<(Py<PyAny>, Option<Py<PyAny>>)> {
     let (x, cb) = (array_arg(x, "x")?, array_arg(codebook, "codebook")?);
     let out = kernels::pq_encode(&x, &cb, bits, &options(policy, device)?).map_err(to_py_err)?;
+    Ok((array_out(py, out.codes)?, out.codes_hi.map(|h| array_out(py, h)).transpose()?))
+}
+
+#[pyfunction]
+#[pyo3(signature = (codes, codebook, bits, d, dtype, *, codes_hi = None, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn pq_decode(
+    py: Python<'_>,
+    codes: &Bound<'_, PyAny>,
+    codebook: &Bound<'_, PyAny>,
+    bits: u32,
+    d: usize,
+    dtype: &str,
+    codes_hi: Option<&Bound<'_, PyAny>>,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let codes = kernels::PqCodes {
+        codes: array_arg(codes, "codes")?,
+        codes_hi: codes_hi.map(|h| array_arg(h, "codes_hi")).transpose()?,
+    };
+    let cb = array_arg(codebook, "codebook")?;
+    let out =
+        kernels::pq_decode(&codes, &cb, bits, d, float_dtype(dtype)?, &options(policy, device)?).map_err(to_py_err)?;
+    array_out(py, out)
+}
+
+fn optional_array(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option<Array>> {
+    obj.map(|o| array_arg(o, name)).transpose()
+}
+
+type ProdTuple = (Option<Py<PyAny>>, Py<PyAny>, Py<PyAny>, Option<Py<PyAny>>);
+
+#[pyfunction]
+#[pyo3(signature = (x, rotation, centroids, sketch, bits, *, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn tq_prod_encode(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    rotation: Option<&Bound<'_, PyAny>>,
+    centroids: Option<&Bound<'_, PyAny>>,
+    sketch: &Bound<'_, PyAny>,
+    bits: u32,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<ProdTuple> {
+    let x = array_arg(x, "x")?;
+    let (rot, cent) = (optional_array(rotation, "rotation")?, optional_array(centroids, "centroids")?);
+    let sk = array_arg(sketch, "sketch")?;
+    let e = kernels::tq_prod_encode(&x, rot.as_ref(), cent.as_ref(), &sk, bits, &options(policy, device)?)
+        .map_err(to_py_err)?;
+    Ok((
+        e.codes.map(|a| array_out(py, a)).transpose()?,
+        array_out(py, e.signs)?,
+        array_out(py, e.norms)?,
+        e.residual_norms.map(|a| array_out(py, a)).transpose()?,
+    ))
+}
+
+#[pyfunction]
+#[pyo3(signature = (codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, dtype, *, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn tq_prod_decode(
+    py: Python<'_>,
+    codes: Option<&Bound<'_, PyAny>>,
+    signs: &Bound<'_, PyAny>,
+    norms: &Bound<'_, PyAny>,
+    residual_norms: Option<&Bound<'_, PyAny>>,
+    rotation: Option<&Bound<'_, PyAny>>,
+    centroids: Option<&Bound<'_, PyAny>>,
+    sketch: &Bound<'_, PyAny>,
+    bits: u32,
+    dtype: &str,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<Py<PyAny>> {
+    let enc = kernels::ProdCodes {
+        codes: optional_array(codes, "codes")?,
+        signs: array_arg(signs, "signs")?,
+        norms: array_arg(norms, "norms")?,
+        residual_norms: optional_array(residual_norms, "residual_norms")?,
+    };
+    let (rot, cent) = (optional_array(rotation, "rotation")?, optional_array(centroids, "centroids")?);
+    let sk = array_arg(sketch, "sketch")?;
+    let out = kernels::tq_prod_decode(&enc, rot.as_ref(), cent.as_ref(), &sk, bits, float_dtype(dtype)?, &options(policy, device)?)
+        .map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (packed, codebook, bits, d, dtype, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, rotation, centroids1, centroids2, bits1, bits2, *, policy = "auto", device = None))]
 #[allow(clippy::too_many_arguments)]
-fn pq_decode(
+fn tq_rvq_encode(
     py: Python<'_>,
-    packed: &Bound<'_, PyAny>,
-    codebook: &Bound<'_, PyAny>,
-    bits: u32,
+    x: &Bound<'_, PyAny>,
+    rotation: Option<&Bound<'_, PyAny>>,
+    centroids1: &Bound<'_, PyAny>,
+    centroids2: &Bound<'_, PyAny>,
+    bits1: u32,
+    bits2: u32,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
+    let x = array_arg(x, "x")?;
+    let rot = optional_array(rotation, "rotation")?;
+    let (c1, c2) = (array_arg(centroids1, "centroids1")?, array_arg(centroids2, "centroids2")?);
+    let e = kernels::tq_rvq_encode(&x, rot.as_ref(), &c1, &c2, (bits1, bits2), &options(policy, device)?)
+        .map_err(to_py_err)?;
+    Ok((array_out(py, e.codes1)?, array_out(py, e.codes2)?, array_out(py, e.norms)?))
+}
+
+#[pyfunction]
+#[pyo3(signature = (codes1, codes2, norms, rotation, centroids1, centroids2, bits1, bits2, d, dtype, *, policy = "auto", device = None))]
+#[allow(clippy::too_many_arguments)]
+fn tq_rvq_decode(
+    py: Python<'_>,
+    codes1: &Bound<'_, PyAny>,
+    codes2: &Bound<'_, PyAny>,
+    norms: &Bound<'_, PyAny>,
+    rotation: Option<&Bound<'_, PyAny>>,
+    centroids1: &Bound<'_, PyAny>,
+    centroids2: &Bound<'_, PyAny>,
+    bits1: u32,
+    bits2: u32,
     d: usize,
     dtype: &str,
     policy: &str,
     device: Option<&str>,
 ) -> PyResult<Py<PyAny>> {
-    let (p, cb) = (array_arg(packed, "packed")?, array_arg(codebook, "codebook")?);
-    let out =
-        kernels::pq_decode(&p, &cb, bits, d, float_dtype(dtype)?, &options(policy, device)?).map_err(to_py_err)?;
+    let enc = kernels::RvqCodes {
+        codes1: array_arg(codes1, "codes1")?,
+        codes2: array_arg(codes2, "codes2")?,
+        norms: array_arg(norms, "norms")?,
+    };
+    let rot = optional_array(rotation, "rotation")?;
+    let (c1, c2) = (array_arg(centroids1, "centroids1")?, array_arg(centroids2, "centroids2")?);
+    let out = kernels::tq_rvq_decode(&enc, rot.as_ref(), &c1, &c2, (bits1, bits2), d, float_dtype(dtype)?, &options(policy, device)?)
+        .map_err(to_py_err)?;
     array_out(py, out)
+}
+
+/// Names of the primitives MLX would run to evaluate `arrays` (one per
+/// unevaluated graph node).
+#[pyfunction]
+fn pending_primitives(arrays: &Bound<'_, PyAny>) -> PyResult<Vec<String>> {
+    let mut held = Vec::new();
+    for (i, item) in arrays.try_iter()?.enumerate() {
+        held.push(array_arg(&item?, &format!("arrays[{i}]"))?);
+    }
+    let refs: Vec<&Array> = held.iter().collect();
+    crate::graph::pending_primitives(&refs).map_err(to_py_err)
 }
 
 /// The GPU back-end of the loaded MLX: "metal", "cuda" or None.
@@ -319,6 +450,11 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(qjl_score, m)?)?;
     m.add_function(wrap_pyfunction!(pq_encode, m)?)?;
     m.add_function(wrap_pyfunction!(pq_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(tq_prod_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(tq_prod_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(tq_rvq_encode, m)?)?;
+    m.add_function(wrap_pyfunction!(tq_rvq_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(pending_primitives, m)?)?;
     m.add_function(wrap_pyfunction!(gpu_backend, m)?)?;
     m.add_function(wrap_pyfunction!(cached_kernel_count, m)?)?;
     m.add_class::<cache::PyLayerCache>()?;

@@ -75,7 +75,7 @@ pub struct KmeansReport {
 }
 
 /// Bit planes for `c`-bit codes: (low, high) widths that `bit_pack` takes.
-fn planes(c: u32) -> (u32, u32) {
+pub fn planes(c: u32) -> (u32, u32) {
     match c {
         1 | 2 | 3 | 4 | 8 => (c, 0),
         5..=7 => (4, c - 4),

@@ -46,6 +46,8 @@ mlx_vector_string mlx_vector_string_new(void);
 int mlx_vector_string_free(mlx_vector_string vec);
 int mlx_vector_string_append_value(mlx_vector_string vec, const char* val);
 size_t mlx_vector_string_size(mlx_vector_string vec);
+/* `*res` points into the vector's storage, valid until the vector changes. */
+int mlx_vector_string_get(char** res, const mlx_vector_string vec, size_t idx);
 
 /* ---- dtypes ------------------------------------------------------------ */
 

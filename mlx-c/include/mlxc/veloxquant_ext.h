@@ -40,6 +40,15 @@ int vq_cpu_primitive_apply(mlx_vector_array* outputs, const char* name, vq_cpu_k
                            const int* output_shapes, const int* output_ndims, const mlx_dtype* output_dtypes,
                            size_t num_outputs, const mlx_stream stream);
 
+/* ---- Graph inspection ---------------------------------------------------- */
+
+/* Appends to `res` the name of every primitive MLX will run to evaluate
+ * `outputs`: one entry per graph node not evaluated yet (outputs of one
+ * primitive, such as a kernel's siblings, count once), inputs before the nodes
+ * that read them. Evaluated and constant arrays add nothing. Builds and
+ * evaluates nothing. `res` must be a vector from mlx_vector_string_new. */
+int vq_graph_pending_primitives(mlx_vector_string res, const mlx_vector_array outputs);
+
 /* ---- Python crossing (compiled only with the python feature) ------------- */
 
 /* Registers this extension with mlx's nanobind domain; call once at import

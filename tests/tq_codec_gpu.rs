@@ -1,0 +1,96 @@
+//! The TurboQuant-Prod and -RVQ kernels on the GPU against the CPU kernels:
+//! codes, signs, norms and decoded values bit for bit for the same input (same
+//! arithmetic; CUDA sums the norms in float64 like the CPU), in float32,
+//! float16 and bfloat16, with and without a rotation. Ignored where MLX has no
+//! GPU back-end; run on the GPU machine with `--ignored`.
+
+use rand::SeedableRng;
+use rand_chacha::ChaCha8Rng;
+use rand_distr::{Distribution, StandardNormal};
+use veloxquant::kernels::{tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, PROD_BITS};
+use veloxquant::quant::qjl::Sketch;
+use veloxquant::quant::ScalarCodebook;
+use veloxquant::{ops, Array, Dtype, Options, Policy, Stream};
+
+fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
+    let n: i32 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
+    ops::astype(&Array::from_slice(&v, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
+}
+
+fn f32_array(v: &[f32], shape: &[i32]) -> Array {
+    Array::from_slice(v, shape).unwrap()
+}
+
+fn bytes(a: &Array) -> Vec<u8> {
+    ops::contiguous(a, &Stream::cpu()).unwrap().to_bytes().unwrap()
+}
+
+fn on(s: &Stream) -> Options {
+    Options::on(s.clone(), Policy::Require)
+}
+
+fn count_differing(a: &[u8], b: &[u8]) -> usize {
+    a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_prod_is_bit_identical_to_cpu() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    for &(d, dtype) in &[(64usize, Dtype::F32), (128, Dtype::F16), (256, Dtype::BF16), (96, Dtype::F32)] {
+        for &bits in &PROD_BITS {
+            let mut rng = ChaCha8Rng::seed_from_u64(d as u64 * 10 + u64::from(bits));
+            let x = normal(&mut rng, &[3, 171, d as i32], dtype);
+            let rot = f32_array(&veloxquant::cache::rotation_matrix(d, 1).unwrap(), &[d as i32, d as i32]);
+            let sk = f32_array(&Sketch::new(d, d, true, 2).s, &[d as i32, d as i32]);
+            let cb = (bits > 1).then(|| {
+                let c = ScalarCodebook::sphere(d, bits - 1).unwrap().centroids().to_vec();
+                f32_array(&c, &[c.len() as i32])
+            });
+            for rotation in [Some(&rot), None] {
+                let tag = format!("d={d} {dtype} bits={bits} rotate={}", rotation.is_some());
+                let g = tq_prod_encode(&x, rotation, cb.as_ref(), &sk, bits, &on(&gpu)).unwrap();
+                let c = tq_prod_encode(&x, rotation, cb.as_ref(), &sk, bits, &on(&Stream::cpu())).unwrap();
+                assert_eq!(count_differing(&bytes(&g.signs), &bytes(&c.signs)), 0, "signs {tag}");
+                assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
+                if bits > 1 {
+                    let (gc, cc) = (g.codes.as_ref().unwrap(), c.codes.as_ref().unwrap());
+                    assert_eq!(count_differing(&bytes(gc), &bytes(cc)), 0, "codes {tag}");
+                    let (gr, cr) = (g.residual_norms.as_ref().unwrap(), c.residual_norms.as_ref().unwrap());
+                    assert_eq!(count_differing(&bytes(gr), &bytes(cr)), 0, "residual norms {tag}");
+                }
+                let yg = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
+                let yc = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
+                assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode {tag}");
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_rvq_is_bit_identical_to_cpu() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    for &(d, dtype) in &[(64usize, Dtype::F32), (128, Dtype::F16), (256, Dtype::BF16)] {
+        for &bits in &[(1u32, 1u32), (2, 2), (4, 3), (1, 8), (8, 4)] {
+            let mut rng = ChaCha8Rng::seed_from_u64(d as u64 * 100 + u64::from(bits.0 * 10 + bits.1));
+            let x = normal(&mut rng, &[517, d as i32], dtype);
+            let rot = f32_array(&veloxquant::cache::rotation_matrix(d, 3).unwrap(), &[d as i32, d as i32]);
+            let c1 = ScalarCodebook::sphere(d, bits.0).unwrap().centroids().to_vec();
+            let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
+            let (c1, c2) = (f32_array(&c1, &[c1.len() as i32]), f32_array(&c2, &[c2.len() as i32]));
+            for rotation in [Some(&rot), None] {
+                let tag = format!("d={d} {dtype} bits={bits:?} rotate={}", rotation.is_some());
+                let g = tq_rvq_encode(&x, rotation, &c1, &c2, bits, &on(&gpu)).unwrap();
+                let c = tq_rvq_encode(&x, rotation, &c1, &c2, bits, &on(&Stream::cpu())).unwrap();
+                assert_eq!(count_differing(&bytes(&g.codes1), &bytes(&c.codes1)), 0, "codes1 {tag}");
+                assert_eq!(count_differing(&bytes(&g.codes2), &bytes(&c.codes2)), 0, "codes2 {tag}");
+                assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
+                let yg = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
+                let yc = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
+                assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode {tag}");
+            }
+        }
+    }
+}
