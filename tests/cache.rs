@@ -505,3 +505,20 @@ fn prod_and_rvq_store_what_the_reference_quantizers_do() {
         assert!(rel(&vd, &v) < 0.5 && rel(&got_k, &centred) < 1.0, "bits {bits}");
     }
 }
+
+#[test]
+fn rvq_residual_bit_lowers_the_error() {
+    // Values' relative MSE: TurboQuant-RVQ at `bits` (bits − 1, then 1 on the
+    // residual) against TurboQuant-MSE at bits − 1.
+    let err = |method: Method, bits: u32| {
+        let mut cfg = config(128, 2, method, Policy::Auto);
+        (cfg.key_bits, cfg.value_bits, cfg.window, cfg.sinks) = (bits, bits, 1, 0);
+        let (cache, chunks) = filled(cfg, 1, 400, 0, Dtype::F32, 9);
+        let (_, v) = concat_tokens(&chunks);
+        rel_err(&cache.dequantize().unwrap().1, &v).powi(2)
+    };
+    for bits in [2u32, 3, 4, 5] {
+        let (rvq, mse) = (err(Method::TurboQuantRvq, bits), err(Method::TurboQuantMse, bits - 1));
+        assert!(rvq < 0.8 * mse, "bits {bits}: rvq {rvq} vs turboquant-mse at {} bits {mse}", bits - 1);
+    }
+}
