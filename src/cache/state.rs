@@ -123,8 +123,9 @@ struct Side {
     /// `[B, Hkv, capacity, row_len]`: uint8 codes, or the tokens in the
     /// cache's dtype for the dense codec.
     codes: Array,
-    /// Norms (TurboQuant, `[B, Hkv, capacity]`) or KIVI scales
-    /// (`[B, Hkv, param_rows, param_cols]`), float16.
+    /// Norms (TurboQuant-MSE and -RVQ, product quantization, QJL: `[B, Hkv,
+    /// capacity]`; TurboQuant-Prod: norm and residual norm, `[B, Hkv,
+    /// capacity, 2]`) or KIVI scales (`[B, Hkv, param_rows, param_cols]`), float16.
     scales: Option<Array>,
     /// KIVI zeros, float16, shaped as the scales.
     zeros: Option<Array>,
