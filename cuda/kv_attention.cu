@@ -85,6 +85,42 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     const float n = kv_float(k_scales[head * CAP + t]);
 #pragma unroll
     for (int r = 0; r < QN; ++r) s[r] *= n;
+  } else if (compressed && tid < count && KM == 5) {
+    pos = n_sink + t;
+    // QJL: ±(c S q)_r by the sign bit r of the key, times its norm.
+    const uint8_t* krow = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + t) * ((D * KB + 7) / 8);
+    for (int i = 0; i < KB * D; ++i) {
+      const bool up = kv_code_at(krow, unsigned(i), 1u) != 0u;
+#pragma unroll
+      for (int r = 0; r < QN; ++r) {
+        const float f = qf[qrow[r] + D + i];
+        s[r] += up ? f : -f;
+      }
+    }
+    const float n = kv_float(k_scales[head * CAP + t]);
+#pragma unroll
+    for (int r = 0; r < QN; ++r) s[r] *= n;
+  } else if (compressed && tid < count && KM == 6) {
+    pos = n_sink + t;
+    // TurboQuant-Prod: norm * (<Πq, c[code]> + residual norm * Σ ±(c S Πq)_j).
+    constexpr int KROW = (D * KB + 7) / 8, MSE_ROW = (D * (KB - 1) + 7) / 8;
+    const uint8_t* krow = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + t) * KROW;
+    float z[QN];
+#pragma unroll
+    for (int r = 0; r < QN; ++r) z[r] = 0.0f;
+    for (int j = 0; j < D; ++j) {
+      const float kj = k_table[kv_code_at(krow, unsigned(j), unsigned(KB - 1))];
+      const bool up = kv_code_at(krow + MSE_ROW, unsigned(j), 1u) != 0u;
+#pragma unroll
+      for (int r = 0; r < QN; ++r) {
+        s[r] += qs[r * D + j] * kj;
+        const float f = qf[qrow[r] + D + j];
+        z[r] += up ? f : -f;
+      }
+    }
+    const float n = kv_float(k_scales[(head * CAP + t) * 2]), rn = kv_float(k_scales[(head * CAP + t) * 2 + 1]);
+#pragma unroll
+    for (int r = 0; r < QN; ++r) s[r] = n * (s[r] + rn * z[r]);
   } else if (compressed && tid < count) {
     pos = n_sink + t;
     for (int j = 0; j < D; ++j) {

@@ -1,7 +1,9 @@
 // Shared by the kv_attention bodies: decoding one element of a compressed
 // token for each codec (0 dense, 1 TurboQuant-MSE, 2 KIVI per channel over
 // groups of G tokens, 3 KIVI per token over groups of G channels, 4 product
-// quantization with sub-vectors of G channels).
+// quantization with sub-vectors of G channels, 7 TurboQuant-RVQ: B-1 bits then
+// 1 residual bit, the first codebook then the second in `table`; 5 QJL and 6
+// TurboQuant-Prod are keys only and scored in kv_attention.cu).
 
 template <typename X>
 __device__ inline float kv_float(X x) {
@@ -35,6 +37,12 @@ __device__ inline float kv_element(const C* codes, const S* scales, const S* zer
     constexpr int ROW = (D / G * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j) / G, unsigned(B));
     return table[c * G + j % G] * kv_float(scales[slot]);
+  } else if constexpr (M == 7) {
+    constexpr int ROW = (D * B + 7) / 8, FIRST = (D * (B - 1) + 7) / 8;
+    const uint8_t* row = reinterpret_cast<const uint8_t*>(codes) + slot * ROW;
+    const unsigned c1 = kv_code_at(row, unsigned(j), unsigned(B - 1));
+    const unsigned c2 = kv_code_at(row + FIRST, unsigned(j), 1u);
+    return (table[c1] + table[(1u << (B - 1)) + c2]) * kv_float(scales[slot]);
   } else {
     constexpr int ROW = (D * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));

@@ -8,7 +8,8 @@
 // for the values.
 // Inputs: qf float32 [B, Hq, L, QF] (queries in the key frame, scaled, from
 // the host; for product-quantized keys followed by the lookup table of every
-// sub-vector, read from device memory); per side codes (uint8, or T for the dense codec), scales and
+// sub-vector, for QJL and TurboQuant-Prod keys by the sketched query c S q,
+// read from device memory); per side codes (uint8, or T for the dense codec), scales and
 // zeros (float16), table (float32 codebook); the float16 windows in each
 // side's frame; params = {B, Hq, Hkv, L, n_sink, n_comp, n_recent, CAP, WCAP,
 // split_tokens, num_splits, q_tiles, causal, comp_splits}.
@@ -18,6 +19,8 @@
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
+// Prod and RVQ rows (B-1 bits then 1 bit per channel) and QJL rows (KB * D
+// sign bits) are (D * B + 7) / 8 bytes too.
 constexpr int KROW = KM == 0 ? D : KM == 4 ? (D / KG * KB + 7) / 8 : (D * KB + 7) / 8;
 constexpr int VROW = VM == 0 ? D : VM == 4 ? (D / VG * VB + 7) / 8 : (D * VB + 7) / 8;
 threadgroup float qs[QN * D];
@@ -89,6 +92,35 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
       for (int r = 0; r < QN; ++r) s[r] += qf[qrow[r] + D + uint(p) * (1u << KB) + c];
     }
     for (int r = 0; r < QN; ++r) s[r] *= float(k_scales[head * CAP + t]);
+  } else if (compressed && uint(tid) < count && KM == 5) {
+    pos = n_sink + t;
+    // QJL: ±(c S q)_r by the sign bit r of the key, times its norm.
+    for (int i = 0; i < KB * D; ++i) {
+      const bool up = VQ_CODE_AT(k_codes, (head * CAP + t) * KROW, uint(i), 1u) != 0u;
+      for (int r = 0; r < QN; ++r) {
+        const float f = qf[qrow[r] + D + uint(i)];
+        s[r] += up ? f : -f;
+      }
+    }
+    for (int r = 0; r < QN; ++r) s[r] *= float(k_scales[head * CAP + t]);
+  } else if (compressed && uint(tid) < count && KM == 6) {
+    pos = n_sink + t;
+    // TurboQuant-Prod: norm * (<Πq, c[code]> + residual norm * Σ ±(c S Πq)_j).
+    constexpr int MSE_ROW = (D * (KB - 1) + 7) / 8;
+    const ulong base = (head * CAP + t) * KROW;
+    float z[QN];
+    for (int r = 0; r < QN; ++r) z[r] = 0.0f;
+    for (int j = 0; j < D; ++j) {
+      const float kj = k_table[VQ_CODE_AT(k_codes, base, uint(j), uint(KB) - 1u)];
+      const bool up = VQ_CODE_AT(k_codes, base + MSE_ROW, uint(j), 1u) != 0u;
+      for (int r = 0; r < QN; ++r) {
+        s[r] += qs[r * D + j] * kj;
+        const float f = qf[qrow[r] + D + uint(j)];
+        z[r] += up ? f : -f;
+      }
+    }
+    const float n = float(k_scales[(head * CAP + t) * 2]), rn = float(k_scales[(head * CAP + t) * 2 + 1]);
+    for (int r = 0; r < QN; ++r) s[r] = n * (s[r] + rn * z[r]);
   } else if (compressed && uint(tid) < count) {
     pos = n_sink + t;
     for (int j = 0; j < D; ++j) {

@@ -218,7 +218,7 @@ fn channel_offsets_of_keys_do_not_cost_precision() {
 
 /// Key and value methods with their bits, mixed: every method on both sides
 /// and in combination with the others.
-const MIXED: [(Method, u32, Method, u32); 8] = [
+const MIXED: [(Method, u32, Method, u32); 14] = [
     (Method::Kivi, 4, Method::Kivi, 2),
     (Method::Pq, 2, Method::Pq, 4),
     (Method::Pq, 1, Method::Kivi, 4),
@@ -227,6 +227,12 @@ const MIXED: [(Method, u32, Method, u32); 8] = [
     (Method::Kivi, 8, Method::Fp16, 16),
     (Method::Fp16, 16, Method::Kivi, 4),
     (Method::TurboQuantMse, 3, Method::Fp16, 16),
+    (Method::Qjl, 1, Method::Kivi, 4),
+    (Method::Qjl, 2, Method::Fp16, 16),
+    (Method::TurboQuantProd, 4, Method::TurboQuantRvq, 3),
+    (Method::TurboQuantProd, 2, Method::Pq, 2),
+    (Method::TurboQuantRvq, 5, Method::TurboQuantRvq, 2),
+    (Method::Kivi, 4, Method::TurboQuantRvq, 4),
 ];
 
 fn mixed_config(d: usize, hkv: usize, m: (Method, u32, Method, u32), policy: Policy) -> CacheConfig {
@@ -239,7 +245,8 @@ fn mixed_config(d: usize, hkv: usize, m: (Method, u32, Method, u32), policy: Pol
 
 #[test]
 fn mixed_methods_fused_attention_matches_decoded_sdpa() {
-    let dims = [(64usize, Dtype::F32, 1e-5), (128, Dtype::F32, 1e-5), (80, Dtype::F16, 1e-2), (80, Dtype::F16, 1e-2), (96, Dtype::F32, 1e-5), (128, Dtype::BF16, 2e-2), (256, Dtype::F16, 1e-2), (128, Dtype::F32, 1e-5)];
+    let dims = [(64usize, Dtype::F32, 1e-5), (128, Dtype::F32, 1e-5), (80, Dtype::F16, 1e-2), (80, Dtype::F16, 1e-2), (96, Dtype::F32, 1e-5), (128, Dtype::BF16, 2e-2), (256, Dtype::F16, 1e-2), (128, Dtype::F32, 1e-5),
+                (64, Dtype::F32, 1e-5), (128, Dtype::F16, 1e-2), (128, Dtype::F32, 1e-5), (64, Dtype::F16, 1e-2), (96, Dtype::F32, 1e-5), (80, Dtype::BF16, 2e-2)];
     for (i, &m) in MIXED.iter().enumerate() {
         let (d, dtype, tol) = dims[i];
         // Batch 2, GQA 4:1, a prefill chunk and single tokens.
@@ -361,6 +368,23 @@ fn wrong_bits_and_methods_name_the_argument() {
     c.value_bits = 7;
     let e = LayerCache::new(c, None).err().unwrap().to_string();
     assert!(e.starts_with("value_bits: 7 is not supported by kivi"), "{e}");
+    for (method, bits) in [(Method::Qjl, 5u32), (Method::TurboQuantProd, 1), (Method::TurboQuantProd, 6), (Method::TurboQuantRvq, 1)] {
+        let mut c = config(64, 2, Method::Fp16, Policy::Auto);
+        (c.key_method, c.key_bits) = (method, bits);
+        let e = LayerCache::new(c, None).err().unwrap().to_string();
+        assert!(e.starts_with(&format!("key_bits: {bits} is not supported by {method}")), "{e}");
+    }
+    let mut c = config(64, 2, Method::TurboQuantRvq, Policy::Auto);
+    c.value_bits = 8;
+    let e = LayerCache::new(c, None).err().unwrap().to_string();
+    assert!(e.starts_with("value_bits: 8 is not supported by turboquant-rvq"), "{e}");
+    // The estimators hold keys only.
+    for method in [Method::Qjl, Method::TurboQuantProd] {
+        let mut c = config(64, 2, Method::TurboQuantMse, Policy::Auto);
+        (c.value_method, c.value_bits) = (method, 2);
+        let e = LayerCache::new(c, None).err().unwrap().to_string();
+        assert!(e.starts_with(&format!("value_method: {method} estimates attention scores and stores keys only")), "{e}");
+    }
     let e = "nope".parse::<Method>().unwrap_err().to_string();
     assert!(e.starts_with("method: \"nope\" is not one of") && e.contains("\"kivi\""), "{e}");
 }
@@ -380,4 +404,121 @@ fn pq_compression_error_falls_with_bits() {
     }
     // Relative MSE: far from useless at 1 bit, and each doubling helps.
     assert!(errs[0] < 0.5 && errs[1] < 0.7 * errs[0] && errs[2] < 0.7 * errs[1], "relative MSE by bits 1, 2, 4: {errs:?}");
+}
+
+/// Errors of the keys' inner products with queries aligned with them (`q =
+/// 0.6 k + z`, so that a wrong scale of the estimate shows as a bias), as the
+/// cache's decoded keys give them (the fused kernel scores the same
+/// estimate). Unbiasedness is over the sketch's randomness as well as the
+/// data, so the pairs are spread over 10 cache seeds: (relative bias, its
+/// 99.9% interval from the spread of the seeds' biases, rms error / d ≈
+/// ‖q‖ ‖k‖).
+fn score_stats(method: Method, bits: u32) -> (f64, f64, f64) {
+    let (d, t, seeds) = (64usize, 600i32, 10u64);
+    let (mut biases, mut sq, mut n) = (Vec::new(), 0.0f64, 0usize);
+    for seed in 0..seeds {
+        let mut cfg = config(d, 1, method, Policy::Auto);
+        (cfg.key_bits, cfg.value_method, cfg.value_bits, cfg.seed) = (bits, Method::Fp16, 16, seed);
+        (cfg.window, cfg.sinks) = (1, 0);
+        let (cache, chunks) = filled(cfg, 1, t, 0, Dtype::F32, 31 + seed);
+        assert_eq!(cache.compressed_tokens(), t as usize - 1);
+        let (k, _) = concat_tokens(&chunks);
+        let (kd, _) = cache.dequantize().unwrap();
+        let (k, kd) = (f32s(&k), f32s(&kd));
+        let z = f32s(&normal(&mut ChaCha8Rng::seed_from_u64(100 + seed), &[t, d as i32], Dtype::F32));
+        let (mut err, mut truth) = (0.0f64, 0.0f64);
+        for ((exact, est), z) in k.chunks(d).zip(kd.chunks(d)).zip(z.chunks(d)).take(t as usize - 1) {
+            let q: Vec<f32> = exact.iter().zip(z).map(|(a, b)| 0.6 * a + b).collect();
+            let dot = |x: &[f32]| x.iter().zip(&q).map(|(a, b)| f64::from(a * b)).sum::<f64>();
+            let e = dot(est) - dot(exact);
+            (err, truth, sq, n) = (err + e, truth + dot(exact), sq + e * e, n + 1);
+        }
+        biases.push(err / truth);
+    }
+    let k = seeds as f64;
+    let rel = biases.iter().sum::<f64>() / k;
+    let sd = (biases.iter().map(|b| (b - rel).powi(2)).sum::<f64>() / (k - 1.0)).sqrt();
+    // Student t with 9 degrees of freedom: 4.78 for 99.9%.
+    (rel, 4.78 * sd / k.sqrt(), (sq / n as f64).sqrt() / d as f64)
+}
+
+#[test]
+fn estimated_scores_are_unbiased_and_tighten_with_bits() {
+    let mut last = (Method::Fp16, f64::INFINITY);
+    for (method, bits, bound) in [
+        (Method::Qjl, 1, 0.12),
+        (Method::Qjl, 4, 0.06),
+        (Method::TurboQuantProd, 2, 0.08),
+        (Method::TurboQuantProd, 5, 0.02),
+    ] {
+        let (rel, ci, rms) = score_stats(method, bits);
+        eprintln!("{method}/{bits}: relative bias {rel:.4} ± {ci:.4}, rms {rms:.4} of ‖q‖‖k‖");
+        assert!(rel.abs() < ci && rel.abs() < 0.02, "{method}/{bits}: relative bias {rel} ± {ci}");
+        assert!(rms < bound, "{method}/{bits}: rms error {rms} of ‖q‖‖k‖");
+        if last.0 == method {
+            assert!(rms < 0.7 * last.1, "{method}/{bits}: more bits, smaller error ({rms} vs {})", last.1);
+        }
+        last = (method, rms);
+    }
+    // TurboQuant-MSE at 1 bit shrinks inner products by about 2/π: the
+    // statistics above can tell a biased method.
+    let (rel, ci, _) = score_stats(Method::TurboQuantMse, 1);
+    assert!(rel.abs() > ci && (rel + 1.0 - 2.0 / std::f64::consts::PI).abs() < 0.05, "turboquant-mse/1: {rel} ± {ci}");
+}
+
+#[test]
+fn prod_and_rvq_store_what_the_reference_quantizers_do() {
+    use veloxquant::quant::{Quantizer, RotationKind, TurboQuantProd, TurboQuantRvq};
+    let (d, t, seed) = (64usize, 400i32, 5u64);
+    for bits in [2u32, 4] {
+        let mut cfg = config(d, 2, Method::TurboQuantProd, Policy::Auto);
+        (cfg.key_bits, cfg.value_method, cfg.value_bits, cfg.seed) = (bits, Method::TurboQuantRvq, bits + 1, seed);
+        (cfg.window, cfg.sinks) = (1, 0);
+        let (cache, chunks) = filled(cfg, 1, t, 0, Dtype::F32, 33);
+        let (k, v) = concat_tokens(&chunks);
+        let (kd, vd) = cache.dequantize().unwrap();
+        let (k, v, kd, vd) = (f32s(&k), f32s(&v), f32s(&kd), f32s(&vd));
+        // Keys are stored minus their channel mean (of the one append).
+        let mut mean = vec![0.0f32; 2 * d];
+        for (i, x) in k.iter().enumerate() {
+            mean[(i / (t as usize * d)) * d + i % d] += x / t as f32;
+        }
+        let centred: Vec<f32> = k.iter().enumerate().map(|(i, x)| x - mean[(i / (t as usize * d)) * d + i % d]).collect();
+        let prod = TurboQuantProd::new(d, bits, RotationKind::Hadamard, seed).unwrap();
+        let rvq = TurboQuantRvq::new(d, bits, 1, RotationKind::Hadamard, seed).unwrap();
+        let want_k = prod.decode(&prod.encode(&centred).unwrap()).unwrap();
+        let want_v = rvq.decode(&rvq.encode(&v).unwrap()).unwrap();
+        let got_k: Vec<f32> = kd.iter().enumerate().map(|(i, x)| x - mean[(i / (t as usize * d)) * d + i % d]).collect();
+        // Compressed tokens only (the last one is in the window).
+        let rel = |a: &[f32], b: &[f32]| {
+            let (mut num, mut den) = (0.0f64, 0.0f64);
+            for h in 0..2 {
+                let r = h * t as usize * d..(h * t as usize + t as usize - 1) * d;
+                num += a[r.clone()].iter().zip(&b[r.clone()]).map(|(x, y)| f64::from(x - y).powi(2)).sum::<f64>();
+                den += b[r].iter().map(|y| f64::from(*y).powi(2)).sum::<f64>();
+            }
+            (num / den).sqrt()
+        };
+        let (ek, ev) = (rel(&got_k, &want_k), rel(&vd, &want_v));
+        assert!(ek < 1e-2 && ev < 1e-2, "bits {bits}: cache vs reference quantizer, keys {ek}, values {ev}");
+        // And both are real approximations of the input.
+        assert!(rel(&vd, &v) < 0.5 && rel(&got_k, &centred) < 1.0, "bits {bits}");
+    }
+}
+
+#[test]
+fn rvq_residual_bit_lowers_the_error() {
+    // Values' relative MSE: TurboQuant-RVQ at `bits` (bits − 1, then 1 on the
+    // residual) against TurboQuant-MSE at bits − 1.
+    let err = |method: Method, bits: u32| {
+        let mut cfg = config(128, 2, method, Policy::Auto);
+        (cfg.key_bits, cfg.value_bits, cfg.window, cfg.sinks) = (bits, bits, 1, 0);
+        let (cache, chunks) = filled(cfg, 1, 400, 0, Dtype::F32, 9);
+        let (_, v) = concat_tokens(&chunks);
+        rel_err(&cache.dequantize().unwrap().1, &v).powi(2)
+    };
+    for bits in [2u32, 3, 4, 5] {
+        let (rvq, mse) = (err(Method::TurboQuantRvq, bits), err(Method::TurboQuantMse, bits - 1));
+        assert!(rvq < 0.8 * mse, "bits {bits}: rvq {rvq} vs turboquant-mse at {} bits {mse}", bits - 1);
+    }
 }

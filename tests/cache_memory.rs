@@ -65,6 +65,8 @@ fn resident_memory_is_the_reported_nbytes() {
         (Method::Kivi, 2, Method::TurboQuantMse, 4, 2.2),
         (Method::TurboQuantMse, 4, Method::Fp16, 16, 1.1),
         (Method::Pq, 2, Method::Pq, 1, 4.0),
+        (Method::Qjl, 1, Method::Kivi, 4, 2.5),
+        (Method::TurboQuantProd, 4, Method::TurboQuantRvq, 3, 3.0),
     ] {
         let mut cfg = config(128, 8, km, Policy::Auto);
         cfg.key_bits = kb;

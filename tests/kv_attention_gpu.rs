@@ -39,6 +39,11 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         (Method::Kivi, 4, Method::Kivi, 4, 256, 1, 4, Dtype::F16, 1e-2),
         (Method::Pq, 2, Method::Pq, 4, 128, 8, 32, Dtype::F32, 1e-5),
         (Method::Pq, 1, Method::Kivi, 2, 64, 2, 8, Dtype::F16, 1e-2),
+        (Method::Qjl, 1, Method::TurboQuantMse, 4, 128, 8, 32, Dtype::F32, 1e-5),
+        (Method::Qjl, 2, Method::Kivi, 4, 64, 2, 8, Dtype::F16, 1e-2),
+        (Method::TurboQuantProd, 4, Method::TurboQuantRvq, 3, 128, 8, 32, Dtype::F32, 1e-5),
+        (Method::TurboQuantProd, 2, Method::Fp16, 16, 96, 2, 4, Dtype::BF16, 2e-2),
+        (Method::TurboQuantRvq, 5, Method::TurboQuantRvq, 2, 64, 3, 9, Dtype::F16, 1e-2),
     ] {
         let mut cfg = CacheConfig::new(d, hkv);
         (cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits) = (km, kb, vm, vb);

@@ -18,7 +18,6 @@ use veloxquant::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCode
 use veloxquant::cpu::turboquant::{self as tq, FromF32};
 use veloxquant::cpu::{Float, VqElement};
 use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
-use veloxquant::quant::ScalarCodebook;
 
 fn read(rel: &str) -> String {
     let path = metal_emulator::repo_root().join(rel);
@@ -112,11 +111,7 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
         dense: if sc.codec == Codec::Dense { vec![<T as Float>::from_f32(f32::NAN); heads * cap * d] } else { Vec::new() },
         scales: if pc > 0 { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
         zeros: if sc.has_zeros() { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
-        table: match sc.codec {
-            Codec::TurboQuantMse => ScalarCodebook::sphere(d, sc.bits).unwrap().centroids().to_vec(),
-            Codec::ProductQuantized => veloxquant::cache::pq_codebook(d, sc.group).unwrap(),
-            _ => Vec::new(),
-        },
+        table: veloxquant::cache::codec_table(&sc, d, 0).unwrap().unwrap_or_default(),
         window: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
     };
     let (c0, c1, total, n) = (sh.sinks, sh.sinks + sh.compressed, sh.total(), sh.compressed);
@@ -145,6 +140,47 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
                     unit.extend(tok.iter().map(|v| v.to_f32() / norm));
                 }
                 veloxquant::cpu::pq_encode(&unit, n, d, &side.table, sc.group, sc.bits, &mut side.codes[slots.start * row..slots.end * row]);
+            }
+            Codec::Qjl => {
+                let m = sc.sketch_rows(d);
+                veloxquant::cpu::qjl_encode(comp, n, d, &side.table, m, &mut side.codes[slots.start * row..slots.end * row], &mut side.scales[slots]);
+            }
+            Codec::TurboQuantProd | Codec::TurboQuantRvq => {
+                // Norms and unit vectors, the first stage's codes, then the
+                // residual's signs and norm (Prod) or 1-bit codes (RVQ);
+                // each row is the first codes followed by the second.
+                let (b1, first) = (sc.bits - 1, 1usize << (sc.bits - 1));
+                let mut unit = Vec::with_capacity(n * d);
+                let mut norms = Vec::with_capacity(n);
+                for tok in comp.chunks(d) {
+                    let norm = tok.iter().map(|v| v.to_f32() * v.to_f32()).sum::<f32>().sqrt();
+                    norms.push(f16::from_f32(norm));
+                    unit.extend(tok.iter().map(|v| v.to_f32() / norm));
+                }
+                let (l1, l2) = (sc.first_len(d), row - sc.first_len(d));
+                let mut c1 = vec![0u8; n * l1];
+                veloxquant::cpu::scalar_quantize(&unit, n, d, &side.table[..first], b1, &mut c1);
+                let mut approx = vec![0.0f32; n * d];
+                veloxquant::cpu::scalar_dequantize(&c1, n, d, &side.table[..first], b1, &mut approx);
+                let residual: Vec<f32> = unit.iter().zip(&approx).map(|(u, a)| u - a).collect();
+                let mut c2 = vec![0u8; n * l2];
+                let mut rnorms = vec![f16::ZERO; n];
+                if sc.codec == Codec::TurboQuantProd {
+                    veloxquant::cpu::qjl_encode(&residual, n, d, &side.table[first..], d, &mut c2, &mut rnorms);
+                } else {
+                    veloxquant::cpu::scalar_quantize(&residual, n, d, &side.table[first..], 1, &mut c2);
+                }
+                for i in 0..n {
+                    let dst = &mut side.codes[(slots.start + i) * row..(slots.start + i + 1) * row];
+                    dst[..l1].copy_from_slice(&c1[i * l1..(i + 1) * l1]);
+                    dst[l1..].copy_from_slice(&c2[i * l2..(i + 1) * l2]);
+                    if sc.codec == Codec::TurboQuantProd {
+                        side.scales[2 * (slots.start + i)] = norms[i];
+                        side.scales[2 * (slots.start + i) + 1] = rnorms[i];
+                    } else {
+                        side.scales[slots.start + i] = norms[i];
+                    }
+                }
             }
             Codec::KiviPerChannel | Codec::KiviPerToken => {
                 let per_channel = sc.codec == Codec::KiviPerChannel;
@@ -298,6 +334,20 @@ fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usiz
             })
             .collect();
     }
+    if matches!(sh.key.codec, Codec::Qjl | Codec::TurboQuantProd) {
+        // Each row followed by its sketched query c S q (the sketch after
+        // Prod's centroids).
+        let m = sh.key.sketch_rows(d);
+        let sketch = &k.table[k.table.len() - m * d..];
+        let c = kv::sketch_scale(m);
+        qf = qf
+            .chunks(d)
+            .flat_map(|row| {
+                let sq: Vec<f32> = sketch.chunks(d).map(|s| c * s.iter().zip(row).map(|(a, b)| a * b).sum::<f32>()).collect();
+                row.iter().copied().chain(sq).collect::<Vec<f32>>()
+            })
+            .collect();
+    }
     let rot_v: &[f32] = if sh.value.codec.rotated() { &rot } else { &[] };
     let mut want = vec![<T as Float>::from_f32(0.0); sh.batch * sh.q_heads * sh.queries * d];
     kv::kv_attention(&qf, &k.view(), &v.view(), rot_v, &sh, &mut want);
@@ -350,4 +400,26 @@ fn product_quantized_keys_and_values_match_cpu() {
     check::<f32>(shape(1, 4, 2, 3, 64, k, v, (4, 150, 9), true), 1e-5, 6);
     let (k, v) = (codec(Codec::ProductQuantized, 8, 8), codec(Codec::KiviPerToken, 4, 32));
     check::<f16>(shape(2, 2, 1, 1, 128, k, v, (0, 200, 5), false), 1e-2, 7);
+}
+
+#[test]
+fn sketched_keys_match_cpu() {
+    // QJL keys (1 and 2 sketch rows per channel) and TurboQuant-Prod keys,
+    // scored from the sketched query read from device memory.
+    let (k, v) = (codec(Codec::Qjl, 1, 1), codec(Codec::KiviPerToken, 4, 32));
+    check::<f32>(shape(1, 4, 2, 3, 64, k, v, (4, 150, 9), true), 1e-5, 8);
+    let (k, v) = (codec(Codec::Qjl, 2, 1), codec(Codec::TurboQuantMse, 4, 1));
+    check::<f16>(shape(2, 2, 1, 1, 128, k, v, (0, 200, 5), false), 1e-2, 9);
+    let (k, v) = (codec(Codec::TurboQuantProd, 4, 1), codec(Codec::Dense, 16, 1));
+    check::<f32>(shape(1, 8, 2, 2, 96, k, v, (4, 160, 7), true), 1e-5, 10);
+    let (k, v) = (codec(Codec::TurboQuantProd, 2, 1), codec(Codec::KiviPerToken, 2, 32));
+    check::<f16>(shape(1, 2, 2, 1, 64, k, v, (2, 140, 3), false), 1e-2, 11);
+}
+
+#[test]
+fn residual_quantized_keys_and_values_match_cpu() {
+    let (k, v) = (codec(Codec::TurboQuantRvq, 3, 1), codec(Codec::TurboQuantRvq, 5, 1));
+    check::<f32>(shape(1, 4, 2, 3, 64, k, v, (4, 150, 9), true), 1e-5, 12);
+    let (k, v) = (codec(Codec::KiviPerChannel, 4, 16), codec(Codec::TurboQuantRvq, 2, 1));
+    check::<f16>(shape(1, 2, 1, 1, 128, k, v, (4, 170, 5), false), 1e-2, 13);
 }

@@ -180,7 +180,7 @@ class Quantizer:
     @staticmethod
     def load(path: Union[str, os.PathLike[str]]) -> Quantizer: ...
 
-_Method = Literal["fp16", "turboquant-mse", "kivi", "pq"]
+_Method = Literal["fp16", "turboquant-mse", "kivi", "pq", "qjl", "turboquant-prod", "turboquant-rvq"]
 
 class LayerCache:
     """One attention layer's compressed key/value cache.
@@ -188,7 +188,10 @@ class LayerCache:
     Keys and values each have their own method and bits (docs/CACHE_API.md):
     ``"fp16"`` (the uncompressed control, bits ignored), ``"turboquant-mse"``
     (1, 2, 3, 4 or 8 bits), ``"kivi"`` (1, 2, 3, 4 or 8 bits), ``"pq"``
-    (1, 2 or 4 bits per element).
+    (1, 2 or 4 bits per element), ``"turboquant-rvq"`` (2 to 5 bits: ``bits - 1``
+    then 1 on the residual), and for keys only the unbiased score estimators
+    ``"qjl"`` (1 to 4 sketch bits per element) and ``"turboquant-prod"``
+    (2 to 5 bits: ``bits - 1`` MSE bits + 1 QJL sign bit).
     """
 
     def __init__(

@@ -32,8 +32,18 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
         "first token (--kv-bits, --kv-group-size); veloxquant: compressed with --kv-method. Default: "
         "fp16, or mlx_lm's own behaviour when only --kv-bits is given",
     )
-    g.add_argument("--kv-method", default="turboquant-mse", help="veloxquant method for keys (default: turboquant-mse)")
-    g.add_argument("--kv-value-method", default=None, help="veloxquant method for values (default: --kv-method)")
+    g.add_argument(
+        "--kv-method",
+        default="turboquant-mse",
+        help="veloxquant method for keys: fp16, turboquant-mse, kivi, pq, qjl, turboquant-prod, turboquant-rvq "
+        "(default: turboquant-mse)",
+    )
+    g.add_argument(
+        "--kv-value-method",
+        default=None,
+        help="veloxquant method for values: as --kv-method except the keys-only qjl and turboquant-prod "
+        "(default: --kv-method)",
+    )
     if with_kv_bits:
         g.add_argument("--kv-bits", type=int, default=None, help="bits per key element (veloxquant) or per element (mlx-quantized)")
         g.add_argument("--kv-group-size", type=int, default=64, help="group size for mlx-quantized (default: 64)")

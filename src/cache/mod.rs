@@ -13,7 +13,7 @@ mod state;
 use std::fmt;
 use std::str::FromStr;
 
-pub use state::{pq_codebook, rotation_matrix, LayerCache};
+pub use state::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, LayerCache};
 
 use crate::cpu::kv_attention::{Codec, SideCodec};
 use crate::error::{Error, Result};
@@ -33,15 +33,31 @@ pub enum Method {
     /// sub-vector of the rotated unit vector; `bits` per element sets the
     /// sub-vector size (`8 / bits` channels).
     Pq,
+    /// QJL (keys only): signs of a `bits * D`-row Gaussian sketch of the key
+    /// and its norm; scores are the unbiased QJL estimate.
+    Qjl,
+    /// TurboQuant-Prod (keys only): `bits − 1` MSE bits plus one QJL sign
+    /// bit of the residual per channel; scores are unbiased.
+    TurboQuantProd,
+    /// TurboQuant-RVQ: `bits − 1` bits, then 1 bit on the residual.
+    TurboQuantRvq,
 }
 
 /// Every method, in the order the documentation lists them.
-pub const METHODS: [Method; 4] = [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq];
+pub const METHODS: [Method; 7] =
+    [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq, Method::Qjl, Method::TurboQuantProd, Method::TurboQuantRvq];
 
 /// Bits per element of product quantization (8-bit codes of 8, 4, 2 channels).
 pub const PQ_BITS: [u32; 3] = [1, 2, 4];
 /// Bits of a product-quantization code (a codebook of 256 entries).
 pub const PQ_CODE_BITS: u32 = 8;
+/// Bits per element of QJL keys: sketch rows per channel (`m = bits * D`).
+pub const QJL_BITS: [u32; 4] = [1, 2, 3, 4];
+/// Bits per element of TurboQuant-Prod: `bits − 1` MSE bits (1 to 4) + 1 sign bit.
+pub const PROD_BITS: [u32; 4] = [2, 3, 4, 5];
+/// Bits per element of TurboQuant-RVQ: `bits − 1` first-stage bits (1 to 4)
+/// + 1 residual bit.
+pub const RVQ_BITS: [u32; 4] = [2, 3, 4, 5];
 
 impl Method {
     pub fn name(self) -> &'static str {
@@ -50,6 +66,9 @@ impl Method {
             Method::TurboQuantMse => "turboquant-mse",
             Method::Kivi => "kivi",
             Method::Pq => "pq",
+            Method::Qjl => "qjl",
+            Method::TurboQuantProd => "turboquant-prod",
+            Method::TurboQuantRvq => "turboquant-rvq",
         }
     }
 }
@@ -68,6 +87,9 @@ impl FromStr for Method {
             "turboquant-mse" | "turboquant" => Ok(Method::TurboQuantMse),
             "kivi" => Ok(Method::Kivi),
             "pq" => Ok(Method::Pq),
+            "qjl" => Ok(Method::Qjl),
+            "turboquant-prod" => Ok(Method::TurboQuantProd),
+            "turboquant-rvq" => Ok(Method::TurboQuantRvq),
             other => {
                 let names: Vec<String> = METHODS.iter().map(|m| format!("{:?}", m.name())).collect();
                 Err(Error::invalid("method", format!("{other:?} is not one of {}", names.join(", "))))
@@ -121,10 +143,19 @@ impl CacheConfig {
                 Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
                 Method::Kivi => &crate::cpu::SUPPORTED_BITS,
                 Method::Pq => &PQ_BITS,
+                Method::Qjl => &QJL_BITS,
+                Method::TurboQuantProd => &PROD_BITS,
+                Method::TurboQuantRvq => &RVQ_BITS,
             };
             if !supported.contains(&bits) {
                 return Err(Error::invalid(arg, format!("{bits} is not supported by {method}; use one of {supported:?}")));
             }
+        }
+        if self.value_codec().codec.keys_only() {
+            return Err(Error::invalid(
+                "value_method",
+                format!("{} estimates attention scores and stores keys only; choose another method for values", self.value_method),
+            ));
         }
         if self.compressed() && self.window == 0 {
             return Err(Error::invalid("window", "must be at least 1 token for a compressed method"));
@@ -158,6 +189,9 @@ impl CacheConfig {
             Method::Kivi => {
                 (Codec::KiviPerToken, (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| self.head_dim % g == 0).unwrap_or(8))
             }
+            Method::Qjl => (Codec::Qjl, 1),
+            Method::TurboQuantProd => (Codec::TurboQuantProd, 1),
+            Method::TurboQuantRvq => (Codec::TurboQuantRvq, 1),
             Method::Pq => return SideCodec { codec: Codec::ProductQuantized, bits: PQ_CODE_BITS, group: (8 / bits.max(1)) as usize },
         };
         SideCodec { codec, bits, group }

@@ -63,6 +63,44 @@ pub fn pq_codebook(dim: usize, sub: usize) -> Result<Vec<f32>> {
     Ok(codebook)
 }
 
+/// The Gaussian sketch `[rows, dim]` (row-major) of the QJL and
+/// TurboQuant-Prod keys: blocks of `dim` rows orthogonalized, each row keeping
+/// its Gaussian length (`crate::quant::qjl::Sketch`), seeded by `seed + 1` as
+/// `TurboQuantProd` seeds it. Built once per process.
+pub fn qjl_sketch(rows: usize, dim: usize, seed: u64) -> Vec<f32> {
+    static CACHE: OnceLock<Mutex<HashMap<(usize, usize, u64), Vec<f32>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(m) = cache.lock().expect("sketch cache").get(&(rows, dim, seed)) {
+        return m.clone();
+    }
+    let m = crate::quant::qjl::Sketch::new(rows, dim, true, seed.wrapping_add(1)).s;
+    cache.lock().expect("sketch cache").insert((rows, dim, seed), m.clone());
+    m
+}
+
+/// The float32 table a codec reads (`KvSide::table`), for heads of `dim` and
+/// the cache's `seed`; `None` for the codecs without one.
+pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f32>>> {
+    Ok(match sc.codec {
+        Codec::TurboQuantMse => Some(centroids(dim, sc.bits)?),
+        Codec::ProductQuantized => Some(pq_codebook(dim, sc.group)?),
+        Codec::Qjl => Some(qjl_sketch(sc.sketch_rows(dim), dim, seed)),
+        // First-stage centroids, then the sketch or the residual codebook.
+        Codec::TurboQuantProd => {
+            let mut t = centroids(dim, sc.bits - 1)?;
+            t.extend(qjl_sketch(dim, dim, seed));
+            Some(t)
+        }
+        Codec::TurboQuantRvq => {
+            let mut t = centroids(dim, sc.bits - 1)?;
+            let second = ScalarCodebook::sphere_residual(dim, sc.bits - 1, 1).map_err(|e| Error::invalid("bits", e.to_string()))?;
+            t.extend_from_slice(second.centroids());
+            Some(t)
+        }
+        Codec::Dense | Codec::KiviPerChannel | Codec::KiviPerToken => None,
+    })
+}
+
 /// Arrays shared by every layer with the same head size, seed, methods and bits.
 struct Shared {
     /// `Π`, when either side's frame is rotated.
@@ -85,8 +123,9 @@ struct Side {
     /// `[B, Hkv, capacity, row_len]`: uint8 codes, or the tokens in the
     /// cache's dtype for the dense codec.
     codes: Array,
-    /// Norms (TurboQuant, `[B, Hkv, capacity]`) or KIVI scales
-    /// (`[B, Hkv, param_rows, param_cols]`), float16.
+    /// Norms (TurboQuant-MSE and -RVQ, product quantization, QJL: `[B, Hkv,
+    /// capacity]`; TurboQuant-Prod: norm and residual norm, `[B, Hkv,
+    /// capacity, 2]`) or KIVI scales (`[B, Hkv, param_rows, param_cols]`), float16.
     scales: Option<Array>,
     /// KIVI zeros, float16, shaped as the scales.
     zeros: Option<Array>,
@@ -107,7 +146,7 @@ impl Side {
     fn param_shape(&self, b: i32, h: i32, rows: usize, dim: usize) -> Vec<i32> {
         match self.codec.codec {
             // Norms keep the layout `tq_attention` reads.
-            Codec::TurboQuantMse | Codec::ProductQuantized => vec![b, h, rows as i32],
+            Codec::TurboQuantMse | Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantRvq => vec![b, h, rows as i32],
             _ => vec![b, h, rows as i32, self.codec.param_cols(dim) as i32],
         }
     }
@@ -115,8 +154,8 @@ impl Side {
     /// Name of the scale array in the state (what it holds).
     fn scales_name(&self) -> &'static str {
         match self.codec.codec {
-            Codec::TurboQuantMse | Codec::ProductQuantized => "norms",
-            _ => "scales",
+            Codec::KiviPerChannel | Codec::KiviPerToken => "scales",
+            _ => "norms",
         }
     }
 
@@ -156,25 +195,56 @@ impl Side {
         let sc = self.codec;
         let flat = |a: &Array| ops::reshape(a, &[b * h * m, d], &s);
         let per_head = |a: Array, rows: usize, cols: usize| ops::reshape(&a, &[b, h, rows as i32, cols as i32], &s);
+        // Norm (saturated at float16's largest, as `tq_encode` stores it) and
+        // unit vector, float32.
+        let norm_unit = || -> Result<(Array, Array)> {
+            let xf = ops::astype(x, Dtype::F32, &s)?;
+            let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, &s)?, -1, true, &s)?, &s)?;
+            let unit = ops::divide(&xf, &ops::maximum(&norm, &Array::scalar_f32(f32::MIN_POSITIVE)?, &s)?, &s)?;
+            let norm = ops::minimum(&norm, &Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?, &s)?;
+            Ok((ops::astype(&norm, Dtype::F16, &s)?, unit))
+        };
+        let parts = |table: Option<&Array>| kv_attention::table_parts(table.expect("the codec has a table"), &sc, d as usize, &s);
         Ok(match sc.codec {
             Codec::Dense => Encoded { codes: ops::astype(x, dtype, &s)?, scales: None, zeros: None },
+            Codec::Qjl => {
+                let (norm, _) = norm_unit()?;
+                let (_, sketch) = parts(table)?;
+                let (signs, _) = kernels::qjl_encode(x, &sketch, opts)?;
+                Encoded { codes: signs, scales: Some(ops::reshape(&norm, &[b, h, m], &s)?), zeros: None }
+            }
+            Codec::TurboQuantProd | Codec::TurboQuantRvq => {
+                // First stage: `bits − 1`-bit codes of the unit vector; then the
+                // residual's QJL signs and norm (Prod) or 1-bit codes (RVQ).
+                let (norm, unit) = norm_unit()?;
+                let (first, second) = parts(table)?;
+                let first = first.expect("two parts");
+                let codes1 = kernels::scalar_quantize(&unit, &first, sc.bits - 1, opts)?;
+                let approx = kernels::scalar_dequantize(&codes1, &first, sc.bits - 1, d as usize, Dtype::F32, opts)?;
+                let residual = ops::subtract(&unit, &approx, &s)?;
+                let norm = ops::reshape(&norm, &[b, h, m], &s)?;
+                if sc.codec == Codec::TurboQuantProd {
+                    let (signs, rnorm) = kernels::qjl_encode(&residual, &second, opts)?;
+                    let scales = ops::concatenate(&[ops::expand_dims(&norm, -1, &s)?, ops::expand_dims(&rnorm, -1, &s)?], 3, &s)?;
+                    Encoded { codes: ops::concatenate(&[codes1, signs], 3, &s)?, scales: Some(scales), zeros: None }
+                } else {
+                    let codes2 = kernels::scalar_quantize(&residual, &second, 1, opts)?;
+                    Encoded { codes: ops::concatenate(&[codes1, codes2], 3, &s)?, scales: Some(norm), zeros: None }
+                }
+            }
             Codec::TurboQuantMse => {
                 let table = table.expect("TurboQuant has centroids");
                 let (codes, norms) = turboquant::tq_encode(x, None, table, sc.bits, opts)?;
                 Encoded { codes, scales: Some(norms), zeros: None }
             }
             Codec::ProductQuantized => {
-                // Norm (saturated at float16's largest), then the unit
-                // vector's sub-vectors into the codebook.
-                let xf = ops::astype(x, Dtype::F32, &s)?;
-                let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, &s)?, -1, true, &s)?, &s)?;
-                let unit = ops::divide(&xf, &ops::maximum(&norm, &Array::scalar_f32(f32::MIN_POSITIVE)?, &s)?, &s)?;
+                // The unit vector's sub-vectors into the codebook.
+                let (norm, unit) = norm_unit()?;
                 let table = table.expect("product quantization has a codebook");
                 let codebook = ops::reshape(table, &[1 << sc.bits, sc.group as i32], &s)?;
                 // 8-bit codes: one plane, no high bits.
                 let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?.codes;
-                let norm = ops::minimum(&ops::reshape(&norm, &[b, h, m], &s)?, &Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?, &s)?;
-                Encoded { codes, scales: Some(ops::astype(&norm, Dtype::F16, &s)?), zeros: None }
+                Encoded { codes, scales: Some(ops::reshape(&norm, &[b, h, m], &s)?), zeros: None }
             }
             Codec::KiviPerChannel | Codec::KiviPerToken => {
                 let mode = if sc.codec == Codec::KiviPerChannel { KiviMode::Keys } else { KiviMode::Values };
@@ -353,17 +423,7 @@ impl LayerCache {
     }
 
     fn table(&self, sc: &SideCodec) -> Result<Option<Array>> {
-        Ok(match sc.codec {
-            Codec::TurboQuantMse => {
-                let c = centroids(self.cfg.head_dim, sc.bits)?;
-                Some(Array::from_slice(&c, &[c.len() as i32])?)
-            }
-            Codec::ProductQuantized => {
-                let c = pq_codebook(self.cfg.head_dim, sc.group)?;
-                Some(Array::from_slice(&c, &[c.len() as i32])?)
-            }
-            Codec::Dense | Codec::KiviPerChannel | Codec::KiviPerToken => None,
-        })
+        codec_table(sc, self.cfg.head_dim, self.cfg.seed)?.map(|t| Array::from_slice(&t, &[t.len() as i32])).transpose()
     }
 
     fn init(&mut self, batch: usize, dtype: Dtype) -> Result<()> {

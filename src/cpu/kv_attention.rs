@@ -6,7 +6,9 @@
 //! already multiplied by the softmax scale: the query in the key frame (the
 //! rotation for the rotating codecs, the identity for the others) followed by
 //! what a codec scores against besides it: for product quantization the
-//! lookup table `⟨q_p, codebook[c]⟩` of every sub-vector `p` and entry `c`.
+//! lookup table `⟨q_p, codebook[c]⟩` of every sub-vector `p` and entry `c`;
+//! for the sketched key codecs (QJL, TurboQuant-Prod) the sketched query
+//! `c · S q'` (`q'` the framed query, `c` the estimator's constant `√(π/2)/m`).
 //! Values are accumulated in the value frame; the output is brought back with
 //! `Πᵀ` when the value frame is rotated.
 
@@ -31,6 +33,20 @@ pub enum Codec {
     /// one `bits`-bit code per sub-vector of `group` channels, into one
     /// codebook of `2^bits` entries shared by every position.
     ProductQuantized,
+    /// QJL (keys only): the packed signs of `S k` for a sketch of `m = bits *
+    /// dim` rows and the float16 norm; scored as `‖k‖ · Σ_r ±(c S q)_r`, the
+    /// unbiased estimator of `crate::quant::qjl`.
+    Qjl,
+    /// TurboQuant-Prod (keys only), rotated frame: `bits − 1`-bit Lloyd–Max
+    /// codes of the unit vector, then the signs of `S r` for its residual `r`
+    /// (a `dim x dim` sketch); float16 (norm, residual norm) per token.
+    /// Scored as `norm · (⟨Πq, c[code]⟩ + ‖r‖ · Σ_j ±(c S Πq)_j)`, the
+    /// estimator of `crate::quant::TurboQuantProd`.
+    TurboQuantProd,
+    /// TurboQuant-RVQ, rotated frame: `bits − 1`-bit codes of the unit
+    /// vector, then 1-bit codes of the residual (`ScalarCodebook::
+    /// sphere_residual`); a float16 norm. Decoded as `norm · (c1 + c2)`.
+    TurboQuantRvq,
 }
 
 impl Codec {
@@ -42,12 +58,21 @@ impl Codec {
             Codec::KiviPerChannel => 2,
             Codec::KiviPerToken => 3,
             Codec::ProductQuantized => 4,
+            Codec::Qjl => 5,
+            Codec::TurboQuantProd => 6,
+            Codec::TurboQuantRvq => 7,
         }
     }
 
     /// Whether the side's frame is the cache's rotation (else the identity).
     pub fn rotated(self) -> bool {
-        matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized)
+        matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized | Codec::TurboQuantProd | Codec::TurboQuantRvq)
+    }
+
+    /// Whether the codec only estimates inner products with queries, so it
+    /// can hold keys but not values.
+    pub fn keys_only(self) -> bool {
+        matches!(self, Codec::Qjl | Codec::TurboQuantProd)
     }
 }
 
@@ -62,13 +87,35 @@ pub struct SideCodec {
     pub group: usize,
 }
 
+/// The estimator's constant `√(π/2) / m` for a sketch of `m` rows.
+pub fn sketch_scale(m: usize) -> f32 {
+    std::f32::consts::FRAC_PI_2.sqrt() / m as f32
+}
+
 impl SideCodec {
     /// Elements of a code row per token: bytes, or `dim` values for `Dense`.
+    /// TurboQuant-Prod and -RVQ rows are the `bits − 1`-bit codes followed
+    /// by the 1-bit signs or residual codes (`dim` a multiple of 8, so that
+    /// is `dim * bits / 8` bytes too); QJL rows the `bits * dim` sign bits.
     pub fn row_len(&self, dim: usize) -> usize {
         match self.codec {
             Codec::Dense => dim,
             Codec::ProductQuantized => super::packed_len(dim / self.group, self.bits),
+            Codec::TurboQuantProd | Codec::TurboQuantRvq => self.first_len(dim) + super::packed_len(dim, 1),
             _ => super::packed_len(dim, self.bits),
+        }
+    }
+
+    /// Bytes of the first stage's codes in a TurboQuant-Prod or -RVQ row.
+    pub fn first_len(&self, dim: usize) -> usize {
+        super::packed_len(dim, self.bits - 1)
+    }
+
+    /// Rows of the QJL sketch.
+    pub fn sketch_rows(&self, dim: usize) -> usize {
+        match self.codec {
+            Codec::Qjl => self.bits as usize * dim,
+            _ => dim,
         }
     }
 
@@ -84,7 +131,9 @@ impl SideCodec {
     pub fn param_cols(&self, dim: usize) -> usize {
         match self.codec {
             Codec::Dense => 0,
-            Codec::TurboQuantMse | Codec::ProductQuantized => 1,
+            Codec::TurboQuantMse | Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantRvq => 1,
+            // Norm and residual norm.
+            Codec::TurboQuantProd => 2,
             Codec::KiviPerChannel => dim,
             Codec::KiviPerToken => dim / self.group,
         }
@@ -137,7 +186,10 @@ pub struct KvSide<'a, T> {
     pub scales: &'a [f16],
     /// Zeros, shaped as the scales.
     pub zeros: &'a [f16],
-    /// Codebook of the codec (float32).
+    /// Codebook of the codec (float32): TurboQuant-MSE centroids, the
+    /// product-quantization codebook, the QJL sketch `[m, dim]`, the
+    /// TurboQuant-Prod centroids then its sketch `[dim, dim]`, the
+    /// TurboQuant-RVQ first then second codebook.
     pub table: &'a [f32],
     /// Float16/bfloat16/float32 window `[B, Hkv, window_capacity, dim]` in the
     /// side's frame: sinks from slot 0, recent tokens after them.
@@ -195,7 +247,40 @@ fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head
             }
             s * k.scales[slot].to_f32()
         }
+        Codec::Qjl => {
+            // The sketched query follows the first `d` features.
+            let mut s = 0.0f32;
+            for r in 0..sc.sketch_rows(d) {
+                let f = q[d + r];
+                s += if code_at(codes, r, 1) != 0 { f } else { -f };
+            }
+            s * k.scales[slot].to_f32()
+        }
+        Codec::TurboQuantProd => {
+            let (mse, signs) = codes.split_at(sc.first_len(d));
+            let (mut s, mut z) = (0.0f32, 0.0f32);
+            for j in 0..d {
+                s += q[j] * k.table[code_at(mse, j, sc.bits - 1)];
+                let f = q[d + j];
+                z += if code_at(signs, j, 1) != 0 { f } else { -f };
+            }
+            k.scales[2 * slot].to_f32() * (s + k.scales[2 * slot + 1].to_f32() * z)
+        }
+        Codec::TurboQuantRvq => {
+            let mut s = 0.0f32;
+            for j in 0..d {
+                s += q[j] * rvq_element(k.table, codes, sc, d, j);
+            }
+            s * k.scales[slot].to_f32()
+        }
     }
+}
+
+/// Element `j` of a TurboQuant-RVQ unit vector: first plus second stage.
+#[inline]
+fn rvq_element(table: &[f32], codes: &[u8], sc: &SideCodec, d: usize, j: usize) -> f32 {
+    let (first, second) = codes.split_at(sc.first_len(d));
+    table[code_at(first, j, sc.bits - 1)] + table[(1 << (sc.bits - 1)) + code_at(second, j, 1)]
 }
 
 /// The compressed token at slot `ct` of `head`, decoded into `out` (its frame).
@@ -228,6 +313,14 @@ fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, h
                 }
             }
         }
+        Codec::TurboQuantRvq => {
+            let codes = &v.codes[slot * row..(slot + 1) * row];
+            let n = v.scales[slot].to_f32();
+            for (j, o) in out.iter_mut().enumerate() {
+                *o = rvq_element(v.table, codes, sc, d, j) * n;
+            }
+        }
+        Codec::Qjl | Codec::TurboQuantProd => unreachable!("{:?} holds keys only", sc.codec),
         Codec::KiviPerChannel | Codec::KiviPerToken => {
             let codes = &v.codes[slot * row..(slot + 1) * row];
             for (j, o) in out.iter_mut().enumerate() {

@@ -56,11 +56,44 @@ impl KvLayer<'_> {
 
 /// Floats per prepared query row for this key codec: the query in the key
 /// frame, and for product quantization its lookup table (one row of
-/// `2^bits` entries per sub-vector).
+/// `2^bits` entries per sub-vector), for the sketched codecs the sketched
+/// query (one float per sketch row).
 pub fn query_features(dim: usize, key: &SideCodec) -> usize {
     match key.codec {
         Codec::ProductQuantized => dim + dim / key.group * (1 << key.bits),
+        Codec::Qjl | Codec::TurboQuantProd => dim + key.sketch_rows(dim),
         _ => dim,
+    }
+}
+
+/// The two parts of a codec's table (1-D float32): TurboQuant-Prod's
+/// centroids and sketch `[D, D]`, TurboQuant-RVQ's first and second
+/// codebooks; QJL's table is its sketch `[m, D]` whole (second part).
+pub fn table_parts(table: &Array, sc: &SideCodec, dim: usize, s: &Stream) -> Result<(Option<Array>, Array)> {
+    let first = 1i32 << (sc.bits - 1);
+    let len = table.shape()[0];
+    match sc.codec {
+        Codec::Qjl => Ok((None, ops::reshape(table, &[sc.sketch_rows(dim) as i32, dim as i32], s)?)),
+        Codec::TurboQuantProd => Ok((
+            Some(ops::slice(table, &[0], &[first], s)?),
+            ops::reshape(&ops::slice(table, &[first], &[len], s)?, &[dim as i32, dim as i32], s)?,
+        )),
+        Codec::TurboQuantRvq => Ok((Some(ops::slice(table, &[0], &[first], s)?), ops::slice(table, &[first], &[len], s)?)),
+        other => Err(Error::invalid("layer", format!("{other:?} has a one-part table"))),
+    }
+}
+
+/// `x · mᵀ` over the last axis of `x` (`m` float32 `[rows, D]`). MLX's CUDA
+/// matmul rounds float32 through TF32, so small products use an exact
+/// broadcast product.
+fn times_transpose(x: &Array, m: &Array, s: &Stream) -> Result<Array> {
+    let ms = m.shape();
+    let xs = x.shape();
+    let rows: usize = xs[..xs.len() - 1].iter().map(|&v| v as usize).product();
+    if rows * ms[0] as usize * ms[1] as usize <= 1 << 24 {
+        ops::sum_axis(&ops::multiply(&ops::expand_dims(x, -2, s)?, m, s)?, -1, false, s)
+    } else {
+        ops::matmul(x, &ops::transpose(m, &[1, 0], s)?, s)
     }
 }
 
@@ -71,19 +104,21 @@ fn prepare_queries(q: &Array, layer: &KvLayer<'_>, scale: f32, s: &Stream) -> Re
     let qf = ops::astype(q, Dtype::F32, s)?;
     let framed = match layer.rotation_for(&sh.key)? {
         None => qf,
-        // MLX's CUDA matmul rounds float32 through TF32, so small batches of
-        // rows use an exact broadcast product.
-        Some(rot) if sh.batch * sh.q_heads * sh.queries * sh.dim * sh.dim <= 1 << 24 => {
-            ops::sum_axis(&ops::multiply(&ops::expand_dims(&qf, -2, s)?, rot, s)?, -1, false, s)?
-        }
-        Some(rot) => ops::matmul(&qf, &ops::transpose(rot, &[1, 0], s)?, s)?,
+        Some(rot) => times_transpose(&qf, rot, s)?,
     };
     let framed = ops::multiply(&framed, &Array::scalar_f32(scale)?, s)?;
-    if sh.key.codec != Codec::ProductQuantized {
+    if !matches!(sh.key.codec, Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantProd) {
         return Ok(framed);
     }
+    let table = layer.keys.table.ok_or_else(|| Error::invalid("layer", format!("{:?} needs its table", sh.key.codec)))?;
+    if sh.key.codec != Codec::ProductQuantized {
+        // The sketched query, times the estimator's constant.
+        let (_, sketch) = table_parts(table, &sh.key, sh.dim, s)?;
+        let c = kv::sketch_scale(sh.key.sketch_rows(sh.dim));
+        let sketched = ops::multiply(&times_transpose(&framed, &sketch, s)?, &Array::scalar_f32(c)?, s)?;
+        return ops::concatenate(&[framed, sketched], 3, s);
+    }
     // The lookup table ⟨q_p, codebook[c]⟩: [..., D/s, s] x [s, K].
-    let table = layer.keys.table.ok_or_else(|| Error::invalid("layer", "product quantization needs its codebook"))?;
     let (sub, entries) = (sh.key.group as i32, 1i32 << sh.key.bits);
     let lead = [sh.batch as i32, sh.q_heads as i32, sh.queries as i32];
     let parts = ops::reshape(&framed, &[lead[0], lead[1], lead[2], sh.dim as i32 / sub, sub], s)?;
@@ -342,6 +377,52 @@ pub fn decode_compressed(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, 
             let vals = ops::reshape(&ops::take_axis(&entries, &idx, 0, s)?, &[b, h, n, d], s)?;
             let norms = ops::slice(side.scales.ok_or_else(|| missing("norms"))?, &[0, 0, 0], &[b, h, n], s)?;
             ops::multiply(&vals, &ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)?, s)
+        }
+        Codec::Qjl | Codec::TurboQuantProd | Codec::TurboQuantRvq => {
+            let table = side.table.ok_or_else(|| missing("its table"))?;
+            let (first, second) = table_parts(table, sc, sh.dim, s)?;
+            let row = sc.row_len(sh.dim) as i32;
+            let first_len = if sc.codec == Codec::Qjl { 0 } else { sc.first_len(sh.dim) as i32 };
+            let part = |lo: i32, hi: i32, bits: u32, n_codes: usize| -> Result<Array> {
+                let c = ops::slice(side.codes, &[0, 0, 0, lo], &[b, h, n, hi], s)?;
+                ops::astype(&super::bit_unpack(&c, bits, n_codes, &off)?, Dtype::U32, s)
+            };
+            // ±1 from the sign bits (QJL's and Prod's last part).
+            let signs = |bits: Array| -> Result<Array> {
+                let z = ops::astype(&bits, Dtype::F32, s)?;
+                ops::subtract(&ops::multiply(&z, &Array::scalar_f32(2.0)?, s)?, &Array::scalar_f32(1.0)?, s)
+            };
+            let stage1 = |cb: &Array| -> Result<Array> { ops::take_axis(cb, &part(0, first_len, sc.bits - 1, sh.dim)?, 0, s) };
+            // Norms `[B, Hkv, capacity]`; Prod's (norm, residual norm) `[B, Hkv, capacity, 2]`.
+            let scales = side.scales.ok_or_else(|| missing("norms"))?;
+            let scales = if sc.codec != Codec::TurboQuantProd {
+                ops::expand_dims(&ops::astype(&ops::slice(scales, &[0, 0, 0], &[b, h, n], s)?, Dtype::F32, s)?, -1, s)?
+            } else {
+                params_of(Some(scales), "norms")?
+            };
+            let norm = ops::slice(&scales, &[0, 0, 0, 0], &[b, h, n, 1], s)?;
+            // Σ_r z_r S[r, :], exactly where small (see `times_transpose`).
+            let sketch_t = |z: &Array| times_transpose(z, &ops::transpose(&second, &[1, 0], s)?, s);
+            let unit = match sc.codec {
+                Codec::Qjl => {
+                    let z = signs(part(0, row, 1, sc.sketch_rows(sh.dim))?)?;
+                    let c = kv::sketch_scale(sc.sketch_rows(sh.dim));
+                    ops::multiply(&sketch_t(&z)?, &Array::scalar_f32(c)?, s)?
+                }
+                Codec::TurboQuantProd => {
+                    // ŷ + √(π/2)/D · ‖r‖ · Sᵀ z.
+                    let z = signs(part(first_len, row, 1, sh.dim)?)?;
+                    let rnorm = ops::slice(&scales, &[0, 0, 0, 1], &[b, h, n, 2], s)?;
+                    let c = Array::scalar_f32(kv::sketch_scale(sh.dim))?;
+                    let qjl = ops::multiply(&ops::multiply(&sketch_t(&z)?, &c, s)?, &rnorm, s)?;
+                    ops::add(&stage1(first.as_ref().expect("two parts"))?, &qjl, s)?
+                }
+                _ => {
+                    let r = ops::take_axis(&second, &part(first_len, row, 1, sh.dim)?, 0, s)?;
+                    ops::add(&stage1(first.as_ref().expect("two parts"))?, &r, s)?
+                }
+            };
+            ops::multiply(&unit, &norm, s)
         }
         Codec::KiviPerChannel | Codec::KiviPerToken => {
             let (scales, zeros) = (params_of(side.scales, "scales")?, params_of(side.zeros, "zeros")?);
