@@ -37,3 +37,15 @@ pub fn pending_primitives(outputs: &[&Array]) -> Result<Vec<String>> {
         result.map(|_| out)
     }
 }
+
+/// Primitives MLX evaluates as views of their input's buffer, launching no
+/// kernel (a `Contiguous` copies only when its input is not contiguous, so it
+/// is counted).
+pub const VIEW_PRIMITIVES: [&str; 9] =
+    ["Broadcast", "Flatten", "Unflatten", "Reshape", "Slice", "Transpose", "ExpandDims", "Squeeze", "AsStrided"];
+
+/// `pending_primitives` without the views: the kernels MLX will launch to
+/// evaluate `outputs`.
+pub fn pending_kernels(outputs: &[&Array]) -> Result<Vec<String>> {
+    Ok(pending_primitives(outputs)?.into_iter().filter(|n| !VIEW_PRIMITIVES.contains(&n.as_str())).collect())
+}

@@ -142,6 +142,11 @@ binary!(
     take => mlx_take,
 );
 
+/// `c + a @ b` as one matmul (`c` broadcast to the product's shape).
+pub fn addmm(c: &Array, a: &Array, b: &Array, s: &Stream) -> Result<Array> {
+    call!(mlx_addmm(c.raw(), a.raw(), b.raw(), s.raw()))
+}
+
 pub fn min_axis(a: &Array, axis: i32, keepdims: bool, s: &Stream) -> Result<Array> {
     call!(mlx_min_axis(a.raw(), axis, keepdims, s.raw()))
 }

@@ -522,3 +522,47 @@ fn rvq_residual_bit_lowers_the_error() {
         assert!(rvq < 0.8 * mse, "bits {bits}: rvq {rvq} vs turboquant-mse at {} bits {mse}", bits - 1);
     }
 }
+
+/// Kernels pending on the cache's arrays after each single-token append
+/// (evaluating in between), split into steady appends and window flushes.
+fn append_launches(cfg: CacheConfig, tokens: usize) -> (Vec<usize>, Vec<usize>) {
+    let (mut cache, _) = filled(cfg.clone(), 1, 40, 0, Dtype::F16, 9);
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    let (h, d) = (cfg.kv_heads as i32, cfg.head_dim as i32);
+    let (mut steady, mut flush) = (Vec::new(), Vec::new());
+    veloxquant::array::eval(&cache.arrays()).unwrap();
+    for _ in 0..tokens {
+        let k = normal(&mut rng, &[1, h, 1, d], Dtype::F16);
+        let v = normal(&mut rng, &[1, h, 1, d], Dtype::F16);
+        veloxquant::array::eval(&[&k, &v]).unwrap();
+        let before = cache.compressed_tokens();
+        cache.append(&k, &v).unwrap();
+        let n = veloxquant::graph::pending_kernels(&cache.arrays()).unwrap().len();
+        if cache.compressed_tokens() == before { steady.push(n) } else { flush.push(n) }
+        veloxquant::array::eval(&cache.arrays()).unwrap();
+    }
+    (steady, flush)
+}
+
+#[test]
+fn appending_a_token_launches_at_most_two_kernels_per_side() {
+    for m in [
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 3),
+        (Method::Kivi, 4, Method::Kivi, 2),
+        (Method::Pq, 2, Method::Pq, 2),
+        (Method::Qjl, 1, Method::TurboQuantRvq, 3),
+        (Method::TurboQuantProd, 4, Method::Fp16, 16),
+        (Method::Fp16, 16, Method::Fp16, 16),
+    ] {
+        let cfg = mixed_config(64, 2, m, Policy::Auto);
+        let window = cfg.window;
+        let (steady, flush) = append_launches(cfg, 40);
+        assert!(!steady.is_empty(), "{m:?}: no steady append");
+        let most = *steady.iter().max().unwrap();
+        // Keys: one matmul (or add) into the frame + the window write; values
+        // the same; less when a side needs no frame change.
+        assert!(most <= 4, "{m:?}: {most} kernels for one appended token (K + V)");
+        let flush_most = flush.iter().copied().max().unwrap_or(0);
+        eprintln!("{m:?}: steady {most} kernels per token (K + V), window flush {flush_most} (once per {window} tokens)");
+    }
+}

@@ -139,7 +139,7 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
                     side.scales[slots.start + i] = f16::from_f32(norm);
                     unit.extend(tok.iter().map(|v| v.to_f32() / norm));
                 }
-                veloxquant::cpu::pq_encode(&unit, n, d, &side.table, sc.group, sc.bits, &mut side.codes[slots.start * row..slots.end * row]);
+                veloxquant::cpu::pq_encode(&unit, n, d, &side.table, sc.group, sc.bits, &mut side.codes[slots.start * row..slots.end * row], &mut []);
             }
             Codec::Qjl => {
                 let m = sc.sketch_rows(d);

@@ -113,6 +113,9 @@ MLXC_BINARY(mlx_minimum, minimum)
 MLXC_BINARY(mlx_matmul, matmul)
 MLXC_BINARY(mlx_take, take)
 #undef MLXC_BINARY
+int mlx_addmm(mlx_array* res, const mlx_array c, const mlx_array a, const mlx_array b, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::addmm(arr(c), arr(a), arr(b), 1.0f, 1.0f, stream(s))); });
+}
 int mlx_min_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s) {
   return guard([&] { set_array(res, mx::min(arr(a), std::vector<int>{axis}, keepdims, stream(s))); });
 }

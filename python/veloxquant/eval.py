@@ -242,6 +242,8 @@ def to_markdown(results: List[Result], meta: dict) -> str:
         lines.append("|---|" + "---|" * len(needle_keys))
         for r in results:
             lines.append(f"| {r.spec.label} | " + " | ".join(str(int(r.needle[k])) for k in needle_keys) + " |")
+    if meta.get("skipped"):
+        lines += ["", "Skipped (width not offered by the method): " + "; ".join(meta["skipped"]) + "."]
     t = targets_met(results)
     lines += ["", "## Targets", ""] + ([f"- {x}" for x in t] or ["- no veloxquant configuration near 2.5 or 3.5 bits/element was run"])
     return "\n".join(lines) + "\n"
@@ -367,13 +369,23 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     path = models.resolve_model(args.model)
     model, tokenizer = models.load(path)
     specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits)
-    # Validate every veloxquant method before the long run.
+    # Validate every veloxquant configuration before the long run. A sweep
+    # may pair a method with widths it lacks (pq has 1, 2, 4): those are
+    # skipped, said so, and listed in the results; an unknown method is an
+    # error.
+    kept, skipped = [], []
     for s in specs:
         if s.kind == "veloxquant":
             try:
                 s.make(model)
             except (ValueError, TypeError) as e:
-                raise SystemExit(f"--methods/--bits: {s.label}: {e}")
+                if "bits" not in str(e):
+                    raise SystemExit(f"--methods/--bits: {s.label}: {e}")
+                _say(f"skipping {s.label}: {e}")
+                skipped.append(f"{s.label}: {e}")
+                continue
+        kept.append(s)
+    specs = kept
     results = evaluate(model, tokenizer, specs, args.tokens, args.prefix, args.chunk, lengths, depths)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -385,6 +397,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "window": args.kv_window,
         "sinks": args.kv_sinks,
         "device": str(mx.default_device()),
+        "skipped": skipped,
     }
     md = to_markdown(results, meta)
     (out / "results.md").write_text(md)

@@ -105,6 +105,9 @@ pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f
 struct Shared {
     /// `Π`, when either side's frame is rotated.
     rotation: Option<Array>,
+    /// `Πᵀ` in the cache's dtype: new tokens enter the rotated frame with one
+    /// matmul and no casts (its rounding is below the windows' own).
+    rotation_t: Option<Array>,
     /// Codebooks of the key and value codecs that have one.
     k_table: Option<Array>,
     v_table: Option<Array>,
@@ -293,6 +296,9 @@ struct Compressed {
     /// unchanged by it (it shifts a query's scores by one constant), and it
     /// takes the channel offsets of real keys out of what the codes must hold.
     k_mean: Option<Array>,
+    /// `−k_mean` in the keys' frame and the cache's dtype, added to every new
+    /// key (derived from `k_mean`, not stored in the state).
+    k_offset: Option<Array>,
     keys: Side,
     values: Side,
     capacity: usize,
@@ -383,13 +389,32 @@ impl LayerCache {
         Options::on(self.stream.clone(), self.cfg.policy)
     }
 
+    /// The arrays this layer holds (stores, windows, key offsets), to
+    /// evaluate them together or to inspect the work an append left pending.
+    pub fn arrays(&self) -> Vec<&Array> {
+        match &self.store {
+            None => Vec::new(),
+            Some(Store::Dense(d)) => vec![&d.keys, &d.values],
+            Some(Store::Compressed(c)) => c
+                .keys
+                .arrays()
+                .chain(c.values.arrays())
+                .chain(c.k_mean.as_ref())
+                .chain(c.k_offset.as_ref())
+                .collect(),
+        }
+    }
+
     /// Bytes of the arrays this layer holds (capacity, not only the used part).
     pub fn nbytes(&self) -> usize {
         match &self.store {
             None => 0,
             Some(Store::Dense(d)) => d.keys.nbytes() + d.values.nbytes(),
             Some(Store::Compressed(c)) => {
-                c.keys.nbytes() + c.values.nbytes() + c.k_mean.as_ref().map_or(0, Array::nbytes)
+                c.keys.nbytes()
+                    + c.values.nbytes()
+                    + c.k_mean.as_ref().map_or(0, Array::nbytes)
+                    + c.k_offset.as_ref().map_or(0, Array::nbytes)
             }
         }
     }
@@ -398,7 +423,9 @@ impl LayerCache {
     /// head size, seed, methods and bits shares; count them once per model.
     pub fn shared_nbytes(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| {
-            [s.rotation.as_ref(), s.k_table.as_ref(), s.v_table.as_ref()].into_iter().flatten().map(Array::nbytes).sum()
+            // In float32 `rotation_t` is a transposed view of `rotation`.
+            let own_t = s.rotation_t.as_ref().filter(|t| t.dtype() != Dtype::F32);
+            [s.rotation.as_ref(), own_t, s.k_table.as_ref(), s.v_table.as_ref()].into_iter().flatten().map(Array::nbytes).sum()
         })
     }
 
@@ -448,7 +475,8 @@ impl LayerCache {
         } else {
             None
         };
-        self.shared = Some(Shared { rotation, k_table: self.table(&kc)?, v_table: self.table(&vc)? });
+        let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
+        self.shared = Some(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? });
         let wcap = (self.cfg.sinks + 2 * self.cfg.window) as i32;
         let side = |codec: SideCodec| -> Result<Side> {
             let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
@@ -470,6 +498,7 @@ impl LayerCache {
         };
         self.store = Some(Store::Compressed(Compressed {
             k_mean: None,
+            k_offset: None,
             keys: side(kc)?,
             values: side(vc)?,
             capacity: cap,
@@ -526,24 +555,33 @@ impl LayerCache {
         let shared = self.shared.as_ref().expect("initialised with the store");
         let Some(Store::Compressed(c)) = &mut self.store else { unreachable!() };
         let (b, h, t, d) = (shape[0], shape[1], shape[2] as usize, shape[3]);
-        // Bring the new tokens into each side's frame once; the windows hold
-        // them so, and attention works in those frames.
-        let rot_t = shared.rotation.as_ref().map(|r| ops::transpose(r, &[1, 0], &s)).transpose()?;
-        let frame = |x: &Array, sc: &SideCodec| -> Result<Array> {
-            let xf = ops::astype(x, Dtype::F32, &s)?;
-            let xf = match (&rot_t, sc.codec.rotated()) {
-                (Some(r), true) => ops::matmul(&xf, r, &s)?,
-                _ => xf,
-            };
-            ops::astype(&xf, dtype, &s)
-        };
         if c.k_mean.is_none() {
             let kf = ops::astype(keys, Dtype::F32, &s)?;
             let sum = ops::sum_axis(&kf, 2, true, &s)?;
             c.k_mean = Some(ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)?);
         }
-        let centred = ops::subtract(&ops::astype(keys, Dtype::F32, &s)?, c.k_mean.as_ref().expect("set above"), &s)?;
-        let (rk, rv) = (frame(&centred, &c.keys.codec)?, frame(values, &c.values.codec)?);
+        let key_rotated = c.keys.codec.codec.rotated();
+        if c.k_offset.is_none() {
+            let mean = c.k_mean.as_ref().expect("set above");
+            let framed = match (&shared.rotation, key_rotated) {
+                (Some(r), true) => ops::matmul(mean, &ops::transpose(r, &[1, 0], &s)?, &s)?,
+                _ => mean.clone(),
+            };
+            c.k_offset = Some(ops::astype(&ops::multiply(&framed, &Array::scalar_f32(-1.0)?, &s)?, dtype, &s)?);
+        }
+        // Bring the new tokens into each side's frame once (the windows hold
+        // them so, and attention works in those frames): one matmul (keys:
+        // with the mean's offset added in the same kernel), or one add, or
+        // nothing.
+        let offset = c.k_offset.as_ref().expect("set above");
+        let rk = match (&shared.rotation_t, key_rotated) {
+            (Some(r), true) => ops::addmm(offset, keys, r, &s)?,
+            _ => ops::add(keys, offset, &s)?,
+        };
+        let rv = match (&shared.rotation_t, c.values.codec.codec.rotated()) {
+            (Some(r), true) => ops::matmul(values, r, &s)?,
+            _ => values.clone(),
+        };
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);

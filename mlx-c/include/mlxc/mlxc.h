@@ -182,6 +182,8 @@ int mlx_maximum(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_
 int mlx_minimum(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s);
 int mlx_matmul(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s);
 int mlx_take(mlx_array* res, const mlx_array a, const mlx_array indices, const mlx_stream s);
+/* c + a @ b in one matmul (c broadcast to the product's shape). */
+int mlx_addmm(mlx_array* res, const mlx_array c, const mlx_array a, const mlx_array b, const mlx_stream s);
 int mlx_min_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s);
 int mlx_max_axis(mlx_array* res, const mlx_array a, int axis, bool keepdims, const mlx_stream s);
 int mlx_round(mlx_array* res, const mlx_array a, int decimals, const mlx_stream s);
