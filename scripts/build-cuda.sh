@@ -34,6 +34,7 @@ cargo test --release --no-run --test kernel_cache_gpu --message-format=json 2>/d
 cargo test --release --no-run --test quant_kernels_gpu --message-format=json 2>/dev/null | copy_exe quant_kernels_gpu
 cargo test --release --no-run --test tq_gpu --message-format=json 2>/dev/null | copy_exe tq_gpu
 cargo test --release --no-run --test kv_attention_gpu --message-format=json 2>/dev/null | copy_exe kv_attention_gpu
+cargo test --release --no-run --test tq_codec_gpu --message-format=json 2>/dev/null | copy_exe tq_codec_gpu
 cargo bench --no-run --bench quant_kernels --message-format=json 2>/dev/null | copy_exe quant_kernels_bench
 cargo bench --no-run --bench vq_quantize --message-format=json 2>/dev/null | copy_exe vq_quantize_bench
 PYO3_PYTHON="$VELOXQUANT_PYTHON" .device/venv312/bin/maturin build --release -i "$VELOXQUANT_PYTHON" -o .device/build >/dev/null

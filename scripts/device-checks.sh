@@ -15,7 +15,7 @@ CHECKS="${CHECKS:-tests python vq quant attention plot}"
 want() { [[ " $CHECKS " == *" $1 "* ]]; }
 status=0
 if want tests; then
-  for t in ${TESTS:-kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu kv_attention_gpu}; do
+  for t in ${TESTS:-kernels_gpu kernel_cache_gpu quant_kernels_gpu tq_gpu kv_attention_gpu tq_codec_gpu}; do
     echo "== $t" >>"$OUT/kernels_gpu.txt"
     .device/build/$t --ignored --test-threads=1 >>"$OUT/kernels_gpu.txt" 2>&1 || status=1
   done
