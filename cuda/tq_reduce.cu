@@ -1,7 +1,9 @@
-// tq_reduce: combine the splits of each query row and rotate back:
+// tq_reduce: combine the splits of each query row (tq_attention, tq_decode,
+// kv_attention) and, with ROTATE, bring it back from the rotated value frame:
 // out = Πᵀ (Σ_s e^(m_s - M) acc_s) / (Σ_s e^(m_s - M) l_s). Rows with no
-// visible token give zeros. Template T, D; part_m is [R, S] (rows, splits).
-// One block of D threads per row.
+// visible token give zeros. Template T, D, ROTATE; part_m is [R, S] (rows,
+// splits); out has R * D elements in any shape. One block of D threads per
+// row.
 __shared__ float a[D];
 const uint32_t R = part_m_shape[0], S = part_m_shape[1];
 const uint64_t row = blockIdx.x;
@@ -25,9 +27,10 @@ if (M != ninf) {
 }
 a[i] = lsum > 0.0f ? ai / lsum : 0.0f;
 __syncthreads();
-float y = 0.0f;
+float y = a[i];
+if (ROTATE) {
+  y = 0.0f;
 #pragma unroll 8
-for (int j = 0; j < D; ++j) {
-  y += rot_v[j * D + i] * a[j];
+  for (int j = 0; j < D; ++j) y += rot_v[j * D + i] * a[j];
 }
 out[row * D + i] = static_cast<T>(y);

@@ -1,7 +1,9 @@
-// tq_reduce: combine the splits of each query row and rotate back:
+// tq_reduce: combine the splits of each query row (tq_attention, tq_decode,
+// kv_attention) and, with ROTATE, bring it back from the rotated value frame:
 // out = Πᵀ (Σ_s e^(m_s - M) acc_s) / (Σ_s e^(m_s - M) l_s). Rows with no
-// visible token give zeros. Template T, D; part_m is [R, S] (rows, splits).
-// One threadgroup of D threads per row.
+// visible token give zeros. Template T, D, ROTATE; part_m is [R, S] (rows,
+// splits); out has R * D elements in any shape. One threadgroup of D
+// threads per row.
 threadgroup float a[D];
 const uint R = uint(part_m_shape[0]), S = uint(part_m_shape[1]);
 const uint row = threadgroup_position_in_grid.x;
@@ -21,8 +23,9 @@ if (M != -INFINITY) {
 }
 a[i] = lsum > 0.0f ? ai / lsum : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float y = 0.0f;
-for (int j = 0; j < D; ++j) {
-  y += rot_v[j * D + i] * a[j];
+float y = a[i];
+if (ROTATE) {
+  y = 0.0f;
+  for (int j = 0; j < D; ++j) y += rot_v[j * D + i] * a[j];
 }
 out[ulong(row) * D + i] = T(y);

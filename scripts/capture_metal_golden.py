@@ -146,7 +146,7 @@ def tq_cases():
         inputs = [("part_m", "float32", (rows, splits)), ("part_l", "float32", (rows, splits)),
                   ("part_acc", "float32", (rows, splits, d)), ("rot_v", "float32", (d, d))]
         out.append(kernel_case(name, "veloxquant_tq_reduce", inputs, [("out", t)],
-                               [("T", "dtype", t), ("D", "int", d)], body="tq_reduce"))
+                               [("T", "dtype", t), ("D", "int", d), ("ROTATE", "bool", True)], body="tq_reduce"))
 
     red("tq_reduce_float32_d128", "float32", 128, 8, 3)
     red("tq_reduce_float16_d64", "float16", 64, 40, 1)

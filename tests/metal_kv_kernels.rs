@@ -1,5 +1,5 @@
 //! The mixed-method attention kernels (metal/kv_attention.metal,
-//! kv_reduce.metal) on the emulator, launched exactly as
+//! tq_reduce.metal) on the emulator, launched exactly as
 //! `src/kernels/kv_attention.rs` launches them (kernel names, input and
 //! output names and order, params layout, template arguments, the split plan
 //! and tile rows, grid in threads), against `veloxquant::cpu::kv_attention`:
@@ -37,10 +37,10 @@ fn attention_kernel() -> MetalKernel {
 
 fn reduce_kernel() -> MetalKernel {
     MetalKernel::new(
-        "veloxquant_kv_reduce",
-        &["part_m", "part_l", "part_acc", "rot_v", "params"],
+        "veloxquant_tq_reduce",
+        &["part_m", "part_l", "part_acc", "rot_v"],
         &["out"],
-        &read("metal/kv_reduce.metal"),
+        &read("metal/tq_reduce.metal"),
     )
 }
 
@@ -274,14 +274,14 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
         .run()
         .unwrap_or_else(|e| panic!("kv_attention {tag}: {e}"));
     let rotate_back = sh.value.codec.rotated();
-    let rot_v = if rotate_back { HostArray::new(&[d, d], rot) } else { HostArray::new(&[8], &[0.0f32; 8]) };
+    // Without a rotation the host hands over the maxima as the unread `rot_v`.
+    let rot_v = if rotate_back { HostArray::new(&[d, d], rot) } else { parts[0].clone() };
     let out = reduce_kernel()
         .launch()
         .input(parts[0].clone())
         .input(parts[1].clone())
         .input(parts[2].clone())
         .input(rot_v)
-        .input(HostArray::new(&[2], &[rows as u32, num_splits as u32]))
         .output(&[rows, d], T::DTYPE)
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
@@ -289,7 +289,7 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
         .grid((rows * d) as u32, 1, 1)
         .threadgroup(d as u32, 1, 1)
         .run()
-        .unwrap_or_else(|e| panic!("kv_reduce {tag}: {e}"));
+        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
     (out[0].to_vec(), num_splits)
 }
 

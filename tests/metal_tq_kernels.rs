@@ -357,6 +357,7 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
         .output(&[rows, d], T::DTYPE)
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
+        .template("ROTATE", TemplateArg::Bool(true))
         .grid((rows * d) as u32, 1, 1)
         .threadgroup(d as u32, 1, 1)
         .run()

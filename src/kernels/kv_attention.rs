@@ -3,7 +3,7 @@
 //! prepares the queries once (the key frame's rotation and the softmax scale
 //! applied), one pass scores straight from the key codes with an online
 //! softmax and decodes values on the fly, split across the sequence, and
-//! `kv_reduce` combines the splits and rotates the output back where the
+//! `tq_reduce` combines the splits and rotates the output back where the
 //! value frame is rotated.
 
 use half::{bf16, f16};
@@ -317,13 +317,13 @@ fn attention_gpu(
         },
         s,
     )?;
-    let p2 = params("queries", &[rows, num_splits])?;
-    let none = Array::from_slice(&[0.0f32; 8], &[8])?;
+    // Without a rotation the reduction never reads `rot_v`; a float32 array
+    // already at hand stands in (no new host array per call).
     let out = gpu::launch(
         &Launch {
-            source: Source::KvReduce,
-            inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&none), &p2],
-            outputs: &[(vec![r, d], q.dtype())],
+            source: Source::TqReduce,
+            inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&parts[0])],
+            outputs: &[(q.shape(), q.dtype())],
             grid: (r * d, 1, 1),
             threadgroup: (d, 1, 1),
             template: &[
@@ -335,7 +335,7 @@ fn attention_gpu(
         s,
     )?
     .remove(0);
-    ops::reshape(&out, &q.shape(), s)
+    Ok(out)
 }
 
 /// The compressed tokens of one side decoded in its frame, float32

@@ -315,7 +315,11 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
             outputs: &[(q.shape(), q.dtype())],
             grid: (rows * d, 1, 1),
             threadgroup: (d, 1, 1),
-            template: &[("T", TemplateArg::Dtype(q.dtype())), ("D", TemplateArg::Int(d))],
+            template: &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", TemplateArg::Int(d)),
+                ("ROTATE", TemplateArg::Bool(true)),
+            ],
         },
         s,
     )?
