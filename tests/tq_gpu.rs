@@ -5,29 +5,15 @@
 //! to rounding. Ignored where MLX has no GPU back-end; run on the GPU machine
 //! with `--ignored`.
 
+mod common;
+
+use common::{f32s, normal, rel_err};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
 use veloxquant::cache::{CacheConfig, LayerCache};
 use veloxquant::kernels::turboquant::tq_encode;
 use veloxquant::quant::ScalarCodebook;
 use veloxquant::{ops, Array, Dtype, Options, Policy, Stream};
-
-fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
-    let n: i32 = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
-    ops::astype(&Array::from_slice(&v, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
-}
-
-fn f32s(a: &Array) -> Vec<f32> {
-    ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
-}
-
-fn rel_err(a: &[f32], b: &[f32]) -> f64 {
-    let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
-    let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
-    (num / den).sqrt()
-}
 
 #[test]
 #[ignore = "needs a GPU back-end"]
