@@ -27,6 +27,15 @@ def test_config_defaults_and_layer_overrides():
     assert KVConfig.from_json(c.to_json()) == c
 
 
+def test_key_only_methods_pair_with_turboquant_values():
+    c = KVConfig(key_method="qjl", key_bits=1)
+    assert (c.value_method, c.value_bits) == ("turboquant-mse", 4)
+    c = KVConfig(key_method="turboquant-prod", key_bits=3, value_bits=2)
+    assert (c.value_method, c.value_bits) == ("turboquant-mse", 2)
+    c = KVConfig(key_method="qjl", key_bits=2, value_method="kivi")
+    assert (c.value_method, c.value_bits) == ("kivi", 2)
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [

@@ -28,13 +28,18 @@ from mlx_lm.models.cache import (
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy")
 POLICIES = ("auto", "require", "off")
+# Methods that store keys only (attention-score estimators).
+KEY_ONLY_METHODS = ("qjl", "turboquant-prod")
 
 
 @dataclasses.dataclass(frozen=True)
 class KVConfig:
     """How veloxquant compresses a model's keys and values.
 
-    ``value_method``/``value_bits`` default to the key settings. ``window``
+    ``value_method``/``value_bits`` default to the key settings; key-only
+    methods (``qjl``, ``turboquant-prod``, which estimate scores and cannot
+    return values) pair by default with ``turboquant-mse`` values at 4 bits.
+    ``window``
     recent tokens and ``sinks`` first tokens stay in float16. ``layers`` maps a
     layer index to overrides of these fields (``{"key_bits": 8}``), or to
     ``None`` to leave that layer to the model's own float16 cache.
@@ -52,7 +57,12 @@ class KVConfig:
 
     def __post_init__(self):
         if self.value_method is None:
-            object.__setattr__(self, "value_method", self.key_method)
+            if self.key_method in KEY_ONLY_METHODS:
+                object.__setattr__(self, "value_method", "turboquant-mse")
+                if self.value_bits is None:
+                    object.__setattr__(self, "value_bits", 4)
+            else:
+                object.__setattr__(self, "value_method", self.key_method)
         if self.value_bits is None:
             object.__setattr__(self, "value_bits", self.key_bits)
         for name in ("key_method", "value_method"):
