@@ -185,16 +185,21 @@ pub fn kivi_quantize<T: Float>(
     let params = if per_channel { n.div_ceil(group) * d } else { n * d / group };
     assert!(scales.len() == params && zeros.len() == params, "scales/zeros length");
     if per_channel {
+        // Row by row, so that the reads are contiguous; min and max are exact
+        // whatever the order.
+        let (mut lo, mut hi) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
         for g in 0..n.div_ceil(group) {
-            let (r0, r1) = (g * group, ((g + 1) * group).min(n));
-            for j in 0..d {
-                let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-                for r in r0..r1 {
-                    let v = x[r * d + j].to_f32();
-                    lo = lo.min(v);
-                    hi = hi.max(v);
+            lo.fill(f32::INFINITY);
+            hi.fill(f32::NEG_INFINITY);
+            for row in x[g * group * d..((g + 1) * group).min(n) * d].chunks_exact(d) {
+                for ((l, h), v) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
+                    let v = v.to_f32();
+                    *l = l.min(v);
+                    *h = h.max(v);
                 }
-                let (s, z) = kivi_params(lo, hi, bits);
+            }
+            for j in 0..d {
+                let (s, z) = kivi_params(lo[j], hi[j], bits);
                 scales[g * d + j] = s;
                 zeros[g * d + j] = z;
             }
@@ -211,13 +216,28 @@ pub fn kivi_quantize<T: Float>(
             zeros[p] = z;
         }
     }
-    let (scales, zeros) = (&*scales, &*zeros);
+    let (sf, zf) = (to_f32s(scales), to_f32s(zeros));
     pack_rows(codes, n, d, bits, |r, c| {
-        for (j, code) in c.iter_mut().enumerate() {
-            let p = if per_channel { (r / group) * d + j } else { (r * d + j) / group };
-            *code = kivi_code(x[r * d + j].to_f32(), scales[p].to_f32(), zeros[p].to_f32(), bits);
+        let row = &x[r * d..(r + 1) * d];
+        if per_channel {
+            let p = (r / group) * d..(r / group + 1) * d;
+            for ((code, v), (&s, &z)) in c.iter_mut().zip(row).zip(sf[p.clone()].iter().zip(&zf[p])) {
+                *code = kivi_code(v.to_f32(), s, z, bits);
+            }
+        } else {
+            for (k, (cg, xg)) in c.chunks_mut(group).zip(row.chunks(group)).enumerate() {
+                let p = r * d / group + k;
+                for (code, v) in cg.iter_mut().zip(xg) {
+                    *code = kivi_code(v.to_f32(), sf[p], zf[p], bits);
+                }
+            }
         }
     });
+}
+
+/// Float16 parameters as float32, converted once rather than per element.
+fn to_f32s(v: &[f16]) -> Vec<f32> {
+    v.iter().map(|x| x.to_f32()).collect()
 }
 
 /// `zero + scale * code` (float32, no fused multiply-add), as `T`.
@@ -234,10 +254,20 @@ pub fn kivi_dequantize<T: Float>(
     out: &mut [T],
 ) {
     assert_eq!(out.len(), n * d, "out length");
+    let (sf, zf) = (to_f32s(scales), to_f32s(zeros));
     unpack_rows(codes, n, d, bits, out, |r, c, o| {
-        for (j, (v, &code)) in o.iter_mut().zip(c).enumerate() {
-            let p = if per_channel { (r / group) * d + j } else { (r * d + j) / group };
-            *v = T::from_f32(zeros[p].to_f32() + scales[p].to_f32() * f32::from(code));
+        if per_channel {
+            let p = (r / group) * d..(r / group + 1) * d;
+            for ((v, &code), (&s, &z)) in o.iter_mut().zip(c).zip(sf[p.clone()].iter().zip(&zf[p])) {
+                *v = T::from_f32(z + s * f32::from(code));
+            }
+        } else {
+            for (k, (og, cg)) in o.chunks_mut(group).zip(c.chunks(group)).enumerate() {
+                let (s, z) = (sf[r * d / group + k], zf[r * d / group + k]);
+                for (v, &code) in og.iter_mut().zip(cg) {
+                    *v = T::from_f32(z + s * f32::from(code));
+                }
+            }
         }
     });
 }
