@@ -16,6 +16,16 @@ use crate::ops;
 use crate::quant::{Rotation, RotationKind, ScalarCodebook};
 use crate::stream::Stream;
 
+/// `−mean` in the keys' frame (rotated by `Π` when given), in `dtype`: what
+/// every new key gets added.
+fn key_offset(mean: &Array, rotation: Option<&Array>, dtype: Dtype, s: &Stream) -> Result<Array> {
+    let framed = match rotation {
+        Some(r) => ops::matmul(mean, &ops::transpose(r, &[1, 0], s)?, s)?,
+        None => mean.clone(),
+    };
+    ops::astype(&ops::multiply(&framed, &Array::scalar_f32(-1.0)?, s)?, dtype, s)
+}
+
 /// Slots a store starts with; it then doubles.
 const MIN_CAPACITY: usize = 256;
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
@@ -563,11 +573,7 @@ impl LayerCache {
         let key_rotated = c.keys.codec.codec.rotated();
         if c.k_offset.is_none() {
             let mean = c.k_mean.as_ref().expect("set above");
-            let framed = match (&shared.rotation, key_rotated) {
-                (Some(r), true) => ops::matmul(mean, &ops::transpose(r, &[1, 0], &s)?, &s)?,
-                _ => mean.clone(),
-            };
-            c.k_offset = Some(ops::astype(&ops::multiply(&framed, &Array::scalar_f32(-1.0)?, &s)?, dtype, &s)?);
+            c.k_offset = Some(key_offset(mean, shared.rotation.as_ref().filter(|_| key_rotated), dtype, &s)?);
         }
         // Bring the new tokens into each side's frame once (the windows hold
         // them so, and attention works in those frames): one matmul (keys:
@@ -1049,7 +1055,10 @@ mod state_io {
             Err(_) if n + ns + nr == 0 => None,
             Err(_) => return Err(corrupt("k_mean: missing")),
         };
+        let key_rotation = cache.shared.as_ref().and_then(|sh| sh.rotation.clone());
         let Some(Store::Compressed(c)) = &mut cache.store else { unreachable!() };
+        let rotation = key_rotation.as_ref().filter(|_| c.keys.codec.codec.rotated());
+        c.k_offset = mean.as_ref().map(|m| key_offset(m, rotation, dtype, &s)).transpose()?;
         c.k_mean = mean;
         let mut cap = c.capacity;
         while cap < n {
