@@ -158,8 +158,16 @@ pub fn kivi_code(v: f32, scale: f32, zero: f32, bits: u32) -> u8 {
     if !(scale > 0.0) {
         return 0;
     }
-    ((v - zero) / scale).round().clamp(0.0, ((1u32 << bits) - 1) as f32) as u8
+    let x = (v - zero) / scale;
+    // round-half-away-from-zero as trunc(x ± pred(0.5)) (exact for every
+    // float; `f32::round` is a library call on baseline x86-64, this
+    // vectorizes), then clamped to the levels; NaN gives 0.
+    let r = (x + HALF_DOWN.copysign(x)) as i32;
+    r.clamp(0, (1i32 << bits) - 1) as u8
 }
+
+/// The largest float below 0.5.
+const HALF_DOWN: f32 = 0.499_999_97;
 
 /// `(scale, zero)` in float16 for a group spanning `[lo, hi]`. A value beyond
 /// the float16 range becomes infinity (the kernels cannot fail mid-graph).
@@ -190,37 +198,41 @@ pub fn kivi_quantize<T: Float>(
     assert!(group > 0 && (per_channel || d % group == 0), "group");
     let params = if per_channel { n.div_ceil(group) * d } else { n * d / group };
     assert!(scales.len() == params && zeros.len() == params, "scales/zeros length");
-    if per_channel {
-        // Row by row, so that the reads are contiguous; min and max are exact
-        // whatever the order.
-        let (mut lo, mut hi) = (vec![f32::INFINITY; d], vec![f32::NEG_INFINITY; d]);
-        for g in 0..n.div_ceil(group) {
+    // (scale, zero) per group, rows of parameters in parallel: per channel
+    // (keys) a row is a group of `group` tokens (read token by token, so that
+    // the reads are contiguous; min and max are exact whatever the order),
+    // per token (values) a row is one token's `d / group` groups.
+    let cols = if per_channel { d } else { d / group };
+    let mut pairs = vec![(f16::ZERO, f16::ZERO); params];
+    super::for_each_chunk(&mut pairs, cols, 16, |first, chunk| {
+        let (mut lo, mut hi) = (vec![f32::INFINITY; cols], vec![f32::NEG_INFINITY; cols]);
+        for (g, out) in (first..).zip(chunk.chunks_exact_mut(cols)) {
             lo.fill(f32::INFINITY);
             hi.fill(f32::NEG_INFINITY);
-            for row in x[g * group * d..((g + 1) * group).min(n) * d].chunks_exact(d) {
-                for ((l, h), v) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
-                    let v = v.to_f32();
-                    *l = l.min(v);
-                    *h = h.max(v);
+            if per_channel {
+                for row in x[g * group * d..((g + 1) * group).min(n) * d].chunks_exact(d) {
+                    for ((l, h), v) in lo.iter_mut().zip(hi.iter_mut()).zip(row) {
+                        let v = v.to_f32();
+                        *l = l.min(v);
+                        *h = h.max(v);
+                    }
+                }
+            } else {
+                for ((l, h), grp) in lo.iter_mut().zip(hi.iter_mut()).zip(x[g * d..(g + 1) * d].chunks_exact(group)) {
+                    for v in grp {
+                        *l = l.min(v.to_f32());
+                        *h = h.max(v.to_f32());
+                    }
                 }
             }
-            for j in 0..d {
-                let (s, z) = kivi_params(lo[j], hi[j], bits);
-                scales[g * d + j] = s;
-                zeros[g * d + j] = z;
+            for ((o, &l), &h) in out.iter_mut().zip(&lo).zip(&hi) {
+                *o = kivi_params(l, h, bits);
             }
         }
-    } else {
-        for (p, grp) in x.chunks(group).enumerate() {
-            let (mut lo, mut hi) = (f32::INFINITY, f32::NEG_INFINITY);
-            for v in grp {
-                lo = lo.min(v.to_f32());
-                hi = hi.max(v.to_f32());
-            }
-            let (s, z) = kivi_params(lo, hi, bits);
-            scales[p] = s;
-            zeros[p] = z;
-        }
+    });
+    for ((s, z), &(ps, pz)) in scales.iter_mut().zip(zeros.iter_mut()).zip(&pairs) {
+        *s = ps;
+        *z = pz;
     }
     let (sf, zf) = (to_f32s(scales), to_f32s(zeros));
     pack_rows(codes, n, d, bits, |r, c| {
@@ -472,7 +484,28 @@ pub fn pq_decode<T: Float>(
 
 #[cfg(test)]
 mod tests {
+
     use super::*;
+
+    #[test]
+    fn kivi_rounding_equals_round_half_away_from_zero() {
+        // The 4000 floats around every half and every integer from -3 to 300
+        // (where rounding can go wrong), tiny values, and the specials.
+        let mut xs = vec![f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 1e30, -1e30, f32::MIN_POSITIVE, -0.0, 0.0];
+        for k in -6..=600 {
+            let c = k as f32 / 2.0;
+            for i in 0..2000u32 {
+                xs.push(f32::from_bits(c.to_bits().wrapping_add(i)));
+                xs.push(f32::from_bits(c.to_bits().wrapping_sub(i)));
+            }
+        }
+        for x in xs {
+            for bits in [1u32, 8] {
+                let want = x.round().clamp(0.0, ((1u32 << bits) - 1) as f32) as u8;
+                assert_eq!(super::kivi_code(x, 1.0, 0.0, bits), want, "x = {x:e}, bits = {bits}");
+            }
+        }
+    }
 
     #[test]
     fn scalar_round_trip_and_boundaries_go_down() {
