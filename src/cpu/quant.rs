@@ -292,14 +292,24 @@ pub fn kivi_dequantize<T: Float>(
 
 // -------------------------------------------------------------------- QJL
 
-/// `Σ_j a[j] * b[j]` in order, float32, no fused multiply-add.
-#[inline(always)]
-pub(crate) fn dot_f32<T: VqElement>(a: &[f32], b: &[T]) -> f32 {
-    let mut acc = 0.0f32;
-    for (x, y) in a.iter().zip(b) {
-        acc += x * y.to_f32();
+/// `out[i] = Σ_j rows[i][j] * x[j]` for the `out.len()` rows of `rows` (each
+/// `x.len()` long): float32, every sum in order of `j` from 0, no fused
+/// multiply-add (the GPU bodies sum the same way); eight rows at a time so
+/// that their independent sums keep the core busy (one ordered sum is bound
+/// by the add's latency).
+pub(crate) fn dots_in_order<T: VqElement>(rows: &[f32], x: &[T], out: &mut [f32]) {
+    let d = x.len();
+    assert_eq!(rows.len(), out.len() * d, "rows length");
+    for (o, r) in out.chunks_mut(8).zip(rows.chunks(8 * d.max(1))) {
+        let mut acc = [0.0f32; 8];
+        for (j, xj) in x.iter().enumerate() {
+            let xj = xj.to_f32();
+            for (i, a) in acc.iter_mut().take(o.len()).enumerate() {
+                *a += r[i * d + j] * xj;
+            }
+        }
+        o.copy_from_slice(&acc[..o.len()]);
     }
-    acc
 }
 
 /// QJL encoding of keys `k` (`n * d`) with the sketch `s` (`m * d`, row
@@ -310,9 +320,10 @@ pub fn qjl_encode<T: Float>(k: &[T], n: usize, d: usize, sketch: &[f32], m: usiz
     assert_eq!(sketch.len(), m * d, "sketch length");
     assert_eq!(norms.len(), n, "norms length");
     pack_rows(signs, n, m, 1, |r, bits| {
-        let key = &k[r * d..(r + 1) * d];
-        for (b, row) in bits.iter_mut().zip(sketch.chunks_exact(d)) {
-            *b = u8::from(dot_f32(row, key) >= 0.0);
+        let mut proj = vec![0.0f32; m];
+        dots_in_order(sketch, &k[r * d..(r + 1) * d], &mut proj);
+        for (b, p) in bits.iter_mut().zip(&proj) {
+            *b = u8::from(*p >= 0.0);
         }
     });
     for (o, key) in norms.iter_mut().zip(k.chunks_exact(d.max(1))) {
@@ -343,9 +354,10 @@ pub fn qjl_score<T: Float>(
     assert_eq!(out.len(), nq * n, "scores length");
     let nbytes = packed_len(m, 1);
     assert_eq!(signs.len(), n * nbytes, "signs length");
-    let sq: Vec<f32> = (0..nq)
-        .flat_map(|i| sketch.chunks_exact(d).map(move |row| dot_f32(row, &q[i * d..(i + 1) * d])))
-        .collect();
+    let mut sq = vec![0.0f32; nq * m];
+    for (i, out) in sq.chunks_exact_mut(m.max(1)).enumerate() {
+        dots_in_order(sketch, &q[i * d..(i + 1) * d], out);
+    }
     let scale = std::f32::consts::FRAC_PI_2.sqrt() / m as f32;
     super::for_each_chunk(out, 1, 4096, |first, chunk| {
         for (o, idx) in chunk.iter_mut().zip(first..) {

@@ -45,22 +45,6 @@ fn nearest(y: f32, centroids: &[f32]) -> u8 {
     best_i
 }
 
-/// Coordinate `i` of `Π u` (`Σ_j Π_ij u_j` in order, from 0), or `u_i` without a rotation.
-#[inline(always)]
-fn rotated(rotation: Option<&[f32]>, u: &[f32], i: usize) -> f32 {
-    match rotation {
-        Some(rot) => {
-            let d = u.len();
-            let mut y = 0.0f32;
-            for (&p, &uj) in rot[i * d..(i + 1) * d].iter().zip(u) {
-                y += p * uj;
-            }
-            y
-        }
-        None => u[i],
-    }
-}
-
 /// Largest finite float16: norms beyond it are stored saturated.
 pub const MAX_NORM: f32 = 65504.0;
 
@@ -93,7 +77,7 @@ pub fn tq_encode<T: VqElement>(
         *out = f16::from_f32(s2.sqrt().min(MAX_NORM));
     }
     super::for_each_chunk(codes, row_bytes, 64, |row0, chunk| {
-        let mut u = vec![0.0f32; d];
+        let (mut u, mut y) = (vec![0.0f32; d], vec![0.0f32; d]);
         let mut idx = vec![0u8; d];
         for (r, dst) in chunk.chunks_mut(row_bytes).enumerate() {
             let src = &x[(row0 + r) * d..(row0 + r + 1) * d];
@@ -106,8 +90,12 @@ pub fn tq_encode<T: VqElement>(
             for (uj, v) in u.iter_mut().zip(src) {
                 *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
             }
-            for (i, code) in idx.iter_mut().enumerate() {
-                *code = nearest(rotated(rotation, &u, i), centroids);
+            match rotation {
+                Some(rot) => super::quant::dots_in_order(rot, &u, &mut y),
+                None => y.copy_from_slice(&u),
+            }
+            for (code, &yi) in idx.iter_mut().zip(&y) {
+                *code = nearest(yi, centroids);
             }
             super::bit_pack(&idx, 1, d, bits, dst);
         }
@@ -314,8 +302,9 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&[f32]>, u: &m
     for uj in u.iter_mut() {
         *uj = if s > 0.0 { *uj / s } else { 0.0 };
     }
-    for (i, yi) in y.iter_mut().enumerate() {
-        *yi = rotated(rotation, u, i);
+    match rotation {
+        Some(rot) => super::quant::dots_in_order(rot, u, y),
+        None => y.copy_from_slice(u),
     }
     s
 }
@@ -398,6 +387,7 @@ pub fn tq_prod_encode<T: VqElement>(
             norms2: vec![f16::ZERO; if mse_bits > 0 { count } else { 0 }],
         };
         let (mut u, mut y, mut idx, mut bits) = (vec![0.0f32; d], vec![0.0f32; d], vec![0u8; d], vec![0u8; d]);
+        let mut proj = vec![0.0f32; d];
         for r in 0..count {
             let s = normalize_rotate_row(&x[(first + r) * d..(first + r + 1) * d], rotation, &mut u, &mut y);
             out.norms[r] = f16::from_f32(s.min(MAX_NORM));
@@ -409,8 +399,9 @@ pub fn tq_prod_encode<T: VqElement>(
                 super::bit_pack(&idx, 1, d, mse_bits, &mut out.codes[r * code_bytes..(r + 1) * code_bytes]);
                 out.norms2[r] = f16::from_f32(crate::quant::norm(&y).min(MAX_NORM));
             }
-            for (b, row) in bits.iter_mut().zip(sketch.chunks_exact(d)) {
-                *b = u8::from(super::quant::dot_f32(row, &y) >= 0.0);
+            super::quant::dots_in_order(sketch, &y, &mut proj);
+            for (b, p) in bits.iter_mut().zip(&proj) {
+                *b = u8::from(*p >= 0.0);
             }
             super::bit_pack(&bits, 1, d, 1, &mut out.codes2[r * sign_bytes..(r + 1) * sign_bytes]);
         }
