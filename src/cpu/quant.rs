@@ -112,11 +112,16 @@ pub fn scalar_boundaries(codebook: &[f32]) -> Vec<f32> {
     codebook.windows(2).map(|w| 0.5 * (w[0] + w[1])).collect()
 }
 
-/// The number of boundaries strictly below `v`: the index of the nearest
-/// centroid, a value on a boundary going down (NaN gives 0).
-#[inline(always)]
-pub(crate) fn scalar_code(bounds: &[f32], v: f32) -> u8 {
-    bounds.iter().map(|&t| u8::from(t < v)).sum()
+/// For each of `v`, the number of boundaries strictly below it: the index of
+/// the nearest centroid, a value on a boundary going down (NaN gives 0). One
+/// pass over `v` per boundary, which vectorizes.
+pub(crate) fn scalar_codes(bounds: &[f32], v: &[f32], out: &mut [u8]) {
+    out.fill(0);
+    for &t in bounds {
+        for (c, &x) in out.iter_mut().zip(v) {
+            *c += u8::from(t < x);
+        }
+    }
 }
 
 /// Quantizes `x` (`n * d`) against the sorted `codebook` (`2^bits` entries)
@@ -126,15 +131,8 @@ pub fn scalar_quantize<T: Float>(x: &[T], n: usize, d: usize, codebook: &[f32], 
     assert_eq!(codebook.len(), 1 << bits, "codebook length");
     let bounds = scalar_boundaries(codebook);
     pack_rows(out, n, d, bits, |r, codes| {
-        // `scalar_code` with the loops swapped: one pass over the row per
-        // boundary, which vectorizes (same counts).
         let row: Vec<f32> = x[r * d..(r + 1) * d].iter().map(|v| v.to_f32()).collect();
-        codes.fill(0);
-        for &t in &bounds {
-            for (c, &v) in codes.iter_mut().zip(&row) {
-                *c += u8::from(t < v);
-            }
-        }
+        scalar_codes(&bounds, &row, codes);
     });
 }
 

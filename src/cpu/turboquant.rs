@@ -392,8 +392,8 @@ pub fn tq_prod_encode<T: VqElement>(
             let s = normalize_rotate_row(&x[(first + r) * d..(first + r + 1) * d], rotation, &mut u, &mut y);
             out.norms[r] = f16::from_f32(s.min(MAX_NORM));
             if mse_bits > 0 {
-                for (c, v) in idx.iter_mut().zip(y.iter_mut()) {
-                    *c = super::quant::scalar_code(&bounds, *v);
+                super::quant::scalar_codes(&bounds, &y, &mut idx);
+                for (c, v) in idx.iter().zip(y.iter_mut()) {
                     *v -= centroids[*c as usize];
                 }
                 super::bit_pack(&idx, 1, d, mse_bits, &mut out.codes[r * code_bytes..(r + 1) * code_bytes]);
@@ -493,13 +493,15 @@ pub fn tq_rvq_encode<T: VqElement>(
             norms2: Vec::new(),
         };
         let (mut u, mut y, mut i1, mut i2) = (vec![0.0f32; d], vec![0.0f32; d], vec![0u8; d], vec![0u8; d]);
+        let mut residual = vec![0.0f32; d];
         for r in 0..count {
             let s = normalize_rotate_row(&x[(row0 + r) * d..(row0 + r + 1) * d], rotation, &mut u, &mut y);
             out.norms[r] = f16::from_f32(s.min(MAX_NORM));
-            for ((a, b), &v) in i1.iter_mut().zip(i2.iter_mut()).zip(&y) {
-                *a = super::quant::scalar_code(&bounds1, v);
-                *b = super::quant::scalar_code(&bounds2, v - first[*a as usize]);
+            super::quant::scalar_codes(&bounds1, &y, &mut i1);
+            for ((e, &v), &a) in residual.iter_mut().zip(&y).zip(&i1) {
+                *e = v - first[a as usize];
             }
+            super::quant::scalar_codes(&bounds2, &residual, &mut i2);
             super::bit_pack(&i1, 1, d, bits.0, &mut out.codes[r * b1..(r + 1) * b1]);
             super::bit_pack(&i2, 1, d, bits.1, &mut out.codes2[r * b2..(r + 1) * b2]);
         }
