@@ -225,7 +225,10 @@ fn qjl_case(n: usize, d: usize, m: usize, nq: usize, seed: u64) {
         for i in 0..nq {
             for t in 0..n {
                 let e = qjl.estimate(&qf[i * d..(i + 1) * d], &enc, t).unwrap();
-                let tol = if policy == Policy::Require { 1e-6 * e.abs() } else { 1e-4 * scale };
+                // The fused kernel sums through per-byte tables, the
+                // reference graph through a matmul: both differ from the
+                // estimate's sequential sum by float32 rounding of the terms.
+                let tol = if policy == Policy::Require { 1e-5 * scale } else { 1e-4 * scale };
                 assert!((sc[i * n + t] - e).abs() <= tol, "score {tag} q{i} k{t}: {} vs {e}", sc[i * n + t]);
             }
         }

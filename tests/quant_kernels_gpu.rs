@@ -101,8 +101,11 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     let mut want = vec![0.0f32; nq * n];
     cpu::qjl_score(&q, nq, d, &s, m, &sg, &nm, n, &mut want);
     let got = qjl_score(&arr(&q, &[nq, d]), &sk, &gs, &gn, &gpu()).unwrap().to_vec::<f32>().unwrap();
+    // The CPU kernel sums through per-byte tables: equal up to float32
+    // rounding of the sums.
+    let largest = want.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
     for (a, b) in got.iter().zip(&want) {
-        assert!((a - b).abs() <= 1e-6 * b.abs(), "score {tag}: {a} vs {b}");
+        assert!((a - b).abs() <= 1e-5 * largest, "score {tag}: {a} vs {b}");
     }
 }
 

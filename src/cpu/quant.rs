@@ -335,7 +335,9 @@ pub fn qjl_encode<T: Float>(k: &[T], n: usize, d: usize, sketch: &[f32], m: usiz
 
 /// QJL scores of `nq` queries `q` (`nq * d`) against `n` encoded keys:
 /// `out[i * n + t] = (√(π/2)/m · ‖k_t‖) · Σ_r ±(S q_i)_r`, the sign from bit
-/// `r` of key `t`, summed in order of `r`.
+/// `r` of key `t`. Each query's signed sums over 8 sketch rows are tabled for
+/// all 256 bytes, so that a key costs one lookup per sign byte; the sum's
+/// order differs from a sequential one by float32 rounding.
 #[allow(clippy::too_many_arguments)]
 pub fn qjl_score<T: Float>(
     q: &[T],
@@ -356,16 +358,30 @@ pub fn qjl_score<T: Float>(
     for (i, out) in sq.chunks_exact_mut(m.max(1)).enumerate() {
         dots_in_order(sketch, &q[i * d..(i + 1) * d], out);
     }
+    // tables[(i * nbytes + p) * 256 + b] = Σ_j ±sq[i][8p + j], + where bit j
+    // of b is set, over the rows that exist (the last byte may be partial).
+    let mut tables = vec![0.0f32; nq * nbytes * 256];
+    for (ip, table) in tables.chunks_exact_mut(256).enumerate() {
+        let (i, p) = (ip / nbytes, ip % nbytes);
+        let rows = &sq[i * m + 8 * p..i * m + (8 * p + 8).min(m)];
+        table[0] = -rows.iter().sum::<f32>();
+        for b in 1..256usize {
+            let low = b.trailing_zeros() as usize;
+            let add = rows.get(low).map_or(0.0, |v| 2.0 * v);
+            table[b] = table[b & (b - 1)] + add;
+        }
+    }
     let scale = std::f32::consts::FRAC_PI_2.sqrt() / m as f32;
     super::for_each_chunk(out, 1, 4096, |first, chunk| {
         for (o, idx) in chunk.iter_mut().zip(first..) {
             let (i, t) = (idx / n, idx % n);
-            let s = &signs[t * nbytes..(t + 1) * nbytes];
-            let mut acc = 0.0f32;
-            for (r, &v) in sq[i * m..(i + 1) * m].iter().enumerate() {
-                acc += if s[r / 8] >> (r % 8) & 1 != 0 { v } else { -v };
+            let key = &signs[t * nbytes..(t + 1) * nbytes];
+            let tab = &tables[i * nbytes * 256..(i + 1) * nbytes * 256];
+            let mut acc = [0.0f32; 4];
+            for (p, &byte) in key.iter().enumerate() {
+                acc[p % 4] += tab[p * 256 + byte as usize];
             }
-            *o = scale * norms[t].to_f32() * acc;
+            *o = scale * norms[t].to_f32() * ((acc[0] + acc[1]) + (acc[2] + acc[3]));
         }
     });
 }
