@@ -153,15 +153,13 @@ pub fn scalar_dequantize<T: Float>(packed: &[u8], n: usize, d: usize, codebook: 
 /// `round((v - zero) / scale)` clamped to the levels, 0 for a constant group.
 #[inline(always)]
 pub fn kivi_code(v: f32, scale: f32, zero: f32, bits: u32) -> u8 {
-    if !(scale > 0.0) {
-        return 0;
-    }
     let x = (v - zero) / scale;
     // round-half-away-from-zero as trunc(x ± pred(0.5)) (exact for every
     // float; `f32::round` is a library call on baseline x86-64, this
-    // vectorizes), then clamped to the levels; NaN gives 0.
-    let r = (x + HALF_DOWN.copysign(x)) as i32;
-    r.clamp(0, (1i32 << bits) - 1) as u8
+    // vectorizes), then clamped to the levels; NaN gives 0. Branch-free, so
+    // that loops over it vectorize.
+    let r = ((x + HALF_DOWN.copysign(x)) as i32).clamp(0, (1i32 << bits) - 1);
+    if scale > 0.0 { r as u8 } else { 0 }
 }
 
 /// The largest float below 0.5.
@@ -217,10 +215,7 @@ pub fn kivi_quantize<T: Float>(
                 }
             } else {
                 for ((l, h), grp) in lo.iter_mut().zip(hi.iter_mut()).zip(x[g * d..(g + 1) * d].chunks_exact(group)) {
-                    for v in grp {
-                        *l = l.min(v.to_f32());
-                        *h = h.max(v.to_f32());
-                    }
+                    (*l, *h) = min_max(grp);
                 }
             }
             for ((o, &l), &h) in out.iter_mut().zip(&lo).zip(&hi) {
@@ -249,6 +244,26 @@ pub fn kivi_quantize<T: Float>(
             }
         }
     });
+}
+
+/// Smallest and largest of `v` (NaN ignored; infinities for none), in eight
+/// lanes that vectorize: min and max are exact in any order.
+fn min_max<T: Float>(v: &[T]) -> (f32, f32) {
+    let (mut lo, mut hi) = ([f32::INFINITY; 8], [f32::NEG_INFINITY; 8]);
+    let chunks = v.chunks_exact(8);
+    let tail = chunks.remainder();
+    for c in chunks {
+        for ((l, h), x) in lo.iter_mut().zip(hi.iter_mut()).zip(c) {
+            let x = x.to_f32();
+            *l = l.min(x);
+            *h = h.max(x);
+        }
+    }
+    for x in tail {
+        lo[0] = lo[0].min(x.to_f32());
+        hi[0] = hi[0].max(x.to_f32());
+    }
+    (lo.iter().fold(f32::INFINITY, |a, &b| a.min(b)), hi.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)))
 }
 
 /// Float16 parameters as float32, converted once rather than per element.
