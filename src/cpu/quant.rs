@@ -305,23 +305,38 @@ pub fn kivi_dequantize<T: Float>(
 
 // -------------------------------------------------------------------- QJL
 
-/// `out[i] = Σ_j rows[i][j] * x[j]` for the `out.len()` rows of `rows` (each
-/// `x.len()` long): float32, every sum in order of `j` from 0, no fused
-/// multiply-add (the GPU bodies sum the same way); eight rows at a time so
-/// that their independent sums keep the core busy (one ordered sum is bound
-/// by the add's latency).
-pub(crate) fn dots_in_order<T: VqElement>(rows: &[f32], x: &[T], out: &mut [f32]) {
-    let d = x.len();
-    assert_eq!(rows.len(), out.len() * d, "rows length");
-    for (o, r) in out.chunks_mut(8).zip(rows.chunks(8 * d.max(1))) {
-        let mut acc = [0.0f32; 8];
-        for (j, xj) in x.iter().enumerate() {
-            let xj = xj.to_f32();
-            for (i, a) in acc.iter_mut().take(o.len()).enumerate() {
-                *a += r[i * d + j] * xj;
+/// A row-major `[m, d]` matrix held transposed, for `out[i] = Σ_j rows[i][j] *
+/// x[j]`: float32, every sum in order of `j` from 0, no fused multiply-add
+/// (the GPU bodies sum the same way). Walking the transpose keeps each sum's
+/// order while the `m` sums advance together, contiguous in memory, which
+/// vectorizes (one ordered sum alone is bound by the add's latency).
+pub(crate) struct OrderedDots {
+    t: Vec<f32>,
+    m: usize,
+    d: usize,
+}
+
+impl OrderedDots {
+    pub(crate) fn new(rows: &[f32], m: usize, d: usize) -> Self {
+        assert_eq!(rows.len(), m * d, "rows length");
+        let mut t = vec![0.0f32; m * d];
+        for (i, row) in rows.chunks_exact(d.max(1)).enumerate() {
+            for (j, &v) in row.iter().enumerate() {
+                t[j * m + i] = v;
             }
         }
-        o.copy_from_slice(&acc[..o.len()]);
+        OrderedDots { t, m, d }
+    }
+
+    pub(crate) fn apply<T: VqElement>(&self, x: &[T], out: &mut [f32]) {
+        assert_eq!((x.len(), out.len()), (self.d, self.m), "x / out length");
+        out.fill(0.0);
+        for (col, xj) in self.t.chunks_exact(self.m.max(1)).zip(x) {
+            let xj = xj.to_f32();
+            for (o, &v) in out.iter_mut().zip(col) {
+                *o += v * xj;
+            }
+        }
     }
 }
 
@@ -332,9 +347,10 @@ pub fn qjl_encode<T: Float>(k: &[T], n: usize, d: usize, sketch: &[f32], m: usiz
     assert_eq!(k.len(), n * d, "k length");
     assert_eq!(sketch.len(), m * d, "sketch length");
     assert_eq!(norms.len(), n, "norms length");
+    let dots = OrderedDots::new(sketch, m, d);
     pack_rows(signs, n, m, 1, |r, bits| {
         let mut proj = vec![0.0f32; m];
-        dots_in_order(sketch, &k[r * d..(r + 1) * d], &mut proj);
+        dots.apply(&k[r * d..(r + 1) * d], &mut proj);
         for (b, p) in bits.iter_mut().zip(&proj) {
             *b = u8::from(*p >= 0.0);
         }
@@ -370,8 +386,9 @@ pub fn qjl_score<T: Float>(
     let nbytes = packed_len(m, 1);
     assert_eq!(signs.len(), n * nbytes, "signs length");
     let mut sq = vec![0.0f32; nq * m];
+    let dots = OrderedDots::new(sketch, m, d);
     for (i, out) in sq.chunks_exact_mut(m.max(1)).enumerate() {
-        dots_in_order(sketch, &q[i * d..(i + 1) * d], out);
+        dots.apply(&q[i * d..(i + 1) * d], out);
     }
     // tables[(i * nbytes + p) * 256 + b] = Σ_j ±sq[i][8p + j], + where bit j
     // of b is set, over the rows that exist (the last byte may be partial).

@@ -13,6 +13,7 @@
 
 use half::f16;
 
+use super::quant::OrderedDots;
 use super::vq::VqElement;
 use super::Float;
 
@@ -76,6 +77,7 @@ pub fn tq_encode<T: VqElement>(
         }
         *out = f16::from_f32(s2.sqrt().min(MAX_NORM));
     }
+    let rotation = rotation.map(|r| OrderedDots::new(r, d, d));
     super::for_each_chunk(codes, row_bytes, 64, |row0, chunk| {
         let (mut u, mut y) = (vec![0.0f32; d], vec![0.0f32; d]);
         let mut idx = vec![0u8; d];
@@ -90,8 +92,8 @@ pub fn tq_encode<T: VqElement>(
             for (uj, v) in u.iter_mut().zip(src) {
                 *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
             }
-            match rotation {
-                Some(rot) => super::quant::dots_in_order(rot, &u, &mut y),
+            match &rotation {
+                Some(rot) => rot.apply(&u, &mut y),
                 None => y.copy_from_slice(&u),
             }
             for (code, &yi) in idx.iter_mut().zip(&y) {
@@ -294,7 +296,7 @@ pub fn prod_scale(d: usize) -> f32 {
 
 /// Loads one row into `u`, normalizes it and writes `y = Π u` (zeros for a
 /// zero row). Returns the norm.
-fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&[f32]>, u: &mut [f32], y: &mut [f32]) -> f32 {
+fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&OrderedDots>, u: &mut [f32], y: &mut [f32]) -> f32 {
     for (uj, v) in u.iter_mut().zip(src) {
         *uj = v.to_f32();
     }
@@ -303,7 +305,7 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&[f32]>, u: &m
         *uj = if s > 0.0 { *uj / s } else { 0.0 };
     }
     match rotation {
-        Some(rot) => super::quant::dots_in_order(rot, u, y),
+        Some(rot) => rot.apply(u, y),
         None => y.copy_from_slice(u),
     }
     s
@@ -379,6 +381,8 @@ pub fn tq_prod_encode<T: VqElement>(
         assert_eq!(centroids.len(), 1 << mse_bits, "centroids length");
     }
     let bounds = if mse_bits > 0 { super::scalar_boundaries(centroids) } else { Vec::new() };
+    let rot = rotation.map(|r| OrderedDots::new(r, d, d));
+    let sketch_dots = OrderedDots::new(sketch, d, d);
     let parts = super::parallel::map_row_ranges(n, 32, |first, count| {
         let mut out = EncodedRows {
             codes: vec![0u8; count * code_bytes],
@@ -389,7 +393,7 @@ pub fn tq_prod_encode<T: VqElement>(
         let (mut u, mut y, mut idx, mut bits) = (vec![0.0f32; d], vec![0.0f32; d], vec![0u8; d], vec![0u8; d]);
         let mut proj = vec![0.0f32; d];
         for r in 0..count {
-            let s = normalize_rotate_row(&x[(first + r) * d..(first + r + 1) * d], rotation, &mut u, &mut y);
+            let s = normalize_rotate_row(&x[(first + r) * d..(first + r + 1) * d], rot.as_ref(), &mut u, &mut y);
             out.norms[r] = f16::from_f32(s.min(MAX_NORM));
             if mse_bits > 0 {
                 super::quant::scalar_codes(&bounds, &y, &mut idx);
@@ -399,7 +403,7 @@ pub fn tq_prod_encode<T: VqElement>(
                 super::bit_pack(&idx, 1, d, mse_bits, &mut out.codes[r * code_bytes..(r + 1) * code_bytes]);
                 out.norms2[r] = f16::from_f32(crate::quant::norm(&y).min(MAX_NORM));
             }
-            super::quant::dots_in_order(sketch, &y, &mut proj);
+            sketch_dots.apply(&y, &mut proj);
             for (b, p) in bits.iter_mut().zip(&proj) {
                 *b = u8::from(*p >= 0.0);
             }
@@ -485,6 +489,7 @@ pub fn tq_rvq_encode<T: VqElement>(
     assert_eq!((codes1.len(), codes2.len()), (n * b1, n * b2), "codes length");
     assert_eq!((first.len(), second.len()), (1 << bits.0, 1 << bits.1), "codebook lengths");
     let (bounds1, bounds2) = (super::scalar_boundaries(first), super::scalar_boundaries(second));
+    let rot = rotation.map(|r| OrderedDots::new(r, d, d));
     let mut parts = super::parallel::map_row_ranges(n, 32, |row0, count| {
         let mut out = EncodedRows {
             codes: vec![0u8; count * b1],
@@ -495,7 +500,7 @@ pub fn tq_rvq_encode<T: VqElement>(
         let (mut u, mut y, mut i1, mut i2) = (vec![0.0f32; d], vec![0.0f32; d], vec![0u8; d], vec![0u8; d]);
         let mut residual = vec![0.0f32; d];
         for r in 0..count {
-            let s = normalize_rotate_row(&x[(row0 + r) * d..(row0 + r + 1) * d], rotation, &mut u, &mut y);
+            let s = normalize_rotate_row(&x[(row0 + r) * d..(row0 + r + 1) * d], rot.as_ref(), &mut u, &mut y);
             out.norms[r] = f16::from_f32(s.min(MAX_NORM));
             super::quant::scalar_codes(&bounds1, &y, &mut i1);
             for ((e, &v), &a) in residual.iter_mut().zip(&y).zip(&i1) {
