@@ -317,25 +317,7 @@ fn attention_gpu(
         },
         s,
     )?;
-    // Without a rotation the reduction never reads `rot_v`; a float32 array
-    // already at hand stands in (no new host array per call).
-    let out = gpu::launch(
-        &Launch {
-            source: Source::TqReduce,
-            inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&parts[0])],
-            outputs: &[(q.shape(), q.dtype())],
-            grid: (r * d, 1, 1),
-            threadgroup: (d, 1, 1),
-            template: &[
-                ("T", TemplateArg::Dtype(q.dtype())),
-                ("D", TemplateArg::Int(d)),
-                ("ROTATE", TemplateArg::Bool(rot_v.is_some())),
-            ],
-        },
-        s,
-    )?
-    .remove(0);
-    Ok(out)
+    super::turboquant::reduce_partials(&parts, rot_v, q, s)
 }
 
 /// The compressed tokens of one side decoded in its frame, float32

@@ -256,8 +256,7 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
             .map(|mut v| v.remove(0))
         }
         Implementation::Metal | Implementation::Cuda => {
-            let (per_tile, rows) = tiles.unwrap_or((1, 1));
-            attention_gpu(q, layer, scale, per_tile, rows, &stream)
+            attention_gpu(q, layer, scale, tiles, &stream)
         }
     }
 }
@@ -303,22 +302,35 @@ fn split_plan(sh: &AttentionShape, units: usize) -> (usize, usize, usize) {
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
 }
 
-fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Array> {
-    let sh = layer.shape;
-    let parts = if sh.queries == 1 { decode_partials(q, layer, scale, s)? } else { tile_partials(q, layer, scale, per_tile, tile_rows, s)? };
-    let d = sh.dim as i32;
+fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usize, usize)>, s: &Stream) -> Result<Array> {
+    let parts = if layer.shape.queries == 1 {
+        decode_partials(q, layer, scale, s)?
+    } else {
+        let (per_tile, rows) = tiles.expect("several queries run only where tiles fit");
+        tile_partials(q, layer, scale, per_tile, rows, s)?
+    };
+    reduce_partials(&parts, Some(layer.rot_v), q, s)
+}
+
+/// `tq_reduce` over an attention kernel's partials (`m`, `l`, `acc` with
+/// `rows` = queries' rows), rotated back by `rot_v` when given: the output in
+/// `q`'s shape and dtype.
+pub(crate) fn reduce_partials(parts: &[Array], rot_v: Option<&Array>, q: &Array, s: &Stream) -> Result<Array> {
     let rows = parts[0].shape()[0];
+    let d = *q.shape().last().expect("queries have a head dimension");
+    // Without a rotation the reduction never reads `rot_v`; a float32 array
+    // already at hand stands in (no new host array per call).
     Ok(gpu::launch(
         &Launch {
             source: Source::TqReduce,
-            inputs: &[&parts[0], &parts[1], &parts[2], layer.rot_v],
+            inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&parts[0])],
             outputs: &[(q.shape(), q.dtype())],
             grid: (rows * d, 1, 1),
             threadgroup: (d, 1, 1),
             template: &[
                 ("T", TemplateArg::Dtype(q.dtype())),
                 ("D", TemplateArg::Int(d)),
-                ("ROTATE", TemplateArg::Bool(true)),
+                ("ROTATE", TemplateArg::Bool(rot_v.is_some())),
             ],
         },
         s,
