@@ -31,6 +31,8 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         (Method::TurboQuantProd, 2, Method::Fp16, 16, 96, 2, 4, Dtype::BF16, 2e-2),
         (Method::TurboQuantRvq, 5, Method::TurboQuantRvq, 2, 64, 3, 9, Dtype::F16, 1e-2),
     ] {
+        // Shown when a case fails: which case, and how far it got.
+        println!("case {km}/{kb} {vm}/{vb} d={d} {dtype}: append");
         let mut cfg = CacheConfig::new(d, hkv);
         (cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits) = (km, kb, vm, vb);
         cfg.policy = Policy::Require;
@@ -43,14 +45,19 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         }
         let same_on_cpu = LayerCache::from_bytes(&on_gpu.to_bytes().unwrap(), Some(Stream::cpu())).unwrap();
         let (kd, vd) = on_gpu.dequantize().unwrap();
+        println!("  appended and decoded");
+        f32s(&kd);
         let tag = format!("{km}/{kb} {vm}/{vb} d={d} {dtype}");
         for (l, causal) in [(1, false), (7, true)] {
             let q = normal(&mut rng, &[2, hq as i32, l, d as i32], dtype);
             let scale = 1.0 / (d as f32).sqrt();
+            println!("  L={l}: GPU kernel");
             let g = f32s(&on_gpu.attention(&q, scale, causal).unwrap());
+            println!("  L={l}: CPU kernel");
             let c = f32s(&same_on_cpu.attention(&q, scale, causal).unwrap());
             let e = rel_err(&g, &c);
             assert!(e <= tol, "{tag} L={l}: relative error {e} against the CPU kernel on the same state");
+            println!("  L={l}: decode + SDPA");
             let r = f32s(&ops::scaled_dot_product_attention(&q, &kd, &vd, scale, causal && l > 1, &gpu).unwrap());
             let e = rel_err(&g, &r);
             assert!(e <= tol.max(2e-3), "{tag} L={l}: relative error {e} against decode + SDPA");
