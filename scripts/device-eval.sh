@@ -22,6 +22,6 @@ want 2k && { python3 -m veloxquant eval "${SWEEP[@]}" --tokens 2048 --prefix 102
 want 2k-window32 && { python3 -m veloxquant eval --methods turboquant-mse --bits 4,4/3,3,2 --needle-depths 0.1,0.5,0.9 --tokens 2048 \
   --prefix 1024 --chunk 64 --kv-window 32 --kv-sinks 4 --mlx-bits "" --needle-lengths 1024,2048 \
   --out "$OUT/eval-h200-2k-window32" || status=1; }
-want 8k && { python3 -m veloxquant eval "${SWEEP[@]}" --tokens 8192 --prefix 4096 --chunk 256 --kv-window 128 --kv-sinks 4 \
+want 8k && { python3 -m veloxquant eval --methods turboquant-mse,kivi --bits 4,3,2 --needle-depths 0.1,0.5,0.9 --tokens 8192 --prefix 4096 --chunk 256 --kv-window 128 --kv-sinks 4 \
   --needle-lengths 4096,8192 --out "$OUT/eval-h200-8k" || status=1; }
 exit $status

@@ -32,7 +32,7 @@ def _time(fn, reps: int = 5) -> float:
 def _cases(dtype):
     d = 128
     cb16 = mx.sort(mx.random.normal((16,), key=mx.random.key(1))) / d**0.5
-    pq_cb = mx.random.normal((256, 4), key=mx.random.key(2)).astype(dtype)
+    pq_cb = mx.random.normal((256, 4), key=mx.random.key(2))  # PQ codebooks are float32 for every input dtype
     vq_cb = mx.random.normal((256, 4), key=mx.random.key(3)).astype(dtype)
     return {
         "scalar_quantize b=4": lambda x, p: K.scalar_quantize(x, cb16, 4, policy=p),

@@ -578,13 +578,10 @@ impl LayerCache {
         // Bring the new tokens into each side's frame once (the windows hold
         // them so, and attention works in those frames): one matmul (keys:
         // with the mean's offset added in the same kernel), or one add, or
-        // nothing. A chunk of several tokens adds the offset separately: it
-        // would reach cuBLASLt as a C matrix with leading dimension 0, which
-        // it refuses.
+        // nothing.
         let offset = c.k_offset.as_ref().expect("set above");
         let rk = match (&shared.rotation_t, key_rotated) {
-            (Some(r), true) if t == 1 => ops::addmm(offset, keys, r, &s)?,
-            (Some(r), true) => ops::add(&ops::matmul(keys, r, &s)?, offset, &s)?,
+            (Some(r), true) => ops::addmm(offset, keys, r, &s)?,
             _ => ops::add(keys, offset, &s)?,
         };
         let rv = match (&shared.rotation_t, c.values.codec.codec.rotated()) {

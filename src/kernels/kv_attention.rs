@@ -66,6 +66,13 @@ pub fn query_features(dim: usize, key: &SideCodec) -> usize {
     }
 }
 
+/// `x` in a buffer of its own. The sketch starts a few floats into the
+/// table, and a matrix at such an offset makes cuBLASLt refuse the matmul
+/// (NOT_SUPPORTED: its kernels assume aligned operands).
+fn aligned(x: &Array, s: &Stream) -> Result<Array> {
+    ops::add(x, &Array::scalar_f32(0.0)?, s)
+}
+
 /// The two parts of a codec's table (1-D float32): TurboQuant-Prod's
 /// centroids and sketch `[D, D]`, TurboQuant-RVQ's first and second
 /// codebooks; QJL's table is its sketch `[m, D]` whole (second part).
@@ -76,7 +83,7 @@ pub fn table_parts(table: &Array, sc: &SideCodec, dim: usize, s: &Stream) -> Res
         Codec::Qjl => Ok((None, ops::reshape(table, &[sc.sketch_rows(dim) as i32, dim as i32], s)?)),
         Codec::TurboQuantProd => Ok((
             Some(ops::slice(table, &[0], &[first], s)?),
-            ops::reshape(&ops::slice(table, &[first], &[len], s)?, &[dim as i32, dim as i32], s)?,
+            aligned(&ops::reshape(&ops::slice(table, &[first], &[len], s)?, &[dim as i32, dim as i32], s)?, s)?,
         )),
         Codec::TurboQuantRvq => Ok((Some(ops::slice(table, &[0], &[first], s)?), ops::slice(table, &[first], &[len], s)?)),
         other => Err(Error::invalid("layer", format!("{other:?} has a one-part table"))),
