@@ -49,6 +49,11 @@ pub fn reshape(a: &Array, shape: &[i32], s: &Stream) -> Result<Array> {
     call!(mlx_reshape(a.raw(), shape.as_ptr(), shape.len(), s.raw()))
 }
 
+/// `a` as `shape` (NumPy broadcasting), without copying.
+pub fn broadcast_to(a: &Array, shape: &[i32], s: &Stream) -> Result<Array> {
+    call!(mlx_broadcast_to(a.raw(), shape.as_ptr(), shape.len(), s.raw()))
+}
+
 pub fn expand_dims(a: &Array, axis: i32, s: &Stream) -> Result<Array> {
     call!(mlx_expand_dims(a.raw(), axis, s.raw()))
 }
@@ -194,6 +199,13 @@ pub fn scaled_dot_product_attention(
     let mode = if causal { c"causal" } else { c"" };
     let none = Array::empty_handle();
     call!(mlx_fast_scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, mode.as_ptr(), none, none, s.raw()))
+}
+
+/// MLX's fused attention with an array mask (boolean: true attends; or
+/// additive, in the queries' dtype or float32).
+pub fn scaled_dot_product_attention_masked(q: &Array, k: &Array, v: &Array, scale: f32, mask: &Array, s: &Stream) -> Result<Array> {
+    let none = Array::empty_handle();
+    call!(mlx_fast_scaled_dot_product_attention(q.raw(), k.raw(), v.raw(), scale, c"array".as_ptr(), mask.raw(), none, s.raw()))
 }
 
 pub fn where_(condition: &Array, x: &Array, y: &Array, s: &Stream) -> Result<Array> {

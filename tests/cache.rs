@@ -1,30 +1,17 @@
 //! The compressed layer cache on the CPU stream: fused attention against the
 //! reference graph and against decode-then-SDPA, windows, memory, trim, state.
 
+mod common;
+
+use common::{attention_masks, f32s, normal};
 use half::f16;
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
 use veloxquant::cache::{CacheConfig, LayerCache, Method};
 use veloxquant::{ops, Array, Dtype, Policy, Stream};
 
-fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
-    let n: i32 = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
-    let a = Array::from_slice(&v, shape).unwrap();
-    ops::astype(&a, dtype, &Stream::cpu()).unwrap()
-}
-
-fn f32s(a: &Array) -> Vec<f32> {
-    ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
-}
-
 fn rel_err(a: &Array, b: &Array) -> f64 {
-    let (x, y) = (f32s(a), f32s(b));
-    assert_eq!(x.len(), y.len());
-    let num: f64 = x.iter().zip(&y).map(|(p, q)| (f64::from(*p) - f64::from(*q)).powi(2)).sum();
-    let den: f64 = y.iter().map(|q| f64::from(*q).powi(2)).sum();
-    (num / den.max(1e-30)).sqrt()
+    common::rel_err(&f32s(a), &f32s(b))
 }
 
 fn config(d: usize, hkv: usize, method: Method, policy: Policy) -> CacheConfig {
@@ -564,5 +551,57 @@ fn appending_a_token_launches_at_most_two_kernels_per_side() {
         assert!(most <= 4, "{m:?}: {most} kernels for one appended token (K + V)");
         let flush_most = flush.iter().copied().max().unwrap_or(0);
         eprintln!("{m:?}: steady {most} kernels per token (K + V), window flush {flush_most} (once per {window} tokens)");
+    }
+}
+
+#[test]
+fn array_masks_match_decoded_sdpa_for_every_method() {
+    use veloxquant::cache::AttentionMask;
+    let pairs = [
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 3),
+        (Method::Kivi, 4, Method::Pq, 2),
+        (Method::Qjl, 1, Method::TurboQuantRvq, 3),
+        (Method::TurboQuantProd, 4, Method::Fp16, 16),
+        (Method::Fp16, 16, Method::Fp16, 16),
+    ];
+    let s = Stream::cpu();
+    for (i, &m) in pairs.iter().enumerate() {
+        for (d, dtype, tol) in [(64usize, Dtype::F32, 1e-5), (128, Dtype::F16, 1e-2)] {
+            let (cache, _) = filled(mixed_config(d, 2, m, Policy::Require), 2, 70, 3, dtype, 90 + i as u64);
+            let (k, v) = cache.dequantize().unwrap();
+            let t = cache.offset() as i32;
+            let scale = 1.0 / (d as f32).sqrt();
+            let mut rng = ChaCha8Rng::seed_from_u64(i as u64);
+            for l in [1, 5] {
+                let q = normal(&mut rng, &[2, 8, l, d as i32], dtype);
+                let (boolean, additive) = attention_masks(&mut rng, 2, 8, l, t);
+                for (name, mask) in [("boolean [B,1,L,T]", &boolean), ("additive [B,Hq,L,T]", &additive)] {
+                    let fused = cache.attention_with_mask(&q, scale, AttentionMask::Array(mask)).unwrap();
+                    let mask_q = if mask.dtype() == Dtype::Bool { mask.clone() } else { ops::astype(mask, dtype, &s).unwrap() };
+                    let sdpa = ops::scaled_dot_product_attention_masked(&q, &k, &v, scale, &mask_q, &s).unwrap();
+                    let e = rel_err(&fused, &sdpa);
+                    assert!(e <= tol, "{m:?} d={d} {dtype} L={l} {name}: fused vs decode+SDPA relative error {e}");
+                }
+                // The mask matters: it changes the output.
+                let unmasked = cache.attention(&q, scale, false).unwrap();
+                let masked = cache.attention_with_mask(&q, scale, AttentionMask::Array(&boolean)).unwrap();
+                assert!(rel_err(&masked, &unmasked) > 1e-2, "{m:?}: the mask had no effect");
+            }
+        }
+    }
+}
+
+#[test]
+fn bad_masks_name_the_argument() {
+    use veloxquant::cache::AttentionMask;
+    let (cache, _) = filled(mixed_config(64, 2, (Method::Kivi, 4, Method::Kivi, 2), Policy::Auto), 1, 40, 1, Dtype::F32, 7);
+    let t = cache.offset() as i32;
+    let q = normal(&mut ChaCha8Rng::seed_from_u64(1), &[1, 4, 1, 64], Dtype::F32);
+    let wrong_len = ops::zeros(&[1, 1, 1, t + 1], Dtype::F32, &Stream::cpu()).unwrap();
+    let wrong_heads = ops::zeros(&[1, 3, 1, t], Dtype::F32, &Stream::cpu()).unwrap();
+    let integer = ops::zeros(&[1, 1, 1, t], Dtype::I32, &Stream::cpu()).unwrap();
+    for bad in [&wrong_len, &wrong_heads, &integer] {
+        let e = cache.attention_with_mask(&q, 0.125, AttentionMask::Array(bad)).unwrap_err().to_string();
+        assert!(e.contains("mask"), "{e}");
     }
 }

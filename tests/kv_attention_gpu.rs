@@ -6,10 +6,10 @@
 
 mod common;
 
-use common::{f32s, normal, rel_err};
+use common::{attention_masks, f32s, normal, rel_err};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use veloxquant::cache::{CacheConfig, LayerCache, Method};
+use veloxquant::cache::{AttentionMask, CacheConfig, LayerCache, Method};
 use veloxquant::{ops, Dtype, Policy, Stream};
 
 #[test]
@@ -30,6 +30,8 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         (Method::TurboQuantProd, 4, Method::TurboQuantRvq, 3, 128, 8, 32, Dtype::F32, 1e-5),
         (Method::TurboQuantProd, 2, Method::Fp16, 16, 96, 2, 4, Dtype::BF16, 2e-2),
         (Method::TurboQuantRvq, 5, Method::TurboQuantRvq, 2, 64, 3, 9, Dtype::F16, 1e-2),
+        // TurboQuant on both sides: its own kernels, and the generic one under a mask.
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 3, 128, 8, 32, Dtype::F16, 1e-2),
     ] {
         // Shown when a case fails: which case, and how far it got.
         println!("case {km}/{kb} {vm}/{vb} d={d} {dtype}: append");
@@ -61,6 +63,15 @@ fn gpu_mixed_methods_match_cpu_kernel() {
             let r = f32s(&ops::scaled_dot_product_attention(&q, &kd, &vd, scale, causal && l > 1, &gpu).unwrap());
             let e = rel_err(&g, &r);
             assert!(e <= tol.max(2e-3), "{tag} L={l}: relative error {e} against decode + SDPA");
+            // Array masks (boolean shared by the heads, additive per head).
+            println!("  L={l}: masks");
+            let (boolean, additive) = attention_masks(&mut rng, 2, hq as i32, l, on_gpu.offset() as i32);
+            for mask in [&boolean, &additive] {
+                let g = f32s(&on_gpu.attention_with_mask(&q, scale, AttentionMask::Array(mask)).unwrap());
+                let c = f32s(&same_on_cpu.attention_with_mask(&q, scale, AttentionMask::Array(mask)).unwrap());
+                let e = rel_err(&g, &c);
+                assert!(e <= tol, "{tag} L={l} mask {}: relative error {e} against the CPU kernel", mask.dtype());
+            }
         }
     }
 }

@@ -28,7 +28,7 @@ fn read(rel: &str) -> String {
 fn attention_kernel() -> MetalKernel {
     MetalKernel::new(
         "veloxquant_kv_attention",
-        &["qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k", "win_v", "params"],
+        &["qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k", "win_v", "mask", "params"],
         &["m_out", "l_out", "acc_out"],
         &read("metal/kv_attention.metal"),
     )
@@ -225,12 +225,13 @@ fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, key: SideCodec, va
         capacity: compressed + 37,
         window_capacity: sinks + recent + 5,
         causal,
+        mask_heads: 0,
     }
 }
 
 /// `kernels::kv_attention::attention_gpu`: the split plan, the attention pass
 /// into float32 partials, the reduction into `[rows, D]` of `T`.
-fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideData<T>, rot: &[f32], sh: &KvShape) -> (Vec<T>, usize) {
+fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideData<T>, rot: &[f32], mask: &[f32], sh: &KvShape) -> (Vec<T>, usize) {
     let g = sh.q_heads / sh.kv_heads;
     let (per_tile, qn) = tile_rows(g, sh.queries, 32 * 1024, sh.dim).expect("fits");
     let q_tiles = sh.queries.div_ceil(per_tile);
@@ -240,7 +241,7 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
     let rows = sh.batch * sh.q_heads * sh.queries;
     let params: Vec<u32> = [
         sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
-        sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits,
+        sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits, sh.mask_heads,
     ]
     .iter()
     .map(|&x| x as u32)
@@ -252,9 +253,14 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
         launch = launch.input(a);
     }
     let win = [sh.batch, sh.kv_heads, sh.window_capacity, d];
+    // Without a mask the host hands over a placeholder the kernel never reads.
+    let mask = if mask.is_empty() { HostArray::new(&[8], &[f32::NAN; 8]) } else {
+        HostArray::new(&[sh.batch, sh.mask_heads, sh.queries, sh.total()], mask)
+    };
     let parts = launch
         .input(HostArray::new(&win, &k.window))
         .input(HostArray::new(&win, &v.window))
+        .input(mask)
         .input(HostArray::new(&[params.len()], &params))
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits], Dtype::F32)
@@ -349,9 +355,18 @@ fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usiz
             .collect();
     }
     let rot_v: &[f32] = if sh.value.codec.rotated() { &rot } else { &[] };
+    // An additive mask: a bias on every score and about a third of the
+    // tokens hidden, the newest always seen.
+    let total = sh.total();
+    let mask: Vec<f32> = (0..sh.batch * sh.mask_heads * sh.queries * total)
+        .map(|i| match (i % total == total - 1, rng.random::<f32>()) {
+            (false, u) if u < 0.35 => f32::NEG_INFINITY,
+            (_, u) => -2.0 * u,
+        })
+        .collect();
     let mut want = vec![<T as Float>::from_f32(0.0); sh.batch * sh.q_heads * sh.queries * d];
-    kv::kv_attention(&qf, &k.view(), &v.view(), rot_v, &sh, &mut want);
-    let (got, splits) = gpu_attention(&qf, &k, &v, &rot, &sh);
+    kv::kv_attention(&qf, &k.view(), &v.view(), rot_v, &mask, &sh, &mut want);
+    let (got, splits) = gpu_attention(&qf, &k, &v, &rot, &mask, &sh);
     let (got, want): (Vec<f32>, Vec<f32>) = (got.iter().map(|x| x.to_f32()).collect(), want.iter().map(|x| x.to_f32()).collect());
     assert!(want.iter().all(|x| x.is_finite()), "CPU output not finite: {sh:?}");
     let max_ref = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
@@ -414,6 +429,21 @@ fn sketched_keys_match_cpu() {
     check::<f32>(shape(1, 8, 2, 2, 96, k, v, (4, 160, 7), true), 1e-5, 10);
     let (k, v) = (codec(Codec::TurboQuantProd, 2, 1), codec(Codec::KiviPerToken, 2, 32));
     check::<f16>(shape(1, 2, 2, 1, 64, k, v, (2, 140, 3), false), 1e-2, 11);
+}
+
+#[test]
+fn array_masks_match_cpu() {
+    // One mask for every head, decoding, with TurboQuant on both sides (the
+    // cache sends masked attention here for every method).
+    let (k, v) = (codec(Codec::TurboQuantMse, 4, 1), codec(Codec::TurboQuantMse, 3, 1));
+    let mut sh = shape(2, 4, 2, 1, 64, k, v, (4, 300, 21), false);
+    sh.mask_heads = 1;
+    check::<f32>(sh, 1e-5, 20);
+    // A mask per head over a multi-token tile, f16, KIVI keys and PQ values.
+    let (k, v) = (codec(Codec::KiviPerChannel, 4, 32), codec(Codec::ProductQuantized, 8, 4));
+    let mut sh = shape(1, 8, 2, 3, 128, k, v, (4, 200, 40), false);
+    sh.mask_heads = 8;
+    check::<f16>(sh, 1e-2, 21);
 }
 
 #[test]

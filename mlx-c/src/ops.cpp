@@ -28,6 +28,9 @@ int mlx_astype(mlx_array* res, const mlx_array a, mlx_dtype dtype, const mlx_str
 int mlx_reshape(mlx_array* res, const mlx_array a, const int* shape, size_t shape_num, const mlx_stream s) {
   return guard([&] { set_array(res, mx::reshape(arr(a), to_shape(shape, shape_num), stream(s))); });
 }
+int mlx_broadcast_to(mlx_array* res, const mlx_array a, const int* shape, size_t shape_num, const mlx_stream s) {
+  return guard([&] { set_array(res, mx::broadcast_to(arr(a), to_shape(shape, shape_num), stream(s))); });
+}
 int mlx_expand_dims(mlx_array* res, const mlx_array a, int axis, const mlx_stream s) {
   return guard([&] { set_array(res, mx::expand_dims(arr(a), axis, stream(s))); });
 }

@@ -78,8 +78,12 @@ def test_errors_name_the_argument():
     with pytest.raises(TypeError, match=r"^keys: expected an mlx.core.array"):
         cache.append(np.zeros((1, 2, 4, 64)), np.zeros((1, 2, 4, 64)))
     cache.append(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
-    with pytest.raises(TypeError, match=r"^mask: array masks"):
-        cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask=mx.zeros((1, 4)))
+    with pytest.raises(ValueError, match=r"^mask: shape"):
+        cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask=mx.zeros((1, 5)))
+    with pytest.raises(TypeError, match=r"^mask: dtype int32"):
+        cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask=mx.zeros((1, 4), dtype=mx.int32))
+    with pytest.raises(ValueError, match=r'^mask: "sliding" is not supported'):
+        cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask="sliding")
 
 
 METHOD_PAIRS = [
@@ -113,6 +117,11 @@ def test_every_method_mix_attends_like_decode_then_sdpa(key_method, key_bits, va
     q = mx.random.normal((2, 8, 5, 64), key=mx.random.key(4))
     ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask="causal")
     assert rel_err(cache.attention(q, 0.125, mask="causal"), ref) < 1e-5
+    # An array mask (mlx_lm's form: boolean, shared by the heads) as MLX applies it.
+    keep = mx.random.uniform(shape=(2, 1, 5, 300), key=mx.random.key(5)) > 0.3
+    keep[..., -1] = True
+    ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125, mask=keep)
+    assert rel_err(cache.attention(q, 0.125, mask=keep), ref) < 1e-5
     # The reconstruction is close to what went in (8 bits closest; QJL's
     # unbiased 1-bit decode has about sqrt(pi/2 - 1) = 0.76 relative error).
     assert rel_err(kd, k) < (0.02 if key_bits == 8 else 0.85 if key_method == "qjl" else 0.6)

@@ -209,7 +209,12 @@ class LayerCache:
         device: _Device = None,
     ) -> None: ...
     def append(self, keys: mx.array, values: mx.array) -> None: ...
-    def attention(self, queries: mx.array, scale: float, mask: Optional[Literal["causal"]] = None) -> mx.array: ...
+    def attention(
+        self, queries: mx.array, scale: float, mask: Union[None, Literal["causal"], mx.array] = None
+    ) -> mx.array:
+        """Attention over the cache. `mask`: None, "causal", or an mx.array
+        (boolean, true attends; or additive) broadcastable to
+        `[B, n_heads, L, offset]`."""
     @property
     def offset(self) -> int: ...
     @property

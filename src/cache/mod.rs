@@ -15,6 +15,22 @@ use std::str::FromStr;
 
 pub use state::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, LayerCache};
 
+use crate::array::Array;
+
+/// Which cached tokens each query attends to.
+#[derive(Clone, Copy)]
+pub enum AttentionMask<'a> {
+    /// Every query sees every cached token.
+    None,
+    /// Query `l` of `L` sits at position `offset - L + l` and sees tokens up to it.
+    Causal,
+    /// Boolean (true attends) or additive (a float dtype), broadcastable to
+    /// `[batch, q_heads, queries, offset]`, as MLX's attention takes it.
+    /// Compressed caches attend through the generic fused kernel, which adds
+    /// it to the scores; a query that sees no token gets zeros.
+    Array(&'a Array),
+}
+
 use crate::cpu::kv_attention::{Codec, SideCodec};
 use crate::error::{Error, Result};
 use crate::kernels::Policy;

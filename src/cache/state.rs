@@ -3,7 +3,7 @@
 use std::collections::HashMap;
 use std::sync::{Mutex, OnceLock};
 
-use super::CacheConfig;
+use super::{AttentionMask, CacheConfig};
 use crate::array::Array;
 use crate::cpu::kv_attention::{Codec, KvShape, SideCodec};
 use crate::cpu::turboquant::AttentionShape;
@@ -689,6 +689,12 @@ impl LayerCache {
     /// Attention of `queries` `[B, Hq, L, D]` over the cache. With `causal`,
     /// query `l` sits at position `offset - L + l` and sees tokens up to it.
     pub fn attention(&self, queries: &Array, scale: f32, causal: bool) -> Result<Array> {
+        self.attention_with_mask(queries, scale, if causal { AttentionMask::Causal } else { AttentionMask::None })
+    }
+
+    /// Attention of `queries` `[B, Hq, L, D]` over the cache under `mask`.
+    pub fn attention_with_mask(&self, queries: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
+        let causal = matches!(mask, AttentionMask::Causal);
         let qs = queries.shape();
         if qs.len() != 4 || qs[3] as usize != self.cfg.head_dim {
             return Err(Error::invalid("queries", format!("shape {qs:?}, expected [batch, heads, queries, {}]", self.cfg.head_dim)));
@@ -707,6 +713,11 @@ impl LayerCache {
             return Err(Error::invalid("queries", format!("{} causal queries but only {} tokens are cached", qs[2], self.offset())));
         }
         let s = &self.stream;
+        let (hq, l) = (qs[1] as usize, qs[2] as usize);
+        let prepared = match mask {
+            AttentionMask::Array(m) => Some(kv_attention::prepare_mask(m, self.batch, hq, l, self.offset(), s)?),
+            _ => None,
+        };
         match store {
             Store::Dense(d) => {
                 if queries.dtype() != self.dtype {
@@ -715,7 +726,19 @@ impl LayerCache {
                 let (b, h, dim) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
                 let k = ops::slice(&d.keys, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
                 let v = ops::slice(&d.values, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
-                ops::scaled_dot_product_attention(queries, &k, &v, scale, causal && qs[2] > 1, s)
+                match &prepared {
+                    // MLX takes an additive mask in the queries' dtype.
+                    Some((m, _)) => ops::scaled_dot_product_attention_masked(queries, &k, &v, scale, &ops::astype(m, self.dtype, s)?, s),
+                    None => ops::scaled_dot_product_attention(queries, &k, &v, scale, causal && qs[2] > 1, s),
+                }
+            }
+            Store::Compressed(_) if prepared.is_some() => {
+                // Only the generic kernel reads a mask.
+                let (m, heads) = prepared.as_ref().expect("matched");
+                let mut layer = self.kv_layer(hq, l, false)?;
+                layer.shape.mask_heads = *heads;
+                layer.mask = Some(m);
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts())
             }
             Store::Compressed(_) if Self::turboquant_only(&self.cfg) => {
                 let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
@@ -791,10 +814,12 @@ impl LayerCache {
                 capacity: c.capacity,
                 window_capacity: self.cfg.sinks + 2 * self.cfg.window,
                 causal,
+                mask_heads: 0,
             },
             rotation: sh.rotation.as_ref(),
             keys: c.keys.arrays_for_kernel(sh.k_table.as_ref()),
             values: c.values.arrays_for_kernel(sh.v_table.as_ref()),
+            mask: None,
         })
     }
 

@@ -167,6 +167,10 @@ pub struct KvShape {
     pub window_capacity: usize,
     /// Query `l` sits at position `total - queries + l` and sees positions up to it.
     pub causal: bool,
+    /// Heads of the additive mask `[batch, mask_heads, queries, total]`
+    /// (float32, added to the scaled scores; `-inf` hides a token): 0 without
+    /// one, 1 for a mask every head shares, else `q_heads`.
+    pub mask_heads: usize,
 }
 
 impl KvShape {
@@ -338,12 +342,14 @@ fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, h
 /// Attention of the prepared queries `qf` `[batch, q_heads, queries,
 /// query_features]` over the layer, into `out` `[batch, q_heads, queries,
 /// dim]`. `rot_v` is `Π` (`dim * dim`) when the value frame is rotated, else
-/// empty.
+/// empty; `mask` is the additive mask `sh.mask_heads` describes (empty
+/// without one). A row that sees no token comes out as zeros.
 pub fn kv_attention<T: VqElement + FromF32>(
     qf: &[f32],
     keys: &KvSide<'_, T>,
     values: &KvSide<'_, T>,
     rot_v: &[f32],
+    mask: &[f32],
     sh: &KvShape,
     out: &mut [T],
 ) {
@@ -354,6 +360,7 @@ pub fn kv_attention<T: VqElement + FromF32>(
     let total = sh.total();
     assert_eq!(qf.len(), sh.batch * sh.q_heads * sh.queries * qn, "qf length");
     assert!(rot_v.is_empty() || rot_v.len() == d * d, "rot_v size");
+    assert_eq!(mask.len(), sh.batch * sh.mask_heads * sh.queries * total, "mask length");
     // Work unit: one (batch, kv head): its g query heads share every key read.
     super::for_each_chunk(out, rows_per_kv * d, 1, |unit0, chunk| {
         let mut acc = vec![0.0f32; rows_per_kv * d];
@@ -400,7 +407,14 @@ pub fn kv_attention<T: VqElement + FromF32>(
                     if sh.causal && t > total - sh.queries + r % sh.queries {
                         continue;
                     }
-                    let s = scores[r];
+                    let mut s = scores[r];
+                    if sh.mask_heads > 0 {
+                        let hm = if sh.mask_heads == 1 { 0 } else { hk * g + r / sh.queries };
+                        s += mask[((b * sh.mask_heads + hm) * sh.queries + r % sh.queries) * total + t];
+                        if s == f32::NEG_INFINITY {
+                            continue;
+                        }
+                    }
                     let m_new = m[r].max(s);
                     let alpha = (m[r] - m_new).exp();
                     let p = (s - m_new).exp();

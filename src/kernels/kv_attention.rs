@@ -43,6 +43,8 @@ pub struct KvLayer<'a> {
     pub rotation: Option<&'a Array>,
     pub keys: KvSideArrays<'a>,
     pub values: KvSideArrays<'a>,
+    /// The additive mask `shape.mask_heads` describes (see `prepare_mask`).
+    pub mask: Option<&'a Array>,
 }
 
 impl KvLayer<'_> {
@@ -52,6 +54,35 @@ impl KvLayer<'_> {
         }
         self.rotation.map(Some).ok_or_else(|| Error::invalid("rotation", "a rotated codec needs the rotation"))
     }
+}
+
+/// An attention mask as the kernels read it: float32 `[batch, heads,
+/// queries, total]`, contiguous, added to the scaled scores, with `heads` 1
+/// when every query head shares it (else `q_heads`). `mask` is boolean (true
+/// attends) or additive (any float dtype), of any shape that broadcasts to
+/// `[batch, q_heads, queries, total]` (MLX's and mlx_lm's masks).
+pub fn prepare_mask(mask: &Array, batch: usize, q_heads: usize, queries: usize, total: usize, s: &Stream) -> Result<(Array, usize)> {
+    let full = [batch, q_heads, queries, total].map(|v| v as i32);
+    let shape = mask.shape();
+    let fits = shape.len() <= 4
+        && shape.iter().rev().zip(full.iter().rev()).all(|(&m, &f)| m == 1 || m == f);
+    if !fits {
+        return Err(Error::invalid("mask", format!("shape {shape:?} does not broadcast to [batch, heads, queries, keys] = {full:?}")));
+    }
+    let additive = match mask.dtype() {
+        Dtype::Bool => {
+            let zero = Array::scalar_f32(0.0)?;
+            ops::where_(mask, &zero, &Array::scalar_f32(f32::NEG_INFINITY)?, s)?
+        }
+        Dtype::F32 | Dtype::F16 | Dtype::BF16 => ops::astype(mask, Dtype::F32, s)?,
+        other => {
+            return Err(Error::Dtype { argument: "mask", found: other.to_string(), expected: "bool or a float dtype".into() })
+        }
+    };
+    let head_axis = (shape.len() >= 3).then(|| shape[shape.len() - 3] as usize);
+    let heads = if head_axis == Some(q_heads) { q_heads } else { 1 };
+    let m = ops::broadcast_to(&additive, &[full[0], heads as i32, full[2], full[3]], s)?;
+    Ok((ops::contiguous(&m, s)?, heads))
 }
 
 /// Floats per prepared query row for this key codec: the query in the key
@@ -144,6 +175,14 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
     if q.shape() != want {
         return Err(Error::invalid("queries", format!("shape {:?}, expected {want:?}", q.shape())));
     }
+    let mask_len = sh.batch * sh.mask_heads * sh.queries * sh.total();
+    match layer.mask {
+        Some(m) if m.dtype() != Dtype::F32 || m.size() != mask_len => {
+            return Err(Error::invalid("mask", format!("{} {:?} is not the prepared mask of {} floats", m.dtype(), m.shape(), mask_len)));
+        }
+        None if sh.mask_heads > 0 => return Err(Error::invalid("mask", "the shape names mask heads but the layer has no mask")),
+        _ => {}
+    }
     if layer.keys.window.dtype() != q.dtype() {
         return Err(Error::Dtype {
             argument: "queries",
@@ -192,8 +231,10 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
             let dtype = q.dtype();
             let rot_input = rot_v.clone().unwrap_or_else(|| none_f32.clone());
             let rotate_back = rot_v.is_some();
+            let mask = layer.mask.cloned().unwrap_or_else(|| none_f32.clone());
+            let masked = layer.mask.is_some();
             let inputs = [&qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
-                          layer.values.window, &rot_input];
+                          layer.values.window, &rot_input, &mask];
             cpu_primitive::apply(
                 "veloxquant_kv_attention",
                 &inputs,
@@ -217,7 +258,8 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
                             let keys = side!($t, sh.key, 1, 9);
                             let values = side!($t, sh.value, 5, 10);
                             let rot = if rotate_back { ins[11].as_slice::<f32>()? } else { &[] };
-                            kv::kv_attention(ins[0].as_slice::<f32>()?, &keys, &values, rot, &sh, outs[0].as_mut_slice::<$t>()?)
+                            let mask = if masked { ins[12].as_slice::<f32>()? } else { &[] };
+                            kv::kv_attention(ins[0].as_slice::<f32>()?, &keys, &values, rot, mask, &sh, outs[0].as_mut_slice::<$t>()?)
                         }};
                     }
                     match dtype {
@@ -232,7 +274,8 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
         }
         _ => {
             let (per_tile, rows) = tiles.expect("checked above");
-            attention_gpu(q, &qf, layer, &ki, &vi, rot_v.as_ref(), per_tile, rows, &stream)
+            let mask = layer.mask.cloned().unwrap_or_else(|| none_f32.clone());
+            attention_gpu(q, &qf, layer, &ki, &vi, rot_v.as_ref(), &mask, per_tile, rows, &stream)
         }
     }
 }
@@ -284,6 +327,7 @@ fn attention_gpu(
     ki: &[Array; 4],
     vi: &[Array; 4],
     rot_v: Option<&Array>,
+    mask: &Array,
     per_tile: usize,
     tile_rows: usize,
     s: &Stream,
@@ -296,7 +340,7 @@ fn attention_gpu(
     let p = params(
         "queries",
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
-          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
+          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits, sh.mask_heads],
     )?;
     let threads = i32::try_from(units * num_splits * TILE).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
@@ -305,7 +349,7 @@ fn attention_gpu(
         &Launch {
             source: Source::KvAttention,
             inputs: &[qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
-                      layer.values.window, &p],
+                      layer.values.window, mask, &p],
             outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
             threadgroup: (TILE as i32, 1, 1),
@@ -463,6 +507,9 @@ fn attention_reference(q: &Array, layer: &KvLayer<'_>, scale: f32, s: &Stream) -
     let values = decode(layer, true, s)?;
     let qf = ops::astype(q, Dtype::F32, s)?;
     let sh = layer.shape;
-    let o = ops::scaled_dot_product_attention(&qf, &keys, &values, scale, sh.causal && sh.queries > 1, s)?;
+    let o = match layer.mask {
+        Some(m) => ops::scaled_dot_product_attention_masked(&qf, &keys, &values, scale, m, s)?,
+        None => ops::scaled_dot_product_attention(&qf, &keys, &values, scale, sh.causal && sh.queries > 1, s)?,
+    };
     ops::astype(&o, q.dtype(), s)
 }

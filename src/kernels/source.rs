@@ -117,7 +117,7 @@ impl Source {
             Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v"],
             Source::KvAttention => &[
                 "qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k",
-                "win_v", "params",
+                "win_v", "mask", "params",
             ],
             Source::TqProdEncode => &["x", "rotation", "centroids", "sketch", "params"],
             Source::TqProdDecode => &[

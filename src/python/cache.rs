@@ -5,7 +5,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::{array_arg, array_out, stream_for, to_py_err};
-use crate::cache::{CacheConfig, LayerCache};
+use crate::cache::{AttentionMask, CacheConfig, LayerCache};
 
 #[pyclass(name = "LayerCache", module = "veloxquant._native", unsendable)]
 pub struct PyLayerCache {
@@ -52,24 +52,26 @@ impl PyLayerCache {
     }
 
     /// Attention of `queries` `[B, n_heads, L, head_dim]` over the cache.
-    /// `mask`: None, or "causal" (query l at position offset - L + l).
+    /// `mask`: None, "causal" (query l at position offset - L + l), or an
+    /// mx.array (boolean, true attends; or additive) broadcastable to
+    /// `[B, n_heads, L, offset]`.
     #[pyo3(signature = (queries, scale, mask = None))]
     fn attention(&self, py: Python<'_>, queries: &Bound<'_, PyAny>, scale: f32, mask: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
         let q = array_arg(queries, "queries")?;
-        let causal = match mask {
-            None => false,
-            Some(m) if m.is_none() => false,
+        let arr;
+        let mask = match mask {
+            None => AttentionMask::None,
+            Some(m) if m.is_none() => AttentionMask::None,
             Some(m) => match m.extract::<String>() {
-                Ok(s) if s == "causal" => true,
-                Ok(s) => return Err(PyValueError::new_err(format!("mask: {s:?} is not supported; use None or \"causal\""))),
+                Ok(s) if s == "causal" => AttentionMask::Causal,
+                Ok(s) => return Err(PyValueError::new_err(format!("mask: {s:?} is not supported; use None, \"causal\" or an mx.array"))),
                 Err(_) => {
-                    return Err(PyTypeError::new_err(
-                        "mask: array masks are not supported by the compressed cache; use None or \"causal\"",
-                    ))
+                    arr = array_arg(m, "mask")?;
+                    AttentionMask::Array(&arr)
                 }
             },
         };
-        let out = self.inner.attention(&q, scale, causal).map_err(to_py_err)?;
+        let out = self.inner.attention_with_mask(&q, scale, mask).map_err(to_py_err)?;
         array_out(py, out)
     }
 

@@ -1,5 +1,8 @@
-//! Helpers shared by the GPU cache tests.
+//! Helpers shared by the cache tests (CPU and GPU). Each test crate uses a
+//! part of them.
+#![allow(dead_code)]
 
+use rand::RngExt;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
 use veloxquant::{ops, Array, Dtype, Stream};
@@ -20,4 +23,20 @@ pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
     let den: f64 = b.iter().map(|y| f64::from(*y).powi(2)).sum();
     (num / den).sqrt()
+}
+
+/// A boolean mask `[B, 1, L, T]` that hides about a third of the tokens (the
+/// newest always seen, so no row is empty), and an additive `[B, Hq, L, T]`
+/// bias with the same hidden tokens at `-inf`.
+pub fn attention_masks(rng: &mut ChaCha8Rng, b: i32, hq: i32, l: i32, t: i32) -> (Array, Array) {
+    let keep: Vec<bool> = (0..b * l * t).map(|i| i % t == t - 1 || rng.random::<f32>() >= 0.35).collect();
+    let keep_u8: Vec<u8> = keep.iter().map(|&k| u8::from(k)).collect();
+    let boolean = ops::astype(&Array::from_slice(&keep_u8, &[b, 1, l, t]).unwrap(), Dtype::Bool, &Stream::cpu()).unwrap();
+    let additive: Vec<f32> = (0..b * hq * l * t)
+        .map(|i| {
+            let (bi, rest) = (i / (hq * l * t), i % (l * t));
+            if keep[(bi * l * t + rest) as usize] { -rng.random::<f32>() } else { f32::NEG_INFINITY }
+        })
+        .collect();
+    (boolean, Array::from_slice(&additive, &[b, hq, l, t]).unwrap())
 }

@@ -158,6 +158,7 @@ int mlx_left_shift(mlx_array* res, const mlx_array a, const mlx_array b, const m
 int mlx_right_shift(mlx_array* res, const mlx_array a, const mlx_array b, const mlx_stream s);
 int mlx_astype(mlx_array* res, const mlx_array a, mlx_dtype dtype, const mlx_stream s);
 int mlx_reshape(mlx_array* res, const mlx_array a, const int* shape, size_t shape_num, const mlx_stream s);
+int mlx_broadcast_to(mlx_array* res, const mlx_array a, const int* shape, size_t shape_num, const mlx_stream s);
 int mlx_expand_dims(mlx_array* res, const mlx_array a, int axis, const mlx_stream s);
 int mlx_contiguous(mlx_array* res, const mlx_array a, bool allow_col_major, const mlx_stream s);
 int mlx_transpose(mlx_array* res, const mlx_array a, const int* axes, size_t axes_num, const mlx_stream s);
