@@ -13,7 +13,7 @@ const uint32_t Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
 const uint32_t n_sink = params[4], n_comp = params[5], n_recent = params[6];
 const uint32_t CAP = params[7], WCAP = params[8], split_tokens = params[9];
 const uint32_t num_splits = params[10], q_tiles = params[11], causal = params[12];
-const uint32_t comp_splits = params[13];
+const uint32_t comp_splits = params[13], mask_heads = params[14];
 const uint32_t G = Hq / Hkv;
 const uint32_t QT = QN / G;
 const uint32_t total = n_sink + n_comp + n_recent;
@@ -142,6 +142,10 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
   for (int r = 0; r < QN; ++r) {
     const uint32_t ql = qt * QT + r % QT;
     const bool visible = pos != 0xffffffffu && ql < L && !(causal && pos > total - L + ql);
+    if (visible && mask_heads != 0) {
+      const uint32_t hm = mask_heads == 1 ? 0u : hk * G + r / QT;
+      s[r] += mask[((uint64_t(b) * mask_heads + hm) * L + ql) * total + pos];
+    }
     s[r] = visible ? s[r] : ninf;
     float v = s[r];
 #pragma unroll

@@ -11,8 +11,11 @@
 // sub-vector, for QJL and TurboQuant-Prod keys by the sketched query c S q,
 // read from device memory); per side codes (uint8, or T for the dense codec), scales and
 // zeros (float16), table (float32 codebook); the float16 windows in each
-// side's frame; params = {B, Hq, Hkv, L, n_sink, n_comp, n_recent, CAP, WCAP,
-// split_tokens, num_splits, q_tiles, causal, comp_splits}.
+// side's frame; mask float32 [B, MH, L, total] added to the scaled scores
+// (-inf hides a token), read only when MH > 0; params = {B, Hq, Hkv, L,
+// n_sink, n_comp, n_recent, CAP, WCAP, split_tokens, num_splits, q_tiles,
+// causal, comp_splits, MH} (MH: mask heads, 0 without a mask, 1 when every
+// head shares it, else Hq).
 // Splits [0, comp_splits) cover compressed tokens (position n_sink + index),
 // the rest cover window slots 128 at a time (sinks at positions 0.., recent
 // at n_sink + n_comp..).
@@ -30,7 +33,7 @@ const uint Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
 const uint n_sink = params[4], n_comp = params[5], n_recent = params[6];
 const uint CAP = params[7], WCAP = params[8], split_tokens = params[9];
 const uint num_splits = params[10], q_tiles = params[11], causal = params[12];
-const uint comp_splits = params[13];
+const uint comp_splits = params[13], mask_heads = params[14];
 const uint G = Hq / Hkv;
 const uint QT = QN / G;
 const uint total = n_sink + n_comp + n_recent;
@@ -139,6 +142,10 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
   for (int r = 0; r < QN; ++r) {
     const uint ql = qt * QT + uint(r) % QT;
     const bool visible = pos != 0xffffffffu && ql < L && !(causal != 0 && pos > total - L + ql);
+    if (visible && mask_heads != 0) {
+      const uint hm = mask_heads == 1 ? 0u : hk * G + uint(r) / QT;
+      s[r] += mask[((ulong(b) * mask_heads + hm) * L + ql) * total + pos];
+    }
     s[r] = visible ? s[r] : -INFINITY;
     const float v = simd_max(s[r]);
     if (lane == 0) red[r * WARPS + warp] = v;
