@@ -61,21 +61,22 @@ fn get_group(src: &[u8], b: usize, codes: &mut [u8]) {
     }
 }
 
-/// Calls `$call` with `$b` a constant for each width up to 8 (so that the
-/// packing loops unroll: with the width known at run time only they cost
-/// more than the quantization), else 0 (read `bits` at run time).
+/// Expands `$body` once per width up to 8 with `$b` that width as a
+/// constant (so that the packing loops unroll: with the width known at run
+/// time only they cost more than the quantization), else with `$b` 0 (read
+/// `bits` at run time).
 macro_rules! by_width {
-    ($bits:expr, $b:ident => $call:expr) => {
+    ($bits:expr, $b:ident => $body:expr) => {
         match $bits {
-            1 => { const $b: usize = 1; $call }
-            2 => { const $b: usize = 2; $call }
-            3 => { const $b: usize = 3; $call }
-            4 => { const $b: usize = 4; $call }
-            5 => { const $b: usize = 5; $call }
-            6 => { const $b: usize = 6; $call }
-            7 => { const $b: usize = 7; $call }
-            8 => { const $b: usize = 8; $call }
-            _ => { const $b: usize = 0; $call }
+            1 => { const $b: usize = 1; $body }
+            2 => { const $b: usize = 2; $body }
+            3 => { const $b: usize = 3; $body }
+            4 => { const $b: usize = 4; $body }
+            5 => { const $b: usize = 5; $body }
+            6 => { const $b: usize = 6; $body }
+            7 => { const $b: usize = 7; $body }
+            8 => { const $b: usize = 8; $body }
+            _ => { const $b: usize = 0; $body }
         }
     };
 }
@@ -83,7 +84,25 @@ macro_rules! by_width {
 /// Runs `f(row, codes_of_row)` for every row and packs the codes of each row
 /// into `out` (`rows` × `packed_len(n, bits)`).
 fn pack_rows(out: &mut [u8], rows: usize, n: usize, bits: u32, f: impl Fn(usize, &mut [u8]) + Sync) {
-    by_width!(bits, B => pack_rows_of::<B>(out, rows, n, bits, f))
+    let nbytes = packed_len(n, bits);
+    assert_eq!(out.len(), rows * nbytes, "packed length");
+    let full = n / 8;
+    by_width!(bits, B => {
+        let b = if B == 0 { bits as usize } else { B };
+        super::for_each_chunk(out, nbytes, 256, |row0, chunk| {
+            let mut codes = vec![0u8; n];
+            for (r, dst) in chunk.chunks_mut(nbytes).enumerate() {
+                f(row0 + r, &mut codes);
+                let (head, tail) = codes.split_at(full * 8);
+                for (group, d) in head.chunks_exact(8).zip(dst.chunks_exact_mut(b)) {
+                    put_group(group, b, d);
+                }
+                if !tail.is_empty() {
+                    put_group(tail, b, &mut dst[full * b..]);
+                }
+            }
+        })
+    })
 }
 
 /// Runs `f(row, codes_of_row, out_row)` for every row of `packed`.
@@ -95,58 +114,27 @@ fn unpack_rows<T: Send>(
     out: &mut [T],
     f: impl Fn(usize, &[u8], &mut [T]) + Sync,
 ) {
-    by_width!(bits, B => unpack_rows_of::<B, T>(packed, rows, n, bits, out, f))
-}
-
-/// `pack_rows` for width `B` (0: `bits`).
-fn pack_rows_of<const B: usize>(out: &mut [u8], rows: usize, n: usize, bits: u32, f: impl Fn(usize, &mut [u8]) + Sync) {
-    let b = if B == 0 { bits as usize } else { B };
-    let nbytes = packed_len(n, bits);
-    assert_eq!(out.len(), rows * nbytes, "packed length");
-    let full = n / 8;
-    super::for_each_chunk(out, nbytes, 256, |row0, chunk| {
-        let mut codes = vec![0u8; n];
-        for (r, dst) in chunk.chunks_mut(nbytes).enumerate() {
-            f(row0 + r, &mut codes);
-            let (head, tail) = codes.split_at(full * 8);
-            for (group, d) in head.chunks_exact(8).zip(dst.chunks_exact_mut(b)) {
-                put_group(group, b, d);
-            }
-            if !tail.is_empty() {
-                put_group(tail, b, &mut dst[full * b..]);
-            }
-        }
-    });
-}
-
-/// `unpack_rows` for width `B` (0: `bits`).
-fn unpack_rows_of<const B: usize, T: Send>(
-    packed: &[u8],
-    rows: usize,
-    n: usize,
-    bits: u32,
-    out: &mut [T],
-    f: impl Fn(usize, &[u8], &mut [T]) + Sync,
-) {
-    let b = if B == 0 { bits as usize } else { B };
     let nbytes = packed_len(n, bits);
     assert_eq!(packed.len(), rows * nbytes, "packed length");
     let row_len = out.len() / rows.max(1);
     let full = n / 8;
-    super::for_each_chunk(out, row_len, 256, |row0, chunk| {
-        let mut codes = vec![0u8; n];
-        for (r, dst) in chunk.chunks_mut(row_len).enumerate() {
-            let src = &packed[(row0 + r) * nbytes..(row0 + r + 1) * nbytes];
-            let (head, tail) = codes.split_at_mut(full * 8);
-            for (group, s) in head.chunks_exact_mut(8).zip(src.chunks_exact(b)) {
-                get_group(s, b, group);
+    by_width!(bits, B => {
+        let b = if B == 0 { bits as usize } else { B };
+        super::for_each_chunk(out, row_len, 256, |row0, chunk| {
+            let mut codes = vec![0u8; n];
+            for (r, dst) in chunk.chunks_mut(row_len).enumerate() {
+                let src = &packed[(row0 + r) * nbytes..(row0 + r + 1) * nbytes];
+                let (head, tail) = codes.split_at_mut(full * 8);
+                for (group, s) in head.chunks_exact_mut(8).zip(src.chunks_exact(b)) {
+                    get_group(s, b, group);
+                }
+                if !tail.is_empty() {
+                    get_group(&src[full * b..], b, tail);
+                }
+                f(row0 + r, &codes, dst);
             }
-            if !tail.is_empty() {
-                get_group(&src[full * b..], b, tail);
-            }
-            f(row0 + r, &codes, dst);
-        }
-    });
+        })
+    })
 }
 
 // ------------------------------------------------------------ scalar codebook
