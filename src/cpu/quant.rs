@@ -6,7 +6,7 @@
 //! compare with these functions, and for float32 input the codes equal those
 //! of `crate::quant`.
 
-use half::{bf16, f16};
+use half::{bf16, f16, slice::HalfFloatSliceExt};
 
 use super::bitpack::packed_len;
 use super::vq::VqElement;
@@ -189,10 +189,11 @@ pub fn kivi_code(v: f32, scale: f32, zero: f32, bits: u32) -> u8 {
     let x = (v - zero) / scale;
     // round-half-away-from-zero as trunc(x ± pred(0.5)) (exact for every
     // float; `f32::round` is a library call on baseline x86-64, this
-    // vectorizes), then clamped to the levels; NaN gives 0. Branch-free, so
-    // that loops over it vectorize.
-    let r = ((x + HALF_DOWN.copysign(x)) as i32).clamp(0, (1i32 << bits) - 1);
-    if scale > 0.0 { r as u8 } else { 0 }
+    // vectorizes). Clamped to the levels before the conversion (the same
+    // code: the bounds are integers), so that the conversion needs no
+    // saturation and vectorizes too; NaN gives 0. Branch-free.
+    let r = (x + HALF_DOWN.copysign(x)).max(0.0).min(((1u32 << bits) - 1) as f32) as u8;
+    if scale > 0.0 { r } else { 0 }
 }
 
 /// The largest float below 0.5.
@@ -304,7 +305,10 @@ fn min_max<T: Float>(v: &[T]) -> (f32, f32) {
 
 /// Float16 parameters as float32, converted once rather than per element.
 fn to_f32s(v: &[f16]) -> Vec<f32> {
-    v.iter().map(|x| x.to_f32()).collect()
+    // `half`'s slice conversion uses the CPU's F16C instructions when present.
+    let mut out = vec![0.0f32; v.len()];
+    v.convert_to_f32_slice(&mut out);
+    out
 }
 
 /// `zero + scale * code` (float32, no fused multiply-add), as `T`.
