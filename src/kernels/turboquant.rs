@@ -6,6 +6,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
+use super::kv_attention::times_transpose;
 use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
@@ -397,18 +398,10 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
     )?;
-    // The query, rotated and scaled once for every threadgroup. MLX's CUDA
-    // matmul rounds float32 through TF32 (relative error ~3e-4), so up to
-    // 2^24 products (short verification) use an exact broadcast product;
-    // long prefills use the matmul.
+    // The query, rotated (exactly where small: see `times_transpose`) and
+    // scaled once for every threadgroup.
     let qf = ops::astype(q, Dtype::F32, s)?;
-    let qr = if rows * sh.dim * sh.dim <= 1 << 24 {
-        let prod = ops::multiply(&ops::expand_dims(&qf, -2, s)?, layer.rot_k, s)?;
-        ops::sum_axis(&prod, -1, false, s)?
-    } else {
-        ops::matmul(&qf, &ops::transpose(layer.rot_k, &[1, 0], s)?, s)?
-    };
-    let qr = ops::multiply(&qr, &Array::scalar_f32(scale)?, s)?;
+    let qr = ops::multiply(&times_transpose(&qf, layer.rot_k, s)?, &Array::scalar_f32(scale)?, s)?;
     let blocks = units * num_splits;
     let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
