@@ -1,26 +1,105 @@
 // kivi_quantize: x T [N, D] -> packed uint8 [N, nbytes], scales and zeros
 // half. params = {N, D, nbytes, G}; template T, B_BITS, PER_CHANNEL.
+// scale = half((max - min) / (2^B - 1)), zero = half(min); code =
+// round((x - zero) / scale) clamped, 0 where scale is 0, with the rounded
+// values; round-to-nearest intrinsics throughout.
+//
 // PER_CHANNEL (keys): one (scale, zero) per group of G rows and channel,
-// [ceil(N/G), D]; one thread per (row group, 8 channels). Otherwise (values):
-// one per row and group of G channels (G a multiple of 8), [N, D/G]; one
-// thread per (row, channel group). scale = half((max - min) / (2^B - 1)),
-// zero = half(min); code = round((x - zero) / scale) clamped, 0 where scale
-// is 0, with the rounded values; round-to-nearest intrinsics throughout.
+// [ceil(N/G), D]. When G <= 32 and D is a multiple of 8 (the fast layout,
+// chosen by the host with the same test): four threads per (row group, 8
+// channels), adjacent lanes, each holding up to 8 of the group's rows in
+// registers; min and max meet through warp shuffles, so x is read once.
+// Otherwise one thread per (row group, 8 channels) reads its rows twice.
+//
+// Values: one (scale, zero) per row and group of G channels (G a multiple of
+// 8 dividing D), [N, D/G]; one thread per (row, channel group), which keeps
+// the group in registers when G <= 32.
 const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t nbytes = params[2];
 const uint32_t gsize = params[3];
 const float levels = float((1u << B_BITS) - 1u);
 const float inf = __int_as_float(0x7f800000);
-const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+// Grids hold fewer than 2^31 threads.
+const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+auto code_of = [&](float v, float s, float z) {
+  return s > 0.0f ? uint32_t(fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(v, z), s)), 0.0f), levels)) : 0u;
+};
 if (PER_CHANNEL) {
   const uint32_t cgroups = (d + 7) / 8;
   const uint32_t rgroups = (n + gsize - 1) / gsize;
-  if (t >= uint64_t(rgroups) * cgroups) {
+  if (gsize <= 32 && d % 8 == 0) {
+    // Every lane takes part in the shuffles: the grid is a whole number of
+    // quads, and a quad past the end works on nothing.
+    const uint32_t quad = t / 4;
+    const uint32_t sub = t % 4;
+    const bool live = quad < rgroups * cgroups;
+    const uint32_t g = live ? quad / cgroups : 0;
+    const uint32_t c = live ? quad % cgroups : 0;
+    const uint32_t r0 = g * gsize;
+    const uint32_t r1 = live ? min(r0 + gsize, n) : r0;
+    const bool wide = vq_aligned(x, 16);
+    float v[8][8];
+    float lo[8];
+    float hi[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = inf;
+      hi[j] = -inf;
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t r = r0 + sub * 8 + k;
+      if (sub * 8 + k < gsize && r < r1) {
+        vq_read8(x + (uint64_t(r) * cgroups + c) * 8, v[k], wide);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          lo[j] = fminf(lo[j], v[k][j]);
+          hi[j] = fmaxf(hi[j], v[k][j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int o = 1; o < 4; o *= 2) {
+        lo[j] = fminf(lo[j], __shfl_xor_sync(0xffffffffu, lo[j], o));
+        hi[j] = fmaxf(hi[j], __shfl_xor_sync(0xffffffffu, hi[j], o));
+      }
+    }
+    if (!live) {
+      return;
+    }
+    float s[8];
+    float z[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      s[j] = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(hi[j], lo[j]), levels)));
+      z[j] = __half2float(__float2half_rn(lo[j]));
+    }
+    if (sub == 0) {
+      vq_store8(scales + uint64_t(g) * d + c * 8, s);
+      vq_store8(zeros + uint64_t(g) * d + c * 8, z);
+    }
+#pragma unroll
+    for (int k = 0; k < 8; ++k) {
+      const uint32_t r = r0 + sub * 8 + k;
+      if (sub * 8 + k < gsize && r < r1) {
+        uint64_t word = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          word |= uint64_t(code_of(v[k][j], s[j], z[j])) << (j * B_BITS);
+        }
+        vq_store_bytes<B_BITS>(packed + (uint64_t(r) * cgroups + c) * B_BITS, word);
+      }
+    }
     return;
   }
-  const uint32_t g = uint32_t(t / cgroups);
-  const uint32_t first = uint32_t(t % cgroups) * 8;
+  if (t >= rgroups * cgroups) {
+    return;
+  }
+  const uint32_t g = t / cgroups;
+  const uint32_t first = (t % cgroups) * 8;
   const uint32_t count = min(8u, d - first);
   const uint32_t r0 = g * gsize;
   const uint32_t r1 = min(r0 + gsize, n);
@@ -53,10 +132,7 @@ if (PER_CHANNEL) {
   for (uint32_t r = r0; r < r1; ++r) {
     uint64_t word = 0;
     for (uint32_t j = 0; j < count; ++j) {
-      const float v = static_cast<float>(x[uint64_t(r) * d + first + j]);
-      const uint32_t c =
-          s[j] > 0.0f ? uint32_t(fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(v, z[j]), s[j])), 0.0f), levels)) : 0u;
-      word |= uint64_t(c) << (j * B_BITS);
+      word |= uint64_t(code_of(static_cast<float>(x[uint64_t(r) * d + first + j]), s[j], z[j])) << (j * B_BITS);
     }
     for (uint32_t k = b0; k < b1; ++k) {
       packed[uint64_t(r) * nbytes + k] = uint8_t(word >> (8 * (k - b0)));
@@ -64,16 +140,57 @@ if (PER_CHANNEL) {
   }
 } else {
   const uint32_t per_row = d / gsize;
-  if (t >= uint64_t(n) * per_row) {
+  if (t >= n * per_row) {
     return;
   }
-  const uint64_t base = t * gsize;
+  const uint64_t base = uint64_t(t) * gsize;
+  const uint64_t dst = uint64_t(t) * (gsize / 8) * B_BITS;
+  const uint32_t chunks = gsize / 8;
+  const bool wide = vq_aligned(x, 16);
+  if (chunks <= 4) {
+    float v[4][8];
+    float lo = inf;
+    float hi = -inf;
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      if (k < chunks) {
+        vq_read8(x + base + k * 8, v[k], wide);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          lo = fminf(lo, v[k][j]);
+          hi = fmaxf(hi, v[k][j]);
+        }
+      }
+    }
+    const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), levels));
+    const __half hz = __float2half_rn(lo);
+    scales[t] = hs;
+    zeros[t] = hz;
+    const float s = __half2float(hs);
+    const float z = __half2float(hz);
+#pragma unroll
+    for (uint32_t k = 0; k < 4; ++k) {
+      if (k < chunks) {
+        uint64_t word = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          word |= uint64_t(code_of(v[k][j], s, z)) << (j * B_BITS);
+        }
+        vq_store_bytes<B_BITS>(packed + dst + k * B_BITS, word);
+      }
+    }
+    return;
+  }
   float lo = inf;
   float hi = -inf;
-  for (uint32_t j = 0; j < gsize; ++j) {
-    const float v = static_cast<float>(x[base + j]);
-    lo = fminf(lo, v);
-    hi = fmaxf(hi, v);
+  for (uint32_t k = 0; k < chunks; ++k) {
+    float v[8];
+    vq_read8(x + base + k * 8, v, wide);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      lo = fminf(lo, v[j]);
+      hi = fmaxf(hi, v[j]);
+    }
   }
   const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), levels));
   const __half hz = __float2half_rn(lo);
@@ -81,19 +198,14 @@ if (PER_CHANNEL) {
   zeros[t] = hz;
   const float s = __half2float(hs);
   const float z = __half2float(hz);
-  const uint64_t row = t / per_row;
-  const uint64_t dst = row * nbytes + (t % per_row) * (gsize / 8) * B_BITS;
-  for (uint32_t j0 = 0; j0 < gsize; j0 += 8) {
+  for (uint32_t k = 0; k < chunks; ++k) {
+    float v[8];
+    vq_read8(x + base + k * 8, v, wide);
     uint64_t word = 0;
 #pragma unroll
-    for (uint32_t j = 0; j < 8; ++j) {
-      const float v = static_cast<float>(x[base + j0 + j]);
-      const uint32_t c = s > 0.0f ? uint32_t(fminf(fmaxf(roundf(__fdiv_rn(__fsub_rn(v, z), s)), 0.0f), levels)) : 0u;
-      word |= uint64_t(c) << (j * B_BITS);
+    for (int j = 0; j < 8; ++j) {
+      word |= uint64_t(code_of(v[j], s, z)) << (j * B_BITS);
     }
-#pragma unroll
-    for (uint32_t k = 0; k < uint32_t(B_BITS); ++k) {
-      packed[dst + (j0 / 8) * B_BITS + k] = uint8_t(word >> (8 * k));
-    }
+    vq_store_bytes<B_BITS>(packed + dst + k * B_BITS, word);
   }
 }

@@ -1,12 +1,32 @@
 // scalar_dequantize: packed uint8 [N, nbytes], codebook float [2^B_BITS] ->
 // y T [N, D] = codebook[code]. params = {N, D, nbytes}; template T, B_BITS.
-// One thread per (row, group of 8 codes).
+// One thread per (row, group of 8 codes); the block stages the codebook in
+// shared memory. When D is a multiple of 8 the groups tile the arrays with no
+// gaps, so a thread reads its B_BITS bytes and writes its 8 elements with one
+// wide access each (where the pointers allow it).
+constexpr uint32_t K = 1u << B_BITS;
+__shared__ float cb[K];
+for (uint32_t i = threadIdx.x; i < K; i += blockDim.x) {
+  cb[i] = codebook[i];
+}
+__syncthreads();
 const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t nbytes = params[2];
 const uint32_t groups = (d + 7) / 8;
 const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
 if (t >= uint64_t(n) * groups) {
+  return;
+}
+constexpr uint64_t mask = (uint64_t(1) << B_BITS) - 1;
+float v[8];
+if (d % 8 == 0 && vq_aligned(packed, vq_bytes_align<B_BITS>()) && vq_aligned(y, 16)) {
+  const uint64_t word = vq_load_bytes<B_BITS>(packed + t * B_BITS);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    v[j] = cb[(word >> (j * B_BITS)) & mask];
+  }
+  vq_store8(y + t * 8, v);
   return;
 }
 const uint32_t row = uint32_t(t / groups);
@@ -20,8 +40,7 @@ for (uint32_t k = b0; k < b1; ++k) {
 }
 const uint32_t first = g * 8;
 const uint32_t count = min(8u, d - first);
-const uint64_t mask = (uint64_t(1) << B_BITS) - 1;
 const uint64_t dst = uint64_t(row) * d + first;
 for (uint32_t j = 0; j < count; ++j) {
-  y[dst + j] = static_cast<T>(codebook[(word >> (j * B_BITS)) & mask]);
+  y[dst + j] = static_cast<T>(cb[(word >> (j * B_BITS)) & mask]);
 }

@@ -3,7 +3,8 @@
 // B_BITS. One thread per (row, group of 8 codes), as bit_pack. The code of v
 // is the number of boundaries 0.5 * (c[i] + c[i+1]) strictly below v, found
 // by a binary search of B_BITS unrolled steps over the boundaries, which the
-// block computes once into shared memory.
+// block computes once into shared memory. When D is a multiple of 8 a thread
+// reads its 8 elements and writes its B_BITS bytes with one wide access each.
 __shared__ float bounds[256];
 const uint32_t n = params[0];
 const uint32_t d = params[1];
@@ -18,14 +19,7 @@ const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
 if (t >= uint64_t(n) * groups) {
   return;
 }
-const uint32_t row = uint32_t(t / groups);
-const uint32_t g = uint32_t(t % groups);
-const uint32_t first = g * 8;
-const uint32_t count = min(8u, d - first);
-const uint64_t src = uint64_t(row) * d + first;
-uint64_t word = 0;
-for (uint32_t j = 0; j < count; ++j) {
-  const float v = static_cast<float>(x[src + j]);
+auto code_of = [&](float v) {
   uint32_t pos = 0;
 #pragma unroll
   for (uint32_t step = K / 2; step > 0; step /= 2) {
@@ -33,7 +27,27 @@ for (uint32_t j = 0; j < count; ++j) {
       pos += step;
     }
   }
-  word |= uint64_t(pos) << (j * B_BITS);
+  return pos;
+};
+if (d % 8 == 0 && vq_aligned(x, 16) && vq_aligned(packed, vq_bytes_align<B_BITS>())) {
+  float v[8];
+  vq_load8(x + t * 8, v);
+  uint64_t word = 0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    word |= uint64_t(code_of(v[j])) << (j * B_BITS);
+  }
+  vq_store_bytes<B_BITS>(packed + t * B_BITS, word);
+  return;
+}
+const uint32_t row = uint32_t(t / groups);
+const uint32_t g = uint32_t(t % groups);
+const uint32_t first = g * 8;
+const uint32_t count = min(8u, d - first);
+const uint64_t src = uint64_t(row) * d + first;
+uint64_t word = 0;
+for (uint32_t j = 0; j < count; ++j) {
+  word |= uint64_t(code_of(static_cast<float>(x[src + j]))) << (j * B_BITS);
 }
 const uint32_t b0 = g * B_BITS;
 const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);

@@ -131,8 +131,8 @@ auto fetch = [&](uint32_t t) {
 #pragma unroll
   for (int k = 0; k < CPT; ++k) {
     const uint32_t c = li + k * TPT;
-    kraw[k] = c < uint32_t(NCH) ? tq_load_bytes<KB>(kp + c * KB) : 0ull;
-    vraw[k] = c < uint32_t(NCH) ? tq_load_bytes<VB>(vp + c * VB) : 0ull;
+    kraw[k] = c < uint32_t(NCH) ? vq_load_bytes<KB>(kp + c * KB) : 0ull;
+    vraw[k] = c < uint32_t(NCH) ? vq_load_bytes<VB>(vp + c * VB) : 0ull;
   }
   kn_next = __half2float(k_norms[int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1] + int64_t(t) * k_norms_strides[2]]);
   vn_next = __half2float(v_norms[int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1] + int64_t(t) * v_norms_strides[2]]);
@@ -167,8 +167,8 @@ for (uint32_t base = t_begin; base < t_end; base += GROUPS) {
     for (int k = 0; k < CPT; ++k) {
       const uint32_t c = li + k * TPT;
       if (c < uint32_t(NCH)) {
-        tq_load8(wk + c * 8, kx + k * 8);
-        tq_load8(wv + c * 8, vx + k * 8);
+        vq_load8(wk + c * 8, kx + k * 8);
+        vq_load8(wv + c * 8, vx + k * 8);
       } else {
 #pragma unroll
         for (int j = 0; j < 8; ++j) {

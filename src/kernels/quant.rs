@@ -352,6 +352,8 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, nbytes, group])?;
             let items = match mode {
+                // The CUDA body's fast layout: four threads per (row group, 8 channels).
+                KiviMode::Keys if imp == Implementation::Cuda && group <= 32 && d % 8 == 0 => n.div_ceil(group) * (d / 8) * 4,
                 KiviMode::Keys => n.div_ceil(group) * d.div_ceil(8),
                 KiviMode::Values => n * (d / group),
             };

@@ -178,8 +178,16 @@ impl Source {
             | Source::TqProdEncode
             | Source::TqProdDecode
             | Source::TqRvqEncode
-            | Source::TqRvqDecode => include_str!("../../cuda/tq_common.cuh"),
+            | Source::TqRvqDecode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
+            Source::ScalarQuantize
+            | Source::ScalarDequantize
+            | Source::KiviQuantize
+            | Source::KiviDequantize
+            | Source::QjlEncode
+            | Source::QjlScore
+            | Source::PqEncode
+            | Source::PqDecode => include_str!("../../cuda/quant_common.cuh"),
             _ => "",
         }
     }

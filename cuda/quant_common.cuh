@@ -1,0 +1,162 @@
+// Shared by the quantizer and TurboQuant CUDA kernels (placed before the
+// kernel, in the global namespace, after MLX's device utilities, which bring
+// the half and bfloat16 types).
+//
+// The packed layouts keep 8 codes of B bits in B consecutive bytes, so a
+// thread that owns 8 elements moves B bytes one way and 8 elements the other;
+// these helpers make each of those one or two wide memory operations.
+
+// The NB bytes at p, little-endian. Callers pass offsets that are multiples
+// of NB, so the 1-, 2-, 4- and 8-byte cases are single aligned loads.
+template <int NB>
+__device__ __forceinline__ unsigned long long vq_load_bytes(const uint8_t* p) {
+  if constexpr (NB == 1) {
+    return p[0];
+  } else if constexpr (NB == 2) {
+    return *reinterpret_cast<const uint16_t*>(p);
+  } else if constexpr (NB == 4) {
+    return *reinterpret_cast<const uint32_t*>(p);
+  } else if constexpr (NB == 8) {
+    return *reinterpret_cast<const unsigned long long*>(p);
+  } else {
+    unsigned long long v = 0;
+#pragma unroll
+    for (int y = 0; y < NB; ++y) v |= static_cast<unsigned long long>(p[y]) << (8 * y);
+    return v;
+  }
+}
+
+// Stores the low NB bytes of v at p, little-endian (offsets as for vq_load_bytes).
+template <int NB>
+__device__ __forceinline__ void vq_store_bytes(uint8_t* p, unsigned long long v) {
+  if constexpr (NB == 1) {
+    p[0] = uint8_t(v);
+  } else if constexpr (NB == 2) {
+    *reinterpret_cast<uint16_t*>(p) = uint16_t(v);
+  } else if constexpr (NB == 4) {
+    *reinterpret_cast<uint32_t*>(p) = uint32_t(v);
+  } else if constexpr (NB == 8) {
+    *reinterpret_cast<unsigned long long*>(p) = v;
+  } else {
+#pragma unroll
+    for (int y = 0; y < NB; ++y) p[y] = uint8_t(v >> (8 * y));
+  }
+}
+
+// Eight consecutive elements at p (16-byte aligned for 16-bit types, 32 for
+// float) as float.
+__device__ __forceinline__ void vq_load8(const float* p, float* out) {
+  const float4 a = *reinterpret_cast<const float4*>(p);
+  const float4 b = *reinterpret_cast<const float4*>(p + 4);
+  out[0] = a.x; out[1] = a.y; out[2] = a.z; out[3] = a.w;
+  out[4] = b.x; out[5] = b.y; out[6] = b.z; out[7] = b.w;
+}
+
+__device__ __forceinline__ void vq_load8(const __half* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __half2* h = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __half22float2(h[k]);
+    out[2 * k] = f.x;
+    out[2 * k + 1] = f.y;
+  }
+}
+
+__device__ __forceinline__ void vq_load8(const __nv_bfloat16* p, float* out) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const float2 f = __bfloat1622float2(h[k]);
+    out[2 * k] = f.x;
+    out[2 * k + 1] = f.y;
+  }
+}
+
+// Eight floats to eight consecutive elements at p (aligned as for vq_load8),
+// each rounded to nearest as static_cast<T>(float) rounds it.
+__device__ __forceinline__ void vq_store8(float* p, const float* v) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
+}
+
+__device__ __forceinline__ void vq_store8(__half* p, const float* v) {
+  uint4 raw;
+  __half2* h = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+__device__ __forceinline__ void vq_store8(__nv_bfloat16* p, const float* v) {
+  uint4 raw;
+  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// N (a power of two up to 8) floats to N consecutive elements at p, aligned
+// to N elements: one store.
+template <int N>
+__device__ __forceinline__ void vq_store_n(float* p, const float* v) {
+  if constexpr (N == 8) {
+    vq_store8(p, v);
+  } else if constexpr (N == 4) {
+    *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<float2*>(p) = make_float2(v[0], v[1]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = v[k];
+  }
+}
+
+// Two floats as one pair of 16-bit elements, rounded to nearest.
+__device__ __forceinline__ __half2 vq_pair(const __half*, float a, float b) { return __floats2half2_rn(a, b); }
+__device__ __forceinline__ __nv_bfloat162 vq_pair(const __nv_bfloat16*, float a, float b) {
+  return __floats2bfloat162_rn(a, b);
+}
+
+template <int N, typename H>
+__device__ __forceinline__ void vq_store_n(H* p, const float* v) {
+  using H2 = decltype(vq_pair(p, 0.0f, 0.0f));
+  if constexpr (N == 8) {
+    vq_store8(p, v);
+  } else if constexpr (N == 4) {
+    uint2 raw;
+    H2* h = reinterpret_cast<H2*>(&raw);
+    h[0] = vq_pair(p, v[0], v[1]);
+    h[1] = vq_pair(p, v[2], v[3]);
+    *reinterpret_cast<uint2*>(p) = raw;
+  } else if constexpr (N == 2) {
+    *reinterpret_cast<H2*>(p) = vq_pair(p, v[0], v[1]);
+  } else {
+#pragma unroll
+    for (int k = 0; k < N; ++k) p[k] = static_cast<H>(v[k]);
+  }
+}
+
+// Whether p may take the wide accesses above. MLX hands over row-contiguous
+// views without copying them, and a view can start anywhere.
+__device__ __forceinline__ bool vq_aligned(const void* p, unsigned bytes) {
+  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
+}
+
+// The alignment vq_load_bytes<NB> / vq_store_bytes<NB> need.
+template <int NB>
+__device__ constexpr unsigned vq_bytes_align() {
+  return (NB == 2 || NB == 4 || NB == 8) ? NB : 1;
+}
+
+// vq_load8 where `wide`, else eight scalar loads.
+template <typename T>
+__device__ __forceinline__ void vq_read8(const T* p, float* out, bool wide) {
+  if (wide) {
+    vq_load8(p, out);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(p[j]);
+  }
+}

@@ -1,0 +1,200 @@
+#!/usr/bin/env python3
+"""Compiles the quantizer and TurboQuant codec CUDA kernel bodies with NVRTC, without a GPU.
+
+Each body is wrapped the way MLX's `cuda_kernel` wraps it (docs: the kernel
+contract): MLX's device utilities (a stand-in header here), the kernel's
+header, then `__global__ void NAME(inputs..., outputs...)` in
+`mlx::core::cu` with the template arguments as the first body lines. Every
+listed instantiation must compile for sm_90 (the H200).
+
+    python3 scripts/cuda-compile-check.py [--nvrtc DIR] [--all] [kernel ...]
+
+DIR holds NVRTC and the CUDA headers as NVIDIA's wheels lay them out
+(`include/`, `lib/libnvrtc.so.13`): unpack nvidia-cuda-nvrtc,
+nvidia-cuda-runtime and nvidia-cuda-cccl (13.x) there. Default:
+.device/nvrtc/cu13.
+"""
+
+import argparse
+import ctypes
+import itertools
+import pathlib
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+UTILS_STAND_IN = """
+#include <cuda_fp16.h>
+#include <cuda_bf16.h>
+#include <cuda/std/array>
+namespace mlx::core::cu {
+using Shape = cuda::std::array<int32_t, 10>;
+using Strides = cuda::std::array<int64_t, 10>;
+}
+"""
+
+ELEMENT = ["float", "__half", "__nv_bfloat16"]
+TQ = ["quant_common.cuh", "tq_common.cuh"]
+
+# kernel: (file, header files, inputs, outputs, template axes). An input or
+# output typed "T" takes the instantiation's element type.
+KERNELS = {
+    "bit_pack": ("bit_pack.cu", ["quant_common.cuh"], [("codes", "uint8_t"), ("params", "uint32_t")],
+                 [("packed", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
+    "bit_unpack": ("bit_unpack.cu", ["quant_common.cuh"], [("packed", "uint8_t"), ("params", "uint32_t")],
+                   [("codes", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
+    "scalar_quantize": ("scalar_quantize.cu", ["quant_common.cuh"],
+                        [("x", "T"), ("codebook", "float"), ("params", "uint32_t")], [("packed", "uint8_t")],
+                        {"T": ELEMENT, "B_BITS": [1, 3, 4, 8]}),
+    "scalar_dequantize": ("scalar_dequantize.cu", ["quant_common.cuh"],
+                          [("packed", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")], [("y", "T")],
+                          {"T": ELEMENT, "B_BITS": [1, 3, 4, 8]}),
+    "kivi_quantize": ("kivi_quantize.cu", ["quant_common.cuh"], [("x", "T"), ("params", "uint32_t")],
+                      [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half")],
+                      {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False]}),
+    "kivi_dequantize": ("kivi_dequantize.cu", ["quant_common.cuh"],
+                        [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half"), ("params", "uint32_t")],
+                        [("y", "T")], {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False]}),
+    "qjl_encode": ("qjl_encode.cu", ["quant_common.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
+                   [("signs", "uint8_t"), ("norms", "__half")], {"T": ELEMENT}),
+    "qjl_score": ("qjl_score.cu", ["quant_common.cuh"],
+                  [("q", "T"), ("sketch", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
+                  [("scores", "float")], {"T": ELEMENT}),
+    "pq_encode": ("pq_encode.cu", ["quant_common.cuh"], [("x", "T"), ("codebook", "float"), ("params", "uint32_t")],
+                  [("packed", "uint8_t"), ("packed_hi", "uint8_t")],
+                  {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [4, 8, 10], "STAGED": [True, False]}),
+    "pq_decode": ("pq_decode.cu", ["quant_common.cuh"],
+                  [("packed", "uint8_t"), ("packed_hi", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")],
+                  [("y", "T")], {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [4, 6, 8, 10, 12]}),
+    "tq_encode": ("tq_encode.cu", [], [("x", "T"), ("rotation", "float"), ("centroids", "float")],
+                  [("codes", "uint8_t"), ("norms", "__half")],
+                  {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 3], "ROTATE": [True, False]}),
+    "tq_decode": ("tq_decode.cu", TQ,
+                  [("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
+                   ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T")],
+                  [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
+                  {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
+                   "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]}),
+    "tq_prod_encode": ("tq_prod_encode.cu", TQ,
+                       [("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
+                        ("params", "uint32_t")],
+                       [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half")],
+                       {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False]}),
+    "tq_prod_decode": ("tq_prod_decode.cu", TQ,
+                       [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
+                        ("rotation", "float"), ("centroids", "float"), ("sketch", "float"), ("params", "uint32_t")],
+                       [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False]}),
+    "tq_rvq_encode": ("tq_rvq_encode.cu", TQ,
+                      [("x", "T"), ("rotation", "float"), ("centroids1", "float"), ("centroids2", "float"),
+                       ("params", "uint32_t")],
+                      [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half")],
+                      {"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
+                       "ROTATE": [True, False]}),
+    "tq_rvq_decode": ("tq_rvq_decode.cu", TQ,
+                      [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half"), ("rotation", "float"),
+                       ("centroids1", "float"), ("centroids2", "float"), ("params", "uint32_t")],
+                      [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
+                                     "ROTATE": [True, False]}),
+}
+
+
+def instantiations(axes, every):
+    """Every combination of the axes, or (the default) each value of each
+    axis once, the other axes at their first value."""
+    if every:
+        return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
+    first = {k: v[0] for k, v in axes.items()}
+    seen, out = set(), []
+    for k, values in axes.items():
+        for v in values:
+            args = {**first, k: v}
+            key = tuple(args.items())
+            if key not in seen:
+                seen.add(key)
+                out.append(args)
+    return out
+
+
+def template_lines(args):
+    out = []
+    for k, v in args.items():
+        if k == "T":
+            out.append(f"using T = {v};")
+        elif isinstance(v, bool):
+            out.append(f"constexpr bool {k} = {'true' if v else 'false'};")
+        else:
+            out.append(f"constexpr int {k} = {v};")
+    return "\n".join(out)
+
+
+def source(name, spec, args):
+    file, headers, inputs, outputs, _ = spec
+    t = args.get("T", "float")
+    body = (ROOT / "cuda" / file).read_text()
+    params = []
+    for n, ty in inputs:
+        params.append(f"    const {t if ty == 'T' else ty}* {n}")
+        # MLX adds an input's shape, strides and rank when the body names any.
+        if any(f"{n}_{k}" in body for k in ("shape", "strides", "ndim")):
+            params += [f"    const __grid_constant__ Shape {n}_shape", f"    const __grid_constant__ Strides {n}_strides",
+                       f"    const __grid_constant__ int {n}_ndim"]
+    params += [f"    {t if ty == 'T' else ty}* {n}" for n, ty in outputs]
+    header = "".join((ROOT / "cuda" / h).read_text() for h in headers)
+    return (
+        '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
+        + header
+        + f"\nnamespace mlx::core::cu {{\n__global__ void veloxquant_{name}(\n"
+        + ",\n".join(params)
+        + ") {\n"
+        + template_lines(args)
+        + "\n"
+        + body
+        + "\n}\n}\n"
+    )
+
+
+def compile_one(nvrtc, include, src, label):
+    prog = ctypes.c_void_p()
+    names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
+    bodies = (ctypes.c_char_p * 1)(UTILS_STAND_IN.encode())
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), label.encode(), 1, bodies, names)
+    assert rc == 0, f"nvrtcCreateProgram: {rc}"
+    opts = [b"--gpu-architecture=compute_90", b"--std=c++17", f"-I{include}".encode(), f"-I{include}/cccl".encode()]
+    arr = (ctypes.c_char_p * len(opts))(*opts)
+    rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
+    size = ctypes.c_size_t()
+    nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
+    log = ctypes.create_string_buffer(size.value)
+    nvrtc.nvrtcGetProgramLog(prog, log)
+    nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
+    return rc, log.value.decode(errors="replace")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--nvrtc", default=str(ROOT / ".device/nvrtc/cu13"))
+    ap.add_argument("--all", action="store_true", help="every combination of template arguments")
+    ap.add_argument("kernels", nargs="*")
+    a = ap.parse_args()
+    base = pathlib.Path(a.nvrtc)
+    # NVRTC opens its builtins library by name: load it first, globally.
+    ctypes.CDLL(str(base / "lib/libnvrtc-builtins.so.13.0"), mode=ctypes.RTLD_GLOBAL)
+    nvrtc = ctypes.CDLL(str(base / "lib/libnvrtc.so.13"))
+    failed = 0
+    for name in a.kernels or KERNELS:
+        spec = KERNELS[name]
+        axes = spec[4]
+        for args in instantiations(axes, a.all):
+            label = f"{name}{args}"
+            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args), name + ".cu")
+            if rc != 0:
+                failed += 1
+                print(f"FAIL {label}\n{log}")
+                break
+        else:
+            print(f"ok   {name}")
+    sys.exit(1 if failed else 0)
+
+
+if __name__ == "__main__":
+    main()
