@@ -1,8 +1,11 @@
 // qjl_score: q T [Q, D], sketch float [m, D], signs uint8 [N, nbytes], norms
 // half [N] -> scores float [Q, N] = (sqrt(pi/2)/m * norm) * sum_r +-(S q)_r,
-// the sign from bit r of the key. params = {N, D, m, nbytes, Q}; template T.
-// Each block first computes S q (Q * m <= 4096 floats) into shared memory,
-// then one thread per key reads its signs once for all Q queries.
+// the sign from bit r of the key, summed over r in order. params = {N, D, m,
+// nbytes, Q}; template T. Each block first computes S q (Q * m <= 4096
+// floats) into shared memory; its threads then stride over the keys (the
+// host caps the grid, so that few blocks repeat that work). A key's signs are
+// read as 32-bit words and each bit serves all Q queries (up to 8 running
+// sums in registers); a sign flips a term by its sign bit.
 __shared__ float sq[4096];
 const uint32_t n = params[0];
 const uint32_t d = params[1];
@@ -19,17 +22,48 @@ for (uint32_t i = threadIdx.x; i < nq * m; i += blockDim.x) {
   sq[i] = acc;
 }
 __syncthreads();
-const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-if (t >= n) {
-  return;
-}
-const float scale = __fmul_rn(__fdiv_rn(__fsqrt_rn(1.57079632679489662f), float(m)), __half2float(norms[t]));
-const uint64_t sb = t * nbytes;
-for (uint32_t i = 0; i < nq; ++i) {
-  float acc = 0.0f;
-  for (uint32_t r = 0; r < m; ++r) {
-    const float v = sq[i * m + r];
-    acc = __fadd_rn(acc, (signs[sb + r / 8] >> (r % 8)) & 1u ? v : -v);
+const float base = __fdiv_rn(__fsqrt_rn(1.57079632679489662f), float(m));
+const bool words = nq <= 8 && nbytes % 4 == 0 && vq_aligned(signs, 4);
+const uint32_t stride = gridDim.x * blockDim.x;
+for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
+  const float scale = __fmul_rn(base, __half2float(norms[t]));
+  const uint8_t* key = signs + uint64_t(t) * nbytes;
+  if (words) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = 0.0f;
+    }
+    for (uint32_t w = 0; w < nbytes / 4; ++w) {
+      const uint32_t bits = reinterpret_cast<const uint32_t*>(key)[w];
+#pragma unroll 8
+      for (uint32_t b = 0; b < 32; ++b) {
+        const uint32_t r = w * 32 + b;
+        if (r < m) {
+          const uint32_t flip = ((bits >> b) & 1u) ? 0u : 0x80000000u;
+#pragma unroll
+          for (uint32_t i = 0; i < 8; ++i) {
+            if (i < nq) {
+              acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(sq[i * m + r]) ^ flip));
+            }
+          }
+        }
+      }
+    }
+#pragma unroll
+    for (uint32_t i = 0; i < 8; ++i) {
+      if (i < nq) {
+        scores[uint64_t(i) * n + t] = __fmul_rn(scale, acc[i]);
+      }
+    }
+    continue;
   }
-  scores[uint64_t(i) * n + t] = __fmul_rn(scale, acc);
+  for (uint32_t i = 0; i < nq; ++i) {
+    float acc = 0.0f;
+    for (uint32_t r = 0; r < m; ++r) {
+      const float v = sq[i * m + r];
+      acc = __fadd_rn(acc, (key[r / 8] >> (r % 8)) & 1u ? v : -v);
+    }
+    scores[uint64_t(i) * n + t] = __fmul_rn(scale, acc);
+  }
 }

@@ -84,6 +84,15 @@ fn gpu_kivi_matches_cpu() {
     }
     kivi::<f16>(KiviMode::Keys, 1, 13, 3, 4);
     kivi::<bf16>(KiviMode::Values, 333, 24, 2, 8);
+    // The CUDA keys layouts: groups held in registers (G <= 32, D a multiple
+    // of 8; full, short and ragged last groups) and the two-pass one (G > 32).
+    kivi::<f16>(KiviMode::Keys, 10_007, 128, 2, 32);
+    kivi::<bf16>(KiviMode::Keys, 999, 64, 4, 16);
+    kivi::<f16>(KiviMode::Keys, 1_001, 96, 3, 5);
+    kivi::<f32>(KiviMode::Keys, 1_001, 64, 2, 64);
+    // Values groups in registers (G <= 32) and streamed twice (G > 32).
+    kivi::<f16>(KiviMode::Values, 10_007, 128, 2, 32);
+    kivi::<f16>(KiviMode::Values, 1_003, 128, 4, 64);
 }
 
 fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
@@ -115,6 +124,11 @@ fn gpu_qjl_matches_cpu() {
     qjl::<f32>(100_000, 128, 256, 4);
     qjl::<f16>(1, 64, 13, 1);
     qjl::<bf16>(1_000, 128, 1024, 4);
+    // Tiles cut by N, m and D; signs read as words with bits past m (m = 60),
+    // bytewise (m = 36), and more queries than the registers hold (Q = 9).
+    qjl::<f16>(1_001, 100, 60, 3);
+    qjl::<f32>(77, 72, 36, 9);
+    qjl::<f16>(4_097, 128, 128, 8);
 }
 
 fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {
@@ -150,6 +164,72 @@ fn gpu_pq_matches_cpu() {
     pq::<bf16>(777, 52, 4, 1024, 10);
     pq::<f32>(10_000, 128, 4, 4096, 12);
     pq::<f32>(1_000, 256, 8, 4096, 12);
+}
+
+/// A row-contiguous `[n, d]` view that starts `offset` elements into its
+/// buffer: MLX hands it to a kernel as is, so wide accesses must check alignment.
+fn offset_view<T: Element + Default + Copy>(v: &[T], shape: &[usize], offset: usize) -> Array {
+    let s = Stream::gpu().unwrap();
+    let mut padded = vec![T::default(); offset];
+    padded.extend_from_slice(v);
+    let all = arr(&padded, &[padded.len()]);
+    let view = ops::slice(&all, &[offset as i32], &[padded.len() as i32], &s).unwrap();
+    ops::reshape(&view, &shape.iter().map(|&d| d as i32).collect::<Vec<_>>(), &s).unwrap()
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_unaligned_views_match_cpu() {
+    let (n, d) = (1_001usize, 128usize);
+    let x: Vec<f16> = data(11, n * d, 1.0);
+    let cb: Vec<f32> = vec![-0.9, -0.3, 0.3, 0.9];
+    let c = arr(&cb, &[4]);
+    let nb = cpu::packed_len(d, 2);
+    let mut want = vec![0u8; n * nb];
+    cpu::scalar_quantize(&x, n, d, &cb, 2, &mut want);
+    let got = scalar_quantize(&offset_view(&x, &[n, d], 3), &c, 2, &gpu()).unwrap();
+    assert_eq!(got.to_vec::<u8>().unwrap(), want, "scalar_quantize, x 3 elements in");
+    let mut y = vec![f16::ZERO; n * d];
+    cpu::scalar_dequantize(&want, n, d, &cb, 2, &mut y);
+    let got = scalar_dequantize(&offset_view(&want, &[n, nb], 1), &c, 2, d, f16::DTYPE, &gpu()).unwrap();
+    assert_eq!(got.to_vec::<f16>().unwrap(), y, "scalar_dequantize, codes 1 byte in");
+    for mode in [KiviMode::Keys, KiviMode::Values] {
+        let per_channel = mode == KiviMode::Keys;
+        let np = if per_channel { n.div_ceil(32) * d } else { n * d / 32 };
+        let (mut c, mut s, mut z) = (vec![0u8; n * nb], vec![f16::ZERO; np], vec![f16::ZERO; np]);
+        cpu::kivi_quantize(&x, n, d, 2, 32, per_channel, &mut c, &mut s, &mut z);
+        let (gc, gs, gz) = kivi_quantize(&offset_view(&x, &[n, d], 5), 2, 32, mode, &gpu()).unwrap();
+        assert_eq!(
+            (gc.to_vec::<u8>().unwrap(), gs.to_vec::<f16>().unwrap(), gz.to_vec::<f16>().unwrap()),
+            (c.clone(), s.clone(), z.clone()),
+            "kivi_quantize {mode:?}, x 5 elements in"
+        );
+        let mut y = vec![f16::ZERO; n * d];
+        cpu::kivi_dequantize(&c, &s, &z, n, d, 2, 32, per_channel, &mut y);
+        let shape = if per_channel { [n.div_ceil(32), d] } else { [n, d / 32] };
+        let got = kivi_dequantize(
+            &offset_view(&c, &[n, nb], 1),
+            &offset_view(&s, &shape, 1),
+            &offset_view(&z, &shape, 3),
+            2,
+            32,
+            mode,
+            d,
+            f16::DTYPE,
+            &gpu(),
+        )
+        .unwrap();
+        assert_eq!(got.to_vec::<f16>().unwrap(), y, "kivi_dequantize {mode:?}, every input off alignment");
+    }
+    let pcb: Vec<f32> = data(3, 256 * 4, 1.0);
+    let per = d / 4;
+    let mut codes = vec![0u8; n * per];
+    cpu::pq_encode(&x, n, d, &pcb, 4, 8, &mut codes, &mut []);
+    let mut y = vec![f16::ZERO; n * d];
+    cpu::pq_decode(&codes, &[], n, d, &pcb, 4, 8, &mut y);
+    let packed = veloxquant::kernels::PqCodes { codes: offset_view(&codes, &[n, per], 1), codes_hi: None };
+    let got = pq_decode(&packed, &arr(&pcb, &[256, 4]), 8, d, f16::DTYPE, &gpu()).unwrap();
+    assert_eq!(got.to_vec::<f16>().unwrap(), y, "pq_decode, codes 1 byte in");
 }
 
 #[test]

@@ -32,6 +32,8 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
+/// Threads of a CUDA `qjl_score` launch at most (1,024 blocks of 256).
+const QJL_SCORE_CUDA_THREADS: usize = 1 << 18;
 
 /// How KIVI groups elements for one (scale, zero) pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -589,8 +591,13 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("k", &[n, d, m, nbytes])?;
-            // 32 lanes per key; threadgroups stay a multiple of 32.
-            let threads = to_i32("k", n * 32)?;
+            let threads = if imp == Implementation::Cuda {
+                // Blocks of 256 threads, one per tile of 64 keys x 64 sketch rows.
+                to_i32("k", n.div_ceil(64) * m.div_ceil(64) * 256)?
+            } else {
+                // 32 lanes per key; threadgroups stay a multiple of 32.
+                to_i32("k", n * 32)?
+            };
             gpu::launch(
                 &Launch {
                     source: Source::QjlEncode,
@@ -671,11 +678,14 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("signs", &[n, d, m, nbytes, nq])?;
+            // The CUDA body strides over the keys: a capped grid computes S q
+            // in fewer blocks.
+            let threads = if imp == Implementation::Cuda { n.min(QJL_SCORE_CUDA_THREADS) } else { n };
             launch_gpu(
                 Source::QjlScore,
                 &[q, sketch, signs, norms, &p],
                 &out,
-                ("signs", n),
+                ("signs", threads),
                 &[("T", TemplateArg::Dtype(q.dtype()))],
                 &stream,
             )?
