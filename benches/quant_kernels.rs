@@ -25,6 +25,7 @@ use veloxquant::kernels::{
     kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
     tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, KiviMode,
 };
+use veloxquant::kernels::turboquant::tq_encode;
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
 use veloxquant::{Array, Dtype, Options, Policy, Stream};
@@ -135,6 +136,7 @@ fn main() {
     let rot = f32_array(&veloxquant::cache::rotation_matrix(D, 3).unwrap(), &[D as i32, D as i32]);
     let tq_sketch = f32_array(&Sketch::new(D, D, true, 4).s, &[D as i32, D as i32]);
     let cent3 = f32_array(ScalarCodebook::sphere(D, 3).unwrap().centroids(), &[8]);
+    let cent4 = f32_array(ScalarCodebook::sphere(D, 4).unwrap().centroids(), &[16]);
     let cent_a = f32_array(ScalarCodebook::sphere(D, 2).unwrap().centroids(), &[4]);
     let cent_b = f32_array(ScalarCodebook::sphere_residual(D, 2, 2).unwrap().centroids(), &[4]);
     let prod = tq_prod_encode(&x, Some(&rot), Some(&cent3), &tq_sketch, 4, &setup).unwrap();
@@ -143,7 +145,7 @@ fn main() {
     let prod_rnorms = prod.residual_norms.as_ref().expect("residual norms at 4 bits");
     let all = [
         &x, &cb4, &packed4, &kc, &ks, &kz, &vc, &vs, &vz, &sketch, &signs, &norms, &q, &pq_cb, &pq_codes.codes,
-        &pq_cb10, &pq_codes10.codes, pq_hi10, &rot, &tq_sketch, &cent3, &cent_a, &cent_b, prod_codes, &prod.signs,
+        &pq_cb10, &pq_codes10.codes, pq_hi10, &rot, &tq_sketch, &cent3, &cent4, &cent_a, &cent_b, prod_codes, &prod.signs,
         &prod.norms, prod_rnorms, &rvq.codes1, &rvq.codes2, &rvq.norms,
     ];
     veloxquant::eval(&all).unwrap();
@@ -206,6 +208,15 @@ fn main() {
         ),
         ("pq_decode s=4 K=1024", Box::new(|o| vec![pq_decode(&pq_codes10, &pq_cb10, 10, D, dtype, o).unwrap()]), n * D * 10 / 32, xb),
         (
+            "tq_encode b=4 (the cache's rotate-and-quantize)",
+            Box::new(|o| {
+                let (c, nm) = tq_encode(&x, Some(&rot), &cent4, 4, o).unwrap();
+                vec![c, nm]
+            }),
+            xb + D * D * 4,
+            n * (D / 2 + 2),
+        ),
+        (
             "tq_prod_encode b=4",
             Box::new(|o| {
                 let e = tq_prod_encode(&x, Some(&rot), Some(&cent3), &tq_sketch, 4, o).unwrap();
@@ -248,7 +259,7 @@ fn main() {
             "pq_encode" => 3.0 * nf * df * 256.0,
             // Rotation and sketch products, D x D multiply-adds each.
             "tq_prod_encode" | "tq_prod_decode" => 4.0 * nf * df * df,
-            "tq_rvq_encode" | "tq_rvq_decode" => 2.0 * nf * df * df,
+            "tq_encode" | "tq_rvq_encode" | "tq_rvq_decode" => 2.0 * nf * df * df,
             _ => 0.0,
         }
     };

@@ -160,3 +160,14 @@ __device__ __forceinline__ void vq_read8(const T* p, float* out, bool wide) {
     for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(p[j]);
   }
 }
+
+// Code j of a densely packed row of `bits`-bit codes (crate::cpu::bit_pack's
+// layout), from the one or two bytes that hold it.
+__device__ __forceinline__ unsigned vq_code_at(const uint8_t* row, unsigned j, unsigned bits) {
+  const unsigned o = j * bits;
+  unsigned w = row[o >> 3];
+  if ((o & 7u) + bits > 8u) {
+    w |= unsigned(row[(o >> 3) + 1]) << 8;
+  }
+  return (w >> (o & 7u)) & ((1u << bits) - 1u);
+}

@@ -2,24 +2,152 @@
 // global namespace, after MLX's device utilities, which bring the half and
 // bfloat16 types).
 
-// ‖v‖ of n floats as crate::quant computes it: float64 squares summed in
-// order, the root rounded to float32.
-__device__ inline float tq_norm(const float* v, int n) {
+// ---------------------------------------------------------------------------
+// Block tiles of the TurboQuant codecs: a block of 256 threads owns TQ_TV
+// vectors of size D. Their working values live transposed in shared memory,
+// V[j * TQ_VS + v] (coordinate j of vector v; the odd stride keeps a column's
+// writes free of bank conflicts). Warp w (ty) owns vectors 4w..4w+3, lane tx
+// the columns c * 128 + 4 tx + b (c < TQ_CHUNKS(D), b < 4), so the 16 products
+// of a slice step are 4 broadcast reads of V and one 16-byte read of the
+// staged matrix slice.
+constexpr int TQ_TV = 32;
+constexpr int TQ_VS = TQ_TV + 1;
+constexpr int TQ_KC = 8;
+#define TQ_CHUNKS(D) (((D) + 127) / 128)
+#define TQ_CP(D) (TQ_CHUNKS(D) * 128 + 4)
+
+// acc[a][4c + b] += sum over j of V[j][4ty + a] * M(col, j), col = 128c + 4tx
+// + b, j = 0, 1, ..., D - 1 in order, each product and sum rounded to nearest
+// (crate::cpu's OrderedDots order). M(i, j) = m[i * D + j], or m[j * D + i]
+// when TRANSPOSED. Bs stages TQ_KC rows of M at a time ([TQ_KC][TQ_CP(D)],
+// 16-byte aligned). Ends with a barrier: V and Bs may be rewritten after.
+template <int D, bool TRANSPOSED>
+__device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V,
+                                                const float* m, float* Bs) {
+  constexpr int CH = TQ_CHUNKS(D);
+  constexpr int CP = TQ_CP(D);
+  const int tid = threadIdx.x;
+  const int ty = tid / 32;
+  const int tx = tid % 32;
+  for (int j0 = 0; j0 < D; j0 += TQ_KC) {
+    // D is a multiple of 8 = TQ_KC: slices are whole.
+    for (int e = tid; e < TQ_KC * CP; e += 256) {
+      int j;
+      int col;
+      if (TRANSPOSED) {
+        j = e / CP;
+        col = e % CP;
+      } else {
+        col = e / TQ_KC;
+        j = e % TQ_KC;
+      }
+      float val = 0.0f;
+      if (col < D) {
+        val = TRANSPOSED ? m[(j0 + j) * D + col] : m[col * D + j0 + j];
+      }
+      Bs[j * CP + col] = val;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int j = 0; j < TQ_KC; ++j) {
+      float av[4];
+#pragma unroll
+      for (int a = 0; a < 4; ++a) {
+        av[a] = V[(j0 + j) * TQ_VS + ty * 4 + a];
+      }
+#pragma unroll
+      for (int c = 0; c < CH; ++c) {
+        const float4 bv = *reinterpret_cast<const float4*>(&Bs[j * CP + c * 128 + tx * 4]);
+        const float br[4] = {bv.x, bv.y, bv.z, bv.w};
+#pragma unroll
+        for (int a = 0; a < 4; ++a) {
+#pragma unroll
+          for (int b = 0; b < 4; ++b) {
+            acc[a][c * 4 + b] = __fadd_rn(acc[a][c * 4 + b], __fmul_rn(br[b], av[a]));
+          }
+        }
+      }
+    }
+    __syncthreads();
+  }
+}
+
+// Copies rows v0.. of x [n, D] into V as float (rows past n read as 0).
+template <int D, typename T>
+__device__ __forceinline__ void tq_stage_rows(float* V, const T* x, uint64_t v0, uint32_t n) {
+  for (int e = threadIdx.x; e < TQ_TV * D; e += 256) {
+    const int v = e / D;
+    const int j = e % D;
+    V[j * TQ_VS + v] = v0 + v < n ? static_cast<float>(x[(v0 + v) * D + j]) : 0.0f;
+  }
+}
+
+// ‖column v of V‖ over its D coordinates as crate::quant computes a norm:
+// float64 squares summed in order, the root rounded to float32.
+template <int D>
+__device__ __forceinline__ float tq_norm_col(const float* V, int v) {
   double s2 = 0.0;
-  for (int j = 0; j < n; ++j) {
-    const double f = static_cast<double>(v[j]);
+  for (int j = 0; j < D; ++j) {
+    const double f = static_cast<double>(V[j * TQ_VS + v]);
     s2 = __dadd_rn(s2, __dmul_rn(f, f));
   }
   return __double2float_rn(__dsqrt_rn(s2));
 }
 
-// Code j of a densely packed row of `bits`-bit codes (crate::cpu::bit_pack's layout).
-__device__ inline unsigned tq_code_at(const uint8_t* row, unsigned j, unsigned bits) {
-  const unsigned o = j * bits;
-  unsigned w = row[o >> 3];
-  if ((o & 7u) + bits > 8u) {
-    w |= unsigned(row[(o >> 3) + 1]) << 8;
+// Packs this lane's 4 codes of `bits` bits per vector with its neighbour's
+// (lane tx + 1 holds the next 4 columns) and lets even lanes store the 8
+// codes' `bits` bytes: row v of `out` ([n, D * bits / 8]).
+template <int D, int BITS>
+__device__ __forceinline__ void tq_pack_store(const unsigned (&code)[4][TQ_CHUNKS(D) * 4], uint8_t* out,
+                                              uint64_t v0, uint32_t n) {
+  const int ty = threadIdx.x / 32;
+  const int tx = threadIdx.x % 32;
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int c = 0; c < TQ_CHUNKS(D); ++c) {
+      unsigned w = 0;
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        w |= code[a][c * 4 + b] << (b * BITS);
+      }
+      const unsigned high = __shfl_down_sync(0xffffffffu, w, 1);
+      const int col = c * 128 + tx * 4;
+      const uint64_t v = v0 + ty * 4 + a;
+      if (tx % 2 == 0 && col < D && v < n) {
+        const unsigned long long word = static_cast<unsigned long long>(w) |
+                                        (static_cast<unsigned long long>(high) << (4 * BITS));
+        vq_store_bytes<BITS>(out + v * (D * BITS / 8) + (col / 8) * BITS, word);
+      }
+    }
   }
-  return (w >> (o & 7u)) & ((1u << bits) - 1u);
 }
 
+// y[v, col] = T(acc · ‖x_v‖) for the tile's vectors and this lane's columns,
+// four consecutive elements per store.
+template <int D, typename T>
+__device__ __forceinline__ void tq_store_tile(const float (&acc)[4][TQ_CHUNKS(D) * 4], T* y, const __half* norms,
+                                              uint64_t v0, uint32_t n) {
+  const int ty = threadIdx.x / 32;
+  const int tx = threadIdx.x % 32;
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+    const uint64_t v = v0 + ty * 4 + a;
+    if (v >= n) {
+      continue;
+    }
+    const float nv = __half2float(norms[v]);
+#pragma unroll
+    for (int c = 0; c < TQ_CHUNKS(D); ++c) {
+      const int col = c * 128 + tx * 4;
+      if (col < D) {
+        float o[4];
+#pragma unroll
+        for (int b = 0; b < 4; ++b) {
+          o[b] = __fmul_rn(acc[a][c * 4 + b], nv);
+        }
+        vq_store_n<4>(y + v * D + col, o);
+      }
+    }
+  }
+}

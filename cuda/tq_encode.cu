@@ -1,62 +1,76 @@
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
-// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
-// N = x's rows. One block of D threads per vector: the norm, y = Π x/‖x‖, the
-// nearest centroid per coordinate and the packing, with no intermediate in
-// global memory. Arithmetic matches crate::cpu::turboquant::tq_encode bit for
-// bit (round-to-nearest intrinsics, sequential sums, no fma).
-constexpr int ROW_BYTES = D * B_BITS / 8;
+// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids
+// float32 [2^B_BITS] sorted, N = x's rows. A block of 256 threads encodes
+// TQ_TV vectors (tq_common.cuh's tiles): the norms, u = x/‖x‖ in shared
+// memory, y = Π u as a tiled product, the nearest centroid per coordinate and
+// the packing, with no intermediate in global memory. Arithmetic matches
+// crate::cpu::turboquant::tq_encode bit for bit (round-to-nearest
+// intrinsics, sequential sums, no fma; the norm in float32).
+constexpr int CH = TQ_CHUNKS(D);
 constexpr int K = 1 << B_BITS;
-__shared__ float u[D];
-__shared__ unsigned char idx[D];
-__shared__ float s_norm[1];
+__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float Bs[ROTATE ? TQ_KC * TQ_CP(D) : 4];
+__shared__ float s_norm[TQ_TV];
+__shared__ float cent[K];
 const uint32_t n = x_shape[0];
-const uint64_t v = blockIdx.x;
-const int i = threadIdx.x;
-if (v >= n || i >= D) {
-  return;
+const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+const int tid = threadIdx.x;
+const int ty = tid / 32;
+const int tx = tid % 32;
+for (int k = tid; k < K; k += 256) {
+  cent[k] = centroids[k];
 }
-const float xi = static_cast<float>(x[v * D + i]);
-u[i] = xi;
+tq_stage_rows<D>(V, x, v0, n);
 __syncthreads();
-if (i == 0) {
+if (tid < TQ_TV) {
   float s2 = 0.0f;
   for (int j = 0; j < D; ++j) {
-    s2 = __fadd_rn(s2, __fmul_rn(u[j], u[j]));
+    const float f = V[j * TQ_VS + tid];
+    s2 = __fadd_rn(s2, __fmul_rn(f, f));
   }
-  s_norm[0] = __fsqrt_rn(s2);
-  norms[v] = __float2half_rn(fminf(s_norm[0], 65504.0f));
-}
-__syncthreads();
-const float s = s_norm[0];
-u[i] = s > 0.0f ? __fdiv_rn(xi, s) : 0.0f;
-__syncthreads();
-float y = u[i];
-if (ROTATE) {
-  y = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    y = __fadd_rn(y, __fmul_rn(rotation[i * D + j], u[j]));
+  const float s = __fsqrt_rn(s2);
+  s_norm[tid] = s;
+  if (v0 + tid < n) {
+    norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
   }
 }
-float best = __int_as_float(0x7f800000);
-int best_k = 0;
+__syncthreads();
+for (int e = tid; e < TQ_TV * D; e += 256) {
+  const int v = e % TQ_TV;
+  const int j = e / TQ_TV;
+  const float s = s_norm[v];
+  V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
+}
+__syncthreads();
+float acc[4][CH * 4];
 #pragma unroll
-for (int k = 0; k < K; ++k) {
-  const float diff = __fsub_rn(y, centroids[k]);
-  const float dist = __fmul_rn(diff, diff);
-  if (dist < best) {
-    best = dist;
-    best_k = k;
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
   }
 }
-idx[i] = static_cast<unsigned char>(best_k);
-__syncthreads();
-if (i % 8 == 0) {
-  uint64_t word = 0;
-  for (int j = 0; j < 8; ++j) {
-    word |= uint64_t(idx[i + j]) << (j * B_BITS);
-  }
-  uint8_t* dst = codes + v * ROW_BYTES + (i / 8) * B_BITS;
-  for (int k = 0; k < B_BITS; ++k) {
-    dst[k] = uint8_t(word >> (8 * k));
+if (ROTATE) {
+  tq_ordered_gemm<D, false>(acc, V, rotation, Bs);
+}
+unsigned code[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    float best = __int_as_float(0x7f800000);
+    unsigned best_k = 0;
+#pragma unroll 16
+    for (int c = 0; c < K; ++c) {
+      const float diff = __fsub_rn(acc[a][k], cent[c]);
+      const float dist = __fmul_rn(diff, diff);
+      if (dist < best) {
+        best = dist;
+        best_k = c;
+      }
+    }
+    code[a][k] = best_k;
   }
 }
+tq_pack_store<D, B_BITS>(code, codes, v0, n);

@@ -1,38 +1,60 @@
 // tq_prod_decode: inverse of tq_prod_encode, -> y T [N, D] =
 // ‖x‖ Πᵀ (c[code] + scale · ‖r‖ · Sᵀ z), z the ±1 signs (‖r‖ = 1 and no
 // codes when B_BITS = 1: codes, residual_norms and centroids are placeholders).
-// params = {N, float bits of scale = √(π/2)/D}. One block of D threads per
-// vector; sums in order with round-to-nearest intrinsics, as crate::cpu::turboquant.
+// params = {N, float bits of scale = √(π/2)/D}. A block of 256 threads
+// decodes TQ_TV vectors (tq_common.cuh's tiles): the sketch product starts
+// from the centroid, its result goes back to shared memory for the rotation
+// product. Sums in order with round-to-nearest intrinsics, as
+// crate::cpu::turboquant.
 constexpr int MSE_BITS = B_BITS - 1;
 constexpr int CODE_BYTES = D * MSE_BITS / 8;
-__shared__ float z[D];
-__shared__ float yr[D];
+constexpr int CH = TQ_CHUNKS(D);
+__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float Bs[TQ_KC * TQ_CP(D)];
 const uint32_t n = params[0];
 const float scale = __uint_as_float(params[1]);
-const uint64_t v = blockIdx.x;
-const int i = threadIdx.x;
-if (v >= n || i >= D) {
-  return;
+const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+const int tid = threadIdx.x;
+const int ty = tid / 32;
+const int tx = tid % 32;
+for (int e = tid; e < TQ_TV * D; e += 256) {
+  const int v = e / D;
+  const int k = e % D;
+  float z = 0.0f;
+  if (v0 + v < n) {
+    const float rn = MSE_BITS > 0 ? __half2float(residual_norms[v0 + v]) : 1.0f;
+    const float a = __fmul_rn(scale, rn);
+    z = ((signs[(v0 + v) * (D / 8) + k / 8] >> (k % 8)) & 1) != 0 ? a : -a;
+  }
+  V[k * TQ_VS + v] = z;
 }
-float yi = 0.0f;
-float rn = 1.0f;
-if (MSE_BITS > 0) {
-  yi = centroids[tq_code_at(codes + v * CODE_BYTES, unsigned(i), unsigned(MSE_BITS))];
-  rn = __half2float(residual_norms[v]);
-}
-const float a = __fmul_rn(scale, rn);
-z[i] = ((signs[v * (D / 8) + i / 8] >> (i % 8)) & 1) != 0 ? a : -a;
-__syncthreads();
-for (int k = 0; k < D; ++k) {
-  yi = __fadd_rn(yi, __fmul_rn(z[k], sketch[k * D + i]));
-}
-yr[i] = yi;
-__syncthreads();
-float o = yi;
-if (ROTATE) {
-  o = 0.0f;
-  for (int k = 0; k < D; ++k) {
-    o = __fadd_rn(o, __fmul_rn(rotation[k * D + i], yr[k]));
+float acc[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+  const uint64_t v = v0 + ty * 4 + a;
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    acc[a][k] = (MSE_BITS > 0 && col < D && v < n)
+                    ? centroids[vq_code_at(codes + v * CODE_BYTES, unsigned(col), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
+                    : 0.0f;
   }
 }
-y[v * D + i] = static_cast<T>(__fmul_rn(o, __half2float(norms[v])));
+__syncthreads();
+tq_ordered_gemm<D, true>(acc, V, sketch, Bs);
+if (ROTATE) {
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int k = 0; k < CH * 4; ++k) {
+      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      if (col < D) {
+        V[col * TQ_VS + ty * 4 + a] = acc[a][k];
+      }
+      acc[a][k] = 0.0f;
+    }
+  }
+  __syncthreads();
+  tq_ordered_gemm<D, true>(acc, V, rotation, Bs);
+}
+tq_store_tile<D>(acc, y, norms, v0, n);

@@ -3,79 +3,101 @@
 // rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids
 // float32 [2^(B_BITS-1)] sorted, sketch float32 [D, D], params = {N}. With
 // B_BITS = 1 codes and residual_norms are 1-element placeholders, never
-// written. One block of D threads per vector; arithmetic matches
-// crate::cpu::turboquant::tq_prod_encode bit for bit (round-to-nearest
-// intrinsics, sums in order, the norms in float64 as crate::quant).
+// written. A block of 256 threads encodes TQ_TV vectors (tq_common.cuh's
+// tiles): norms, u = x/‖x‖, y = Π u, codes, the residual r (kept in shared
+// memory) and its norm, then the signs of S r, a second tiled product.
+// Arithmetic matches crate::cpu::turboquant::tq_prod_encode bit for bit
+// (round-to-nearest intrinsics, sums in order, the norms in float64).
 constexpr int MSE_BITS = B_BITS - 1;
 constexpr int K = 1 << MSE_BITS;
-constexpr int CODE_BYTES = D * MSE_BITS / 8;
-__shared__ float u[D];
+constexpr int CH = TQ_CHUNKS(D);
+__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float Bs[TQ_KC * TQ_CP(D)];
+__shared__ float s_norm[TQ_TV];
+__shared__ float cent[K];
 __shared__ float bounds[K];
-__shared__ unsigned char idx[D];
-__shared__ unsigned char sbit[D];
-__shared__ float s_norm[1];
 const uint32_t n = params[0];
-const uint64_t v = blockIdx.x;
-const int i = threadIdx.x;
-if (v >= n || i >= D) {
-  return;
+const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+const int tid = threadIdx.x;
+const int ty = tid / 32;
+const int tx = tid % 32;
+for (int k = tid; k < K; k += 256) {
+  cent[k] = centroids[k];
+  if (k + 1 < K) {
+    bounds[k] = __fmul_rn(0.5f, __fadd_rn(centroids[k], centroids[k + 1]));
+  }
 }
-for (int k = i; k < K - 1; k += D) {
-  bounds[k] = __fmul_rn(0.5f, __fadd_rn(centroids[k], centroids[k + 1]));
+tq_stage_rows<D>(V, x, v0, n);
+__syncthreads();
+if (tid < TQ_TV) {
+  const float s = tq_norm_col<D>(V, tid);
+  s_norm[tid] = s;
+  if (v0 + tid < n) {
+    norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
+  }
 }
-const float xi = static_cast<float>(x[v * D + i]);
-u[i] = xi;
 __syncthreads();
-if (i == 0) {
-  s_norm[0] = tq_norm(u, D);
-  norms[v] = __float2half_rn(fminf(s_norm[0], 65504.0f));
+for (int e = tid; e < TQ_TV * D; e += 256) {
+  const int v = e % TQ_TV;
+  const int j = e / TQ_TV;
+  const float s = s_norm[v];
+  V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
 }
 __syncthreads();
-const float s = s_norm[0];
-u[i] = s > 0.0f ? __fdiv_rn(xi, s) : 0.0f;
-__syncthreads();
-float y = u[i];
+float acc[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
+  }
+}
 if (ROTATE) {
-  y = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    y = __fadd_rn(y, __fmul_rn(rotation[i * D + j], u[j]));
+  tq_ordered_gemm<D, false>(acc, V, rotation, Bs);
+}
+unsigned code[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    unsigned c = 0;
+    if (MSE_BITS > 0) {
+      for (int b = 0; b < K - 1; ++b) {
+        c += bounds[b] < acc[a][k] ? 1u : 0u;
+      }
+      acc[a][k] = __fsub_rn(acc[a][k], cent[c]);
+    }
+    code[a][k] = c;
   }
 }
 if (MSE_BITS > 0) {
-  int code = 0;
-  for (int k = 0; k < K - 1; ++k) {
-    code += bounds[k] < y ? 1 : 0;
-  }
-  idx[i] = static_cast<unsigned char>(code);
-  y = __fsub_rn(y, centroids[code]);
+  tq_pack_store<D, (MSE_BITS > 0 ? MSE_BITS : 1)>(code, codes, v0, n);
 }
-// Every thread has read u; it now holds the residual.
+// Every thread has read u (the product ends with a barrier; without ROTATE
+// this one); V now takes the residual.
 __syncthreads();
-u[i] = y;
-__syncthreads();
-if (MSE_BITS > 0 && i == 0) {
-  residual_norms[v] = __float2half_rn(fminf(tq_norm(u, D), 65504.0f));
-}
-float proj = 0.0f;
-for (int j = 0; j < D; ++j) {
-  proj = __fadd_rn(proj, __fmul_rn(sketch[i * D + j], u[j]));
-}
-sbit[i] = proj >= 0.0f ? 1 : 0;
-__syncthreads();
-if (i % 8 == 0) {
-  unsigned byte = 0;
-  for (int j = 0; j < 8; ++j) {
-    byte |= unsigned(sbit[i + j]) << j;
-  }
-  signs[v * (D / 8) + i / 8] = uint8_t(byte);
-  if (MSE_BITS > 0) {
-    uint64_t word = 0;
-    for (int j = 0; j < 8; ++j) {
-      word |= uint64_t(idx[i + j]) << (j * MSE_BITS);
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    if (col < D) {
+      V[col * TQ_VS + ty * 4 + a] = acc[a][k];
     }
-    uint8_t* dst = codes + v * CODE_BYTES + (i / 8) * MSE_BITS;
-    for (int k = 0; k < MSE_BITS; ++k) {
-      dst[k] = uint8_t(word >> (8 * k));
-    }
+    acc[a][k] = 0.0f;
   }
 }
+__syncthreads();
+if (MSE_BITS > 0 && tid < TQ_TV && v0 + tid < n) {
+  residual_norms[v0 + tid] = __float2half_rn(fminf(tq_norm_col<D>(V, tid), 65504.0f));
+}
+tq_ordered_gemm<D, false>(acc, V, sketch, Bs);
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    code[a][k] = acc[a][k] >= 0.0f ? 1u : 0u;
+  }
+}
+tq_pack_store<D, 1>(code, signs, v0, n);

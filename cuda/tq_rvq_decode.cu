@@ -1,23 +1,37 @@
 // tq_rvq_decode: inverse of tq_rvq_encode, -> y T [N, D] =
-// ‖x‖ Πᵀ (centroids1[a] + centroids2[b]). params = {N}. One block of D threads
-// per vector; sums in order with round-to-nearest intrinsics, as crate::cpu::turboquant.
-__shared__ float yr[D];
+// ‖x‖ Πᵀ (centroids1[a] + centroids2[b]). params = {N}. A block of 256
+// threads decodes TQ_TV vectors (tq_common.cuh's tiles); sums in order with
+// round-to-nearest intrinsics, as crate::cpu::turboquant.
+constexpr int CH = TQ_CHUNKS(D);
+__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float Bs[ROTATE ? TQ_KC * TQ_CP(D) : 4];
 const uint32_t n = params[0];
-const uint64_t v = blockIdx.x;
-const int i = threadIdx.x;
-if (v >= n || i >= D) {
-  return;
+const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+const int tid = threadIdx.x;
+const int ty = tid / 32;
+const int tx = tid % 32;
+for (int e = tid; e < TQ_TV * D; e += 256) {
+  const int v = e / D;
+  const int i = e % D;
+  float yr = 0.0f;
+  if (v0 + v < n) {
+    const unsigned a = vq_code_at(codes1 + (v0 + v) * (D * B1_BITS / 8), unsigned(i), unsigned(B1_BITS));
+    const unsigned b = vq_code_at(codes2 + (v0 + v) * (D * B2_BITS / 8), unsigned(i), unsigned(B2_BITS));
+    yr = __fadd_rn(centroids1[a], centroids2[b]);
+  }
+  V[i * TQ_VS + v] = yr;
 }
-const unsigned a = tq_code_at(codes1 + v * (D * B1_BITS / 8), unsigned(i), unsigned(B1_BITS));
-const unsigned b = tq_code_at(codes2 + v * (D * B2_BITS / 8), unsigned(i), unsigned(B2_BITS));
-const float yi = __fadd_rn(centroids1[a], centroids2[b]);
-yr[i] = yi;
 __syncthreads();
-float o = yi;
-if (ROTATE) {
-  o = 0.0f;
-  for (int k = 0; k < D; ++k) {
-    o = __fadd_rn(o, __fmul_rn(rotation[k * D + i], yr[k]));
+float acc[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
   }
 }
-y[v * D + i] = static_cast<T>(__fmul_rn(o, __half2float(norms[v])));
+if (ROTATE) {
+  tq_ordered_gemm<D, true>(acc, V, rotation, Bs);
+}
+tq_store_tile<D>(acc, y, norms, v0, n);

@@ -1,72 +1,82 @@
 // tq_rvq_encode: TurboQuant-RVQ, x T [N, D] -> codes1 uint8 [N, D*B1_BITS/8],
 // codes2 uint8 [N, D*B2_BITS/8], norms float16 [N]. rotation float32 [D, D]
 // (row-major Π; not read unless ROTATE), centroids1 float32 [2^B1_BITS] and
-// centroids2 float32 [2^B2_BITS] sorted, params = {N}. One block of D threads
-// per vector; arithmetic matches crate::cpu::turboquant::tq_rvq_encode bit for
-// bit (round-to-nearest intrinsics, sums in order, the norm in float64).
+// centroids2 float32 [2^B2_BITS] sorted, params = {N}. A block of 256 threads
+// encodes TQ_TV vectors (tq_common.cuh's tiles): norms, u = x/‖x‖, y = Π u,
+// the first code, the residual's code, both packed. Arithmetic matches
+// crate::cpu::turboquant::tq_rvq_encode bit for bit (round-to-nearest
+// intrinsics, sums in order, the norm in float64).
+constexpr int CH = TQ_CHUNKS(D);
 constexpr int K1 = 1 << B1_BITS;
 constexpr int K2 = 1 << B2_BITS;
-__shared__ float u[D];
+__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float Bs[ROTATE ? TQ_KC * TQ_CP(D) : 4];
+__shared__ float s_norm[TQ_TV];
+__shared__ float cent1[K1];
 __shared__ float bounds1[K1];
 __shared__ float bounds2[K2];
-__shared__ unsigned char idx1[D];
-__shared__ unsigned char idx2[D];
-__shared__ float s_norm[1];
 const uint32_t n = params[0];
-const uint64_t v = blockIdx.x;
-const int i = threadIdx.x;
-if (v >= n || i >= D) {
-  return;
+const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+const int tid = threadIdx.x;
+const int ty = tid / 32;
+const int tx = tid % 32;
+for (int k = tid; k < K1; k += 256) {
+  cent1[k] = centroids1[k];
+  if (k + 1 < K1) {
+    bounds1[k] = __fmul_rn(0.5f, __fadd_rn(centroids1[k], centroids1[k + 1]));
+  }
 }
-for (int k = i; k < K1 - 1; k += D) {
-  bounds1[k] = __fmul_rn(0.5f, __fadd_rn(centroids1[k], centroids1[k + 1]));
-}
-for (int k = i; k < K2 - 1; k += D) {
+for (int k = tid; k + 1 < K2; k += 256) {
   bounds2[k] = __fmul_rn(0.5f, __fadd_rn(centroids2[k], centroids2[k + 1]));
 }
-const float xi = static_cast<float>(x[v * D + i]);
-u[i] = xi;
+tq_stage_rows<D>(V, x, v0, n);
 __syncthreads();
-if (i == 0) {
-  s_norm[0] = tq_norm(u, D);
-  norms[v] = __float2half_rn(fminf(s_norm[0], 65504.0f));
+if (tid < TQ_TV) {
+  const float s = tq_norm_col<D>(V, tid);
+  s_norm[tid] = s;
+  if (v0 + tid < n) {
+    norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
+  }
 }
 __syncthreads();
-const float s = s_norm[0];
-u[i] = s > 0.0f ? __fdiv_rn(xi, s) : 0.0f;
+for (int e = tid; e < TQ_TV * D; e += 256) {
+  const int v = e % TQ_TV;
+  const int j = e / TQ_TV;
+  const float s = s_norm[v];
+  V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
+}
 __syncthreads();
-float y = u[i];
+float acc[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
+  }
+}
 if (ROTATE) {
-  y = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    y = __fadd_rn(y, __fmul_rn(rotation[i * D + j], u[j]));
+  tq_ordered_gemm<D, false>(acc, V, rotation, Bs);
+}
+unsigned code1[4][CH * 4];
+unsigned code2[4][CH * 4];
+#pragma unroll
+for (int a = 0; a < 4; ++a) {
+#pragma unroll
+  for (int k = 0; k < CH * 4; ++k) {
+    const float y = acc[a][k];
+    unsigned c1 = 0;
+    for (int c = 0; c < K1 - 1; ++c) {
+      c1 += bounds1[c] < y ? 1u : 0u;
+    }
+    const float r = __fsub_rn(y, cent1[c1]);
+    unsigned c2 = 0;
+    for (int c = 0; c < K2 - 1; ++c) {
+      c2 += bounds2[c] < r ? 1u : 0u;
+    }
+    code1[a][k] = c1;
+    code2[a][k] = c2;
   }
 }
-int a = 0;
-for (int k = 0; k < K1 - 1; ++k) {
-  a += bounds1[k] < y ? 1 : 0;
-}
-const float r = __fsub_rn(y, centroids1[a]);
-int b = 0;
-for (int k = 0; k < K2 - 1; ++k) {
-  b += bounds2[k] < r ? 1 : 0;
-}
-idx1[i] = static_cast<unsigned char>(a);
-idx2[i] = static_cast<unsigned char>(b);
-__syncthreads();
-if (i % 8 == 0) {
-  uint64_t w1 = 0;
-  uint64_t w2 = 0;
-  for (int j = 0; j < 8; ++j) {
-    w1 |= uint64_t(idx1[i + j]) << (j * B1_BITS);
-    w2 |= uint64_t(idx2[i + j]) << (j * B2_BITS);
-  }
-  uint8_t* d1 = codes1 + v * (D * B1_BITS / 8) + (i / 8) * B1_BITS;
-  for (int k = 0; k < B1_BITS; ++k) {
-    d1[k] = uint8_t(w1 >> (8 * k));
-  }
-  uint8_t* d2 = codes2 + v * (D * B2_BITS / 8) + (i / 8) * B2_BITS;
-  for (int k = 0; k < B2_BITS; ++k) {
-    d2[k] = uint8_t(w2 >> (8 * k));
-  }
-}
+tq_pack_store<D, B1_BITS>(code1, codes1, v0, n);
+tq_pack_store<D, B2_BITS>(code2, codes2, v0, n);

@@ -899,7 +899,8 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
                 Source::PqDecode,
                 &[&flat, &flat_hi, codebook, &p],
                 &out,
-                ("codes", n * per.div_ceil(8)),
+                // CUDA: a thread per sub-vector; Metal: per group of 8.
+                ("codes", if imp == Implementation::Cuda { n * per } else { n * per.div_ceil(8) }),
                 &[
                     ("T", TemplateArg::Dtype(dtype)),
                     ("S", TemplateArg::Int(s as i32)),

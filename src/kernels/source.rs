@@ -174,7 +174,8 @@ impl Source {
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
         match self {
-            Source::TqDecode
+            Source::TqEncode
+            | Source::TqDecode
             | Source::TqProdEncode
             | Source::TqProdDecode
             | Source::TqRvqEncode

@@ -124,8 +124,20 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
     }
 }
 
-/// One threadgroup of `d` threads per vector.
+/// Vectors per CUDA block of the TurboQuant codecs (`TQ_TV` in
+/// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
+const CUDA_TILE_VECTORS: usize = 32;
+
+/// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
+/// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
+pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {
+    let (threads, group) = if imp == Implementation::Cuda { (n.div_ceil(CUDA_TILE_VECTORS) * 256, 256) } else { (n * d, d) };
+    let threads = i32::try_from(threads).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
+    Ok(((threads, 1, 1), (group as i32, 1, 1)))
+}
+
 fn launch_per_vector(
+    imp: Implementation,
     source: Source,
     inputs: &[&Array],
     outputs: &[(Vec<i32>, Dtype)],
@@ -133,8 +145,8 @@ fn launch_per_vector(
     template: &[(&'static str, TemplateArg)],
     s: &Stream,
 ) -> Result<Vec<Array>> {
-    let threads = i32::try_from(n * d).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
-    gpu::launch(&Launch { source, inputs, outputs, grid: (threads, 1, 1), threadgroup: (d as i32, 1, 1), template }, s)
+    let (grid, threadgroup) = codec_grid(imp, n, d)?;
+    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template }, s)
 }
 
 /// Reference graph: `(‖x‖ [n, 1], y = Π x/‖x‖ [n, d])` in float32.
@@ -270,6 +282,7 @@ pub fn tq_prod_encode(
             } else {
                 let p = params("x", &[n])?;
                 launch_per_vector(
+                    imp,
                     Source::TqProdEncode,
                     &[&rows.flat, rot_input, cent_input, sketch, &p],
                     &outputs,
@@ -420,6 +433,7 @@ pub fn tq_prod_decode(
             } else {
                 let p = params("norms", &[n, scale.to_bits() as usize])?;
                 launch_per_vector(
+                    imp,
                     Source::TqProdDecode,
                     &[&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p],
                     &outputs,
@@ -512,6 +526,7 @@ pub fn tq_rvq_encode(
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n])?;
             launch_per_vector(
+                imp,
                 Source::TqRvqEncode,
                 &[&rows.flat, rot_input, centroids1, centroids2, &p],
                 &outputs,
@@ -601,6 +616,7 @@ pub fn tq_rvq_decode(
         Implementation::Metal | Implementation::Cuda => {
             let p = params("norms", &[n])?;
             launch_per_vector(
+                imp,
                 Source::TqRvqDecode,
                 &[&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p],
                 &outputs,

@@ -100,14 +100,14 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let threads = i32::try_from(n * d).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
+            let (grid, threadgroup) = super::tq_codec::codec_grid(imp, n, d)?;
             gpu::launch(
                 &Launch {
                     source: Source::TqEncode,
                     inputs: &[&flat, rot_input, centroids],
                     outputs: &outputs,
-                    grid: (threads, 1, 1),
-                    threadgroup: (d as i32, 1, 1),
+                    grid,
+                    threadgroup,
                     template: &[
                         ("T", TemplateArg::Dtype(x.dtype())),
                         ("D", TemplateArg::Int(d as i32)),
