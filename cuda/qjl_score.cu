@@ -2,24 +2,59 @@
 // half [N] -> scores float [Q, N] = (sqrt(pi/2)/m * norm) * sum_r +-(S q)_r,
 // the sign from bit r of the key, summed over r in order. params = {N, D, m,
 // nbytes, Q}; template T. Each block first computes S q (Q * m <= 4096
-// floats) into shared memory; its threads then stride over the keys (the
-// host caps the grid, so that few blocks repeat that work). A key's signs are
-// read as 32-bit words and each bit serves all Q queries (up to 8 running
-// sums in registers); a sign flips a term by its sign bit.
+// floats) into shared memory, a thread per sketch row and 8 queries at a
+// time, the sketch staged in column slices; its threads then stride over
+// the keys (the host caps the grid, so that few blocks repeat that work). A
+// key's signs are read as 32-bit words and each bit serves all Q queries (up
+// to 8 running sums in registers); a sign flips a term by its sign bit.
 __shared__ float sq[4096];
+// Slices of QS_J sketch columns for a block's worth of rows (at most 256) at
+// a time, so that global reads of the sketch are coalesced; each thread then
+// owns a row and runs its sums over the columns in order.
+constexpr uint32_t QS_J = 16;
+__shared__ float st[QS_J][257];
 const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t m = params[2];
 const uint32_t nbytes = params[3];
 const uint32_t nq = params[4];
-for (uint32_t i = threadIdx.x; i < nq * m; i += blockDim.x) {
-  const uint64_t qb = uint64_t(i / m) * d;
-  const uint64_t sb = uint64_t(i % m) * d;
-  float acc = 0.0f;
-  for (uint32_t j = 0; j < d; ++j) {
-    acc = __fadd_rn(acc, __fmul_rn(sketch[sb + j], static_cast<float>(q[qb + j])));
+const uint32_t tid = threadIdx.x;
+for (uint32_t r0 = 0; r0 < m; r0 += blockDim.x) {
+  const uint32_t r = r0 + tid;
+  for (uint32_t q0 = 0; q0 < nq; q0 += 8) {
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) {
+      acc[i] = 0.0f;
+    }
+    for (uint32_t j0 = 0; j0 < d; j0 += QS_J) {
+      __syncthreads();
+      for (uint32_t e = tid; e < blockDim.x * QS_J; e += blockDim.x) {
+        const uint32_t row = r0 + e / QS_J;
+        const uint32_t j = j0 + e % QS_J;
+        st[e % QS_J][e / QS_J] = (row < m && j < d) ? sketch[uint64_t(row) * d + j] : 0.0f;
+      }
+      __syncthreads();
+      const uint32_t jn = min(QS_J, d - j0);
+      for (uint32_t jj = 0; jj < jn; ++jj) {
+        const float sv = st[jj][tid];
+#pragma unroll
+        for (uint32_t i = 0; i < 8; ++i) {
+          if (q0 + i < nq) {
+            acc[i] = __fadd_rn(acc[i], __fmul_rn(sv, static_cast<float>(q[uint64_t(q0 + i) * d + j0 + jj])));
+          }
+        }
+      }
+    }
+    if (r < m) {
+#pragma unroll
+      for (uint32_t i = 0; i < 8; ++i) {
+        if (q0 + i < nq) {
+          sq[(q0 + i) * m + r] = acc[i];
+        }
+      }
+    }
   }
-  sq[i] = acc;
 }
 __syncthreads();
 const float base = __fdiv_rn(__fsqrt_rn(1.57079632679489662f), float(m));
