@@ -7,19 +7,22 @@ header, then `__global__ void NAME(inputs..., outputs...)` in
 `mlx::core::cu` with the template arguments as the first body lines. Every
 listed instantiation must compile for sm_90 (the H200).
 
-    python3 scripts/cuda-compile-check.py [--nvrtc DIR] [--all] [kernel ...]
+    python3 scripts/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [kernel ...]
 
 DIR holds NVRTC and the CUDA headers as NVIDIA's wheels lay them out
-(`include/`, `lib/libnvrtc.so.13`): unpack nvidia-cuda-nvrtc,
-nvidia-cuda-runtime and nvidia-cuda-cccl (13.x) there. Default:
-.device/nvrtc/cu13.
+(`include/`, `lib/libnvrtc.so.13`); default .device/nvrtc/cu13. `--fetch`
+downloads nvidia-cuda-nvrtc, nvidia-cuda-runtime and nvidia-cuda-cccl 13.0
+from PyPI and unpacks them there first.
 """
 
 import argparse
 import ctypes
 import itertools
 import pathlib
+import subprocess
 import sys
+import tempfile
+import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -170,13 +173,29 @@ def compile_one(nvrtc, include, src, label):
     return rc, log.value.decode(errors="replace")
 
 
+def fetch(dest: pathlib.Path):
+    wheels = ["nvidia-cuda-nvrtc==13.0.*", "nvidia-cuda-runtime==13.0.*", "nvidia-cuda-cccl==13.0.*"]
+    with tempfile.TemporaryDirectory() as tmp:
+        subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "-d", tmp, *wheels], check=True)
+        for w in pathlib.Path(tmp).glob("*.whl"):
+            with zipfile.ZipFile(w) as z:
+                for name in z.namelist():
+                    if name.startswith("nvidia/cu13/"):
+                        target = dest / name[len("nvidia/cu13/"):]
+                        target.parent.mkdir(parents=True, exist_ok=True)
+                        target.write_bytes(z.read(name))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--nvrtc", default=str(ROOT / ".device/nvrtc/cu13"))
     ap.add_argument("--all", action="store_true", help="every combination of template arguments")
+    ap.add_argument("--fetch", action="store_true", help="download NVRTC and the CUDA headers into --nvrtc")
     ap.add_argument("kernels", nargs="*")
     a = ap.parse_args()
     base = pathlib.Path(a.nvrtc)
+    if a.fetch:
+        fetch(base)
     # NVRTC opens its builtins library by name: load it first, globally.
     ctypes.CDLL(str(base / "lib/libnvrtc-builtins.so.13.0"), mode=ctypes.RTLD_GLOBAL)
     nvrtc = ctypes.CDLL(str(base / "lib/libnvrtc.so.13"))
