@@ -4,7 +4,9 @@
 //! against the outputs' size, and the kernels one call (one append of N
 //! vectors to a cache) launches on the fused path, counted in MLX's graph.
 //!
-//!   cargo bench --bench quant_kernels -- [--device cpu|gpu] [--dtype f32|f16|bf16] [--n N]
+//!   cargo bench --bench quant_kernels -- [--device cpu|gpu] [--dtype f32|f16|bf16] [--n N] [--only TEXT]
+//!
+//! `--only` keeps the rows whose name contains TEXT (repeatable).
 //!
 //! Defaults: d = 128; N = 65,536 on the CPU, 1,048,576 on the GPU.
 //!
@@ -83,6 +85,7 @@ fn main() {
     let mut device = "cpu".to_string();
     let mut dtype = Dtype::F32;
     let mut n = None;
+    let mut only: Vec<String> = Vec::new();
     let mut args = std::env::args().skip(1);
     while let Some(a) = args.next() {
         match a.as_str() {
@@ -95,6 +98,7 @@ fn main() {
                 }
             }
             "--n" => n = Some(args.next().expect("--n N").parse::<usize>().expect("N")),
+            "--only" => only.push(args.next().expect("--only TEXT")),
             _ => {}
         }
     }
@@ -264,6 +268,9 @@ fn main() {
         }
     };
     for (name, f, read, written) in &cases {
+        if !only.is_empty() && !only.iter().any(|o| name.contains(o.as_str())) {
+            continue;
+        }
         let fused = measure(f.as_ref(), &Options::on(stream.clone(), Policy::Require), &stream, repeat);
         // Inputs are evaluated: what is pending is the call's own kernels.
         let outs = f(&Options::on(stream.clone(), Policy::Require));

@@ -7,7 +7,7 @@
 // the keys (the host caps the grid, so that few blocks repeat that work). A
 // key's signs are read as 32-bit words and each bit serves all Q queries (up
 // to 8 running sums in registers); a sign flips a term by its sign bit.
-__shared__ float sq[4096];
+__shared__ __align__(16) float sq[4096];
 // Slices of QS_J sketch columns for a block's worth of rows (at most 256) at
 // a time, so that global reads of the sketch are coalesced; each thread then
 // owns a row and runs its sums over the columns in order.
@@ -58,7 +58,9 @@ for (uint32_t r0 = 0; r0 < m; r0 += blockDim.x) {
 }
 __syncthreads();
 const float base = __fdiv_rn(__fsqrt_rn(1.57079632679489662f), float(m));
-const bool words = nq <= 8 && nbytes % 4 == 0 && vq_aligned(signs, 4);
+// Fast path: signs as 32-bit words, S q as float4 runs of 4 rows (m a
+// multiple of 4, so a run never straddles m).
+const bool words = nq <= 8 && nbytes % 4 == 0 && m % 4 == 0 && vq_aligned(signs, 4);
 const uint32_t stride = gridDim.x * blockDim.x;
 for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
   const float scale = __fmul_rn(base, __half2float(norms[t]));
@@ -71,15 +73,23 @@ for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
     }
     for (uint32_t w = 0; w < nbytes / 4; ++w) {
       const uint32_t bits = reinterpret_cast<const uint32_t*>(key)[w];
-#pragma unroll 8
-      for (uint32_t b = 0; b < 32; ++b) {
+#pragma unroll 2
+      for (uint32_t b = 0; b < 32; b += 4) {
         const uint32_t r = w * 32 + b;
         if (r < m) {
-          const uint32_t flip = ((bits >> b) & 1u) ? 0u : 0x80000000u;
+          uint32_t flip[4];
+#pragma unroll
+          for (uint32_t h = 0; h < 4; ++h) {
+            flip[h] = ((bits >> (b + h)) & 1u) ? 0u : 0x80000000u;
+          }
 #pragma unroll
           for (uint32_t i = 0; i < 8; ++i) {
             if (i < nq) {
-              acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(sq[i * m + r]) ^ flip));
+              const float4 v = *reinterpret_cast<const float4*>(&sq[i * m + r]);
+              acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.x) ^ flip[0]));
+              acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.y) ^ flip[1]));
+              acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.z) ^ flip[2]));
+              acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.w) ^ flip[3]));
             }
           }
         }

@@ -125,10 +125,12 @@ fn gpu_qjl_matches_cpu() {
     qjl::<f16>(1, 64, 13, 1);
     qjl::<bf16>(1_000, 128, 1024, 4);
     // Tiles cut by N, m and D; signs read as words with bits past m (m = 60),
-    // bytewise (m = 36), and more queries than the registers hold (Q = 9).
+    // bytewise (m = 36; m = 30, not a multiple of 4), and more queries than
+    // the registers hold (Q = 9).
     qjl::<f16>(1_001, 100, 60, 3);
     qjl::<f32>(77, 72, 36, 9);
     qjl::<f16>(4_097, 128, 128, 8);
+    qjl::<bf16>(300, 64, 30, 2);
 }
 
 fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {

@@ -32,8 +32,9 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
-/// Threads of a CUDA `qjl_score` launch at most (1,024 blocks of 256).
-const QJL_SCORE_CUDA_THREADS: usize = 1 << 18;
+/// Threads of a CUDA `qjl_score` launch at most (4,096 blocks of 256: several
+/// waves on any GPU, so that the last one is short).
+const QJL_SCORE_CUDA_THREADS: usize = 1 << 20;
 
 /// How KIVI groups elements for one (scale, zero) pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
