@@ -263,9 +263,10 @@ fn mixed_methods_fused_attention_matches_decoded_sdpa() {
 
 #[test]
 fn kivi_compression_error_and_groups() {
-    // KIVI 4 bits: keys per channel over 16-token groups (the window), values
-    // per token over 32 channels; both well under a few percent of energy,
-    // and 2 bits clearly worse than 4.
+    // KIVI 4 bits: keys per channel over 32-token groups (the window, 16, is
+    // smaller: the recent slots hold window + 32), values per token over 32
+    // channels; both well under a few percent of energy, and 2 bits clearly
+    // worse than 4.
     let mut errs = Vec::new();
     for bits in [2u32, 4] {
         let mut cfg = config(128, 2, Method::Kivi, Policy::Auto);
@@ -273,7 +274,9 @@ fn kivi_compression_error_and_groups() {
         cfg.value_bits = bits;
         cfg.sinks = 0;
         let (cache, chunks) = filled(cfg, 1, 600, 0, Dtype::F32, 6);
-        assert_eq!(cache.compressed_tokens() % 16, 0, "whole key groups are compressed");
+        assert_eq!(cache.compressed_tokens() % 32, 0, "whole key groups are compressed");
+        let recent = 600 - cache.compressed_tokens();
+        assert!((16..16 + 32).contains(&recent), "{recent} recent tokens: the window and less than one group");
         let (k, v) = concat_tokens(&chunks);
         let (kd, vd) = cache.dequantize().unwrap();
         errs.push((rel_err(&kd, &k).powi(2), rel_err(&vd, &v).powi(2)));
@@ -284,30 +287,56 @@ fn kivi_compression_error_and_groups() {
 }
 
 #[test]
+fn kivi_key_groups_stay_32_tokens_under_a_small_window() {
+    // Window 1: the recent slots hold 1 + 32 tokens, so that every flush
+    // compresses whole 32-token key groups (one float16 scale and zero per
+    // channel per group), and the cache stays far below float16.
+    for decode in [0, 70] {
+        let mut cfg = config(128, 2, Method::Kivi, Policy::Auto);
+        cfg.window = 1;
+        cfg.sinks = 0;
+        let (cache, _) = filled(cfg.clone(), 1, 130, decode, Dtype::F16, 21);
+        let (n, c) = (cache.offset(), cache.compressed_tokens());
+        assert_eq!(c % 32, 0, "whole key groups: {c} of {n}");
+        assert!(n - c >= 1 && n - c <= 33, "{} recent tokens", n - c);
+        let mut dense = cfg;
+        dense.key_method = Method::Fp16;
+        dense.value_method = Method::Fp16;
+        let (fp16, _) = filled(dense, 1, 130, decode, Dtype::F16, 21);
+        assert!(cache.nbytes() * 2 < fp16.nbytes(), "KIVI {} bytes vs float16 {}", cache.nbytes(), fp16.nbytes());
+    }
+}
+
+#[test]
 fn trim_inside_a_kivi_key_group_keeps_groups_aligned() {
     let mut cfg = config(64, 2, Method::Kivi, Policy::Require);
     cfg.value_method = Method::TurboQuantMse;
     let (mut cache, chunks) = filled(cfg, 1, 100, 0, Dtype::F32, 13);
-    // 4 sinks, 80 compressed (5 groups of 16), 16 recent.
-    assert_eq!((cache.offset(), cache.compressed_tokens()), (100, 80));
+    // 4 sinks, whole 32-token key groups compressed, the rest recent.
+    let c0 = cache.compressed_tokens();
+    assert_eq!(cache.offset(), 100);
+    assert!(c0 >= 32 && c0 % 32 == 0, "{c0} compressed");
+    let recent = 100 - 4 - c0;
     let (k_before, _) = cache.dequantize().unwrap();
-    assert_eq!(cache.trim(16 + 7), 23);
-    assert_eq!(cache.compressed_tokens(), 73, "the last key group is partial now");
+    assert_eq!(cache.trim(recent + 7), recent + 7);
+    assert_eq!(cache.compressed_tokens(), c0 - 7, "the last key group is partial now");
     // Enough new tokens to flush: the partial group is compressed again,
     // starting on its group boundary.
     let mut rng = ChaCha8Rng::seed_from_u64(14);
-    let k = normal(&mut rng, &[1, 2, 40, 64], Dtype::F32);
+    let k = normal(&mut rng, &[1, 2, 60, 64], Dtype::F32);
     cache.append(&k, &k).unwrap();
-    assert_eq!(cache.offset(), 117);
-    assert_eq!(cache.compressed_tokens() % 16, 0, "groups aligned again: {}", cache.compressed_tokens());
+    assert_eq!(cache.offset(), 100 - recent - 7 + 60);
+    assert!(cache.compressed_tokens() >= c0, "the reopened group was compressed again");
+    assert_eq!(cache.compressed_tokens() % 32, 0, "groups aligned again: {}", cache.compressed_tokens());
     let (k_after, v_after) = cache.dequantize().unwrap();
     // Tokens before the reopened group decode as before.
     let s = Stream::cpu();
+    let keep = (4 + c0 - 32) as i32;
     let head = |a: &Array, n: i32| ops::slice(a, &[0, 0, 0, 0], &[1, 2, n, 64], &s).unwrap();
-    assert_eq!(f32s(&head(&k_after, 4 + 64)), f32s(&head(&k_before, 4 + 64)));
+    assert_eq!(f32s(&head(&k_after, keep)), f32s(&head(&k_before, keep)));
     // The reopened tokens were compressed twice: still close to the originals.
     let (orig, _) = concat_tokens(&chunks);
-    let part = |a: &Array| ops::slice(a, &[0, 0, 68, 0], &[1, 2, 77, 64], &s).unwrap();
+    let part = |a: &Array| ops::slice(a, &[0, 0, keep, 0], &[1, 2, (4 + c0 - 7) as i32, 64], &s).unwrap();
     let e = rel_err(&part(&k_after), &part(&orig));
     assert!(e < 0.15, "reopened keys relative error {e}");
     let q = normal(&mut rng, &[1, 4, 3, 64], Dtype::F32);

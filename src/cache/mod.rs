@@ -184,6 +184,14 @@ impl CacheConfig {
         self.key_method != Method::Fp16 || self.value_method != Method::Fp16
     }
 
+    /// Float16 slots for recent tokens: the window plus room to gather a
+    /// flush. A flush compresses whole token groups (KIVI keys: 32 tokens), so
+    /// the room is at least one group: `window + max(window, group)`.
+    pub fn recent_capacity(&self) -> usize {
+        let group = if self.key_method == Method::Kivi { KIVI_GROUP } else { 1 };
+        self.window + if group > 1 { self.window.max(group) } else { self.window }
+    }
+
     /// How the keys' compressed tokens are stored.
     pub fn key_codec(&self) -> SideCodec {
         self.codec(self.key_method, self.key_bits, true)
@@ -198,9 +206,9 @@ impl CacheConfig {
         let (codec, group) = match method {
             Method::Fp16 => (Codec::Dense, 1),
             Method::TurboQuantMse => (Codec::TurboQuantMse, 1),
-            // Keys: KIVI's groups of 32 tokens, or the window when smaller,
-            // so that a window flush can always compress whole groups.
-            Method::Kivi if keys => (Codec::KiviPerChannel, KIVI_GROUP.min(self.window.max(1))),
+            // Keys: KIVI's groups of 32 tokens; the recent slots hold at
+            // least one group beyond the window (`recent_capacity`).
+            Method::Kivi if keys => (Codec::KiviPerChannel, KIVI_GROUP),
             // Values: the largest multiple of 8 up to 32 channels dividing the head.
             Method::Kivi => {
                 (Codec::KiviPerToken, (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| self.head_dim % g == 0).unwrap_or(8))

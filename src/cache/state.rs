@@ -142,7 +142,7 @@ struct Side {
     scales: Option<Array>,
     /// KIVI zeros, float16, shaped as the scales.
     zeros: Option<Array>,
-    /// Float16 window `[B, Hkv, sinks + 2 * window, D]` in the side's frame
+    /// Float16 window `[B, Hkv, sinks + recent_capacity, D]` in the side's frame
     /// (rotated for the rotating codecs): sinks first.
     window: Array,
 }
@@ -487,7 +487,7 @@ impl LayerCache {
         };
         let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
         self.shared = Some(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? });
-        let wcap = (self.cfg.sinks + 2 * self.cfg.window) as i32;
+        let wcap = (self.cfg.sinks + self.cfg.recent_capacity()) as i32;
         let side = |codec: SideCodec| -> Result<Side> {
             let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
             let mut side = Side {
@@ -606,7 +606,7 @@ impl LayerCache {
         let new_k = ops::slice(&rk, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
         let new_v = ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
         let w0 = sinks as i32;
-        if c.n_recent + rest <= 2 * window {
+        if c.n_recent + rest <= self.cfg.recent_capacity() {
             let (lo, hi) = (w0 + c.n_recent as i32, w0 + (c.n_recent + rest) as i32);
             for (side, x) in [(&mut c.keys, &new_k), (&mut c.values, &new_v)] {
                 side.window = ops::slice_update(&side.window, x, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
@@ -776,7 +776,7 @@ impl LayerCache {
                 compressed: c.len,
                 recent: c.n_recent,
                 capacity: c.capacity,
-                window_capacity: self.cfg.sinks + 2 * self.cfg.window,
+                window_capacity: self.cfg.sinks + self.cfg.recent_capacity(),
                 causal,
             },
             rot_k: rot,
@@ -812,7 +812,7 @@ impl LayerCache {
                 compressed: c.len,
                 recent: c.n_recent,
                 capacity: c.capacity,
-                window_capacity: self.cfg.sinks + 2 * self.cfg.window,
+                window_capacity: self.cfg.sinks + self.cfg.recent_capacity(),
                 causal,
                 mask_heads: 0,
             },
@@ -1070,7 +1070,7 @@ mod state_io {
         let n: usize = field(&meta, "compressed")?;
         let ns: usize = field(&meta, "n_sink")?;
         let nr: usize = field(&meta, "n_recent")?;
-        if ns > cache.cfg.sinks || nr > 2 * cache.cfg.window || (ns < cache.cfg.sinks && n + nr > 0) {
+        if ns > cache.cfg.sinks || nr > cache.cfg.recent_capacity() || (ns < cache.cfg.sinks && n + nr > 0) {
             return Err(corrupt(format!("inconsistent counts: {ns} sinks, {n} compressed, {nr} recent")));
         }
         let wk = tensor("win_k", dtype, &[b, h, (ns + nr) as i32, d])?;
