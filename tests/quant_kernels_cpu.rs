@@ -394,3 +394,32 @@ fn bad_input_names_the_argument() {
     let wrong_hi = PqCodes { codes: two.codes.clone(), codes_hi: Some(arr(&[0.0f32; 2], &[2, 1])) };
     assert!(msg(pq_decode(&wrong_hi, &pcb, 5, 8, Dtype::F32, &o).unwrap_err()).starts_with("codes_hi: dtype float32"));
 }
+
+#[test]
+fn empty_inputs_give_empty_outputs() {
+    // N = 0 for the KIVI, QJL and PQ kernels: empty outputs of the right
+    // shapes and dtypes, on the fused path and the reference graph alike.
+    let d = 64;
+    let x = arr::<f32>(&[], &[0, d]);
+    for policy in [Policy::Require, Policy::Off] {
+        let o = opts(policy);
+        for (mode, params) in [(KiviMode::Keys, vec![0, 64]), (KiviMode::Values, vec![0, 2])] {
+            let (c, s, z) = kivi_quantize(&x, 2, 32, mode, &o).unwrap();
+            assert_eq!((c.shape(), c.dtype()), (vec![0, 16], Dtype::U8), "{policy} {mode:?}");
+            assert_eq!((s.shape(), z.shape(), s.dtype()), (params.clone(), params, Dtype::F16), "{policy} {mode:?}");
+            let y = kivi_dequantize(&c, &s, &z, 2, 32, mode, d as usize, Dtype::BF16, &o).unwrap();
+            assert_eq!((y.shape(), y.dtype()), (vec![0, 64], Dtype::BF16), "{policy} {mode:?}");
+        }
+        let sk = arr(&Sketch::new(40, d, false, 1).s, &[40, d]);
+        let (signs, norms) = qjl_encode(&x, &sk, &o).unwrap();
+        assert_eq!((signs.shape(), norms.shape()), (vec![0, 5], vec![0]), "{policy}");
+        let q = arr(&vec![0.5f32; 2 * d], &[2, d]);
+        let scores = qjl_score(&q, &sk, &signs, &norms, &o).unwrap();
+        assert_eq!((scores.shape(), scores.dtype()), (vec![2, 0], Dtype::F32), "{policy}");
+        let cb = arr(&vec![0.25f32; 16 * 4], &[16, 4]);
+        let codes = pq_encode(&x, &cb, 4, &o).unwrap();
+        assert_eq!(codes.codes.shape(), vec![0, 8], "{policy}");
+        let y = pq_decode(&codes, &cb, 4, d as usize, Dtype::F16, &o).unwrap();
+        assert_eq!((y.shape(), y.dtype()), (vec![0, 64], Dtype::F16), "{policy}");
+    }
+}
