@@ -25,9 +25,8 @@ use rand_chacha::ChaCha8Rng;
 use veloxquant::array::{active_memory, clear_cache, peak_memory, reset_peak_memory};
 use veloxquant::kernels::{
     kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
-    tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, KiviMode,
+    tq_encode, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, KiviMode,
 };
-use veloxquant::kernels::turboquant::tq_encode;
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
 use veloxquant::{Array, Dtype, Options, Policy, Stream};

@@ -125,6 +125,36 @@ def _artifact(q, tmp_path) -> dict:
     return mx.load(str(path))
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_tq_encode_reproduces_the_quantizer(dtype, tmp_path):
+    # The cache's encoder sums the norm in float32 where the quantizer uses
+    # float64: codes agree but at near-ties, norms to one float16 step.
+    d = 64
+    q = quant.TurboQuantMSE(d, 4, rotation="dense", seed=3)
+    a = _artifact(q, tmp_path)
+    rot, cb = a["rotation.matrix"], a["codebook"]
+    x = mx.array(np.random.default_rng(6).normal(size=(3, 40, d)).astype(np.float32)).astype(dtype)
+    codes, norms = K.tq_encode(x, rot, cb, 4, policy="require", device="cpu")
+    assert codes.shape == (3, 40, d // 2) and codes.dtype == mx.uint8
+    assert norms.shape == (3, 40) and norms.dtype == mx.float16
+    enc = q.encode(as_np(x).reshape(120, d))
+    got = np_unpack(np.array(codes).reshape(120, d // 2), 4, d)
+    want = np_unpack(np.frombuffer(enc.buffers["codes"], np.uint8).reshape(120, d // 2), 4, d)
+    assert (got != want).mean() < 1e-3
+    want_norms = np.frombuffer(enc.buffers["norms"], np.float16).astype(np.float32)
+    np.testing.assert_allclose(np.array(norms).reshape(120).astype(np.float32), want_norms, rtol=1e-3)
+    # Unrotated input: the codes of x/|x| itself.
+    codes0, _ = K.tq_encode(x, None, cb, 4, device="cpu")
+    u = as_np(x).reshape(120, d)
+    u = u / np.linalg.norm(u, axis=1, keepdims=True)
+    nearest = np.abs(u[..., None] - np.array(cb)[None, None]).argmin(-1)
+    assert (np_unpack(np.array(codes0).reshape(120, d // 2), 4, d) != nearest).mean() < 1e-3
+    with pytest.raises(ValueError, match=r"^bits: 5"):
+        K.tq_encode(x, rot, cb, 5, device="cpu")
+    with pytest.raises(ValueError, match=r"^x: head dimension 12"):
+        K.tq_encode(mx.zeros((4, 12)), None, cb, 4, device="cpu")
+
+
 @pytest.mark.parametrize("bits", [1, 3, 9])
 def test_tq_prod_kernels_reproduce_the_quantizer(bits, tmp_path):
     d = 64

@@ -62,6 +62,15 @@ def pq_decode(
     policy: _Policy = "auto",
     device: _Device = None,
 ) -> mx.array: ...
+def tq_encode(
+    x: mx.array,
+    rotation: Optional[mx.array],
+    centroids: mx.array,
+    bits: int,
+    *,
+    policy: _Policy = "auto",
+    device: _Device = None,
+) -> tuple[mx.array, mx.array]: ...
 def tq_prod_encode(
     x: mx.array,
     rotation: Optional[mx.array],

@@ -33,6 +33,7 @@ __all__ = [
     "qjl_score",
     "pq_encode",
     "pq_decode",
+    "tq_encode",
     "tq_prod_encode",
     "tq_prod_decode",
     "tq_rvq_encode",
@@ -183,6 +184,23 @@ def pq_decode(
     return _native.pq_decode(
         codes, codebook, bits, d, _dtype(dtype), codes_hi=codes_hi, policy=policy, device=_device(device)
     )
+
+
+def tq_encode(
+    x: mx.array,
+    rotation: Optional[mx.array],
+    centroids: mx.array,
+    bits: int,
+    *,
+    policy: str = "auto",
+    device: Device = None,
+) -> Tuple[mx.array, mx.array]:
+    """The cache's TurboQuant-MSE encoder, one fused kernel per call: ``(codes,
+    norms)`` for ``x [..., d]`` (d a multiple of 8 up to 256), the ``bits``-bit
+    codes (1, 2, 3, 4 or 8) of ``R x/|x|`` in the sorted float32 ``centroids``,
+    packed as :func:`bit_pack` packs them, and ``|x|`` in float16. ``rotation``
+    is ``R`` (float32 ``[d, d]``), or None for vectors rotated already."""
+    return _native.tq_encode(x, rotation, centroids, bits, policy=policy, device=_device(device))
 
 
 def tq_prod_encode(

@@ -353,6 +353,25 @@ fn tq_prod_decode(
 }
 
 #[pyfunction]
+#[pyo3(signature = (x, rotation, centroids, bits, *, policy = "auto", device = None))]
+fn tq_encode(
+    py: Python<'_>,
+    x: &Bound<'_, PyAny>,
+    rotation: Option<&Bound<'_, PyAny>>,
+    centroids: &Bound<'_, PyAny>,
+    bits: u32,
+    policy: &str,
+    device: Option<&str>,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let x = array_arg(x, "x")?;
+    let rot = optional_array(rotation, "rotation")?;
+    let cent = array_arg(centroids, "centroids")?;
+    let (codes, norms) =
+        kernels::tq_encode(&x, rot.as_ref(), &cent, bits, &options(policy, device)?).map_err(to_py_err)?;
+    Ok((array_out(py, codes)?, array_out(py, norms)?))
+}
+
+#[pyfunction]
 #[pyo3(signature = (x, rotation, centroids1, centroids2, bits1, bits2, *, policy = "auto", device = None))]
 #[allow(clippy::too_many_arguments)]
 fn tq_rvq_encode(
@@ -450,6 +469,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(qjl_score, m)?)?;
     m.add_function(wrap_pyfunction!(pq_encode, m)?)?;
     m.add_function(wrap_pyfunction!(pq_decode, m)?)?;
+    m.add_function(wrap_pyfunction!(tq_encode, m)?)?;
     m.add_function(wrap_pyfunction!(tq_prod_encode, m)?)?;
     m.add_function(wrap_pyfunction!(tq_prod_decode, m)?)?;
     m.add_function(wrap_pyfunction!(tq_rvq_encode, m)?)?;
