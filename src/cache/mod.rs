@@ -185,11 +185,18 @@ impl CacheConfig {
     }
 
     /// Float16 slots for recent tokens: the window plus room to gather a
-    /// flush. A flush compresses whole token groups (KIVI keys: 32 tokens), so
-    /// the room is at least one group: `window + max(window, group)`.
+    /// flush. A flush compresses whole token groups of the keys' codec (KIVI:
+    /// 32 tokens), so the room is at least one group: `window + max(window,
+    /// group)`.
     pub fn recent_capacity(&self) -> usize {
-        let group = if self.key_method == Method::Kivi { KIVI_GROUP } else { 1 };
-        self.window + if group > 1 { self.window.max(group) } else { self.window }
+        let key = self.key_codec();
+        let group = if key.codec == Codec::KiviPerChannel { key.group } else { 0 };
+        self.window + self.window.max(group)
+    }
+
+    /// Float16 window slots per side: the sinks, then the recent tokens.
+    pub fn window_capacity(&self) -> usize {
+        self.sinks + self.recent_capacity()
     }
 
     /// How the keys' compressed tokens are stored.

@@ -142,7 +142,7 @@ struct Side {
     scales: Option<Array>,
     /// KIVI zeros, float16, shaped as the scales.
     zeros: Option<Array>,
-    /// Float16 window `[B, Hkv, sinks + recent_capacity, D]` in the side's frame
+    /// Float16 window `[B, Hkv, window_capacity, D]` in the side's frame
     /// (rotated for the rotating codecs): sinks first.
     window: Array,
 }
@@ -487,7 +487,7 @@ impl LayerCache {
         };
         let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
         self.shared = Some(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? });
-        let wcap = (self.cfg.sinks + self.cfg.recent_capacity()) as i32;
+        let wcap = self.cfg.window_capacity() as i32;
         let side = |codec: SideCodec| -> Result<Side> {
             let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
             let mut side = Side {
@@ -776,7 +776,7 @@ impl LayerCache {
                 compressed: c.len,
                 recent: c.n_recent,
                 capacity: c.capacity,
-                window_capacity: self.cfg.sinks + self.cfg.recent_capacity(),
+                window_capacity: self.cfg.window_capacity(),
                 causal,
             },
             rot_k: rot,
@@ -812,7 +812,7 @@ impl LayerCache {
                 compressed: c.len,
                 recent: c.n_recent,
                 capacity: c.capacity,
-                window_capacity: self.cfg.sinks + self.cfg.recent_capacity(),
+                window_capacity: self.cfg.window_capacity(),
                 causal,
                 mask_heads: 0,
             },
