@@ -10,28 +10,34 @@ const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t nbytes = params[2];
 constexpr uint32_t K = 1u << B_BITS;
+const uint32_t groups = (d + 7) / 8;
+const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+const bool live = t < uint64_t(n) * groups;
+const bool fast = d % 8 == 0 && vq_aligned(x, 16) && vq_aligned(packed, vq_bytes_align<B_BITS>());
+// The elements are requested before the block waits for its boundaries, so
+// that the two latencies overlap.
+float v[8];
+if (live && fast) {
+  vq_load8(x + t * 8, v);
+}
 for (uint32_t i = threadIdx.x; i + 1 < K; i += blockDim.x) {
   bounds[i] = __fmul_rn(0.5f, __fadd_rn(codebook[i], codebook[i + 1]));
 }
 __syncthreads();
-const uint32_t groups = (d + 7) / 8;
-const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-if (t >= uint64_t(n) * groups) {
+if (!live) {
   return;
 }
-auto code_of = [&](float v) {
+auto code_of = [&](float e) {
   uint32_t pos = 0;
 #pragma unroll
   for (uint32_t step = K / 2; step > 0; step /= 2) {
-    if (bounds[pos + step - 1] < v) {
+    if (bounds[pos + step - 1] < e) {
       pos += step;
     }
   }
   return pos;
 };
-if (d % 8 == 0 && vq_aligned(x, 16) && vq_aligned(packed, vq_bytes_align<B_BITS>())) {
-  float v[8];
-  vq_load8(x + t * 8, v);
+if (fast) {
   uint64_t word = 0;
 #pragma unroll
   for (int j = 0; j < 8; ++j) {

@@ -16,38 +16,72 @@ constexpr int TQ_KC = 8;
 #define TQ_CHUNKS(D) (((D) + 127) / 128)
 #define TQ_CP(D) (TQ_CHUNKS(D) * 128 + 4)
 
+// Floats of the matrix slices tq_ordered_gemm stages: two slices where they
+// fit beside V in the 48 KB of static shared memory (D <= 128), else one.
+#define TQ_BUFS(D) (TQ_CHUNKS(D) == 1 ? 2 : 1)
+#define TQ_BS(D) (TQ_BUFS(D) * TQ_KC * TQ_CP(D))
+
 // acc[a][4c + b] += sum over j of V[j][4ty + a] * M(col, j), col = 128c + 4tx
 // + b, j = 0, 1, ..., D - 1 in order, each product and sum rounded to nearest
 // (crate::cpu's OrderedDots order). M(i, j) = m[i * D + j], or m[j * D + i]
-// when TRANSPOSED. Bs stages TQ_KC rows of M at a time ([TQ_KC][TQ_CP(D)],
-// 16-byte aligned). Ends with a barrier: V and Bs may be rewritten after.
+// when TRANSPOSED. Bs ([TQ_BS(D)], 16-byte aligned) stages TQ_KC rows of M at
+// a time; each thread requests its share of the next slice before it works
+// on the current one, so the slice's latency hides behind the products. Ends
+// with a barrier: V and Bs may be rewritten after.
 template <int D, bool TRANSPOSED>
 __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V,
                                                 const float* m, float* Bs) {
   constexpr int CH = TQ_CHUNKS(D);
   constexpr int CP = TQ_CP(D);
+  constexpr int SLICE = TQ_KC * CP;
+  // Columns 128 CH.. of a slice row only pad its stride and are never read:
+  // a slice stages TQ_KC * 128 CH values, 4 CH per thread.
+  constexpr int COLS = CH * 128;
+  constexpr int PER = TQ_KC * COLS / 256;
+  constexpr bool DOUBLE = TQ_BUFS(D) == 2;
   const int tid = threadIdx.x;
   const int ty = tid / 32;
   const int tx = tid % 32;
-  for (int j0 = 0; j0 < D; j0 += TQ_KC) {
-    // D is a multiple of 8 = TQ_KC: slices are whole.
-    for (int e = tid; e < TQ_KC * CP; e += 256) {
+  // Staged element e of a slice: row j of the slice, column col.
+  auto place = [&](int e, int& j, int& col) {
+    if (TRANSPOSED) {
+      j = e / COLS;
+      col = e % COLS;
+    } else {
+      col = e / TQ_KC;
+      j = e % TQ_KC;
+    }
+  };
+  float next[PER];
+  auto fetch = [&](int j0) {
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
       int j;
       int col;
-      if (TRANSPOSED) {
-        j = e / CP;
-        col = e % CP;
-      } else {
-        col = e / TQ_KC;
-        j = e % TQ_KC;
-      }
-      float val = 0.0f;
-      if (col < D) {
-        val = TRANSPOSED ? m[(j0 + j) * D + col] : m[col * D + j0 + j];
-      }
-      Bs[j * CP + col] = val;
+      place(tid + p * 256, j, col);
+      next[p] = col < D ? (TRANSPOSED ? m[(j0 + j) * D + col] : m[col * D + j0 + j]) : 0.0f;
     }
-    __syncthreads();
+  };
+  auto put = [&](float* buf) {
+#pragma unroll
+    for (int p = 0; p < PER; ++p) {
+      int j;
+      int col;
+      place(tid + p * 256, j, col);
+      buf[j * CP + col] = next[p];
+    }
+  };
+  fetch(0);
+  put(Bs);
+  __syncthreads();
+  int cur = 0;
+  // D is a multiple of 8 = TQ_KC: slices are whole.
+  for (int j0 = 0; j0 < D; j0 += TQ_KC) {
+    const bool more = j0 + TQ_KC < D;
+    if (more) {
+      fetch(j0 + TQ_KC);
+    }
+    const float* B = Bs + cur * SLICE;
 #pragma unroll
     for (int j = 0; j < TQ_KC; ++j) {
       float av[4];
@@ -57,7 +91,7 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
       }
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
-        const float4 bv = *reinterpret_cast<const float4*>(&Bs[j * CP + c * 128 + tx * 4]);
+        const float4 bv = *reinterpret_cast<const float4*>(&B[j * CP + c * 128 + tx * 4]);
         const float br[4] = {bv.x, bv.y, bv.z, bv.w};
 #pragma unroll
         for (int a = 0; a < 4; ++a) {
@@ -67,6 +101,15 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
           }
         }
       }
+    }
+    if (more) {
+      // One buffer: every thread must be done reading it first. Two: the
+      // other one was last read before the previous barrier.
+      if (!DOUBLE) {
+        __syncthreads();
+      }
+      cur = DOUBLE ? 1 - cur : 0;
+      put(Bs + cur * SLICE);
     }
     __syncthreads();
   }

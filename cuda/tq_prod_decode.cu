@@ -10,7 +10,7 @@ constexpr int MSE_BITS = B_BITS - 1;
 constexpr int CODE_BYTES = D * MSE_BITS / 8;
 constexpr int CH = TQ_CHUNKS(D);
 __shared__ float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[TQ_KC * TQ_CP(D)];
+__shared__ __align__(16) float Bs[TQ_BS(D)];
 const uint32_t n = params[0];
 const float scale = __uint_as_float(params[1]);
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;

@@ -12,7 +12,7 @@ constexpr int MSE_BITS = B_BITS - 1;
 constexpr int K = 1 << MSE_BITS;
 constexpr int CH = TQ_CHUNKS(D);
 __shared__ float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[TQ_KC * TQ_CP(D)];
+__shared__ __align__(16) float Bs[TQ_BS(D)];
 __shared__ float s_norm[TQ_TV];
 __shared__ float cent[K];
 __shared__ float bounds[K];

@@ -4,7 +4,7 @@
 // round-to-nearest intrinsics, as crate::cpu::turboquant.
 constexpr int CH = TQ_CHUNKS(D);
 __shared__ float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[ROTATE ? TQ_KC * TQ_CP(D) : 4];
+__shared__ __align__(16) float Bs[ROTATE ? TQ_BS(D) : 4];
 const uint32_t n = params[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;

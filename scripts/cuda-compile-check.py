@@ -5,9 +5,11 @@ Each body is wrapped the way MLX's `cuda_kernel` wraps it (docs: the kernel
 contract): MLX's device utilities (a stand-in header here), the kernel's
 header, then `__global__ void NAME(inputs..., outputs...)` in
 `mlx::core::cu` with the template arguments as the first body lines. Every
-listed instantiation must compile for sm_90 (the H200).
+listed instantiation must compile to sm_90 machine code (the H200), so
+that ptxas limits such as static shared memory are checked too. `--verbose`
+prints ptxas's registers, spills and shared memory per instantiation.
 
-    python3 scripts/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [kernel ...]
+    python3 scripts/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [kernel ...]
 
 DIR holds NVRTC and the CUDA headers as NVIDIA's wheels lay them out
 (`include/`, `lib/libnvrtc.so.13`); default .device/nvrtc/cu13. `--fetch`
@@ -156,13 +158,15 @@ def source(name, spec, args):
     )
 
 
-def compile_one(nvrtc, include, src, label):
+def compile_one(nvrtc, include, src, label, verbose=False):
     prog = ctypes.c_void_p()
     names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
     bodies = (ctypes.c_char_p * 1)(UTILS_STAND_IN.encode())
     rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), label.encode(), 1, bodies, names)
     assert rc == 0, f"nvrtcCreateProgram: {rc}"
-    opts = [b"--gpu-architecture=compute_90", b"--std=c++17", f"-I{include}".encode(), f"-I{include}/cccl".encode()]
+    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", f"-I{include}".encode(), f"-I{include}/cccl".encode()]
+    if verbose:
+        opts.append(b"--ptxas-options=-v")
     arr = (ctypes.c_char_p * len(opts))(*opts)
     rc = nvrtc.nvrtcCompileProgram(prog, len(opts), arr)
     size = ctypes.c_size_t()
@@ -191,6 +195,7 @@ def main():
     ap.add_argument("--nvrtc", default=str(ROOT / ".device/nvrtc/cu13"))
     ap.add_argument("--all", action="store_true", help="every combination of template arguments")
     ap.add_argument("--fetch", action="store_true", help="download NVRTC and the CUDA headers into --nvrtc")
+    ap.add_argument("--verbose", action="store_true", help="print ptxas's resource use")
     ap.add_argument("kernels", nargs="*")
     a = ap.parse_args()
     base = pathlib.Path(a.nvrtc)
@@ -205,7 +210,9 @@ def main():
         axes = spec[4]
         for args in instantiations(axes, a.all):
             label = f"{name}{args}"
-            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args), name + ".cu")
+            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args), name + ".cu", a.verbose)
+            if a.verbose and rc == 0:
+                print(f"{label}\n{log}")
             if rc != 0:
                 failed += 1
                 print(f"FAIL {label}\n{log}")

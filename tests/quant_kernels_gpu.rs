@@ -95,6 +95,75 @@ fn gpu_kivi_matches_cpu() {
     kivi::<f16>(KiviMode::Values, 1_003, 128, 4, 64);
 }
 
+/// Rows of KIVI values (one group of 32 per row: minimum 0, maximum
+/// `s * levels`, so the scale is the float16 `s`) whose other elements sit a
+/// few ulps around the rounding boundaries `(k + 0.5) s`, chosen where a
+/// quotient through the reciprocal of `s` rounds to another code than the
+/// divided one. The CUDA kernel divides only near a boundary; this is where
+/// that matters.
+fn kivi_boundary_rows(bits: u32) -> (Vec<f32>, usize) {
+    let levels = ((1u32 << bits) - 1) as f32;
+    let mut rng = ChaCha8Rng::seed_from_u64(bits as u64);
+    let (mut rows, mut row, mut differ) = (Vec::new(), Vec::new(), 0);
+    while rows.len() < 64 * 32 {
+        let s = f16::from_f32(rng.random::<f32>() * 4.0 + 1e-3).to_f32();
+        if f16::from_f32(s * levels / levels).to_f32() != s {
+            continue;
+        }
+        for k in 0..levels as u32 {
+            let edge = (k as f32 + 0.5) * s;
+            for ulps in -3i32..=3 {
+                let a = f32::from_bits((edge.to_bits() as i32 + ulps) as u32);
+                if !(0.0..s * levels).contains(&a) {
+                    continue;
+                }
+                if (a / s).round() != (a * (1.0 / s)).round() {
+                    differ += 1;
+                }
+                if row.is_empty() {
+                    row.extend([0.0, s * levels]);
+                }
+                row.push(a);
+                if row.len() == 32 {
+                    rows.append(&mut row);
+                    break;
+                }
+            }
+            if row.is_empty() {
+                break; // a fresh row wants a fresh scale
+            }
+        }
+        if !row.is_empty() {
+            // Finish the row with its scale's boundary values repeated.
+            let fill = row[2];
+            row.resize(32, fill);
+            rows.append(&mut row);
+        }
+    }
+    (rows, differ)
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_kivi_codes_at_rounding_boundaries_match_cpu() {
+    for bits in [2u32, 4, 8] {
+        let (x, differ) = kivi_boundary_rows(bits);
+        assert!(differ > 0, "bits={bits}: no element where the reciprocal rounds otherwise; the test would prove nothing");
+        let n = x.len() / 32;
+        let (mut c, mut s, mut z) = (vec![0u8; n * cpu::packed_len(32, bits)], vec![f16::ZERO; n], vec![f16::ZERO; n]);
+        cpu::kivi_quantize(&x, n, 32, bits, 32, false, &mut c, &mut s, &mut z);
+        let (gc, gs, _) = kivi_quantize(&arr(&x, &[n, 32]), bits, 32, KiviMode::Values, &gpu()).unwrap();
+        assert_eq!(gs.to_vec::<f16>().unwrap(), s, "scales bits={bits}");
+        assert_eq!(gc.to_vec::<u8>().unwrap(), c, "codes bits={bits} ({differ} elements where the reciprocal rounds otherwise)");
+        // The same elements as keys: a group of 32 tokens per channel.
+        let xt: Vec<f32> = (0..n * 32).map(|i| x[(i % n) * 32 + i / n]).collect();
+        let (mut c, mut s, mut z) = (vec![0u8; 32 * cpu::packed_len(n, bits)], vec![f16::ZERO; n], vec![f16::ZERO; n]);
+        cpu::kivi_quantize(&xt, 32, n, bits, 32, true, &mut c, &mut s, &mut z);
+        let (gc, _, _) = kivi_quantize(&arr(&xt, &[32, n]), bits, 32, KiviMode::Keys, &gpu()).unwrap();
+        assert_eq!(gc.to_vec::<u8>().unwrap(), c, "key codes bits={bits}");
+    }
+}
+
 fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     let k: Vec<T> = data(n as u64, n * d, 1.0);
     let q: Vec<T> = data(7, nq * d, 1.0);

@@ -32,9 +32,10 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
-/// Threads of a CUDA `qjl_score` launch at most (4,096 blocks of 256: several
-/// waves on any GPU, so that the last one is short).
-const QJL_SCORE_CUDA_THREADS: usize = 1 << 20;
+/// Threads of a CUDA `qjl_score` launch at most: 1,024 blocks of 256, one
+/// resident wave on an H200 (132 SMs of 8 such blocks). Every block computes
+/// S q first, so more blocks would repeat that work.
+const QJL_SCORE_CUDA_THREADS: usize = 1 << 18;
 
 /// How KIVI groups elements for one (scale, zero) pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -355,8 +356,11 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, nbytes, group])?;
             let items = match mode {
-                // The CUDA body's fast layout: four threads per (row group, 8 channels).
-                KiviMode::Keys if imp == Implementation::Cuda && group <= 32 && d % 8 == 0 => n.div_ceil(group) * (d / 8) * 4,
+                // The CUDA body's fast layout: eight threads per (row group, 8
+                // channels), whole warps for its shuffles.
+                KiviMode::Keys if imp == Implementation::Cuda && group <= 32 && d % 8 == 0 => {
+                    (n.div_ceil(group) * (d / 8) * 8).next_multiple_of(32)
+                }
                 KiviMode::Keys => n.div_ceil(group) * d.div_ceil(8),
                 KiviMode::Values => n * (d / group),
             };
