@@ -16,19 +16,20 @@ if (t >= n * groups) {
   return;
 }
 constexpr uint64_t mask = (uint64_t(1) << B_BITS) - 1;
-const uint32_t row = t / groups;
-const uint32_t first = (t % groups) * 8;
+const uint32_t row = vq_div(t, groups);
+const uint32_t first = (t - row * groups) * 8;
 if (d % 8 == 0 && vq_aligned(packed, vq_bytes_align<B_BITS>()) && vq_aligned(y, 16) &&
     (!PER_CHANNEL || (vq_aligned(scales, 16) && vq_aligned(zeros, 16)))) {
   const uint64_t word = vq_load_bytes<B_BITS>(packed + uint64_t(t) * B_BITS);
   float s[8];
   float z[8];
   if (PER_CHANNEL) {
-    const uint64_t p = uint64_t(row / gsize) * d + first;
+    const uint64_t p = uint64_t(vq_div(row, gsize)) * d + first;
     vq_load8(scales + p, s);
     vq_load8(zeros + p, z);
   } else {
-    const uint64_t p = (uint64_t(row) * d + first) / gsize;
+    // G divides D here (a multiple of 8 dividing it): no carry from the row.
+    const uint64_t p = uint64_t(row) * vq_div(d, gsize) + vq_div(first, gsize);
     const float s0 = __half2float(scales[p]);
     const float z0 = __half2float(zeros[p]);
 #pragma unroll
@@ -40,7 +41,7 @@ if (d % 8 == 0 && vq_aligned(packed, vq_bytes_align<B_BITS>()) && vq_aligned(y, 
   float v[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    v[j] = __fadd_rn(z[j], __fmul_rn(s[j], float((word >> (j * B_BITS)) & mask)));
+    v[j] = __fadd_rn(z[j], __fmul_rn(s[j], vq_code_float(vq_code<B_BITS>(word, j))));
   }
   vq_store8(y + uint64_t(t) * 8, v);
   return;

@@ -27,33 +27,42 @@ constexpr uint32_t KIVI_LANES = 8;
 constexpr uint32_t KIVI_ROWS = 4;
 // Grids hold fewer than 2^31 threads.
 const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
-// round((v - z) / s) through the correctly rounded reciprocal of s: that
-// quotient lies within 2^-23 relative of the divided one, so it rounds to
-// the same code unless it is within 1e-3 of a rounding boundary k + 0.5
-// (codes are at most 255, so the two differ by under 1e-4), and only then
-// is v - z divided. Clamping makes larger quotients agree anyway.
+// round((v - z) / s) (half away from zero) clamped to [0, 2^B - 1], in
+// full-rate float and logic instructions. The quotient comes from the
+// correctly rounded reciprocal of s, within 2^-23 relative of the divided
+// one: it rounds to the same code unless it lies within 1e-3 of a boundary
+// k + 0.5 (codes are at most 255, so the two differ by under 1e-4), and only
+// then is v - z divided. Clamping first is exact (rounding is monotonic, the
+// bounds are integers; NaN clamps to 0) and makes boundaries outside the
+// range agree anyway. Adding 2^23 rounds the clamped quotient to an integer,
+// ties to even, in the low mantissa bits; a tie rounded down (remainder
+// exactly +0.5) goes up, as round() does.
 auto code_of = [&](float v, float s, float rs, float z) {
   if (!(s > 0.0f)) {
     return 0u;
   }
   const float a = __fsub_rn(v, z);
-  float q = __fmul_rn(a, rs);
-  if (fabsf(fabsf(q - truncf(q)) - 0.5f) < 1e-3f) {
-    q = __fdiv_rn(a, s);
+  float q = fminf(fmaxf(__fmul_rn(a, rs), 0.0f), levels);
+  float big = __fadd_rn(q, 8388608.0f);
+  float rem = __fsub_rn(q, __fsub_rn(big, 8388608.0f));
+  if (fabsf(fabsf(rem) - 0.5f) < 1e-3f) {
+    q = fminf(fmaxf(__fdiv_rn(a, s), 0.0f), levels);
+    big = __fadd_rn(q, 8388608.0f);
+    rem = __fsub_rn(q, __fsub_rn(big, 8388608.0f));
   }
-  return uint32_t(fminf(fmaxf(roundf(q), 0.0f), levels));
+  return (__float_as_uint(big) - 0x4B000000u) + (rem == 0.5f ? 1u : 0u);
 };
 if (PER_CHANNEL) {
   const uint32_t cgroups = (d + 7) / 8;
-  const uint32_t rgroups = (n + gsize - 1) / gsize;
+  const uint32_t rgroups = vq_div(n + gsize - 1, gsize);
   if (gsize <= 32 && d % 8 == 0) {
     // Every lane takes part in the shuffles: the grid is a whole number of
     // warps, and a lane past the end works on nothing.
     const uint32_t team = t / KIVI_LANES;
     const uint32_t sub = t % KIVI_LANES;
     const bool live = team < rgroups * cgroups;
-    const uint32_t g = live ? team / cgroups : 0;
-    const uint32_t c = live ? team % cgroups : 0;
+    const uint32_t g = live ? vq_div(team, cgroups) : 0;
+    const uint32_t c = live ? team - g * cgroups : 0;
     const uint32_t r0 = g * gsize;
     const uint32_t r1 = live ? min(r0 + gsize, n) : r0;
     const bool wide = vq_aligned(x, 16);
@@ -163,7 +172,7 @@ if (PER_CHANNEL) {
     }
   }
 } else {
-  const uint32_t per_row = d / gsize;
+  const uint32_t per_row = vq_div(d, gsize);
   if (t >= n * per_row) {
     return;
   }

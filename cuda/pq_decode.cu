@@ -19,8 +19,8 @@ const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
 if (t >= n * per) {
   return;
 }
-const uint32_t row = t / per;
-const uint32_t p = t % per;
+const uint32_t row = vq_div(t, per);
+const uint32_t p = t - row * per;
 uint32_t c = vq_code_at(packed + uint64_t(row) * nbytes, p, LO_BITS);
 if (HI_BITS > 0) {
   c |= vq_code_at(packed_hi + uint64_t(row) * nbytes_hi, p, HI_BITS > 0 ? HI_BITS : 1) << LO_BITS;

@@ -73,6 +73,7 @@ constexpr uint32_t QS_WORDS = 16;
 const bool words = nq <= 8 && nbytes % 4 == 0 && nbytes <= 4 * QS_WORDS && m % 4 == 0 && vq_aligned(signs, 4);
 const bool wide = words && nbytes % 16 == 0 && vq_aligned(signs, 16);
 const uint32_t stride = gridDim.x * blockDim.x;
+const uint32_t sq_base = static_cast<uint32_t>(__cvta_generic_to_shared(sq));
 for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
   const float scale = __fmul_rn(base, __half2float(norms[t]));
   const uint8_t* key = signs + uint64_t(t) * nbytes;
@@ -100,33 +101,10 @@ for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
     for (int i = 0; i < 8; ++i) {
       acc[i] = 0.0f;
     }
-#pragma unroll
-    for (uint32_t w = 0; w < QS_WORDS; ++w) {
-      if (w * 4 >= nbytes) {
-        break;
-      }
-#pragma unroll 1
-      for (uint32_t b = 0; b < 32; b += 4) {
-        const uint32_t r = w * 32 + b;
-        if (r >= m) {
-          break;
-        }
-        uint32_t flip[4];
-#pragma unroll
-        for (uint32_t h = 0; h < 4; ++h) {
-          flip[h] = ((bits[w] >> (b + h)) & 1u) ? 0u : 0x80000000u;
-        }
-#pragma unroll
-        for (uint32_t i = 0; i < 8; ++i) {
-          if (i < nq) {
-            const float4 v = *reinterpret_cast<const float4*>(&sq[i * m + r]);
-            acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.x) ^ flip[0]));
-            acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.y) ^ flip[1]));
-            acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.z) ^ flip[2]));
-            acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.w) ^ flip[3]));
-          }
-        }
-      }
+    if (nq <= 4) {
+      qjl_signed_sums<4, QS_WORDS>(acc, bits, nbytes, m, sq_base);
+    } else {
+      qjl_signed_sums<8, QS_WORDS>(acc, bits, nbytes, m, sq_base);
     }
 #pragma unroll
     for (uint32_t i = 0; i < 8; ++i) {

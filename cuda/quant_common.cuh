@@ -171,3 +171,81 @@ __device__ __forceinline__ unsigned vq_code_at(const uint8_t* row, unsigned j, u
   }
   return (w >> (o & 7u)) & ((1u << bits) - 1u);
 }
+
+// x / d for the sizes the bodies divide by (row lengths, group sizes): a
+// shift where d is a power of two, as head dimensions and groups usually
+// are, since a 32-bit division costs some twenty instructions.
+__device__ __forceinline__ uint32_t vq_div(uint32_t x, uint32_t d) {
+  return (d & (d - 1u)) == 0u ? x >> (__ffs(d) - 1) : x / d;
+}
+
+// float(c) for a code c < 2^23, exact: the code in the mantissa of 2^23,
+// less 2^23 (a logic op and an add, where a conversion instruction runs at
+// a quarter of the rate).
+__device__ __forceinline__ float vq_code_float(uint32_t c) {
+  return __fsub_rn(__uint_as_float(0x4B000000u | c), 8388608.0f);
+}
+
+// Four floats from shared memory at a 16-byte aligned shared-window address
+// (from __cvta_generic_to_shared), so that a hot loop keeps one base
+// register rather than rebuilding the address of a __shared__ array.
+__device__ __forceinline__ float4 vq_lds4(uint32_t addr) {
+  float4 v;
+  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+  return v;
+}
+
+// Code j of a word of 8 packed B-bit codes (vq_load_bytes' value): 32-bit
+// shifts where the word fits in 32 bits.
+template <int B>
+__device__ __forceinline__ uint32_t vq_code(unsigned long long word, int j) {
+  constexpr uint32_t mask = (1u << B) - 1u;
+  if constexpr (B <= 4) {
+    return (uint32_t(word) >> (j * B)) & mask;
+  } else {
+    return uint32_t(word >> (j * B)) & mask;
+  }
+}
+
+// qjl_score's inner sums for one key: acc[i] += +-(S q_i)_r over the sketch
+// rows r in order, for NQ queries (4 or 8; rows of S q past the real
+// queries are computed but never stored). S q lives in shared memory at
+// sq_base (row i at sq_base + 4 i m bytes); the key's sign bits are in
+// bits[0 .. nbytes/4). A clear bit r flips the sign of term r: its
+// complement, shifted to the sign bit, masks the term's xor.
+template <uint32_t NQ, uint32_t WORDS>
+__device__ __forceinline__ void qjl_signed_sums(float (&acc)[8], const uint32_t (&bits)[WORDS], uint32_t nbytes,
+                                                uint32_t m, uint32_t sq_base) {
+  uint32_t row[NQ];
+#pragma unroll
+  for (uint32_t i = 0; i < NQ; ++i) {
+    row[i] = sq_base + i * m * 4;
+  }
+#pragma unroll
+  for (uint32_t w = 0; w < WORDS; ++w) {
+    if (w * 4 >= nbytes) {
+      break;
+    }
+    const uint32_t clear = ~bits[w];
+#pragma unroll 1
+    for (uint32_t b = 0; b < 32; b += 4) {
+      const uint32_t r = w * 32 + b;
+      if (r >= m) {
+        break;
+      }
+      uint32_t flip[4];
+#pragma unroll
+      for (uint32_t h = 0; h < 4; ++h) {
+        flip[h] = (clear << (31 - b - h)) & 0x80000000u;
+      }
+#pragma unroll
+      for (uint32_t i = 0; i < NQ; ++i) {
+        const float4 v = vq_lds4(row[i] + r * 4);
+        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.x) ^ flip[0]));
+        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.y) ^ flip[1]));
+        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.z) ^ flip[2]));
+        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.w) ^ flip[3]));
+      }
+    }
+  }
+}

@@ -28,7 +28,7 @@ if (fast) {
   float v[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
-    v[j] = cb[(word >> (j * B_BITS)) & mask];
+    v[j] = cb[vq_code<B_BITS>(word, j)];
   }
   vq_store8(y + t * 8, v);
   return;

@@ -27,15 +27,20 @@ __syncthreads();
 if (!live) {
   return;
 }
+// The search walks a shared-window byte address, so that each step is a
+// load at a constant offset, a compare and a predicated add.
+const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(bounds));
 auto code_of = [&](float e) {
-  uint32_t pos = 0;
+  uint32_t at = base;
 #pragma unroll
   for (uint32_t step = K / 2; step > 0; step /= 2) {
-    if (bounds[pos + step - 1] < e) {
-      pos += step;
+    float b;
+    asm volatile("ld.shared.f32 %0, [%1];" : "=f"(b) : "r"(at + (step - 1) * 4));
+    if (b < e) {
+      at += step * 4;
     }
   }
-  return pos;
+  return (at - base) / 4;
 };
 if (fast) {
   uint64_t word = 0;
