@@ -7,9 +7,11 @@ header, then `__global__ void NAME(inputs..., outputs...)` in
 `mlx::core::cu` with the template arguments as the first body lines. Every
 listed instantiation must compile to sm_90 machine code (the H200), so
 that ptxas limits such as static shared memory are checked too. `--verbose`
-prints ptxas's registers, spills and shared memory per instantiation.
+prints ptxas's registers, spills and shared memory per instantiation;
+`--cubin OUT` writes each instantiation's machine code to OUT, to be read
+with `nvdisasm -c` (PyPI's nvidia-cuda-nvdisasm).
 
-    python3 scripts/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [kernel ...]
+    python3 scripts/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [--cubin OUT] [kernel ...]
 
 DIR holds NVRTC and the CUDA headers as NVIDIA's wheels lay them out
 (`include/`, `lib/libnvrtc.so.13`); default .device/nvrtc/cu13. `--fetch`
@@ -21,6 +23,7 @@ import argparse
 import ctypes
 import itertools
 import pathlib
+import re
 import subprocess
 import sys
 import tempfile
@@ -158,7 +161,7 @@ def source(name, spec, args):
     )
 
 
-def compile_one(nvrtc, include, src, label, verbose=False):
+def compile_one(nvrtc, include, src, label, verbose=False, cubin=None):
     prog = ctypes.c_void_p()
     names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
     bodies = (ctypes.c_char_p * 1)(UTILS_STAND_IN.encode())
@@ -173,6 +176,12 @@ def compile_one(nvrtc, include, src, label, verbose=False):
     nvrtc.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     log = ctypes.create_string_buffer(size.value)
     nvrtc.nvrtcGetProgramLog(prog, log)
+    if rc == 0 and cubin is not None:
+        size_bin = ctypes.c_size_t()
+        nvrtc.nvrtcGetCUBINSize(prog, ctypes.byref(size_bin))
+        code = ctypes.create_string_buffer(size_bin.value)
+        nvrtc.nvrtcGetCUBIN(prog, code)
+        cubin.write_bytes(code.raw)
     nvrtc.nvrtcDestroyProgram(ctypes.byref(prog))
     return rc, log.value.decode(errors="replace")
 
@@ -196,6 +205,7 @@ def main():
     ap.add_argument("--all", action="store_true", help="every combination of template arguments")
     ap.add_argument("--fetch", action="store_true", help="download NVRTC and the CUDA headers into --nvrtc")
     ap.add_argument("--verbose", action="store_true", help="print ptxas's resource use")
+    ap.add_argument("--cubin", type=pathlib.Path, help="write each instantiation's machine code here")
     ap.add_argument("kernels", nargs="*")
     a = ap.parse_args()
     base = pathlib.Path(a.nvrtc)
@@ -210,7 +220,11 @@ def main():
         axes = spec[4]
         for args in instantiations(axes, a.all):
             label = f"{name}{args}"
-            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args), name + ".cu", a.verbose)
+            cubin = None
+            if a.cubin is not None:
+                a.cubin.mkdir(parents=True, exist_ok=True)
+                cubin = a.cubin / (re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".cubin")
+            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args), name + ".cu", a.verbose, cubin)
             if a.verbose and rc == 0:
                 print(f"{label}\n{log}")
             if rc != 0:
