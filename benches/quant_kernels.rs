@@ -137,6 +137,7 @@ fn main() {
     // TurboQuant-Prod at 4 bits (3 MSE bits + QJL) and RVQ 2 + 2 bits.
     let f32_array = |v: &[f32], shape: &[i32]| Array::from_slice(v, shape).unwrap();
     let rot = f32_array(&veloxquant::cache::rotation_matrix(D, 3).unwrap(), &[D as i32, D as i32]);
+    let hadamard_signs = f32_array(veloxquant::quant::Rotation::hadamard(D, 3).unwrap().signs(), &[D as i32]);
     let tq_sketch = f32_array(&Sketch::new(D, D, true, 4).s, &[D as i32, D as i32]);
     let cent3 = f32_array(ScalarCodebook::sphere(D, 3).unwrap().centroids(), &[8]);
     let cent4 = f32_array(ScalarCodebook::sphere(D, 4).unwrap().centroids(), &[16]);
@@ -220,6 +221,15 @@ fn main() {
             n * (D / 2 + 2),
         ),
         (
+            "tq_encode b=4 Hadamard signs (butterflies)",
+            Box::new(|o| {
+                let (c, nm) = tq_encode(&x, Some(&hadamard_signs), &cent4, 4, o).unwrap();
+                vec![c, nm]
+            }),
+            xb + D * 4,
+            n * (D / 2 + 2),
+        ),
+        (
             "tq_prod_encode b=4",
             Box::new(|o| {
                 let e = tq_prod_encode(&x, Some(&rot), Some(&cent3), &tq_sketch, 4, o).unwrap();
@@ -262,6 +272,8 @@ fn main() {
             "pq_encode" => 3.0 * nf * df * 256.0,
             // Rotation and sketch products, D x D multiply-adds each.
             "tq_prod_encode" | "tq_prod_decode" => 4.0 * nf * df * df,
+            // Butterflies: D log2 D adds, then the scale.
+            "tq_encode" if name.contains("Hadamard") => nf * df * (df.log2() + 1.0),
             "tq_encode" | "tq_rvq_encode" | "tq_rvq_decode" => 2.0 * nf * df * df,
             _ => 0.0,
         }

@@ -1,5 +1,7 @@
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
-// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
+// rotation float32 [D, D] (row-major Π), or [D] (HADAMARD: the signs of a
+// Hadamard rotation, Π u = H (s ⊙ u) / √D); not read unless ROTATE.
+// centroids float32 [2^B_BITS] sorted,
 // N = x's rows. One threadgroup of D threads per vector: the norm,
 // y = Π x/‖x‖, the nearest centroid per coordinate and the packing, with no
 // intermediate in device memory. Same arithmetic order as the CPU kernel,
@@ -32,7 +34,21 @@ const float s = s_norm[0];
 u[i] = s > 0.0f ? xi / s : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
 float y = u[i];
-if (ROTATE) {
+if (ROTATE && HADAMARD) {
+  // s ⊙ u, then the butterflies a stage per barrier pair (both operands
+  // read before anyone writes), then 1/√D: the CPU's fwht order.
+  u[i] = y * rotation[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int h = 1; h < D; h *= 2) {
+    const int lo = i & ~h;
+    const float a = u[lo];
+    const float b = u[lo + h];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    u[i] = (i & h) ? a - b : a + b;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  y = u[i] * (1.0f / precise::sqrt(float(D)));
+} else if (ROTATE) {
   y = 0.0f;
   for (int j = 0; j < D; ++j) {
     y += rotation[i * D + j] * u[j];

@@ -86,11 +86,12 @@ def tq_cases():
     enough for constant memory (a 1-element placeholder rotation, 2- and
     4-entry codebooks, short params and partials)."""
     out = []
-    enc_in = lambda t, d, b, rot: [
-        ("x", t, (37, d)), ("rotation", "float32", (d, d) if rot else (1,)),
+    enc_in = lambda t, d, b, rot, had=False: [
+        ("x", t, (37, d)), ("rotation", "float32", ((d,) if had else (d, d)) if rot else (1,)),
         ("centroids", "float32", (1 << b,))]
     enc_out = [("codes", "uint8"), ("norms", "float16")]
-    enc_t = lambda t, d, b, rot: [("T", "dtype", t), ("D", "int", d), ("B_BITS", "int", b), ("ROTATE", "bool", rot)]
+    enc_t = lambda t, d, b, rot, had=False: [("T", "dtype", t), ("D", "int", d), ("B_BITS", "int", b),
+                                            ("ROTATE", "bool", rot), ("HADAMARD", "bool", had)]
     for b in [1, 2, 3, 4, 8]:
         out.append(kernel_case(f"tq_encode_float32_d128_b{b}", "veloxquant_tq_encode",
                                enc_in("float32", 128, b, True), enc_out, enc_t("float32", 128, b, True),
@@ -100,6 +101,9 @@ def tq_cases():
                                enc_in(t, d, b, False), enc_out, enc_t(t, d, b, False), body="tq_encode"))
     out.append(kernel_case("tq_encode_float16_d96_b8", "veloxquant_tq_encode",
                            enc_in("float16", 96, 8, True), enc_out, enc_t("float16", 96, 8, True),
+                           body="tq_encode"))
+    out.append(kernel_case("tq_encode_float16_d128_b4_hadamard", "veloxquant_tq_encode",
+                           enc_in("float16", 128, 4, True, True), enc_out, enc_t("float16", 128, 4, True, True),
                            body="tq_encode"))
 
     def att(name, t, d, kb, vb, hq, hkv, l, qn, cap=256, wcap=68):

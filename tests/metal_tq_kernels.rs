@@ -112,7 +112,9 @@ fn gpu_encode<T: Element>(
         return None;
     }
     let row_bytes = d * bits as usize / 8;
+    let hadamard = rot.is_some_and(|r| r.len() == d);
     let rotation = match rot {
+        Some(r) if hadamard => HostArray::new(&[d], r),
         Some(r) => HostArray::new(&[d, d], r),
         // The host passes the codebook as the unread placeholder.
         None => HostArray::new(&[1 << bits], cent),
@@ -128,6 +130,7 @@ fn gpu_encode<T: Element>(
         .template("D", TemplateArg::Int(d as i32))
         .template("B_BITS", TemplateArg::Int(bits as i32))
         .template("ROTATE", TemplateArg::Bool(rot.is_some()))
+        .template("HADAMARD", TemplateArg::Bool(hadamard))
         .grid((n * d) as u32, 1, 1)
         .threadgroup(d as u32, 1, 1)
         .run()
@@ -190,6 +193,26 @@ fn tq_encode_matches_cpu() {
             }
         }
         check_encode::<f16>(1, d, BITS[di], Some(&rot), &centroids(d, BITS[di]));
+    }
+}
+
+/// A Hadamard rotation passed as its signs: the butterflies, bit for bit the
+/// CPU kernel's (which applies `quant::Rotation::forward`), for every
+/// power-of-two D and bit width.
+#[test]
+fn tq_encode_hadamard_matches_cpu() {
+    for (i, d) in [64usize, 128, 256].into_iter().enumerate() {
+        let rot = veloxquant::quant::Rotation::hadamard(d, 11 + d as u64).unwrap();
+        let signs = rot.signs().to_vec();
+        for (bi, &bits) in BITS.iter().enumerate() {
+            let cent = centroids(d, bits);
+            check_encode::<f32>(37, d, bits, Some(&signs), &cent);
+            if (i + bi) % 2 == 0 {
+                check_encode::<f16>(37, d, bits, Some(&signs), &cent);
+            } else {
+                check_encode::<bf16>(1, d, bits, Some(&signs), &cent);
+            }
+        }
     }
 }
 

@@ -81,7 +81,14 @@ fn gpu_encode_is_bit_identical_to_cpu() {
             let rot = normal(&mut rng, &[d as i32, d as i32], Dtype::F32);
             let cent = ScalarCodebook::sphere(d, bits).unwrap().centroids().to_vec();
             let cent = Array::from_slice(&cent, &[cent.len() as i32]).unwrap();
-            for rotation in [Some(&rot), None] {
+            // A Hadamard rotation as its signs (power-of-two d): butterflies.
+            let signs = d.is_power_of_two().then(|| {
+                let r = veloxquant::quant::Rotation::hadamard(d, 5).unwrap();
+                Array::from_slice(r.signs(), &[d as i32]).unwrap()
+            });
+            let mut rotations = vec![Some(&rot), None];
+            rotations.extend(signs.as_ref().map(Some));
+            for rotation in rotations {
                 let run = |s: &Stream| {
                     let (c, n) = tq_encode(&x, rotation, &cent, bits, &Options::on(s.clone(), Policy::Require)).unwrap();
                     (c.to_vec::<u8>().unwrap(), n.to_bytes().unwrap())
@@ -93,8 +100,8 @@ fn gpu_encode_is_bit_identical_to_cpu() {
                 assert_eq!(
                     (codes_differ, norms_differ),
                     (0, 0),
-                    "d={d} bits={bits} rotate={}: differing code bytes, norm bytes",
-                    rotation.is_some()
+                    "d={d} bits={bits} rotation {:?}: differing code bytes, norm bytes",
+                    rotation.map(|r| r.shape())
                 );
             }
         }

@@ -155,6 +155,27 @@ def test_tq_encode_reproduces_the_quantizer(dtype, tmp_path):
         K.tq_encode(mx.zeros((4, 12)), None, cb, 4, device="cpu")
 
 
+def test_tq_encode_takes_hadamard_signs():
+    # Signs [d] apply R = H diag(s) / sqrt(d) by butterflies: the codes of the
+    # same rotation passed dense, but at near-ties.
+    d = 128
+    rng = np.random.default_rng(8)
+    s = np.where(rng.random(d) < 0.5, -1.0, 1.0).astype(np.float32)
+    h = np.array([[1.0]], np.float32)
+    while h.shape[0] < d:
+        h = np.block([[h, h], [h, -h]])
+    dense = (h * s[None, :] / np.sqrt(d)).astype(np.float32)
+    cb = mx.array(np.sort(rng.normal(size=16) / np.sqrt(d)).astype(np.float32))
+    x = mx.array(rng.normal(size=(200, d)).astype(np.float16))
+    codes, norms = K.tq_encode(x, mx.array(s), cb, 4, policy="require", device="cpu")
+    codes_d, norms_d = K.tq_encode(x, mx.array(dense), cb, 4, policy="require", device="cpu")
+    assert np.array_equal(np.array(norms), np.array(norms_d))
+    got, want = np_unpack(np.array(codes), 4, d), np_unpack(np.array(codes_d), 4, d)
+    assert (got != want).mean() < 1e-3
+    with pytest.raises(ValueError, match=r"^rotation: Hadamard signs need a power-of-two"):
+        K.tq_encode(mx.zeros((2, 96)), mx.ones((96,)), cb, 4, device="cpu")
+
+
 @pytest.mark.parametrize("bits", [1, 3, 9])
 def test_tq_prod_kernels_reproduce_the_quantizer(bits, tmp_path):
     d = 64

@@ -199,7 +199,9 @@ def tq_encode(
     norms)`` for ``x [..., d]`` (d a multiple of 8 up to 256), the ``bits``-bit
     codes (1, 2, 3, 4 or 8) of ``R x/|x|`` in the sorted float32 ``centroids``,
     packed as :func:`bit_pack` packs them, and ``|x|`` in float16. ``rotation``
-    is ``R`` (float32 ``[d, d]``), or None for vectors rotated already."""
+    is ``R`` (float32 ``[d, d]``), the +-1 signs ``s`` of a Hadamard rotation
+    (float32 ``[d]``, d a power of two: ``R u = H (s * u) / sqrt(d)``, applied
+    by butterflies), or None for vectors rotated already."""
     return _native.tq_encode(x, rotation, centroids, bits, policy=policy, device=_device(device))
 
 

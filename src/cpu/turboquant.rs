@@ -49,9 +49,47 @@ fn nearest(y: f32, centroids: &[f32]) -> u8 {
 /// Largest finite float16: norms beyond it are stored saturated.
 pub const MAX_NORM: f32 = 65504.0;
 
+/// `Π` as the CPU kernels apply it: a dense row-major `[d, d]` matrix (sums
+/// in order), or the ±1 signs `[d]` of a Hadamard rotation, `d` a power of
+/// two: `Π u = H (s ⊙ u) / √d` by butterflies, in `quant::rotation::fwht`'s
+/// order (`Rotation::forward`'s arithmetic, so bit for bit the quantizer's).
+pub(crate) enum KernelRotation<'a> {
+    Dense(OrderedDots),
+    Hadamard { signs: &'a [f32], scale: f32 },
+}
+
+impl<'a> KernelRotation<'a> {
+    /// From a rotation input: `d * d` values are a dense `Π`, `d` values the
+    /// signs of a Hadamard rotation (`d` a power of two).
+    pub fn new(rotation: &'a [f32], d: usize) -> Self {
+        if rotation.len() == d && d > 1 {
+            assert!(d.is_power_of_two(), "a Hadamard rotation needs a power-of-two size, not {d}");
+            KernelRotation::Hadamard { signs: rotation, scale: 1.0 / (d as f32).sqrt() }
+        } else {
+            assert_eq!(rotation.len(), d * d, "rotation size");
+            KernelRotation::Dense(OrderedDots::new(rotation, d, d))
+        }
+    }
+
+    /// `y = Π u`.
+    pub fn forward(&self, u: &[f32], y: &mut [f32]) {
+        match self {
+            KernelRotation::Dense(dots) => dots.apply(u, y),
+            KernelRotation::Hadamard { signs, scale } => {
+                for ((yj, &uj), &sj) in y.iter_mut().zip(u).zip(signs.iter()) {
+                    *yj = uj * sj;
+                }
+                crate::quant::rotation::fwht(y);
+                y.iter_mut().for_each(|v| *v *= scale);
+            }
+        }
+    }
+}
+
 /// Encodes `n = x.len() / d` vectors: `codes` gets `d * bits / 8` bytes per
-/// vector, `norms` one float16 each. `rotation` is `Π`, row-major `[d, d]`;
-/// `None` for vectors that are rotated already.
+/// vector, `norms` one float16 each. `rotation` is `Π` as [`KernelRotation`]
+/// reads it (`[d, d]`, or Hadamard signs `[d]`); `None` for vectors that are
+/// rotated already.
 pub fn tq_encode<T: VqElement>(
     x: &[T],
     rotation: Option<&[f32]>,
@@ -65,9 +103,6 @@ pub fn tq_encode<T: VqElement>(
     let row_bytes = d * bits as usize / 8;
     assert_eq!(x.len(), n * d, "x length");
     assert_eq!(codes.len(), n * row_bytes, "codes length");
-    if let Some(r) = rotation {
-        assert_eq!(r.len(), d * d, "rotation size");
-    }
     // Norms are cheap and sequential; the rows in parallel below.
     for (i, out) in norms.iter_mut().enumerate() {
         let mut s2 = 0.0f32;
@@ -77,7 +112,7 @@ pub fn tq_encode<T: VqElement>(
         }
         *out = f16::from_f32(s2.sqrt().min(MAX_NORM));
     }
-    let rotation = rotation.map(|r| OrderedDots::new(r, d, d));
+    let rotation = rotation.map(|r| KernelRotation::new(r, d));
     super::for_each_chunk(codes, row_bytes, 64, |row0, chunk| {
         let (mut u, mut y) = (vec![0.0f32; d], vec![0.0f32; d]);
         let mut idx = vec![0u8; d];
@@ -93,7 +128,7 @@ pub fn tq_encode<T: VqElement>(
                 *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
             }
             match &rotation {
-                Some(rot) => rot.apply(&u, &mut y),
+                Some(rot) => rot.forward(&u, &mut y),
                 None => y.copy_from_slice(&u),
             }
             for (code, &yi) in idx.iter_mut().zip(&y) {

@@ -44,8 +44,11 @@ pub fn check_head_dim(argument: &'static str, d: usize) -> Result<()> {
 }
 
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
-/// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), or `None` when `x`
-/// is rotated already; `centroids` the sorted codebook (float32 `[2^bits]`).
+/// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), the ±1 signs of a
+/// Hadamard rotation (float32 `[d]`, `d` a power of two: `Π u = H (s ⊙ u) /
+/// √d`, applied by butterflies, `d log d` adds instead of `d²` multiply-adds,
+/// as `quant::Rotation::forward` computes it), or `None` when `x` is rotated
+/// already; `centroids` the sorted codebook (float32 `[2^bits]`).
 pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u32, opts: &Options) -> Result<(Array, Array)> {
     check_float("x", x)?;
     if x.ndim() == 0 {
@@ -55,8 +58,19 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
     let d = *xs.last().expect("ndim >= 1") as usize;
     check_head_dim("x", d)?;
     check_bits("bits", bits)?;
+    let hadamard = rotation.is_some_and(|r| r.ndim() == 1);
     if let Some(r) = rotation {
-        check_f32("rotation", r, &[d as i32, d as i32])?;
+        if hadamard {
+            if !d.is_power_of_two() {
+                return Err(Error::invalid(
+                    "rotation",
+                    format!("Hadamard signs need a power-of-two head dimension, not {d}; pass the dense [d, d] matrix"),
+                ));
+            }
+            check_f32("rotation", r, &[d as i32])?;
+        } else {
+            check_f32("rotation", r, &[d as i32, d as i32])?;
+        }
     }
     // Bodies always take a `rotation` input; without one they never read it,
     // so any device array stands in (not a new host array per call).
@@ -113,6 +127,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
                         ("D", TemplateArg::Int(d as i32)),
                         ("B_BITS", TemplateArg::Int(bits as i32)),
                         ("ROTATE", TemplateArg::Bool(rotate)),
+                        ("HADAMARD", TemplateArg::Bool(hadamard)),
                     ],
                 },
                 &stream,
@@ -130,6 +145,14 @@ fn encode_reference(x: &Array, rotation: Option<&Array>, centroids: &Array, bits
     let tiny = Array::scalar_f32(f32::MIN_POSITIVE)?;
     let u = ops::divide(&xf, &ops::maximum(&norm, &tiny, s)?, s)?;
     let y = match rotation {
+        Some(r) if r.ndim() == 1 => {
+            // Π = H diag(s) / √d as a dense matrix: the reference's plain ops.
+            let d = r.shape()[0] as usize;
+            let h = Array::from_slice(&crate::quant::rotation::sylvester_hadamard(d), &[d as i32, d as i32])?;
+            let scale = Array::scalar_f32(1.0 / (d as f32).sqrt())?;
+            let pi = ops::multiply(&ops::multiply(&h, &ops::reshape(r, &[1, d as i32], s)?, s)?, &scale, s)?;
+            ops::matmul(&u, &ops::transpose(&pi, &[1, 0], s)?, s)?
+        }
         Some(r) => ops::matmul(&u, &ops::transpose(r, &[1, 0], s)?, s)?,
         None => u,
     };

@@ -77,6 +77,13 @@ fn paley(q: usize) -> Vec<f32> {
     h
 }
 
+/// The unnormalized Sylvester Hadamard matrix of a power-of-two size `n`,
+/// row-major: `H[i][j] = (-1)^popcount(i & j)`, the matrix `fwht` applies.
+pub fn sylvester_hadamard(n: usize) -> Vec<f32> {
+    debug_assert!(n.is_power_of_two());
+    (0..n * n).map(|e| if ((e / n) & (e % n)).count_ones() % 2 == 0 { 1.0 } else { -1.0 }).collect()
+}
+
 /// In-place unnormalized fast Walsh–Hadamard transform (Sylvester order).
 pub fn fwht(x: &mut [f32]) {
     let n = x.len();

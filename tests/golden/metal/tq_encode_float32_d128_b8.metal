@@ -1,5 +1,5 @@
-template <typename T, int D, int B_BITS, bool ROTATE>
-[[kernel]] void custom_kernel_veloxquant_tq_encode__float_128_8_1_float_float_float_uint8_t_float16_t(
+template <typename T, int D, int B_BITS, bool ROTATE, bool HADAMARD>
+[[kernel]] void custom_kernel_veloxquant_tq_encode__float_128_8_1_0_float_float_float_uint8_t_float16_t(
   const device float* x [[buffer(0)]],
   const constant int* x_shape [[buffer(1)]],
   const device float* rotation [[buffer(2)]],
@@ -9,7 +9,9 @@ template <typename T, int D, int B_BITS, bool ROTATE>
   uint3 thread_position_in_threadgroup [[thread_position_in_threadgroup]],
   uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]) {
 // tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
-// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids float32 [2^B_BITS] sorted,
+// rotation float32 [D, D] (row-major Π), or [D] (HADAMARD: the signs of a
+// Hadamard rotation, Π u = H (s ⊙ u) / √D); not read unless ROTATE.
+// centroids float32 [2^B_BITS] sorted,
 // N = x's rows. One threadgroup of D threads per vector: the norm,
 // y = Π x/‖x‖, the nearest centroid per coordinate and the packing, with no
 // intermediate in device memory. Same arithmetic order as the CPU kernel,
@@ -42,7 +44,21 @@ const float s = s_norm[0];
 u[i] = s > 0.0f ? xi / s : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
 float y = u[i];
-if (ROTATE) {
+if (ROTATE && HADAMARD) {
+  // s ⊙ u, then the butterflies a stage per barrier pair (both operands
+  // read before anyone writes), then 1/√D: the CPU's fwht order.
+  u[i] = y * rotation[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int h = 1; h < D; h *= 2) {
+    const int lo = i & ~h;
+    const float a = u[lo];
+    const float b = u[lo + h];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    u[i] = (i & h) ? a - b : a + b;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  y = u[i] * (1.0f / precise::sqrt(float(D)));
+} else if (ROTATE) {
   y = 0.0f;
   for (int j = 0; j < D; ++j) {
     y += rotation[i * D + j] * u[j];
@@ -73,4 +89,4 @@ if (i % 8 == 0) {
 
 }
 
-template [[host_name("custom_kernel_veloxquant_tq_encode__float_128_8_1_float_float_float_uint8_t_float16_t")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_encode__float_128_8_1_float_float_float_uint8_t_float16_t<float, 128, 8, 1>) custom_kernel_veloxquant_tq_encode__float_128_8_1_float_float_float_uint8_t_float16_t<float, 128, 8, 1>;
+template [[host_name("custom_kernel_veloxquant_tq_encode__float_128_8_1_0_float_float_float_uint8_t_float16_t")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_encode__float_128_8_1_0_float_float_float_uint8_t_float16_t<float, 128, 8, 1, 0>) custom_kernel_veloxquant_tq_encode__float_128_8_1_0_float_float_float_uint8_t_float16_t<float, 128, 8, 1, 0>;

@@ -1,0 +1,92 @@
+template <typename T, int D, int B_BITS, bool ROTATE, bool HADAMARD>
+[[kernel]] void custom_kernel_veloxquant_tq_encode__float16_t_128_4_1_1_float16_t_float_float_uint8_t_float16_t(
+  const device float16_t* x [[buffer(0)]],
+  const constant int* x_shape [[buffer(1)]],
+  const device float* rotation [[buffer(2)]],
+  const device float* centroids [[buffer(3)]],
+  device uint8_t* codes [[buffer(4)]],
+  device float16_t* norms [[buffer(5)]],
+  uint3 thread_position_in_threadgroup [[thread_position_in_threadgroup]],
+  uint3 threadgroup_position_in_grid [[threadgroup_position_in_grid]]) {
+// tq_encode: x T [N, D] -> codes uint8 [N, D*B_BITS/8], norms float16 [N].
+// rotation float32 [D, D] (row-major Π), or [D] (HADAMARD: the signs of a
+// Hadamard rotation, Π u = H (s ⊙ u) / √D); not read unless ROTATE.
+// centroids float32 [2^B_BITS] sorted,
+// N = x's rows. One threadgroup of D threads per vector: the norm,
+// y = Π x/‖x‖, the nearest centroid per coordinate and the packing, with no
+// intermediate in device memory. Same arithmetic order as the CPU kernel,
+// never contracted into an fma.
+#pragma clang fp contract(off)
+constexpr int ROW_BYTES = D * B_BITS / 8;
+constexpr int K = 1 << B_BITS;
+threadgroup float u[D];
+threadgroup uchar idx[D];
+threadgroup float s_norm[1];
+const uint n = uint(x_shape[0]);
+const uint v = threadgroup_position_in_grid.x;
+const int i = int(thread_position_in_threadgroup.x);
+if (v >= n) {
+  return;
+}
+const float xi = float(x[ulong(v) * D + i]);
+u[i] = xi;
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (i == 0) {
+  float s2 = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    s2 += u[j] * u[j];
+  }
+  s_norm[0] = sqrt(s2);
+  norms[v] = half(min(s_norm[0], 65504.0f));
+}
+threadgroup_barrier(mem_flags::mem_threadgroup);
+const float s = s_norm[0];
+u[i] = s > 0.0f ? xi / s : 0.0f;
+threadgroup_barrier(mem_flags::mem_threadgroup);
+float y = u[i];
+if (ROTATE && HADAMARD) {
+  // s ⊙ u, then the butterflies a stage per barrier pair (both operands
+  // read before anyone writes), then 1/√D: the CPU's fwht order.
+  u[i] = y * rotation[i];
+  threadgroup_barrier(mem_flags::mem_threadgroup);
+  for (int h = 1; h < D; h *= 2) {
+    const int lo = i & ~h;
+    const float a = u[lo];
+    const float b = u[lo + h];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    u[i] = (i & h) ? a - b : a + b;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  y = u[i] * (1.0f / precise::sqrt(float(D)));
+} else if (ROTATE) {
+  y = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    y += rotation[i * D + j] * u[j];
+  }
+}
+float best = INFINITY;
+int best_k = 0;
+for (int k = 0; k < K; ++k) {
+  const float diff = y - centroids[k];
+  const float dist = diff * diff;
+  if (dist < best) {
+    best = dist;
+    best_k = k;
+  }
+}
+idx[i] = uchar(best_k);
+threadgroup_barrier(mem_flags::mem_threadgroup);
+if (i % 8 == 0) {
+  ulong word = 0;
+  for (int j = 0; j < 8; ++j) {
+    word |= ulong(idx[i + j]) << (j * B_BITS);
+  }
+  const ulong dst = ulong(v) * ROW_BYTES + (i / 8) * B_BITS;
+  for (int k = 0; k < B_BITS; ++k) {
+    codes[dst + k] = uint8_t(word >> (8 * k));
+  }
+}
+
+}
+
+template [[host_name("custom_kernel_veloxquant_tq_encode__float16_t_128_4_1_1_float16_t_float_float_uint8_t_float16_t")]] [[kernel]] decltype(custom_kernel_veloxquant_tq_encode__float16_t_128_4_1_1_float16_t_float_float_uint8_t_float16_t<float16_t, 128, 4, 1, 1>) custom_kernel_veloxquant_tq_encode__float16_t_128_4_1_1_float16_t_float_float_uint8_t_float16_t<float16_t, 128, 4, 1, 1>;
