@@ -239,6 +239,15 @@ fn main() {
             n * (D / 2 + 4),
         ),
         (
+            "tq_prod_encode b=4 Hadamard signs (butterflies)",
+            Box::new(|o| {
+                let e = tq_prod_encode(&x, Some(&hadamard_signs), Some(&cent3), &tq_sketch, 4, o).unwrap();
+                vec![e.codes.expect("codes"), e.signs, e.norms, e.residual_norms.expect("residual norms")]
+            }),
+            xb + D * D * 4 + D * 4,
+            n * (D / 2 + 4),
+        ),
+        (
             "tq_prod_decode b=4",
             Box::new(|o| vec![tq_prod_decode(&prod, Some(&rot), Some(&cent3), &tq_sketch, 4, dtype, o).unwrap()]),
             n * (D / 2 + 4) + 2 * D * D * 4,
@@ -251,6 +260,15 @@ fn main() {
                 vec![e.codes1, e.codes2, e.norms]
             }),
             xb + D * D * 4,
+            n * (D / 2 + 2),
+        ),
+        (
+            "tq_rvq_encode b=2+2 Hadamard signs (butterflies)",
+            Box::new(|o| {
+                let e = tq_rvq_encode(&x, Some(&hadamard_signs), &cent_a, &cent_b, (2, 2), o).unwrap();
+                vec![e.codes1, e.codes2, e.norms]
+            }),
+            xb + D * 4,
             n * (D / 2 + 2),
         ),
         (
@@ -271,9 +289,10 @@ fn main() {
             "pq_encode" if name.contains("K=1024") => 3.0 * nf * df * 1024.0,
             "pq_encode" => 3.0 * nf * df * 256.0,
             // Rotation and sketch products, D x D multiply-adds each.
+            // Butterflies: D log2 D adds, then the scale (and Prod's sketch product).
+            "tq_prod_encode" if name.contains("Hadamard") => 2.0 * nf * df * df + nf * df * (df.log2() + 1.0),
             "tq_prod_encode" | "tq_prod_decode" => 4.0 * nf * df * df,
-            // Butterflies: D log2 D adds, then the scale.
-            "tq_encode" if name.contains("Hadamard") => nf * df * (df.log2() + 1.0),
+            "tq_encode" | "tq_rvq_encode" if name.contains("Hadamard") => nf * df * (df.log2() + 1.0),
             "tq_encode" | "tq_rvq_encode" | "tq_rvq_decode" => 2.0 * nf * df * df,
             _ => 0.0,
         }

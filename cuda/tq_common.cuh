@@ -115,6 +115,56 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
   }
 }
 
+// acc ← the tile's y = Π u for the vectors' u in V (this lane's columns, as
+// tq_ordered_gemm lays them out). Π: none (y = u) unless ROTATE; the dense
+// row-major m [D, D] by tq_ordered_gemm; or, with HADAMARD, H (s ⊙ u) / √D
+// from the ±1 signs m [D] (D a power of two), by butterflies on V in place,
+// a stage per barrier with each pair owned by one thread:
+// quant::rotation::fwht's order, bit for bit the CPU's. V must not be
+// rewritten before the next barrier.
+template <int D, bool ROTATE, bool HADAMARD>
+__device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V, const float* m,
+                                               float* Bs) {
+  const int tid = threadIdx.x;
+  const int ty = tid / 32;
+  const int tx = tid % 32;
+  float scale = 1.0f;
+  if constexpr (ROTATE && HADAMARD) {
+    for (int e = tid; e < TQ_TV * D; e += 256) {
+      const int v = e % TQ_TV;
+      const int j = e / TQ_TV;
+      V[j * TQ_VS + v] = __fmul_rn(V[j * TQ_VS + v], m[j]);
+    }
+    __syncthreads();
+#pragma unroll
+    for (int h = 1; h < D; h *= 2) {
+      for (int e = tid; e < TQ_TV * D / 2; e += 256) {
+        const int v = e % TQ_TV;
+        const int p = e / TQ_TV;
+        const int lo = (p / h) * 2 * h + p % h;
+        const float a = V[lo * TQ_VS + v];
+        const float b = V[(lo + h) * TQ_VS + v];
+        V[lo * TQ_VS + v] = __fadd_rn(a, b);
+        V[(lo + h) * TQ_VS + v] = __fsub_rn(a, b);
+      }
+      __syncthreads();
+    }
+    scale = __fdiv_rn(1.0f, __fsqrt_rn(float(D)));
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
+      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      const float u = col < D ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
+      acc[a][k] = !ROTATE ? u : (HADAMARD ? __fmul_rn(u, scale) : 0.0f);
+    }
+  }
+  if constexpr (ROTATE && !HADAMARD) {
+    tq_ordered_gemm<D, false>(acc, V, m, Bs);
+  }
+}
+
 // Copies rows v0.. of x [n, D] into V as float (rows past n read as 0).
 template <int D, typename T>
 __device__ __forceinline__ void tq_stage_rows(float* V, const T* x, uint64_t v0, uint32_t n) {

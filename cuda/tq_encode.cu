@@ -43,46 +43,8 @@ for (int e = tid; e < TQ_TV * D; e += 256) {
   V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
 }
 __syncthreads();
-// A Hadamard rotation (rotation = its ±1 signs [D], D a power of two):
-// s ⊙ u, then the butterflies in V a stage per barrier (each pair owned by
-// one thread, read before it is written), then the 1/√D scale: the CPU's
-// fwht order, bit for bit.
-float scale = 1.0f;
-if constexpr (ROTATE && HADAMARD) {
-  for (int e = tid; e < TQ_TV * D; e += 256) {
-    const int v = e % TQ_TV;
-    const int j = e / TQ_TV;
-    V[j * TQ_VS + v] = __fmul_rn(V[j * TQ_VS + v], rotation[j]);
-  }
-  __syncthreads();
-#pragma unroll
-  for (int h = 1; h < D; h *= 2) {
-    for (int e = tid; e < TQ_TV * D / 2; e += 256) {
-      const int v = e % TQ_TV;
-      const int p = e / TQ_TV;
-      const int lo = (p / h) * 2 * h + p % h;
-      const float a = V[lo * TQ_VS + v];
-      const float b = V[(lo + h) * TQ_VS + v];
-      V[lo * TQ_VS + v] = __fadd_rn(a, b);
-      V[(lo + h) * TQ_VS + v] = __fsub_rn(a, b);
-    }
-    __syncthreads();
-  }
-  scale = __fdiv_rn(1.0f, __fsqrt_rn(float(D)));
-}
 float acc[4][CH * 4];
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    const int col = (k / 4) * 128 + tx * 4 + k % 4;
-    const float u = col < D ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-    acc[a][k] = !ROTATE ? u : (HADAMARD ? __fmul_rn(u, scale) : 0.0f);
-  }
-}
-if constexpr (ROTATE && !HADAMARD) {
-  tq_ordered_gemm<D, false>(acc, V, rotation, Bs);
-}
+tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 unsigned code[4][CH * 4];
 #pragma unroll
 for (int a = 0; a < 4; ++a) {

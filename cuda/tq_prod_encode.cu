@@ -1,6 +1,7 @@
 // tq_prod_encode: TurboQuant-Prod, x T [N, D] -> codes uint8 [N, D*(B_BITS-1)/8],
 // signs uint8 [N, D/8], norms float16 [N], residual_norms float16 [N].
-// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids
+// rotation float32 [D, D] (row-major Π), or [D] (HADAMARD: the signs of a
+// Hadamard rotation, by butterflies); not read unless ROTATE, centroids
 // float32 [2^(B_BITS-1)] sorted, sketch float32 [D, D], params = {N}. With
 // B_BITS = 1 codes and residual_norms are 1-element placeholders, never
 // written. A block of 256 threads encodes TQ_TV vectors (tq_common.cuh's
@@ -45,17 +46,7 @@ for (int e = tid; e < TQ_TV * D; e += 256) {
 }
 __syncthreads();
 float acc[4][CH * 4];
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    const int col = (k / 4) * 128 + tx * 4 + k % 4;
-    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-  }
-}
-if (ROTATE) {
-  tq_ordered_gemm<D, false>(acc, V, rotation, Bs);
-}
+tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 unsigned code[4][CH * 4];
 #pragma unroll
 for (int a = 0; a < 4; ++a) {

@@ -1,6 +1,7 @@
 // tq_rvq_encode: TurboQuant-RVQ, x T [N, D] -> codes1 uint8 [N, D*B1_BITS/8],
 // codes2 uint8 [N, D*B2_BITS/8], norms float16 [N]. rotation float32 [D, D]
-// (row-major Π; not read unless ROTATE), centroids1 float32 [2^B1_BITS] and
+// (row-major Π), or [D] (HADAMARD: the signs of a Hadamard rotation,
+// by butterflies); not read unless ROTATE, centroids1 float32 [2^B1_BITS] and
 // centroids2 float32 [2^B2_BITS] sorted, params = {N}. A block of 256 threads
 // encodes TQ_TV vectors (tq_common.cuh's tiles): norms, u = x/‖x‖, y = Π u,
 // the first code, the residual's code, both packed. Arithmetic matches
@@ -10,7 +11,7 @@ constexpr int CH = TQ_CHUNKS(D);
 constexpr int K1 = 1 << B1_BITS;
 constexpr int K2 = 1 << B2_BITS;
 __shared__ float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[ROTATE ? TQ_BS(D) : 4];
+__shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
 __shared__ float s_norm[TQ_TV];
 __shared__ float cent1[K1];
 __shared__ float bounds1[K1];
@@ -47,17 +48,7 @@ for (int e = tid; e < TQ_TV * D; e += 256) {
 }
 __syncthreads();
 float acc[4][CH * 4];
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    const int col = (k / 4) * 128 + tx * 4 + k % 4;
-    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-  }
-}
-if (ROTATE) {
-  tq_ordered_gemm<D, false>(acc, V, rotation, Bs);
-}
+tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 unsigned code1[4][CH * 4];
 unsigned code2[4][CH * 4];
 #pragma unroll

@@ -28,3 +28,32 @@ inline float tq_norm(threadgroup const float* v, int n) {
   const float rem = ((hi - rr) - rre) + lo;
   return r + rem / (2.0f * r);
 }
+
+// (Π u)_i for this thread's coordinate i of u (threadgroup memory, one
+// thread per coordinate, D threads; every thread must call it): the dense
+// row-major Π [D, D] summed in order, or with `hadamard` the ±1 signs s [D]
+// of Π u = H (s ⊙ u) / √D, by butterflies on u in place (both operands of a
+// pair read before a barrier, written after it): quant::rotation::fwht's
+// order, bit for bit the CPU's.
+template <int D>
+inline float tq_rotate_coord(threadgroup float* u, int i, const device float* rotation, bool hadamard) {
+#pragma clang fp contract(off)
+  if (hadamard) {
+    u[i] = u[i] * rotation[i];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    for (int h = 1; h < D; h *= 2) {
+      const int lo = i & ~h;
+      const float a = u[lo];
+      const float b = u[lo + h];
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      u[i] = (i & h) ? a - b : a + b;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    return u[i] * (1.0f / precise::sqrt(float(D)));
+  }
+  float y = 0.0f;
+  for (int j = 0; j < D; ++j) {
+    y += rotation[i * D + j] * u[j];
+  }
+  return y;
+}

@@ -1,6 +1,7 @@
 // tq_prod_encode: TurboQuant-Prod, x T [N, D] -> codes uint8 [N, D*(B_BITS-1)/8],
 // signs uint8 [N, D/8], norms float16 [N], residual_norms float16 [N].
-// rotation float32 [D, D] (row-major Π; not read unless ROTATE), centroids
+// rotation float32 [D, D] (row-major Π), or [D] (HADAMARD: the signs of a
+// Hadamard rotation, by butterflies); not read unless ROTATE, centroids
 // float32 [2^(B_BITS-1)] sorted, sketch float32 [D, D], params = {N}. With
 // B_BITS = 1 there are no MSE bits: codes and residual_norms are 1-element
 // placeholders the body never writes. One threadgroup of D threads per vector:
@@ -36,13 +37,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 const float s = s_norm[0];
 u[i] = s > 0.0f ? xi / s : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float y = u[i];
-if (ROTATE) {
-  y = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    y += rotation[i * D + j] * u[j];
-  }
-}
+float y = ROTATE ? tq_rotate_coord<D>(u, i, rotation, HADAMARD) : u[i];
 if (MSE_BITS > 0) {
   int code = 0;
   for (int k = 0; k < K - 1; ++k) {

@@ -1,6 +1,7 @@
 // tq_rvq_encode: TurboQuant-RVQ, x T [N, D] -> codes1 uint8 [N, D*B1_BITS/8],
 // codes2 uint8 [N, D*B2_BITS/8], norms float16 [N]. rotation float32 [D, D]
-// (row-major Π; not read unless ROTATE), centroids1 float32 [2^B1_BITS] and
+// (row-major Π), or [D] (HADAMARD: the signs of a
+// Hadamard rotation, by butterflies); not read unless ROTATE, centroids1 float32 [2^B1_BITS] and
 // centroids2 float32 [2^B2_BITS] sorted, params = {N}. One threadgroup of D
 // threads per vector: norm, y = Π x/‖x‖, code a of y by centroids1's
 // boundaries, code b of y - centroids1[a] by centroids2's, both packed, with no
@@ -38,13 +39,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 const float s = s_norm[0];
 u[i] = s > 0.0f ? xi / s : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float y = u[i];
-if (ROTATE) {
-  y = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    y += rotation[i * D + j] * u[j];
-  }
-}
+const float y = ROTATE ? tq_rotate_coord<D>(u, i, rotation, HADAMARD) : u[i];
 int a = 0;
 for (int k = 0; k < K1 - 1; ++k) {
   a += bounds1[k] < y ? 1 : 0;

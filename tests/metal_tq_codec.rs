@@ -62,15 +62,29 @@ fn bits_of(v: &[f16]) -> Vec<u16> {
 
 fn maybe_rotation(rot: Option<&[f32]>, d: usize) -> HostArray {
     match rot {
+        // A Hadamard rotation's signs (encoders only).
+        Some(r) if r.len() == d => HostArray::new(&[d], r),
         Some(r) => HostArray::new(&[d, d], r),
         None => HostArray::new(&[1], &[0.0f32]),
     }
 }
 
-fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool) {
+/// The rotation an encoder takes and the dense `Π` the decoder takes: a
+/// Hadamard rotation's signs and its matrix, or one dense rotation for both.
+fn rotations(d: usize, seed: u64, hadamard: bool) -> (Vec<f32>, Vec<f32>) {
+    if hadamard {
+        let r = veloxquant::quant::Rotation::hadamard(d, seed).unwrap();
+        (r.signs().to_vec(), r.to_dense())
+    } else {
+        let r = rotation(d, seed);
+        (r.clone(), r)
+    }
+}
+
+fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool, hadamard: bool) {
     let mb = bits - 1;
-    let rot_v = rotation(d, 11 + d as u64);
-    let rot = rotate.then_some(rot_v.as_slice());
+    let (enc_v, dec_v) = rotations(d, 11 + d as u64, hadamard);
+    let (rot, dec_rot) = (rotate.then_some(enc_v.as_slice()), rotate.then_some(dec_v.as_slice()));
     let cent: Vec<f32> = if mb > 0 { ScalarCodebook::sphere(d, mb).unwrap().centroids().to_vec() } else { Vec::new() };
     let sketch = Sketch::new(d, d, true, 5).s;
     let x: Vec<T> = conv(&input(n, d, (n * 10 + d) as u64 + u64::from(bits), T::DTYPE == Dtype::F32));
@@ -78,7 +92,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool) {
     let (mut codes, mut signs) = (vec![0u8; n * cb], vec![0u8; n * d / 8]);
     let (mut norms, mut rnorms) = (vec![f16::ZERO; n], vec![f16::ZERO; if mb > 0 { n } else { 0 }]);
     tq::tq_prod_encode(&x, rot, &cent, &sketch, d, mb, &mut codes, &mut signs, &mut norms, &mut rnorms);
-    let tag = format!("{:?} n={n} d={d} bits={bits} rotate={rotate}", T::DTYPE);
+    let tag = format!("{:?} n={n} d={d} bits={bits} rotate={rotate} hadamard={hadamard}", T::DTYPE);
     if n == 0 {
         // The host launches nothing.
         return;
@@ -103,6 +117,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool) {
         .template("D", TemplateArg::Int(d as i32))
         .template("B_BITS", TemplateArg::Int(bits as i32))
         .template("ROTATE", TemplateArg::Bool(rotate))
+        .template("HADAMARD", TemplateArg::Bool(hadamard))
         .grid((n * d) as u32, 1, 1)
         .threadgroup(d as u32, 1, 1)
         .run()
@@ -122,7 +137,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool) {
     // Decode what the CPU stored, into T.
     let scale = tq::prod_scale(d);
     let mut want = vec![T::default(); n * d];
-    tq::tq_prod_decode(&codes, &signs, &norms, &rnorms, rot, &cent, &sketch, d, mb, scale, &mut want);
+    tq::tq_prod_decode(&codes, &signs, &norms, &rnorms, dec_rot, &cent, &sketch, d, mb, scale, &mut want);
     let out = kernel(
         "tq_prod_decode",
         &["codes", "signs", "norms", "residual_norms", "rotation", "centroids", "sketch", "params"],
@@ -133,7 +148,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool) {
     .input(HostArray::new(&[n, d / 8], &signs))
     .input(HostArray::new(&[n], &norms))
     .input(if mb > 0 { HostArray::new(&[n], &rnorms) } else { HostArray::new(&[1], &[f16::ZERO]) })
-    .input(maybe_rotation(rot, d))
+    .input(maybe_rotation(dec_rot, d))
     .input(cent_in)
     .input(HostArray::new(&[d, d], &sketch))
     .input(HostArray::new(&[2], &[n as u32, scale.to_bits()]))
@@ -154,26 +169,30 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool) {
 #[test]
 fn tq_prod_matches_cpu() {
     for n in [0, 1, 37] {
-        prod_case::<f32>(n, 64, 3, true);
+        prod_case::<f32>(n, 64, 3, true, false);
     }
-    prod_case::<f32>(37, 64, 1, true);
-    prod_case::<f32>(37, 128, 2, true);
-    prod_case::<f16>(37, 128, 4, true);
-    prod_case::<bf16>(37, 64, 5, true);
-    prod_case::<f32>(9, 256, 9, true);
-    prod_case::<f32>(37, 96, 4, false);
+    prod_case::<f32>(37, 64, 1, true, false);
+    prod_case::<f32>(37, 128, 2, true, false);
+    prod_case::<f16>(37, 128, 4, true, false);
+    prod_case::<bf16>(37, 64, 5, true, false);
+    prod_case::<f32>(9, 256, 9, true, false);
+    prod_case::<f32>(37, 96, 4, false, false);
+    // A Hadamard rotation passed as its signs: the encoder's butterflies.
+    prod_case::<f32>(37, 128, 4, true, true);
+    prod_case::<f16>(37, 64, 2, true, true);
+    prod_case::<bf16>(9, 256, 9, true, true);
 }
 
-fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bool) {
-    let rot_v = rotation(d, 3 + d as u64);
-    let rot = rotate.then_some(rot_v.as_slice());
+fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bool, hadamard: bool) {
+    let (enc_v, dec_v) = rotations(d, 3 + d as u64, hadamard);
+    let (rot, dec_rot) = (rotate.then_some(enc_v.as_slice()), rotate.then_some(dec_v.as_slice()));
     let c1 = ScalarCodebook::sphere(d, bits.0).unwrap().centroids().to_vec();
     let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
     let x: Vec<T> = conv(&input(n, d, (n * 7 + d) as u64 + u64::from(bits.0 * 10 + bits.1), T::DTYPE == Dtype::F32));
     let (b1, b2) = (d * bits.0 as usize / 8, d * bits.1 as usize / 8);
     let (mut k1, mut k2, mut norms) = (vec![0u8; n * b1], vec![0u8; n * b2], vec![f16::ZERO; n]);
     tq::tq_rvq_encode(&x, rot, &c1, &c2, d, bits, &mut k1, &mut k2, &mut norms);
-    let tag = format!("{:?} n={n} d={d} bits={bits:?} rotate={rotate}", T::DTYPE);
+    let tag = format!("{:?} n={n} d={d} bits={bits:?} rotate={rotate} hadamard={hadamard}", T::DTYPE);
     if n == 0 {
         return;
     }
@@ -194,7 +213,8 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
         .output(&[n, b1], Dtype::U8)
         .output(&[n, b2], Dtype::U8)
         .output(&[n], Dtype::F16)
-        .template("T", TemplateArg::Dtype(T::DTYPE));
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("HADAMARD", TemplateArg::Bool(hadamard));
     for (name, arg) in template {
         run = run.template(name, arg);
     }
@@ -207,7 +227,7 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
     assert_eq!(out[1].to_vec::<u8>(), k2, "codes2 {tag}");
     assert_eq!(bits_of(&out[2].to_vec::<f16>()), bits_of(&norms), "norms {tag}");
     let mut want = vec![T::default(); n * d];
-    tq::tq_rvq_decode(&k1, &k2, &norms, rot, &c1, &c2, d, bits, &mut want);
+    tq::tq_rvq_decode(&k1, &k2, &norms, dec_rot, &c1, &c2, d, bits, &mut want);
     let dec = kernel(
         "tq_rvq_decode",
         &["codes1", "codes2", "norms", "rotation", "centroids1", "centroids2", "params"],
@@ -218,7 +238,7 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
     .input(HostArray::new(&[n, b1], &k1))
     .input(HostArray::new(&[n, b2], &k2))
     .input(HostArray::new(&[n], &norms))
-    .input(maybe_rotation(rot, d))
+    .input(maybe_rotation(dec_rot, d))
     .input(HostArray::new(&[c1.len()], &c1))
     .input(HostArray::new(&[c2.len()], &c2))
     .input(HostArray::new(&[1], &[n as u32]))
@@ -240,14 +260,18 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
 #[test]
 fn tq_rvq_matches_cpu() {
     for n in [0, 1, 37] {
-        rvq_case::<f32>(n, 64, (2, 2), true);
+        rvq_case::<f32>(n, 64, (2, 2), true, false);
     }
-    rvq_case::<f32>(37, 64, (1, 1), true);
-    rvq_case::<f32>(37, 128, (1, 8), true);
-    rvq_case::<f16>(37, 128, (4, 3), true);
-    rvq_case::<bf16>(37, 64, (3, 4), true);
-    rvq_case::<f32>(9, 256, (8, 2), true);
-    rvq_case::<f32>(37, 80, (2, 1), false);
+    rvq_case::<f32>(37, 64, (1, 1), true, false);
+    rvq_case::<f32>(37, 128, (1, 8), true, false);
+    rvq_case::<f16>(37, 128, (4, 3), true, false);
+    rvq_case::<bf16>(37, 64, (3, 4), true, false);
+    rvq_case::<f32>(9, 256, (8, 2), true, false);
+    rvq_case::<f32>(37, 80, (2, 1), false, false);
+    // A Hadamard rotation passed as its signs: the encoder's butterflies.
+    rvq_case::<f32>(37, 128, (2, 2), true, true);
+    rvq_case::<f16>(37, 64, (4, 3), true, true);
+    rvq_case::<bf16>(9, 256, (1, 8), true, true);
 }
 
 /// tq_norm.h's `tq_norm` (float32 only) against crate::quant's float64

@@ -292,3 +292,45 @@ fn bad_input_names_the_argument() {
     let swapped = RvqCodes { codes1: r.codes2, codes2: r.codes1, norms: r.norms };
     assert!(msg(tq_rvq_decode(&swapped, None, &cb, &c2, (2, 1), d, Dtype::F32, &o).unwrap_err()).starts_with("codes1: shape"));
 }
+
+/// Hadamard quantizers: the fused encoders given the rotation's signs
+/// (`rotation.signs`, `[d]`) run the same butterflies as
+/// `Rotation::forward`, so they reproduce the quantizers byte for byte, where
+/// the dense matrix of the same rotation would round differently.
+#[test]
+fn hadamard_signs_encode_as_the_quantizers_byte_for_byte() {
+    for &(n, d, seed) in &[(37usize, 64usize, 3u64), (20, 128, 4), (5, 256, 5)] {
+        let xf = gaussian(n, d, seed + 300);
+        let x = arr(&xf, &[n, d]);
+        for bits in [1u32, 3, 5] {
+            let q = TurboQuantProd::new(d, bits, RotationKind::Hadamard, seed).unwrap();
+            let enc = q.encode(&xf).unwrap();
+            let signs = arr(&q.to_artifact().f32s("rotation.signs", &[d]).unwrap(), &[d]);
+            let (cb, sk) = prod_state(&q, d, bits);
+            let got = tq_prod_encode(&x, Some(&signs), cb.as_ref(), &sk, bits, &opts(Policy::Require)).unwrap();
+            let tag = format!("prod n={n} d={d} bits={bits}");
+            assert_eq!(got.signs.to_vec::<u8>().unwrap(), buffer(&enc, "signs"), "signs {tag}");
+            assert_eq!(bytes_f16(&got.norms), buffer(&enc, "norms"), "norms {tag}");
+            if let Some(codes) = &got.codes {
+                assert_eq!(codes.to_vec::<u8>().unwrap(), buffer(&enc, "codes"), "codes {tag}");
+            }
+        }
+        for bits in [(2u32, 2u32), (4, 3)] {
+            let q = TurboQuantRvq::new(d, bits.0, bits.1, RotationKind::Hadamard, seed).unwrap();
+            let enc = q.encode(&xf).unwrap();
+            let a = q.to_artifact();
+            let signs = arr(&a.f32s("rotation.signs", &[d]).unwrap(), &[d]);
+            let c1 = arr(&a.f32s("codebook1", &[1 << bits.0]).unwrap(), &[1 << bits.0]);
+            let c2 = arr(&a.f32s("codebook2", &[1 << bits.1]).unwrap(), &[1 << bits.1]);
+            let got = tq_rvq_encode(&x, Some(&signs), &c1, &c2, bits, &opts(Policy::Require)).unwrap();
+            let tag = format!("rvq n={n} d={d} bits={bits:?}");
+            assert_eq!(got.codes1.to_vec::<u8>().unwrap(), buffer(&enc, "codes1"), "codes1 {tag}");
+            assert_eq!(got.codes2.to_vec::<u8>().unwrap(), buffer(&enc, "codes2"), "codes2 {tag}");
+            assert_eq!(bytes_f16(&got.norms), buffer(&enc, "norms"), "norms {tag}");
+            // The reference graph multiplies by the dense matrix instead.
+            let off = tq_rvq_encode(&x, Some(&signs), &c1, &c2, bits, &opts(Policy::Off)).unwrap();
+            let differ = off.codes1.to_vec::<u8>().unwrap().iter().zip(buffer(&enc, "codes1")).filter(|(a, b)| a != b).count();
+            assert!(differ * 100 <= n * d, "reference codes1 {tag}: {differ} bytes differ");
+        }
+    }
+}

@@ -94,3 +94,43 @@ fn gpu_rvq_is_bit_identical_to_cpu() {
         }
     }
 }
+
+/// The encoders given a Hadamard rotation's signs (butterflies on the GPU
+/// tile) against the CPU kernels: bit-identical.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_hadamard_encoders_are_bit_identical_to_cpu() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    for &(d, dtype) in &[(64usize, Dtype::F32), (128, Dtype::F16), (256, Dtype::BF16)] {
+        let mut rng = ChaCha8Rng::seed_from_u64(d as u64 + 77);
+        let x = normal(&mut rng, &[3, 171, d as i32], dtype);
+        let r = veloxquant::quant::Rotation::hadamard(d, 6).unwrap();
+        let signs = f32_array(r.signs(), &[d as i32]);
+        let sk = f32_array(&Sketch::new(d, d, true, 2).s, &[d as i32, d as i32]);
+        for &bits in &PROD_BITS {
+            let tag = format!("prod d={d} {dtype} bits={bits}");
+            let cb = (bits > 1).then(|| {
+                let c = ScalarCodebook::sphere(d, bits - 1).unwrap().centroids().to_vec();
+                f32_array(&c, &[c.len() as i32])
+            });
+            let g = tq_prod_encode(&x, Some(&signs), cb.as_ref(), &sk, bits, &on(&gpu)).unwrap();
+            let c = tq_prod_encode(&x, Some(&signs), cb.as_ref(), &sk, bits, &on(&Stream::cpu())).unwrap();
+            assert_eq!(count_differing(&bytes(&g.signs), &bytes(&c.signs)), 0, "signs {tag}");
+            assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
+            if let (Some(gc), Some(cc)) = (&g.codes, &c.codes) {
+                assert_eq!(count_differing(&bytes(gc), &bytes(cc)), 0, "codes {tag}");
+            }
+        }
+        for &bits in &[(2u32, 2u32), (4, 3), (1, 8)] {
+            let tag = format!("rvq d={d} {dtype} bits={bits:?}");
+            let c1 = ScalarCodebook::sphere(d, bits.0).unwrap().centroids().to_vec();
+            let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
+            let (c1, c2) = (f32_array(&c1, &[c1.len() as i32]), f32_array(&c2, &[c2.len() as i32]));
+            let g = tq_rvq_encode(&x, Some(&signs), &c1, &c2, bits, &on(&gpu)).unwrap();
+            let c = tq_rvq_encode(&x, Some(&signs), &c1, &c2, bits, &on(&Stream::cpu())).unwrap();
+            assert_eq!(count_differing(&bytes(&g.codes1), &bytes(&c.codes1)), 0, "codes1 {tag}");
+            assert_eq!(count_differing(&bytes(&g.codes2), &bytes(&c.codes2)), 0, "codes2 {tag}");
+            assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
+        }
+    }
+}

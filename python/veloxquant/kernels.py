@@ -218,7 +218,9 @@ def tq_prod_encode(
     """TurboQuant-Prod encoding of ``x [..., d]`` (d a multiple of 8 up to 256;
     bits in 1, 2, 3, 4, 5, 9) in one fused kernel: ``(codes, signs, norms,
     residual_norms)``, the buffers of ``TurboQuantProd``'s encoding. ``rotation``
-    is the float32 ``[d, d]`` matrix (``None`` when ``x`` is rotated already),
+    is the float32 ``[d, d]`` matrix, or a Hadamard rotation's float32 signs
+    ``[d]`` (d a power of two; butterflies, as :func:`tq_encode`), ``None``
+    when ``x`` is rotated already,
     ``centroids`` the sorted float32 codebook ``[2**(bits-1)]`` (``None`` at 1
     bit, where ``codes`` and ``residual_norms`` are ``None`` too), ``sketch``
     the float32 ``[d, d]`` QJL matrix."""
@@ -261,7 +263,10 @@ def tq_rvq_encode(
     """TurboQuant-RVQ encoding of ``x [..., d]`` in one fused kernel: ``(codes1,
     codes2, norms)``, the codes of the rotated unit vector in ``centroids1``
     (``bits1`` bits) and of its residual in ``centroids2`` (``bits2``), each
-    width 1, 2, 3, 4 or 8, as ``TurboQuantRvq``'s encoding."""
+    width 1, 2, 3, 4 or 8, as ``TurboQuantRvq``'s encoding. ``rotation`` is
+    the float32 ``[d, d]`` matrix, a Hadamard rotation's float32 signs ``[d]``
+    (d a power of two; butterflies), or ``None`` for vectors rotated
+    already."""
     return _native.tq_rvq_encode(x, rotation, centroids1, centroids2, bits1, bits2, policy=policy, device=_device(device))
 
 

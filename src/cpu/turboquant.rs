@@ -331,7 +331,7 @@ pub fn prod_scale(d: usize) -> f32 {
 
 /// Loads one row into `u`, normalizes it and writes `y = Π u` (zeros for a
 /// zero row). Returns the norm.
-fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&OrderedDots>, u: &mut [f32], y: &mut [f32]) -> f32 {
+fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&KernelRotation>, u: &mut [f32], y: &mut [f32]) -> f32 {
     for (uj, v) in u.iter_mut().zip(src) {
         *uj = v.to_f32();
     }
@@ -340,7 +340,7 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&OrderedDots>,
         *uj = if s > 0.0 { *uj / s } else { 0.0 };
     }
     match rotation {
-        Some(rot) => rot.apply(u, y),
+        Some(rot) => rot.forward(u, y),
         None => y.copy_from_slice(u),
     }
     s
@@ -416,7 +416,7 @@ pub fn tq_prod_encode<T: VqElement>(
         assert_eq!(centroids.len(), 1 << mse_bits, "centroids length");
     }
     let bounds = if mse_bits > 0 { super::scalar_boundaries(centroids) } else { Vec::new() };
-    let rot = rotation.map(|r| OrderedDots::new(r, d, d));
+    let rot = rotation.map(|r| KernelRotation::new(r, d));
     let sketch_dots = OrderedDots::new(sketch, d, d);
     let parts = super::parallel::map_row_ranges(n, 32, |first, count| {
         let mut out = EncodedRows {
@@ -524,7 +524,7 @@ pub fn tq_rvq_encode<T: VqElement>(
     assert_eq!((codes1.len(), codes2.len()), (n * b1, n * b2), "codes length");
     assert_eq!((first.len(), second.len()), (1 << bits.0, 1 << bits.1), "codebook lengths");
     let (bounds1, bounds2) = (super::scalar_boundaries(first), super::scalar_boundaries(second));
-    let rot = rotation.map(|r| OrderedDots::new(r, d, d));
+    let rot = rotation.map(|r| KernelRotation::new(r, d));
     let mut parts = super::parallel::map_row_ranges(n, 32, |row0, count| {
         let mut out = EncodedRows {
             codes: vec![0u8; count * b1],

@@ -12,7 +12,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::turboquant::check_head_dim;
+use super::turboquant::{check_encode_rotation, check_head_dim, dense_rotation};
 use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
@@ -156,7 +156,7 @@ fn normalize_rotate_reference(x: &Array, rotation: Option<&Array>, s: &Stream) -
     let tiny = Array::scalar_f32(f32::MIN_POSITIVE)?;
     let u = ops::divide(&xf, &ops::maximum(&norm, &tiny, s)?, s)?;
     let y = match rotation {
-        Some(r) => ops::matmul(&u, &ops::transpose(r, &[1, 0], s)?, s)?,
+        Some(r) => ops::matmul(&u, &ops::transpose(&dense_rotation(r, s)?, &[1, 0], s)?, s)?,
         None => u,
     };
     Ok((norm, y))
@@ -180,7 +180,8 @@ fn unrotate_reference(y: &Array, rotation: Option<&Array>, norms: &Array, dtype:
 
 /// TurboQuant-Prod encoding of `x` `[..., d]` (float32, float16 or bfloat16;
 /// `d` a multiple of 8 up to 256) with `bits` in [`PROD_BITS`]: `rotation` `Π`
-/// float32 `[d, d]` (`None` when `x` is rotated already), `centroids` the
+/// float32 `[d, d]`, or the ±1 signs `[d]` of a Hadamard rotation (`d` a power
+/// of two; butterflies, as `tq_encode`), `None` when `x` is rotated already; `centroids` the
 /// sorted float32 codebook `[2^(bits−1)]` (`None` at 1 bit), `sketch` `S`
 /// float32 `[d, d]`.
 pub fn tq_prod_encode(
@@ -195,7 +196,7 @@ pub fn tq_prod_encode(
     let stream = opts.resolve_stream()?;
     let rows = vector_rows("x", x, &stream)?;
     let (n, d) = (rows.n, rows.d);
-    check_rotation(rotation, d)?;
+    let hadamard = check_encode_rotation(rotation, d)?;
     match (centroids, mse_bits) {
         (Some(c), 1..) => check_array("centroids", c, Dtype::F32, &[1 << mse_bits])?,
         (None, 1..) => return Err(Error::invalid("centroids", format!("a codebook of {} entries is needed", 1 << mse_bits))),
@@ -292,6 +293,7 @@ pub fn tq_prod_encode(
                         ("D", TemplateArg::Int(d as i32)),
                         ("B_BITS", TemplateArg::Int(bits as i32)),
                         ("ROTATE", TemplateArg::Bool(rotate)),
+                        ("HADAMARD", TemplateArg::Bool(hadamard)),
                     ],
                     &stream,
                 )?
@@ -461,8 +463,9 @@ fn check_rvq_codebooks(c1: &Array, c2: &Array, bits: (u32, u32)) -> Result<()> {
 }
 
 /// TurboQuant-RVQ encoding of `x` `[..., d]` (float32, float16 or bfloat16;
-/// `d` a multiple of 8 up to 256): `rotation` `Π` float32 `[d, d]` (`None`
-/// when `x` is rotated already), the sorted float32 codebooks `centroids1`
+/// `d` a multiple of 8 up to 256): `rotation` `Π` float32 `[d, d]`, or the ±1
+/// signs `[d]` of a Hadamard rotation (`d` a power of two; butterflies, as
+/// `tq_encode`), `None` when `x` is rotated already; the sorted float32 codebooks `centroids1`
 /// `[2^bits.0]` and `centroids2` `[2^bits.1]` (each width 1, 2, 3, 4 or 8).
 pub fn tq_rvq_encode(
     x: &Array,
@@ -476,7 +479,7 @@ pub fn tq_rvq_encode(
     let s = &stream;
     let rows = vector_rows("x", x, s)?;
     let (n, d) = (rows.n, rows.d);
-    check_rotation(rotation, d)?;
+    let hadamard = check_encode_rotation(rotation, d)?;
     check_rvq_codebooks(centroids1, centroids2, bits)?;
     let imp = select(&RVQ_ENCODE, opts.policy, s)?;
     let (b1, b2) = (d * bits.0 as usize / 8, d * bits.1 as usize / 8);
@@ -537,6 +540,7 @@ pub fn tq_rvq_encode(
                     ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
                     ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
                     ("ROTATE", TemplateArg::Bool(rotate)),
+                    ("HADAMARD", TemplateArg::Bool(hadamard)),
                 ],
                 s,
             )?

@@ -43,6 +43,37 @@ pub fn check_head_dim(argument: &'static str, d: usize) -> Result<()> {
     Ok(())
 }
 
+/// Checks an encoder's rotation input: `Π` float32 `[d, d]`, or the ±1 signs
+/// float32 `[d]` of a Hadamard rotation (`d` a power of two). True for signs.
+pub(crate) fn check_encode_rotation(rotation: Option<&Array>, d: usize) -> Result<bool> {
+    let Some(r) = rotation else { return Ok(false) };
+    if r.ndim() == 1 {
+        if !d.is_power_of_two() {
+            return Err(Error::invalid(
+                "rotation",
+                format!("Hadamard signs need a power-of-two head dimension, not {d}; pass the dense [d, d] matrix"),
+            ));
+        }
+        check_f32("rotation", r, &[d as i32])?;
+        Ok(true)
+    } else {
+        check_f32("rotation", r, &[d as i32, d as i32])?;
+        Ok(false)
+    }
+}
+
+/// A rotation input as the dense `Π` the reference graphs multiply by: the
+/// matrix itself, or `H diag(s) / √d` from Hadamard signs `s` (plain ops).
+pub(crate) fn dense_rotation(r: &Array, s: &Stream) -> Result<Array> {
+    if r.ndim() != 1 {
+        return Ok(r.clone());
+    }
+    let d = r.shape()[0] as usize;
+    let h = Array::from_slice(&crate::quant::rotation::sylvester_hadamard(d), &[d as i32, d as i32])?;
+    let scale = Array::scalar_f32(1.0 / (d as f32).sqrt())?;
+    ops::multiply(&ops::multiply(&h, &ops::reshape(r, &[1, d as i32], s)?, s)?, &scale, s)
+}
+
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
 /// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), the ±1 signs of a
 /// Hadamard rotation (float32 `[d]`, `d` a power of two: `Π u = H (s ⊙ u) /
@@ -58,20 +89,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
     let d = *xs.last().expect("ndim >= 1") as usize;
     check_head_dim("x", d)?;
     check_bits("bits", bits)?;
-    let hadamard = rotation.is_some_and(|r| r.ndim() == 1);
-    if let Some(r) = rotation {
-        if hadamard {
-            if !d.is_power_of_two() {
-                return Err(Error::invalid(
-                    "rotation",
-                    format!("Hadamard signs need a power-of-two head dimension, not {d}; pass the dense [d, d] matrix"),
-                ));
-            }
-            check_f32("rotation", r, &[d as i32])?;
-        } else {
-            check_f32("rotation", r, &[d as i32, d as i32])?;
-        }
-    }
+    let hadamard = check_encode_rotation(rotation, d)?;
     // Bodies always take a `rotation` input; without one they never read it,
     // so any device array stands in (not a new host array per call).
     let rot_input = rotation.unwrap_or(centroids);
@@ -145,15 +163,7 @@ fn encode_reference(x: &Array, rotation: Option<&Array>, centroids: &Array, bits
     let tiny = Array::scalar_f32(f32::MIN_POSITIVE)?;
     let u = ops::divide(&xf, &ops::maximum(&norm, &tiny, s)?, s)?;
     let y = match rotation {
-        Some(r) if r.ndim() == 1 => {
-            // Π = H diag(s) / √d as a dense matrix: the reference's plain ops.
-            let d = r.shape()[0] as usize;
-            let h = Array::from_slice(&crate::quant::rotation::sylvester_hadamard(d), &[d as i32, d as i32])?;
-            let scale = Array::scalar_f32(1.0 / (d as f32).sqrt())?;
-            let pi = ops::multiply(&ops::multiply(&h, &ops::reshape(r, &[1, d as i32], s)?, s)?, &scale, s)?;
-            ops::matmul(&u, &ops::transpose(&pi, &[1, 0], s)?, s)?
-        }
-        Some(r) => ops::matmul(&u, &ops::transpose(r, &[1, 0], s)?, s)?,
+        Some(r) => ops::matmul(&u, &ops::transpose(&dense_rotation(r, s)?, &[1, 0], s)?, s)?,
         None => u,
     };
     let dist = ops::square(&ops::subtract(&ops::expand_dims(&y, -1, s)?, centroids, s)?, s)?;
