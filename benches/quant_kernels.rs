@@ -254,6 +254,12 @@ fn main() {
             xb,
         ),
         (
+            "tq_prod_decode b=4 Hadamard signs (butterflies)",
+            Box::new(|o| vec![tq_prod_decode(&prod, Some(&hadamard_signs), Some(&cent3), &tq_sketch, 4, dtype, o).unwrap()]),
+            n * (D / 2 + 4) + D * D * 4 + D * 4,
+            xb,
+        ),
+        (
             "tq_rvq_encode b=2+2",
             Box::new(|o| {
                 let e = tq_rvq_encode(&x, Some(&rot), &cent_a, &cent_b, (2, 2), o).unwrap();
@@ -277,6 +283,12 @@ fn main() {
             n * (D / 2 + 2) + D * D * 4,
             xb,
         ),
+        (
+            "tq_rvq_decode b=2+2 Hadamard signs (butterflies)",
+            Box::new(|o| vec![tq_rvq_decode(&rvq, Some(&hadamard_signs), &cent_a, &cent_b, (2, 2), D, dtype, o).unwrap()]),
+            n * (D / 2 + 2) + D * 4,
+            xb,
+        ),
     ];
     let mib = |b: usize| b as f64 / (1024.0 * 1024.0);
     // Float32 instructions the in-order, fma-free arithmetic cannot avoid.
@@ -290,9 +302,11 @@ fn main() {
             "pq_encode" => 3.0 * nf * df * 256.0,
             // Rotation and sketch products, D x D multiply-adds each.
             // Butterflies: D log2 D adds, then the scale (and Prod's sketch product).
-            "tq_prod_encode" if name.contains("Hadamard") => 2.0 * nf * df * df + nf * df * (df.log2() + 1.0),
+            "tq_prod_encode" | "tq_prod_decode" if name.contains("Hadamard") => {
+                2.0 * nf * df * df + nf * df * (df.log2() + 1.0)
+            }
             "tq_prod_encode" | "tq_prod_decode" => 4.0 * nf * df * df,
-            "tq_encode" | "tq_rvq_encode" if name.contains("Hadamard") => nf * df * (df.log2() + 1.0),
+            "tq_encode" | "tq_rvq_encode" | "tq_rvq_decode" if name.contains("Hadamard") => nf * df * (df.log2() + 1.0),
             "tq_encode" | "tq_rvq_encode" | "tq_rvq_decode" => 2.0 * nf * df * df,
             _ => 0.0,
         }

@@ -115,13 +115,32 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
   }
 }
 
+// V ← H V for each of the tile's vectors (columns; D a power of two): the
+// unnormalized Walsh–Hadamard butterflies in place, a stage per barrier with
+// each pair owned by one thread (read, then written): quant::rotation::fwht's
+// order, bit for bit the CPU's. Ends with a barrier.
+template <int D>
+__device__ __forceinline__ void tq_butterflies(float* V) {
+#pragma unroll
+  for (int h = 1; h < D; h *= 2) {
+    for (int e = threadIdx.x; e < TQ_TV * D / 2; e += 256) {
+      const int v = e % TQ_TV;
+      const int p = e / TQ_TV;
+      const int lo = (p / h) * 2 * h + p % h;
+      const float a = V[lo * TQ_VS + v];
+      const float b = V[(lo + h) * TQ_VS + v];
+      V[lo * TQ_VS + v] = __fadd_rn(a, b);
+      V[(lo + h) * TQ_VS + v] = __fsub_rn(a, b);
+    }
+    __syncthreads();
+  }
+}
+
 // acc ← the tile's y = Π u for the vectors' u in V (this lane's columns, as
 // tq_ordered_gemm lays them out). Π: none (y = u) unless ROTATE; the dense
 // row-major m [D, D] by tq_ordered_gemm; or, with HADAMARD, H (s ⊙ u) / √D
 // from the ±1 signs m [D] (D a power of two), by butterflies on V in place,
-// a stage per barrier with each pair owned by one thread:
-// quant::rotation::fwht's order, bit for bit the CPU's. V must not be
-// rewritten before the next barrier.
+// as Rotation::forward. V must not be rewritten before the next barrier.
 template <int D, bool ROTATE, bool HADAMARD>
 __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V, const float* m,
                                                float* Bs) {
@@ -136,19 +155,7 @@ __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4]
       V[j * TQ_VS + v] = __fmul_rn(V[j * TQ_VS + v], m[j]);
     }
     __syncthreads();
-#pragma unroll
-    for (int h = 1; h < D; h *= 2) {
-      for (int e = tid; e < TQ_TV * D / 2; e += 256) {
-        const int v = e % TQ_TV;
-        const int p = e / TQ_TV;
-        const int lo = (p / h) * 2 * h + p % h;
-        const float a = V[lo * TQ_VS + v];
-        const float b = V[(lo + h) * TQ_VS + v];
-        V[lo * TQ_VS + v] = __fadd_rn(a, b);
-        V[(lo + h) * TQ_VS + v] = __fsub_rn(a, b);
-      }
-      __syncthreads();
-    }
+    tq_butterflies<D>(V);
     scale = __fdiv_rn(1.0f, __fsqrt_rn(float(D)));
   }
 #pragma unroll
@@ -162,6 +169,35 @@ __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4]
   }
   if constexpr (ROTATE && !HADAMARD) {
     tq_ordered_gemm<D, false>(acc, V, m, Bs);
+  }
+}
+
+// acc ← the tile's Πᵀ y for the vectors' y in V (layout as above): y unless
+// ROTATE; the dense m [D, D] transposed by tq_ordered_gemm; or, with
+// HADAMARD, s ⊙ (H y / √D) from the signs m [D], by butterflies on V in
+// place, as Rotation::inverse (scale, then sign). V must not be rewritten
+// before the next barrier.
+template <int D, bool ROTATE, bool HADAMARD>
+__device__ __forceinline__ void tq_unrotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V, const float* m,
+                                                 float* Bs) {
+  const int ty = threadIdx.x / 32;
+  const int tx = threadIdx.x % 32;
+  float scale = 1.0f;
+  if constexpr (ROTATE && HADAMARD) {
+    tq_butterflies<D>(V);
+    scale = __fdiv_rn(1.0f, __fsqrt_rn(float(D)));
+  }
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
+      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      const float y = col < D ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
+      acc[a][k] = !ROTATE ? y : (HADAMARD ? (col < D ? __fmul_rn(__fmul_rn(y, scale), m[col]) : 0.0f) : 0.0f);
+    }
+  }
+  if constexpr (ROTATE && !HADAMARD) {
+    tq_ordered_gemm<D, true>(acc, V, m, Bs);
   }
 }
 

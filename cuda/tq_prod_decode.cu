@@ -4,8 +4,8 @@
 // params = {N, float bits of scale = √(π/2)/D}. A block of 256 threads
 // decodes TQ_TV vectors (tq_common.cuh's tiles): the sketch product starts
 // from the centroid, its result goes back to shared memory for the rotation
-// product. Sums in order with round-to-nearest intrinsics, as
-// crate::cpu::turboquant.
+// product (with HADAMARD, rotation is the signs: butterflies instead). Sums
+// in order with round-to-nearest intrinsics, as crate::cpu::turboquant.
 constexpr int MSE_BITS = B_BITS - 1;
 constexpr int CODE_BYTES = D * MSE_BITS / 8;
 constexpr int CH = TQ_CHUNKS(D);
@@ -55,6 +55,6 @@ if (ROTATE) {
     }
   }
   __syncthreads();
-  tq_ordered_gemm<D, true>(acc, V, rotation, Bs);
+  tq_unrotate_tile<D, true, HADAMARD>(acc, V, rotation, Bs);
 }
 tq_store_tile<D>(acc, y, norms, v0, n);

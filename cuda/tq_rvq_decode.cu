@@ -1,10 +1,12 @@
 // tq_rvq_decode: inverse of tq_rvq_encode, -> y T [N, D] =
-// ‖x‖ Πᵀ (centroids1[a] + centroids2[b]). params = {N}. A block of 256
-// threads decodes TQ_TV vectors (tq_common.cuh's tiles); sums in order with
-// round-to-nearest intrinsics, as crate::cpu::turboquant.
+// ‖x‖ Πᵀ (centroids1[a] + centroids2[b]); rotation [D, D], or [D] with
+// HADAMARD (the signs: Πᵀ y = s ⊙ (H y / √D) by butterflies). params =
+// {N}. A block of 256 threads decodes TQ_TV vectors (tq_common.cuh's
+// tiles); sums in order with round-to-nearest intrinsics, as
+// crate::cpu::turboquant.
 constexpr int CH = TQ_CHUNKS(D);
 __shared__ float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[ROTATE ? TQ_BS(D) : 4];
+__shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
 const uint32_t n = params[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
@@ -23,15 +25,5 @@ for (int e = tid; e < TQ_TV * D; e += 256) {
 }
 __syncthreads();
 float acc[4][CH * 4];
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    const int col = (k / 4) * 128 + tx * 4 + k % 4;
-    acc[a][k] = (!ROTATE && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-  }
-}
-if (ROTATE) {
-  tq_ordered_gemm<D, true>(acc, V, rotation, Bs);
-}
+tq_unrotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 tq_store_tile<D>(acc, y, norms, v0, n);

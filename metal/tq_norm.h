@@ -57,3 +57,28 @@ inline float tq_rotate_coord(threadgroup float* u, int i, const device float* ro
   }
   return y;
 }
+
+// (Πᵀ y)_i for this thread's coordinate i of y (threadgroup memory, D
+// threads, every one calling): the dense Π [D, D] walked down column i in
+// order, or with `hadamard` the signs s [D]: s_i (H y / √D)_i by butterflies
+// on y in place, as Rotation::inverse (scale, then sign).
+template <int D>
+inline float tq_unrotate_coord(threadgroup float* y, int i, const device float* rotation, bool hadamard) {
+#pragma clang fp contract(off)
+  if (hadamard) {
+    for (int h = 1; h < D; h *= 2) {
+      const int lo = i & ~h;
+      const float a = y[lo];
+      const float b = y[lo + h];
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+      y[i] = (i & h) ? a - b : a + b;
+      threadgroup_barrier(mem_flags::mem_threadgroup);
+    }
+    return y[i] * (1.0f / precise::sqrt(float(D))) * rotation[i];
+  }
+  float o = 0.0f;
+  for (int k = 0; k < D; ++k) {
+    o += rotation[k * D + i] * y[k];
+  }
+  return o;
+}

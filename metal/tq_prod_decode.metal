@@ -30,11 +30,5 @@ for (int k = 0; k < D; ++k) {
 }
 yr[i] = yi;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float o = yi;
-if (ROTATE) {
-  o = 0.0f;
-  for (int k = 0; k < D; ++k) {
-    o += rotation[k * D + i] * yr[k];
-  }
-}
+const float o = ROTATE ? tq_unrotate_coord<D>(yr, i, rotation, HADAMARD) : yi;
 y[ulong(v) * D + i] = T(o * float(norms[v]));

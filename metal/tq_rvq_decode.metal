@@ -1,5 +1,6 @@
 // tq_rvq_decode: inverse of tq_rvq_encode, -> y T [N, D] =
-// ‖x‖ Πᵀ (centroids1[a] + centroids2[b]). params = {N}. One threadgroup of D
+// ‖x‖ Πᵀ (centroids1[a] + centroids2[b]); rotation [D, D], or [D] with
+// HADAMARD (the signs, by butterflies). params = {N}. One threadgroup of D
 // threads per vector; sums in order, no fma, as crate::cpu::turboquant.
 #pragma clang fp contract(off)
 threadgroup float yr[D];
@@ -14,11 +15,5 @@ const uint b = VQ_CODE_AT(codes2, ulong(v) * (D * B2_BITS / 8), uint(i), uint(B2
 const float yi = centroids1[a] + centroids2[b];
 yr[i] = yi;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float o = yi;
-if (ROTATE) {
-  o = 0.0f;
-  for (int k = 0; k < D; ++k) {
-    o += rotation[k * D + i] * yr[k];
-  }
-}
+const float o = ROTATE ? tq_unrotate_coord<D>(yr, i, rotation, HADAMARD) : yi;
 y[ulong(v) * D + i] = T(o * float(norms[v]));

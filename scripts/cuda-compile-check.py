@@ -92,7 +92,7 @@ KERNELS = {
     "tq_prod_decode": ("tq_prod_decode.cu", TQ,
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
                         ("rotation", "float"), ("centroids", "float"), ("sketch", "float"), ("params", "uint32_t")],
-                       [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False]}),
+                       [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False], "HADAMARD": [False, True]}),
     "tq_rvq_encode": ("tq_rvq_encode.cu", TQ,
                       [("x", "T"), ("rotation", "float"), ("centroids1", "float"), ("centroids2", "float"),
                        ("params", "uint32_t")],
@@ -103,7 +103,7 @@ KERNELS = {
                       [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half"), ("rotation", "float"),
                        ("centroids1", "float"), ("centroids2", "float"), ("params", "uint32_t")],
                       [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
-                                     "ROTATE": [True, False]}),
+                                     "ROTATE": [True, False], "HADAMARD": [False, True]}),
 }
 
 

@@ -69,16 +69,11 @@ fn maybe_rotation(rot: Option<&[f32]>, d: usize) -> HostArray {
     }
 }
 
-/// The rotation an encoder takes and the dense `Π` the decoder takes: a
-/// Hadamard rotation's signs and its matrix, or one dense rotation for both.
+/// The rotation both directions take: a Hadamard rotation's signs, or a
+/// dense matrix.
 fn rotations(d: usize, seed: u64, hadamard: bool) -> (Vec<f32>, Vec<f32>) {
-    if hadamard {
-        let r = veloxquant::quant::Rotation::hadamard(d, seed).unwrap();
-        (r.signs().to_vec(), r.to_dense())
-    } else {
-        let r = rotation(d, seed);
-        (r.clone(), r)
-    }
+    let r = if hadamard { veloxquant::quant::Rotation::hadamard(d, seed).unwrap().signs().to_vec() } else { rotation(d, seed) };
+    (r.clone(), r)
 }
 
 fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool, hadamard: bool) {
@@ -157,6 +152,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool, ha
     .template("D", TemplateArg::Int(d as i32))
     .template("B_BITS", TemplateArg::Int(bits as i32))
     .template("ROTATE", TemplateArg::Bool(rotate))
+    .template("HADAMARD", TemplateArg::Bool(hadamard))
     .grid((n * d) as u32, 1, 1)
     .threadgroup(d as u32, 1, 1)
     .run()
@@ -177,7 +173,7 @@ fn tq_prod_matches_cpu() {
     prod_case::<bf16>(37, 64, 5, true, false);
     prod_case::<f32>(9, 256, 9, true, false);
     prod_case::<f32>(37, 96, 4, false, false);
-    // A Hadamard rotation passed as its signs: the encoder's butterflies.
+    // A Hadamard rotation passed as its signs: butterflies both ways.
     prod_case::<f32>(37, 128, 4, true, true);
     prod_case::<f16>(37, 64, 2, true, true);
     prod_case::<bf16>(9, 256, 9, true, true);
@@ -243,7 +239,8 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
     .input(HostArray::new(&[c2.len()], &c2))
     .input(HostArray::new(&[1], &[n as u32]))
     .output(&[n, d], T::DTYPE)
-    .template("T", TemplateArg::Dtype(T::DTYPE));
+    .template("T", TemplateArg::Dtype(T::DTYPE))
+    .template("HADAMARD", TemplateArg::Bool(hadamard));
     for (name, arg) in template {
         run = run.template(name, arg);
     }
@@ -268,7 +265,7 @@ fn tq_rvq_matches_cpu() {
     rvq_case::<bf16>(37, 64, (3, 4), true, false);
     rvq_case::<f32>(9, 256, (8, 2), true, false);
     rvq_case::<f32>(37, 80, (2, 1), false, false);
-    // A Hadamard rotation passed as its signs: the encoder's butterflies.
+    // A Hadamard rotation passed as its signs: butterflies both ways.
     rvq_case::<f32>(37, 128, (2, 2), true, true);
     rvq_case::<f16>(37, 64, (4, 3), true, true);
     rvq_case::<bf16>(9, 256, (1, 8), true, true);

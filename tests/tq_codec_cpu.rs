@@ -293,12 +293,13 @@ fn bad_input_names_the_argument() {
     assert!(msg(tq_rvq_decode(&swapped, None, &cb, &c2, (2, 1), d, Dtype::F32, &o).unwrap_err()).starts_with("codes1: shape"));
 }
 
-/// Hadamard quantizers: the fused encoders given the rotation's signs
-/// (`rotation.signs`, `[d]`) run the same butterflies as
-/// `Rotation::forward`, so they reproduce the quantizers byte for byte, where
-/// the dense matrix of the same rotation would round differently.
+/// Hadamard quantizers: the fused encoders and decoders given the rotation's
+/// signs (`rotation.signs`, `[d]`) run the same butterflies as
+/// `Rotation::forward` and `inverse`, so they reproduce the quantizers byte
+/// for byte, where the dense matrix of the same rotation would round
+/// differently.
 #[test]
-fn hadamard_signs_encode_as_the_quantizers_byte_for_byte() {
+fn hadamard_signs_code_as_the_quantizers_byte_for_byte() {
     for &(n, d, seed) in &[(37usize, 64usize, 3u64), (20, 128, 4), (5, 256, 5)] {
         let xf = gaussian(n, d, seed + 300);
         let x = arr(&xf, &[n, d]);
@@ -314,6 +315,25 @@ fn hadamard_signs_encode_as_the_quantizers_byte_for_byte() {
             if let Some(codes) = &got.codes {
                 assert_eq!(codes.to_vec::<u8>().unwrap(), buffer(&enc, "codes"), "codes {tag}");
             }
+            // Decoding the same buffers with the signs: the quantizer's
+            // inverse butterflies, bit for bit; the reference graph to rounding.
+            let mb = bits as usize - 1;
+            let stored = ProdCodes {
+                codes: (mb > 0).then(|| arr(buffer(&enc, "codes"), &[n, d * mb / 8])),
+                signs: arr(buffer(&enc, "signs"), &[n, d / 8]),
+                norms: arr(&f16s(buffer(&enc, "norms")), &[n]),
+                residual_norms: (mb > 0).then(|| arr(&f16s(buffer(&enc, "residual_norms")), &[n])),
+            };
+            let want = q.decode(&enc).unwrap();
+            for policy in [Policy::Require, Policy::Off] {
+                let y = tq_prod_decode(&stored, Some(&signs), cb.as_ref(), &sk, bits, Dtype::F32, &opts(policy)).unwrap();
+                let y = y.to_vec::<f32>().unwrap();
+                if policy == Policy::Require {
+                    assert_eq!(y, want, "decode {tag}");
+                } else {
+                    assert!(rel_err(&y, &want) < 1e-5, "reference decode {tag}: {}", rel_err(&y, &want));
+                }
+            }
         }
         for bits in [(2u32, 2u32), (4, 3)] {
             let q = TurboQuantRvq::new(d, bits.0, bits.1, RotationKind::Hadamard, seed).unwrap();
@@ -327,6 +347,13 @@ fn hadamard_signs_encode_as_the_quantizers_byte_for_byte() {
             assert_eq!(got.codes1.to_vec::<u8>().unwrap(), buffer(&enc, "codes1"), "codes1 {tag}");
             assert_eq!(got.codes2.to_vec::<u8>().unwrap(), buffer(&enc, "codes2"), "codes2 {tag}");
             assert_eq!(bytes_f16(&got.norms), buffer(&enc, "norms"), "norms {tag}");
+            let stored = RvqCodes {
+                codes1: arr(buffer(&enc, "codes1"), &[n, d * bits.0 as usize / 8]),
+                codes2: arr(buffer(&enc, "codes2"), &[n, d * bits.1 as usize / 8]),
+                norms: arr(&f16s(buffer(&enc, "norms")), &[n]),
+            };
+            let y = tq_rvq_decode(&stored, Some(&signs), &c1, &c2, bits, d, Dtype::F32, &opts(Policy::Require)).unwrap();
+            assert_eq!(y.to_vec::<f32>().unwrap(), q.decode(&enc).unwrap(), "decode {tag}");
             // The reference graph multiplies by the dense matrix instead.
             let off = tq_rvq_encode(&x, Some(&signs), &c1, &c2, bits, &opts(Policy::Off)).unwrap();
             let differ = off.codes1.to_vec::<u8>().unwrap().iter().zip(buffer(&enc, "codes1")).filter(|(a, b)| a != b).count();

@@ -95,11 +95,11 @@ fn gpu_rvq_is_bit_identical_to_cpu() {
     }
 }
 
-/// The encoders given a Hadamard rotation's signs (butterflies on the GPU
-/// tile) against the CPU kernels: bit-identical.
+/// The codecs given a Hadamard rotation's signs (butterflies on the GPU
+/// tile, both ways) against the CPU kernels: bit-identical.
 #[test]
 #[ignore = "needs a GPU back-end"]
-fn gpu_hadamard_encoders_are_bit_identical_to_cpu() {
+fn gpu_hadamard_codecs_are_bit_identical_to_cpu() {
     let gpu = Stream::gpu().expect("a GPU back-end");
     for &(d, dtype) in &[(64usize, Dtype::F32), (128, Dtype::F16), (256, Dtype::BF16)] {
         let mut rng = ChaCha8Rng::seed_from_u64(d as u64 + 77);
@@ -120,6 +120,9 @@ fn gpu_hadamard_encoders_are_bit_identical_to_cpu() {
             if let (Some(gc), Some(cc)) = (&g.codes, &c.codes) {
                 assert_eq!(count_differing(&bytes(gc), &bytes(cc)), 0, "codes {tag}");
             }
+            let yg = tq_prod_decode(&c, Some(&signs), cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
+            let yc = tq_prod_decode(&c, Some(&signs), cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
+            assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode {tag}");
         }
         for &bits in &[(2u32, 2u32), (4, 3), (1, 8)] {
             let tag = format!("rvq d={d} {dtype} bits={bits:?}");
@@ -131,6 +134,9 @@ fn gpu_hadamard_encoders_are_bit_identical_to_cpu() {
             assert_eq!(count_differing(&bytes(&g.codes1), &bytes(&c.codes1)), 0, "codes1 {tag}");
             assert_eq!(count_differing(&bytes(&g.codes2), &bytes(&c.codes2)), 0, "codes2 {tag}");
             assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
+            let yg = tq_rvq_decode(&c, Some(&signs), &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
+            let yc = tq_rvq_decode(&c, Some(&signs), &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
+            assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode {tag}");
         }
     }
 }

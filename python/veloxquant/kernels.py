@@ -242,7 +242,8 @@ def tq_prod_decode(
     device: Device = None,
 ) -> mx.array:
     """Inverse of :func:`tq_prod_encode`: ``|x| R^T (c[code] + sqrt(pi/2)/d *
-    |r| * S^T z)`` as ``dtype`` ``[..., d]``, z the +-1 signs."""
+    |r| * S^T z)`` as ``dtype`` ``[..., d]``, z the +-1 signs; ``rotation``
+    as the encoder's (``[d, d]``, Hadamard signs ``[d]``, or None)."""
     return _native.tq_prod_decode(
         codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, _dtype(dtype),
         policy=policy, device=_device(device),
@@ -286,7 +287,8 @@ def tq_rvq_decode(
     device: Device = None,
 ) -> mx.array:
     """Inverse of :func:`tq_rvq_encode`: ``|x| R^T (centroids1[a] + centroids2[b])``
-    as ``dtype`` ``[..., d]``."""
+    as ``dtype`` ``[..., d]``; ``rotation`` as the encoder's (``[d, d]``,
+    Hadamard signs ``[d]``, or None)."""
     return _native.tq_rvq_decode(
         codes1, codes2, norms, rotation, centroids1, centroids2, bits1, bits2, d, _dtype(dtype),
         policy=policy, device=_device(device),

@@ -348,10 +348,20 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&KernelRotatio
 
 /// `out = norm · Πᵀ y` (`Σ_k Π_ki y_k` in order of k), or `norm · y` without a
 /// rotation. `acc` is scratch of `y.len()`; walking `Π` by rows keeps each
-/// sum's order and reads memory contiguously.
+/// sum's order and reads memory contiguously. A Hadamard rotation's signs
+/// (`d` values) give `Πᵀ y = s ⊙ (H y / √d)` by butterflies, as
+/// `Rotation::inverse` computes it.
 fn unrotate_row<T: Float>(rotation: Option<&[f32]>, y: &[f32], norm: f32, acc: &mut [f32], out: &mut [T]) {
     let d = y.len();
     match rotation {
+        Some(signs) if signs.len() == d && d > 1 => {
+            acc.copy_from_slice(y);
+            crate::quant::rotation::fwht(acc);
+            let scale = 1.0 / (d as f32).sqrt();
+            for (a, &sj) in acc.iter_mut().zip(signs) {
+                *a = *a * scale * sj;
+            }
+        }
         Some(rot) => {
             acc.iter_mut().for_each(|v| *v = 0.0);
             for (k, &yk) in y.iter().enumerate() {

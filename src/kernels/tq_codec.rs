@@ -12,7 +12,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::turboquant::{check_encode_rotation, check_head_dim, dense_rotation};
+use super::turboquant::{check_rotation_input, check_head_dim, dense_rotation};
 use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
@@ -109,13 +109,6 @@ fn placeholder(dtype: Dtype) -> Result<Array> {
     }
 }
 
-fn check_rotation(rotation: Option<&Array>, d: usize) -> Result<()> {
-    match rotation {
-        Some(r) => check_array("rotation", r, Dtype::F32, &[d as i32, d as i32]),
-        None => Ok(()),
-    }
-}
-
 fn check_out_dtype(dtype: Dtype) -> Result<()> {
     if matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
         Ok(())
@@ -171,7 +164,7 @@ fn norms_f16_reference(norm: &Array, n: usize, s: &Stream) -> Result<Array> {
 /// Reference graph: `norm · y Π` (row vectors: `Πᵀ y` each), as `dtype`.
 fn unrotate_reference(y: &Array, rotation: Option<&Array>, norms: &Array, dtype: Dtype, s: &Stream) -> Result<Array> {
     let x = match rotation {
-        Some(r) => ops::matmul(y, r, s)?,
+        Some(r) => ops::matmul(y, &dense_rotation(r, s)?, s)?,
         None => y.clone(),
     };
     let nf = ops::expand_dims(&ops::astype(norms, Dtype::F32, s)?, -1, s)?;
@@ -196,7 +189,7 @@ pub fn tq_prod_encode(
     let stream = opts.resolve_stream()?;
     let rows = vector_rows("x", x, &stream)?;
     let (n, d) = (rows.n, rows.d);
-    let hadamard = check_encode_rotation(rotation, d)?;
+    let hadamard = check_rotation_input(rotation, d)?;
     match (centroids, mse_bits) {
         (Some(c), 1..) => check_array("centroids", c, Dtype::F32, &[1 << mse_bits])?,
         (None, 1..) => return Err(Error::invalid("centroids", format!("a codebook of {} entries is needed", 1 << mse_bits))),
@@ -314,7 +307,9 @@ pub fn tq_prod_encode(
 }
 
 /// Inverse of [`tq_prod_encode`]: `‖x‖ Πᵀ (c[code] + √(π/2)/d · ‖r‖ · Sᵀ z)`
-/// as `dtype` `[..., d]`, `d` from the sketch, `z` the ±1 signs.
+/// as `dtype` `[..., d]`, `d` from the sketch, `z` the ±1 signs. `rotation`
+/// as the encoder's: `Π` `[d, d]`, a Hadamard rotation's signs `[d]`
+/// (`Πᵀ y = s ⊙ (H y / √d)` by butterflies), or `None`.
 pub fn tq_prod_decode(
     enc: &ProdCodes,
     rotation: Option<&Array>,
@@ -333,7 +328,7 @@ pub fn tq_prod_decode(
     let d = ss[0] as usize;
     check_head_dim("sketch", d)?;
     check_array("sketch", sketch, Dtype::F32, &[d as i32, d as i32])?;
-    check_rotation(rotation, d)?;
+    let hadamard = check_rotation_input(rotation, d)?;
     if enc.norms.dtype() != Dtype::F16 {
         return Err(Error::Dtype { argument: "norms", found: enc.norms.dtype().to_string(), expected: "float16".into() });
     }
@@ -445,6 +440,7 @@ pub fn tq_prod_decode(
                         ("D", TemplateArg::Int(d as i32)),
                         ("B_BITS", TemplateArg::Int(bits as i32)),
                         ("ROTATE", TemplateArg::Bool(rotate)),
+                        ("HADAMARD", TemplateArg::Bool(hadamard)),
                     ],
                     s,
                 )?
@@ -479,7 +475,7 @@ pub fn tq_rvq_encode(
     let s = &stream;
     let rows = vector_rows("x", x, s)?;
     let (n, d) = (rows.n, rows.d);
-    let hadamard = check_encode_rotation(rotation, d)?;
+    let hadamard = check_rotation_input(rotation, d)?;
     check_rvq_codebooks(centroids1, centroids2, bits)?;
     let imp = select(&RVQ_ENCODE, opts.policy, s)?;
     let (b1, b2) = (d * bits.0 as usize / 8, d * bits.1 as usize / 8);
@@ -553,7 +549,8 @@ pub fn tq_rvq_encode(
 }
 
 /// Inverse of [`tq_rvq_encode`]: `‖x‖ Πᵀ (centroids1[a] + centroids2[b])` as
-/// `dtype` `[..., d]`.
+/// `dtype` `[..., d]`; `rotation` as the encoder's (`[d, d]`, Hadamard signs
+/// `[d]` by butterflies, or `None`).
 #[allow(clippy::too_many_arguments)]
 pub fn tq_rvq_decode(
     enc: &RvqCodes,
@@ -567,7 +564,7 @@ pub fn tq_rvq_decode(
 ) -> Result<Array> {
     check_head_dim("d", d)?;
     check_out_dtype(dtype)?;
-    check_rotation(rotation, d)?;
+    let hadamard = check_rotation_input(rotation, d)?;
     check_rvq_codebooks(centroids1, centroids2, bits)?;
     if enc.norms.dtype() != Dtype::F16 {
         return Err(Error::Dtype { argument: "norms", found: enc.norms.dtype().to_string(), expected: "float16".into() });
@@ -631,6 +628,7 @@ pub fn tq_rvq_decode(
                     ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
                     ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
                     ("ROTATE", TemplateArg::Bool(rotate)),
+                    ("HADAMARD", TemplateArg::Bool(hadamard)),
                 ],
                 s,
             )?

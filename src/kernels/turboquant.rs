@@ -45,7 +45,7 @@ pub fn check_head_dim(argument: &'static str, d: usize) -> Result<()> {
 
 /// Checks an encoder's rotation input: `Π` float32 `[d, d]`, or the ±1 signs
 /// float32 `[d]` of a Hadamard rotation (`d` a power of two). True for signs.
-pub(crate) fn check_encode_rotation(rotation: Option<&Array>, d: usize) -> Result<bool> {
+pub(crate) fn check_rotation_input(rotation: Option<&Array>, d: usize) -> Result<bool> {
     let Some(r) = rotation else { return Ok(false) };
     if r.ndim() == 1 {
         if !d.is_power_of_two() {
@@ -89,7 +89,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
     let d = *xs.last().expect("ndim >= 1") as usize;
     check_head_dim("x", d)?;
     check_bits("bits", bits)?;
-    let hadamard = check_encode_rotation(rotation, d)?;
+    let hadamard = check_rotation_input(rotation, d)?;
     // Bodies always take a `rotation` input; without one they never read it,
     // so any device array stands in (not a new host array per call).
     let rot_input = rotation.unwrap_or(centroids);
