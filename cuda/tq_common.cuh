@@ -136,6 +136,29 @@ __device__ __forceinline__ void tq_butterflies(float* V) {
   }
 }
 
+// acc ← this lane's columns of the tile in V (tq_ordered_gemm's layout):
+// MODE 0 zeros, 1 the values, 2 the values times scale, 3 the values times
+// scale times m[col].
+template <int D, int MODE>
+__device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V, float scale,
+                                             const float* m) {
+  const int ty = threadIdx.x / 32;
+  const int tx = threadIdx.x % 32;
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
+      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      const float u = (MODE != 0 && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
+      if constexpr (MODE == 3) {
+        acc[a][k] = col < D ? __fmul_rn(__fmul_rn(u, scale), m[col]) : 0.0f;
+      } else {
+        acc[a][k] = MODE == 2 ? __fmul_rn(u, scale) : u;
+      }
+    }
+  }
+}
+
 // acc ← the tile's y = Π u for the vectors' u in V (this lane's columns, as
 // tq_ordered_gemm lays them out). Π: none (y = u) unless ROTATE; the dense
 // row-major m [D, D] by tq_ordered_gemm; or, with HADAMARD, H (s ⊙ u) / √D
@@ -145,8 +168,6 @@ template <int D, bool ROTATE, bool HADAMARD>
 __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V, const float* m,
                                                float* Bs) {
   const int tid = threadIdx.x;
-  const int ty = tid / 32;
-  const int tx = tid % 32;
   float scale = 1.0f;
   if constexpr (ROTATE && HADAMARD) {
     for (int e = tid; e < TQ_TV * D; e += 256) {
@@ -158,15 +179,7 @@ __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4]
     tq_butterflies<D>(V);
     scale = __fdiv_rn(1.0f, __fsqrt_rn(float(D)));
   }
-#pragma unroll
-  for (int a = 0; a < 4; ++a) {
-#pragma unroll
-    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
-      const int col = (k / 4) * 128 + tx * 4 + k % 4;
-      const float u = col < D ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-      acc[a][k] = !ROTATE ? u : (HADAMARD ? __fmul_rn(u, scale) : 0.0f);
-    }
-  }
+  tq_load_tile<D, !ROTATE ? 1 : (HADAMARD ? 2 : 0)>(acc, V, scale, m);
   if constexpr (ROTATE && !HADAMARD) {
     tq_ordered_gemm<D, false>(acc, V, m, Bs);
   }
@@ -180,22 +193,12 @@ __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4]
 template <int D, bool ROTATE, bool HADAMARD>
 __device__ __forceinline__ void tq_unrotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V, const float* m,
                                                  float* Bs) {
-  const int ty = threadIdx.x / 32;
-  const int tx = threadIdx.x % 32;
   float scale = 1.0f;
   if constexpr (ROTATE && HADAMARD) {
     tq_butterflies<D>(V);
     scale = __fdiv_rn(1.0f, __fsqrt_rn(float(D)));
   }
-#pragma unroll
-  for (int a = 0; a < 4; ++a) {
-#pragma unroll
-    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
-      const int col = (k / 4) * 128 + tx * 4 + k % 4;
-      const float y = col < D ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-      acc[a][k] = !ROTATE ? y : (HADAMARD ? (col < D ? __fmul_rn(__fmul_rn(y, scale), m[col]) : 0.0f) : 0.0f);
-    }
-  }
+  tq_load_tile<D, !ROTATE ? 1 : (HADAMARD ? 3 : 0)>(acc, V, scale, m);
   if constexpr (ROTATE && !HADAMARD) {
     tq_ordered_gemm<D, true>(acc, V, m, Bs);
   }

@@ -29,6 +29,24 @@ inline float tq_norm(threadgroup const float* v, int n) {
   return r + rem / (2.0f * r);
 }
 
+// (H u)_i, unnormalized, for this thread's coordinate i of u (threadgroup
+// memory, D threads, D a power of two, every one calling): the butterflies
+// in place in quant::rotation::fwht's order, both operands of a pair read
+// before a barrier and written after it.
+template <int D>
+inline float tq_butterflies(threadgroup float* u, int i) {
+#pragma clang fp contract(off)
+  for (int h = 1; h < D; h *= 2) {
+    const int lo = i & ~h;
+    const float a = u[lo];
+    const float b = u[lo + h];
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+    u[i] = (i & h) ? a - b : a + b;
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  return u[i];
+}
+
 // (Π u)_i for this thread's coordinate i of u (threadgroup memory, one
 // thread per coordinate, D threads; every thread must call it): the dense
 // row-major Π [D, D] summed in order, or with `hadamard` the ±1 signs s [D]
@@ -41,15 +59,7 @@ inline float tq_rotate_coord(threadgroup float* u, int i, const device float* ro
   if (hadamard) {
     u[i] = u[i] * rotation[i];
     threadgroup_barrier(mem_flags::mem_threadgroup);
-    for (int h = 1; h < D; h *= 2) {
-      const int lo = i & ~h;
-      const float a = u[lo];
-      const float b = u[lo + h];
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      u[i] = (i & h) ? a - b : a + b;
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-    return u[i] * (1.0f / precise::sqrt(float(D)));
+    return tq_butterflies<D>(u, i) * (1.0f / precise::sqrt(float(D)));
   }
   float y = 0.0f;
   for (int j = 0; j < D; ++j) {
@@ -66,15 +76,7 @@ template <int D>
 inline float tq_unrotate_coord(threadgroup float* y, int i, const device float* rotation, bool hadamard) {
 #pragma clang fp contract(off)
   if (hadamard) {
-    for (int h = 1; h < D; h *= 2) {
-      const int lo = i & ~h;
-      const float a = y[lo];
-      const float b = y[lo + h];
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-      y[i] = (i & h) ? a - b : a + b;
-      threadgroup_barrier(mem_flags::mem_threadgroup);
-    }
-    return y[i] * (1.0f / precise::sqrt(float(D))) * rotation[i];
+    return tq_butterflies<D>(y, i) * (1.0f / precise::sqrt(float(D))) * rotation[i];
   }
   float o = 0.0f;
   for (int k = 0; k < D; ++k) {
