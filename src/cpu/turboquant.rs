@@ -58,16 +58,26 @@ pub(crate) enum KernelRotation<'a> {
     Hadamard { signs: &'a [f32], scale: f32 },
 }
 
+/// The signs and `1/√d` of a rotation input that holds a Hadamard rotation's
+/// `d` signs (`d` a power of two), `None` for a dense `Π` (`d * d` values):
+/// how every CPU kernel reads its rotation input.
+fn hadamard_signs(rotation: &[f32], d: usize) -> Option<(&[f32], f32)> {
+    if rotation.len() == d && d > 1 {
+        assert!(d.is_power_of_two(), "a Hadamard rotation needs a power-of-two size, not {d}");
+        Some((rotation, 1.0 / (d as f32).sqrt()))
+    } else {
+        assert_eq!(rotation.len(), d * d, "rotation size");
+        None
+    }
+}
+
 impl<'a> KernelRotation<'a> {
     /// From a rotation input: `d * d` values are a dense `Π`, `d` values the
     /// signs of a Hadamard rotation (`d` a power of two).
     pub fn new(rotation: &'a [f32], d: usize) -> Self {
-        if rotation.len() == d && d > 1 {
-            assert!(d.is_power_of_two(), "a Hadamard rotation needs a power-of-two size, not {d}");
-            KernelRotation::Hadamard { signs: rotation, scale: 1.0 / (d as f32).sqrt() }
-        } else {
-            assert_eq!(rotation.len(), d * d, "rotation size");
-            KernelRotation::Dense(OrderedDots::new(rotation, d, d))
+        match hadamard_signs(rotation, d) {
+            Some((signs, scale)) => KernelRotation::Hadamard { signs, scale },
+            None => KernelRotation::Dense(OrderedDots::new(rotation, d, d)),
         }
     }
 
@@ -353,16 +363,15 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&KernelRotatio
 /// `Rotation::inverse` computes it.
 fn unrotate_row<T: Float>(rotation: Option<&[f32]>, y: &[f32], norm: f32, acc: &mut [f32], out: &mut [T]) {
     let d = y.len();
-    match rotation {
-        Some(signs) if signs.len() == d && d > 1 => {
+    match rotation.map(|r| (r, hadamard_signs(r, d))) {
+        Some((_, Some((signs, scale)))) => {
             acc.copy_from_slice(y);
             crate::quant::rotation::fwht(acc);
-            let scale = 1.0 / (d as f32).sqrt();
             for (a, &sj) in acc.iter_mut().zip(signs) {
                 *a = *a * scale * sj;
             }
         }
-        Some(rot) => {
+        Some((rot, None)) => {
             acc.iter_mut().for_each(|v| *v = 0.0);
             for (k, &yk) in y.iter().enumerate() {
                 for (a, &p) in acc.iter_mut().zip(&rot[k * d..(k + 1) * d]) {
