@@ -159,6 +159,26 @@ __device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], 
   }
 }
 
+// The inverse of tq_load_tile<D, 1>: this lane's columns of acc into the
+// tile in V, and acc zeroed for the next product. V must be free (a barrier
+// after its last reads); the caller's barrier follows.
+template <int D>
+__device__ __forceinline__ void tq_spill_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V) {
+  const int ty = threadIdx.x / 32;
+  const int tx = threadIdx.x % 32;
+#pragma unroll
+  for (int a = 0; a < 4; ++a) {
+#pragma unroll
+    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
+      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      if (col < D) {
+        V[col * TQ_VS + ty * 4 + a] = acc[a][k];
+      }
+      acc[a][k] = 0.0f;
+    }
+  }
+}
+
 // acc ← the tile's y = Π u for the vectors' u in V (this lane's columns, as
 // tq_ordered_gemm lays them out). Π: none (y = u) unless ROTATE; the dense
 // row-major m [D, D] by tq_ordered_gemm; or, with HADAMARD, H (s ⊙ u) / √D
@@ -212,6 +232,19 @@ __device__ __forceinline__ void tq_stage_rows(float* V, const T* x, uint64_t v0,
     const int j = e % D;
     V[j * TQ_VS + v] = v0 + v < n ? static_cast<float>(x[(v0 + v) * D + j]) : 0.0f;
   }
+}
+
+// u = x/‖x‖ in place for the tile's vectors (0 for a zero vector), the
+// norms of V's columns in s_norm; ends with a barrier.
+template <int D>
+__device__ __forceinline__ void tq_normalize_tile(float* V, const float* s_norm) {
+  for (int e = threadIdx.x; e < TQ_TV * D; e += 256) {
+    const int v = e % TQ_TV;
+    const int j = e / TQ_TV;
+    const float s = s_norm[v];
+    V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
+  }
+  __syncthreads();
 }
 
 // ‖column v of V‖ over its D coordinates as crate::quant computes a norm:

@@ -16,8 +16,6 @@ __shared__ float cent[K];
 const uint32_t n = x_shape[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
-const int ty = tid / 32;
-const int tx = tid % 32;
 for (int k = tid; k < K; k += 256) {
   cent[k] = centroids[k];
 }
@@ -36,13 +34,7 @@ if (tid < TQ_TV) {
   }
 }
 __syncthreads();
-for (int e = tid; e < TQ_TV * D; e += 256) {
-  const int v = e % TQ_TV;
-  const int j = e / TQ_TV;
-  const float s = s_norm[v];
-  V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
-}
-__syncthreads();
+tq_normalize_tile<D>(V, s_norm);
 float acc[4][CH * 4];
 tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 unsigned code[4][CH * 4];

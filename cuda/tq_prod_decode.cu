@@ -43,17 +43,7 @@ for (int a = 0; a < 4; ++a) {
 __syncthreads();
 tq_ordered_gemm<D, true>(acc, V, sketch, Bs);
 if (ROTATE) {
-#pragma unroll
-  for (int a = 0; a < 4; ++a) {
-#pragma unroll
-    for (int k = 0; k < CH * 4; ++k) {
-      const int col = (k / 4) * 128 + tx * 4 + k % 4;
-      if (col < D) {
-        V[col * TQ_VS + ty * 4 + a] = acc[a][k];
-      }
-      acc[a][k] = 0.0f;
-    }
-  }
+  tq_spill_tile<D>(acc, V);
   __syncthreads();
   tq_unrotate_tile<D, true, HADAMARD>(acc, V, rotation, Bs);
 }

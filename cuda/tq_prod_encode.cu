@@ -20,8 +20,6 @@ __shared__ float bounds[K];
 const uint32_t n = params[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
-const int ty = tid / 32;
-const int tx = tid % 32;
 for (int k = tid; k < K; k += 256) {
   cent[k] = centroids[k];
   if (k + 1 < K) {
@@ -38,13 +36,7 @@ if (tid < TQ_TV) {
   }
 }
 __syncthreads();
-for (int e = tid; e < TQ_TV * D; e += 256) {
-  const int v = e % TQ_TV;
-  const int j = e / TQ_TV;
-  const float s = s_norm[v];
-  V[j * TQ_VS + v] = s > 0.0f ? __fdiv_rn(V[j * TQ_VS + v], s) : 0.0f;
-}
-__syncthreads();
+tq_normalize_tile<D>(V, s_norm);
 float acc[4][CH * 4];
 tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 unsigned code[4][CH * 4];
@@ -68,17 +60,7 @@ if (MSE_BITS > 0) {
 // Every thread has read u (the product ends with a barrier; without ROTATE
 // this one); V now takes the residual.
 __syncthreads();
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    const int col = (k / 4) * 128 + tx * 4 + k % 4;
-    if (col < D) {
-      V[col * TQ_VS + ty * 4 + a] = acc[a][k];
-    }
-    acc[a][k] = 0.0f;
-  }
-}
+tq_spill_tile<D>(acc, V);
 __syncthreads();
 if (MSE_BITS > 0 && tid < TQ_TV && v0 + tid < n) {
   residual_norms[v0 + tid] = __float2half_rn(fminf(tq_norm_col<D>(V, tid), 65504.0f));

@@ -10,8 +10,6 @@ __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
 const uint32_t n = params[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
-const int ty = tid / 32;
-const int tx = tid % 32;
 for (int e = tid; e < TQ_TV * D; e += 256) {
   const int v = e / D;
   const int i = e % D;
