@@ -33,27 +33,7 @@ threadgroup_barrier(mem_flags::mem_threadgroup);
 const float s = s_norm[0];
 u[i] = s > 0.0f ? xi / s : 0.0f;
 threadgroup_barrier(mem_flags::mem_threadgroup);
-float y = u[i];
-if (ROTATE && HADAMARD) {
-  // s ⊙ u, then the butterflies a stage per barrier pair (both operands
-  // read before anyone writes), then 1/√D: the CPU's fwht order.
-  u[i] = y * rotation[i];
-  threadgroup_barrier(mem_flags::mem_threadgroup);
-  for (int h = 1; h < D; h *= 2) {
-    const int lo = i & ~h;
-    const float a = u[lo];
-    const float b = u[lo + h];
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-    u[i] = (i & h) ? a - b : a + b;
-    threadgroup_barrier(mem_flags::mem_threadgroup);
-  }
-  y = u[i] * (1.0f / precise::sqrt(float(D)));
-} else if (ROTATE) {
-  y = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    y += rotation[i * D + j] * u[j];
-  }
-}
+const float y = ROTATE ? tq_rotate_coord<D>(u, i, rotation, HADAMARD) : u[i];
 float best = INFINITY;
 int best_k = 0;
 for (int k = 0; k < K; ++k) {

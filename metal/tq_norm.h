@@ -1,4 +1,5 @@
-// Shared by the TurboQuant-Prod and -RVQ kernels (after tq_common.h).
+// Shared by the TurboQuant codec kernels: tq_encode, and (after
+// tq_common.h) the Prod and RVQ kernels. Needs nothing from tq_common.h.
 
 // ‖v‖ of n floats as crate::quant computes it: float64 squares summed in
 // order, the root rounded to float32. Metal has no float64, so the sum is an

@@ -95,16 +95,16 @@ def tq_cases():
     for b in [1, 2, 3, 4, 8]:
         out.append(kernel_case(f"tq_encode_float32_d128_b{b}", "veloxquant_tq_encode",
                                enc_in("float32", 128, b, True), enc_out, enc_t("float32", 128, b, True),
-                               body="tq_encode"))
+                               body="tq_encode", header="tq_norm.h"))
     for t, d, b in [("float16", 64, 3), ("bfloat16", 256, 4), ("float32", 80, 2)]:
         out.append(kernel_case(f"tq_encode_{t}_d{d}_b{b}_norotate", "veloxquant_tq_encode",
-                               enc_in(t, d, b, False), enc_out, enc_t(t, d, b, False), body="tq_encode"))
+                               enc_in(t, d, b, False), enc_out, enc_t(t, d, b, False), body="tq_encode", header="tq_norm.h"))
     out.append(kernel_case("tq_encode_float16_d96_b8", "veloxquant_tq_encode",
                            enc_in("float16", 96, 8, True), enc_out, enc_t("float16", 96, 8, True),
-                           body="tq_encode"))
+                           body="tq_encode", header="tq_norm.h"))
     out.append(kernel_case("tq_encode_float16_d128_b4_hadamard", "veloxquant_tq_encode",
                            enc_in("float16", 128, 4, True, True), enc_out, enc_t("float16", 128, 4, True, True),
-                           body="tq_encode"))
+                           body="tq_encode", header="tq_norm.h"))
 
     def att(name, t, d, kb, vb, hq, hkv, l, qn, cap=256, wcap=68):
         inputs = [

@@ -35,6 +35,7 @@ fn encode_kernel() -> MetalKernel {
         &["codes", "norms"],
         &read("metal/tq_encode.metal"),
     )
+    .with_header(&read("metal/tq_norm.h"))
 }
 
 fn attention_kernel() -> MetalKernel {

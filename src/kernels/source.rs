@@ -163,6 +163,7 @@ impl Source {
     pub fn metal_header(self) -> &'static str {
         match self {
             Source::TqAttention => include_str!("../../metal/tq_common.h"),
+            Source::TqEncode => include_str!("../../metal/tq_norm.h"),
             Source::KvAttention => concat!(include_str!("../../metal/tq_common.h"), include_str!("../../metal/kv_common.h")),
             Source::TqProdEncode | Source::TqProdDecode | Source::TqRvqEncode | Source::TqRvqDecode => {
                 concat!(include_str!("../../metal/tq_common.h"), include_str!("../../metal/tq_norm.h"))
