@@ -1,14 +1,20 @@
 // qjl_score: q T [Q, D], sketch float [m, D], signs uint8 [N, nbytes], norms
 // half [N] -> scores float [Q, N] = (sqrt(pi/2)/m * norm) * sum_r +-(S q)_r,
-// the sign from bit r of the key, summed over r in order. params = {N, D, m,
-// nbytes, Q}; template T. Each block first computes S q (Q * m <= 4096
-// floats) into shared memory, a thread per sketch row and 8 queries at a
-// time; its threads then stride over the keys. The host caps the grid at
-// about one resident wave (shared memory allows 8 blocks of 256 per SM), so
-// that few blocks compute S q: it costs a block about one key per thread. A key's signs are read at once into
-// registers and each bit serves all Q queries (up to 8 running sums in
-// registers); a sign flips a term by its sign bit.
-__shared__ __align__(16) float sq[4096];
+// the sign from bit r of the key. params = {N, D, m, nbytes, Q}; template
+// T. Each block first computes S q (Q * m <= 4096 floats), a thread per
+// sketch row and 8 queries at a time; its threads then stride over the
+// keys. The host caps the grid at about one resident wave, so that few
+// blocks repeat that work.
+//
+// Fast path (m a multiple of 4, Q <= 8 and 4 m NQ <= 4096 for NQ
+// = 4 or 8 query slots): the block turns S q into nibble tables,
+// tab[g][c][i] = sum over h < 4 of +-(S q_i)_{4g+h}, + where bit h of c is
+// set, so that a key costs one 16-byte shared read per 4 sign bits and 4
+// queries, and one add per query. Otherwise a key's bits are walked one by
+// one. The sums run in another order than crate::cpu's byte tables: scores
+// agree to float32 rounding.
+__shared__ __align__(16) float tab[4096];
+__shared__ float sq[1024];
 // Slices of QS_J sketch columns for a block's worth of rows (at most 256),
 // and the queries' matching columns, so that global reads are coalesced and
 // the sums read only shared memory; each thread then owns a row and runs its
@@ -22,6 +28,11 @@ const uint32_t m = params[2];
 const uint32_t nbytes = params[3];
 const uint32_t nq = params[4];
 const uint32_t tid = threadIdx.x;
+constexpr uint32_t QS_WORDS = 8;
+const uint32_t slots = nq <= 4 ? 4u : 8u;
+const bool tables = nq <= 8 && m % 4 == 0 && 4 * m * slots <= 4096 && nq * m <= 1024;
+// S q goes to sq ([Q][m]) for the tables, else straight to tab (Q m <= 4096).
+float* out_sq = tables ? sq : tab;
 for (uint32_t r0 = 0; r0 < m; r0 += blockDim.x) {
   const uint32_t r = r0 + tid;
   for (uint32_t q0 = 0; q0 < nq; q0 += 8) {
@@ -58,26 +69,40 @@ for (uint32_t r0 = 0; r0 < m; r0 += blockDim.x) {
 #pragma unroll
       for (uint32_t i = 0; i < 8; ++i) {
         if (q0 + i < nq) {
-          sq[(q0 + i) * m + r] = acc[i];
+          out_sq[(q0 + i) * m + r] = acc[i];
         }
       }
     }
   }
 }
 __syncthreads();
+if (tables) {
+  // Entry e = (g * 16 + c) * slots + i; slots past nq hold 0.
+  for (uint32_t e = tid; e < 4 * m * slots; e += blockDim.x) {
+    const uint32_t i = e % slots;
+    const uint32_t c = (e / slots) % 16;
+    const uint32_t g = e / (slots * 16);
+    float v = 0.0f;
+    if (i < nq) {
+#pragma unroll
+      for (uint32_t h = 0; h < 4; ++h) {
+        const float s = sq[i * m + 4 * g + h];
+        v = __fadd_rn(v, (c >> h) & 1u ? s : -s);
+      }
+    }
+    tab[e] = v;
+  }
+  __syncthreads();
+}
 const float base = __fdiv_rn(__fsqrt_rn(1.57079632679489662f), float(m));
-// Fast path: up to 8 queries and 512 sketch rows (m a multiple of 4, so a
-// float4 run of S q never straddles m); a key's signs come in as 32-bit
-// words, 16 bytes at a time where aligned.
-constexpr uint32_t QS_WORDS = 16;
-const bool words = nq <= 8 && nbytes % 4 == 0 && nbytes <= 4 * QS_WORDS && m % 4 == 0 && vq_aligned(signs, 4);
-const bool wide = words && nbytes % 16 == 0 && vq_aligned(signs, 16);
 const uint32_t stride = gridDim.x * blockDim.x;
-const uint32_t sq_base = static_cast<uint32_t>(__cvta_generic_to_shared(sq));
+const uint32_t tab_base = static_cast<uint32_t>(__cvta_generic_to_shared(tab));
+const bool wide = tables && nbytes % 16 == 0 && vq_aligned(signs, 16);
+const bool words = tables && nbytes % 4 == 0 && vq_aligned(signs, 4);
 for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
   const float scale = __fmul_rn(base, __half2float(norms[t]));
   const uint8_t* key = signs + uint64_t(t) * nbytes;
-  if (words) {
+  if (tables) {
     uint32_t bits[QS_WORDS];
 #pragma unroll
     for (uint32_t w = 0; w < QS_WORDS; w += 4) {
@@ -91,7 +116,15 @@ for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
         } else {
 #pragma unroll
           for (uint32_t h = 0; h < 4; ++h) {
-            bits[w + h] = (w + h) * 4 < nbytes ? reinterpret_cast<const uint32_t*>(key)[w + h] : 0u;
+            uint32_t word = 0;
+            if ((w + h) * 4 < nbytes && words) {
+              word = reinterpret_cast<const uint32_t*>(key)[w + h];
+            } else {
+              for (uint32_t y = 0; y < 4 && (w + h) * 4 + y < nbytes; ++y) {
+                word |= uint32_t(key[(w + h) * 4 + y]) << (8 * y);
+              }
+            }
+            bits[w + h] = word;
           }
         }
       }
@@ -101,10 +134,10 @@ for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
     for (int i = 0; i < 8; ++i) {
       acc[i] = 0.0f;
     }
-    if (nq <= 4) {
-      qjl_signed_sums<4, QS_WORDS>(acc, bits, nbytes, m, sq_base);
+    if (slots == 4) {
+      qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);
     } else {
-      qjl_signed_sums<8, QS_WORDS>(acc, bits, nbytes, m, sq_base);
+      qjl_table_sums<8, QS_WORDS>(acc, bits, m, tab_base);
     }
 #pragma unroll
     for (uint32_t i = 0; i < 8; ++i) {
@@ -117,7 +150,7 @@ for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {
   for (uint32_t i = 0; i < nq; ++i) {
     float acc = 0.0f;
     for (uint32_t r = 0; r < m; ++r) {
-      const float v = sq[i * m + r];
+      const float v = tab[i * m + r];
       acc = __fadd_rn(acc, (key[r / 8] >> (r % 8)) & 1u ? v : -v);
     }
     scores[uint64_t(i) * n + t] = __fmul_rn(scale, acc);

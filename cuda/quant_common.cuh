@@ -207,44 +207,31 @@ __device__ __forceinline__ uint32_t vq_code(unsigned long long word, int j) {
   }
 }
 
-// qjl_score's inner sums for one key: acc[i] += +-(S q_i)_r over the sketch
-// rows r in order, for NQ queries (4 or 8; rows of S q past the real
-// queries are computed but never stored). S q lives in shared memory at
-// sq_base (row i at sq_base + 4 i m bytes); the key's sign bits are in
-// bits[0 .. nbytes/4). A clear bit r flips the sign of term r: its
-// complement, shifted to the sign bit, masks the term's xor.
+// qjl_score's sums for one key over nibble tables: acc[i] += tab[g][c_g][i]
+// for the key's nibbles c_g = bits 4g..4g+3, g < m/4, in order, for NQ query
+// slots (4 or 8; tab at tab_base, entry (g * 16 + c) * NQ + i, floats). The
+// loops unroll fully, so each nibble is a shift, a mask, an address and one
+// 16-byte read per 4 slots at a constant offset.
 template <uint32_t NQ, uint32_t WORDS>
-__device__ __forceinline__ void qjl_signed_sums(float (&acc)[8], const uint32_t (&bits)[WORDS], uint32_t nbytes,
-                                                uint32_t m, uint32_t sq_base) {
-  uint32_t row[NQ];
-#pragma unroll
-  for (uint32_t i = 0; i < NQ; ++i) {
-    row[i] = sq_base + i * m * 4;
-  }
+__device__ __forceinline__ void qjl_table_sums(float (&acc)[8], const uint32_t (&bits)[WORDS], uint32_t m,
+                                               uint32_t tab_base) {
 #pragma unroll
   for (uint32_t w = 0; w < WORDS; ++w) {
-    if (w * 4 >= nbytes) {
-      break;
-    }
-    const uint32_t clear = ~bits[w];
-#pragma unroll 1
-    for (uint32_t b = 0; b < 32; b += 4) {
-      const uint32_t r = w * 32 + b;
-      if (r >= m) {
-        break;
-      }
-      uint32_t flip[4];
 #pragma unroll
-      for (uint32_t h = 0; h < 4; ++h) {
-        flip[h] = (clear << (31 - b - h)) & 0x80000000u;
+    for (uint32_t k = 0; k < 8; ++k) {
+      const uint32_t g = w * 8 + k;
+      if (g * 4 >= m) {
+        return;
       }
+      const uint32_t c = (bits[w] >> (4 * k)) & 15u;
+      const uint32_t at = tab_base + (g * 16 * NQ + c * NQ) * 4;
 #pragma unroll
-      for (uint32_t i = 0; i < NQ; ++i) {
-        const float4 v = vq_lds4(row[i] + r * 4);
-        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.x) ^ flip[0]));
-        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.y) ^ flip[1]));
-        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.z) ^ flip[2]));
-        acc[i] = __fadd_rn(acc[i], __uint_as_float(__float_as_uint(v.w) ^ flip[3]));
+      for (uint32_t s = 0; s < NQ; s += 4) {
+        const float4 v = vq_lds4(at + s * 4);
+        acc[s] = __fadd_rn(acc[s], v.x);
+        acc[s + 1] = __fadd_rn(acc[s + 1], v.y);
+        acc[s + 2] = __fadd_rn(acc[s + 2], v.z);
+        acc[s + 3] = __fadd_rn(acc[s + 3], v.w);
       }
     }
   }

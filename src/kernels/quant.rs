@@ -32,10 +32,11 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
-/// Threads of a CUDA `qjl_score` launch at most: 1,024 blocks of 256, one
-/// resident wave on an H200 (132 SMs of 8 such blocks). Every block computes
-/// S q first, so more blocks would repeat that work.
-const QJL_SCORE_CUDA_THREADS: usize = 1 << 18;
+/// Threads of a CUDA `qjl_score` launch at most: 512 blocks of 256, one
+/// resident wave on an H200 (132 SMs of 4 such blocks, as registers allow).
+/// Every block computes S q and its tables first, so more blocks would
+/// repeat that work.
+const QJL_SCORE_CUDA_THREADS: usize = 1 << 17;
 
 /// How KIVI groups elements for one (scale, zero) pair.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
