@@ -1,6 +1,8 @@
 // qjl_encode: k T [N, D], sketch float [m, D] -> signs uint8 [N, ceil(m/8)]
 // (bit r of a row = (S k)_r >= 0, bit_pack's 1-bit layout), norms half [N].
-// params = {N, D, m, nbytes}; template T.
+// params = {N, D, m, nbytes}; template T, TC_D, TC_M.
+// With TC_M > 0 (float16 keys, D = TC_D, m = TC_M) the projections run on
+// the tensor cores (qjl_tensor_cores.cuh); what follows is the exact path.
 // The projections are a matrix product K Sᵀ, computed as a tiled SGEMM whose
 // sums keep crate::cpu's order: each (key, r) adds its D products in order,
 // float32 round-to-nearest intrinsics, no fma. A block of 256 threads owns
@@ -9,6 +11,10 @@
 // 4 x 4 register tile. Signs: a thread's 4 bits per key and its neighbour
 // lane's 4 make one byte. The row-tile-0 blocks also sum each key's squares
 // (in order, from the staged slices) for the norm.
+if constexpr (TC_M > 0) {
+  qjl_encode_tensor_cores<TC_D, TC_M>(reinterpret_cast<const __half*>(k), sketch, signs, norms, params[0]);
+  return;
+}
 constexpr int TK = 64;
 constexpr int TR = 64;
 constexpr int KC = 16;

@@ -63,8 +63,10 @@ KERNELS = {
     "kivi_dequantize": ("kivi_dequantize.cu", ["quant_common.cuh"],
                         [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half"), ("params", "uint32_t")],
                         [("y", "T")], {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False]}),
-    "qjl_encode": ("qjl_encode.cu", ["quant_common.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
-                   [("signs", "uint8_t"), ("norms", "__half")], {"T": ELEMENT}),
+    "qjl_encode": ("qjl_encode.cu", ["quant_common.cuh", "qjl_tensor_cores.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
+                   [("signs", "uint8_t"), ("norms", "__half")],
+                   {"T,TC_D,TC_M": [(t, 0, 0) for t in ELEMENT]
+                    + [("__half", dd, mm) for dd, mm in [(128, 256), (128, 128), (64, 64), (96, 160), (16, 64)]]}),
     "qjl_score": ("qjl_score.cu", ["quant_common.cuh"],
                   [("q", "T"), ("sketch", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
                   [("scores", "float")], {"T": ELEMENT}),
@@ -126,7 +128,9 @@ def instantiations(axes, every):
 
 def template_lines(args):
     out = []
-    for k, v in args.items():
+    # An axis named "A,B" takes (a, b) values: arguments valid only together.
+    pairs = [(n, x) for k, v in args.items() for n, x in (zip(k.split(","), v) if "," in k else [(k, v)])]
+    for k, v in pairs:
         if k == "T":
             out.append(f"using T = {v};")
         elif isinstance(v, bool):

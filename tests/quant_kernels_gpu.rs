@@ -8,10 +8,10 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::{self, Float};
 use veloxquant::kernels::{
-    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
-    KiviMode,
+    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, qjl_tensor_cores, scalar_dequantize,
+    scalar_quantize, KiviMode,
 };
-use veloxquant::{ops, Array, Element, Options, Policy, Stream};
+use veloxquant::{ops, Array, Backend, Element, Options, Policy, Stream};
 
 fn gpu() -> Options {
     let s = Stream::gpu().expect("this test needs MLX with a GPU back-end");
@@ -174,7 +174,12 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     let sk = arr(&s, &[m, d]);
     let tag = format!("{} n={n} d={d} m={m}", T::DTYPE);
     let (gs, gn) = qjl_encode(&arr(&k, &[n, d]), &sk, &gpu()).unwrap();
-    assert_eq!(gs.to_vec::<u8>().unwrap(), sg, "signs {tag}");
+    let cuda = Stream::gpu().unwrap().backend().unwrap() == Backend::Cuda;
+    if cuda && qjl_tensor_cores(T::DTYPE, d, m) {
+        near_tie_signs(&gs.to_vec::<u8>().unwrap(), &sg, &k, &s, d, m, &tag);
+    } else {
+        assert_eq!(gs.to_vec::<u8>().unwrap(), sg, "signs {tag}");
+    }
     assert_eq!(gn.to_vec::<f16>().unwrap(), nm, "norms {tag}");
     let mut want = vec![0.0f32; nq * n];
     cpu::qjl_score(&q, nq, d, &s, m, &sg, &nm, n, &mut want);
@@ -185,6 +190,30 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     for (a, b) in got.iter().zip(&want) {
         assert!((a - b).abs() <= 1e-5 * largest, "score {tag}: {a} vs {b}");
     }
+}
+
+/// The tensor-core signs against the exact ones: a bit may differ only where
+/// `(S k)_r`, in float64, is within 1e-5 of `‖S_r‖ ‖k‖` of zero (the parity
+/// rule's near-ties); returns how many differ.
+fn near_tie_signs<T: Float>(got: &[u8], want: &[u8], k: &[T], s: &[f32], d: usize, m: usize, tag: &str) -> usize {
+    let nb = cpu::packed_len(m, 1);
+    let mut differ = 0;
+    for (i, (g, w)) in got.iter().zip(want).enumerate() {
+        if g == w {
+            continue;
+        }
+        let (key, byte) = (i / nb, i % nb);
+        let kv = &k[key * d..(key + 1) * d];
+        for bit in (0..8).filter(|b| (g ^ w) >> b & 1 == 1) {
+            let row = &s[(byte * 8 + bit) * d..(byte * 8 + bit + 1) * d];
+            let dot: f64 = row.iter().zip(kv).map(|(a, b)| *a as f64 * b.to_f32() as f64).sum();
+            let scale = row.iter().map(|a| (*a as f64).powi(2)).sum::<f64>().sqrt()
+                * kv.iter().map(|b| (b.to_f32() as f64).powi(2)).sum::<f64>().sqrt();
+            assert!(dot.abs() <= 1e-5 * scale, "signs {tag}: key {key} row {} differs at (S k) = {dot} of {scale}", byte * 8 + bit);
+            differ += 1;
+        }
+    }
+    differ
 }
 
 #[test]
@@ -200,6 +229,56 @@ fn gpu_qjl_matches_cpu() {
     qjl::<f32>(77, 72, 36, 9);
     qjl::<f16>(4_097, 128, 128, 8);
     qjl::<bf16>(300, 64, 30, 2);
+    // The tensor-core path (float16, D and m multiples of 16): tiles cut by
+    // N, every block walking several tiles, D = 96 and m = 160.
+    qjl::<f16>(200_003, 128, 256, 4);
+    qjl::<f16>(70_001, 64, 64, 2);
+    qjl::<f16>(5_000, 96, 160, 1);
+    qjl::<f16>(63, 16, 64, 1);
+}
+
+/// Keys built so that one `(S k)_r` each lies within about 1e-4 of
+/// `‖S_r‖ ‖k‖` of zero, where a sketch rounded to float16 alone would flip
+/// signs: the tensor-core signs still agree wherever the margin exceeds
+/// float32 rounding.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_qjl_tensor_core_signs_at_ties() {
+    let (n, d, m) = (4_096usize, 128usize, 256usize);
+    let s: Vec<f32> = data(3, m * d, 1.0);
+    let mut k: Vec<f16> = data(4, n * d, 1.0);
+    // Key i: its first two coordinates make (S k)_{i % m} tiny.
+    for i in 0..n {
+        let r = i % m;
+        let row = &s[r * d..(r + 1) * d];
+        if row[0].abs() < 0.1 {
+            continue; // the first coordinate would leave float16's range
+        }
+        let rest: f64 = (2..d).map(|j| row[j] as f64 * k[i * d + j].to_f32() as f64).sum();
+        k[i * d] = f16::from_f64(-rest / row[0] as f64);
+        k[i * d + 1] = f16::ZERO;
+    }
+    let close = (0..n)
+        .filter(|&i| {
+            let (row, kv) = (&s[(i % m) * d..(i % m + 1) * d], &k[i * d..(i + 1) * d]);
+            let dot: f64 = row.iter().zip(kv).map(|(a, b)| *a as f64 * b.to_f32() as f64).sum();
+            let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|x| x * x).sum::<f64>().sqrt();
+            dot.abs() < 1e-3 * norm(&mut row.iter().map(|a| *a as f64)) * norm(&mut kv.iter().map(|b| b.to_f32() as f64))
+        })
+        .count();
+    assert!(close > n / 2, "only {close} of {n} projections built close to zero");
+    let nb = cpu::packed_len(m, 1);
+    let (mut sg, mut nm) = (vec![0u8; n * nb], vec![f16::ZERO; n]);
+    cpu::qjl_encode(&k, n, d, &s, m, &mut sg, &mut nm);
+    let (gs, gn) = qjl_encode(&arr(&k, &[n, d]), &arr(&s, &[m, d]), &gpu()).unwrap();
+    let got = gs.to_vec::<u8>().unwrap();
+    if Stream::gpu().unwrap().backend().unwrap() == Backend::Cuda {
+        let differ = near_tie_signs(&got, &sg, &k, &s, d, m, "ties");
+        eprintln!("tensor-core signs differing at near-ties: {differ} of {}", n * m);
+    } else {
+        assert_eq!(got, sg);
+    }
+    assert_eq!(gn.to_vec::<f16>().unwrap(), nm);
 }
 
 fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {

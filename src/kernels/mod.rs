@@ -22,8 +22,8 @@ use std::str::FromStr;
 pub use bitpack::{bit_pack, bit_unpack};
 pub use gpu::{cached_kernel_count, TemplateArg};
 pub use quant::{
-    kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize,
-    scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
+    kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, qjl_tensor_cores,
+    scalar_dequantize, scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
 pub use source::Source;
 pub use tq_codec::{tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes, RvqCodes, PROD_BITS};

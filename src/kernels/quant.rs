@@ -545,6 +545,18 @@ fn check_sketch(sketch: &Array, d: usize) -> Result<usize> {
     Ok(sh[0] as usize)
 }
 
+/// Blocks of the tensor-core `qjl_encode`: eight per SM of an H100/H200.
+const QJL_TC_BLOCKS: usize = 132 * 8;
+
+/// Whether CUDA's `qjl_encode` runs on the tensor cores: float16 keys (exact
+/// as mma operands), `D` a multiple of 16 up to 128 and `m` a multiple of 16
+/// from 64 to 256 (the split sketch fits a warp's registers). Its signs may
+/// differ from the exact path's only where `(S k)_r` is within float32
+/// rounding of zero.
+pub fn qjl_tensor_cores(dtype: Dtype, d: usize, m: usize) -> bool {
+    dtype == Dtype::F16 && d % 16 == 0 && d <= 128 && m % 16 == 0 && (64..=256).contains(&m)
+}
+
 /// QJL encoding of keys `k` `[..., D]` with the float32 sketch `S` `[m, D]`:
 /// (signs uint8 `[..., ceil(m/8)]`, bit r set where `(S k)_r ≥ 0`; norms
 /// float16 `[...]`, `‖k‖`).
@@ -597,21 +609,33 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("k", &[n, d, m, nbytes])?;
-            let threads = if imp == Implementation::Cuda {
+            let tensor_cores = imp == Implementation::Cuda && qjl_tensor_cores(k.dtype(), d, m);
+            let (threads, group) = if tensor_cores {
+                // Blocks of 2m threads walk tiles of 64 keys, at most
+                // QJL_TC_BLOCKS of them (each loads the whole sketch once).
+                let blocks = n.div_ceil(64).min(QJL_TC_BLOCKS);
+                (to_i32("k", blocks * 2 * m)?, 2 * m as i32)
+            } else if imp == Implementation::Cuda {
                 // Blocks of 256 threads, one per tile of 64 keys x 64 sketch rows.
-                to_i32("k", n.div_ceil(64) * m.div_ceil(64) * 256)?
+                (to_i32("k", n.div_ceil(64) * m.div_ceil(64) * 256)?, 256)
             } else {
                 // 32 lanes per key; threadgroups stay a multiple of 32.
-                to_i32("k", n * 32)?
+                let threads = to_i32("k", n * 32)?;
+                (threads, THREADGROUP.min(threads))
             };
+            let mut template = vec![("T", TemplateArg::Dtype(k.dtype()))];
+            if imp == Implementation::Cuda {
+                let (tc_d, tc_m) = if tensor_cores { (d as i32, m as i32) } else { (0, 0) };
+                template.extend([("TC_D", TemplateArg::Int(tc_d)), ("TC_M", TemplateArg::Int(tc_m))]);
+            }
             gpu::launch(
                 &Launch {
                     source: Source::QjlEncode,
                     inputs: &[&flat, sketch, &p],
                     outputs: &outs,
                     grid: (threads, 1, 1),
-                    threadgroup: (THREADGROUP.min(threads), 1, 1),
-                    template: &[("T", TemplateArg::Dtype(k.dtype()))],
+                    threadgroup: (group, 1, 1),
+                    template: &template,
                 },
                 &stream,
             )?

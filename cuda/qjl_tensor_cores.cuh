@@ -1,0 +1,203 @@
+// qjl_encode on the tensor cores, for float16 keys (D a multiple of 16 up to
+// 128; m a multiple of 16 from 64 to 256). Placed after quant_common.cuh.
+//
+// The projections S k are mma.sync m16n8k16 products (float16 operands,
+// float32 accumulators). The keys are float16 already; the float32 sketch is
+// split into a float16 high part and the float16 rounding of the remainder,
+// so every product is exact and S k carries the sketch to about 22 bits
+// instead of 11. Each sketch row is first scaled by a power of two, which
+// changes no sign and keeps both parts inside float16's range. The sums run
+// in the tensor cores' order, not crate::cpu's: a sign may differ from the
+// CPU kernel's only where (S k)_r lies within float32 rounding of zero (the
+// parity rule's near-ties). The norms keep crate::cpu's in-order float32 sum.
+//
+// A block of 2m threads (m/16 warps) holds the whole split sketch in
+// registers as mma B fragments: warp w owns sketch rows 16w..16w+15. The
+// block then walks tiles of 64 keys (grid-stride): the tile sits in
+// shared memory as float16 rows padded so that fragment reads hit 32 banks,
+// the next tile is loaded into registers while this one is multiplied, and
+// the sign bytes gather in a shared tile that leaves as one contiguous block.
+
+// c += a b for one m16n8k16 tile: a 4 and b 2 registers of float16 pairs.
+__device__ __forceinline__ void qjl_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two float16 as one register, the first in the low half (the lower index
+// of an mma fragment pair).
+__device__ __forceinline__ uint32_t qjl_half_pair(__half lo, __half hi) {
+  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
+}
+
+// The high and low float16 parts of two float32 sketch entries.
+__device__ __forceinline__ void qjl_split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __half ah = __float2half_rn(a);
+  const __half bh = __float2half_rn(b);
+  // Exact in float32: a float minus its own rounding to fewer bits.
+  hi = qjl_half_pair(ah, bh);
+  lo = qjl_half_pair(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
+}
+
+template <int D, int M>
+__device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, uint8_t* signs, __half* norms,
+                                        uint32_t n) {
+  static_assert(D % 16 == 0 && D <= 128 && M % 16 == 0 && M >= 64 && M <= 256, "tensor-core shape");
+  constexpr int ROWS = 64;            // keys per tile
+  constexpr int KS = D / 16;          // k-steps of an mma
+  constexpr int THREADS = 2 * M;      // M / 16 warps of 32
+  constexpr int NBYTES = M / 8;       // sign bytes per key
+  constexpr int PITCH = D + 8;        // float16 per staged row: row r starts at bank 4r (mod 32)
+  constexpr int CHUNKS = ROWS * D / 8;  // 16-byte chunks per tile
+  constexpr int PER_THREAD = (CHUNKS + THREADS - 1) / THREADS;
+  __shared__ __align__(16) __half xs[ROWS * PITCH];
+  __shared__ __align__(16) uint8_t sg[ROWS * NBYTES];
+  const uint32_t tid = threadIdx.x;
+  const uint32_t warp = tid / 32;
+  const uint32_t g = (tid % 32) / 4;  // fragment row group
+  const uint32_t q = tid % 4;         // lane in the group
+
+  // B fragments: column g of n-tile nt is sketch row 16 warp + 8 nt + g; a
+  // register pair holds its entries ks*16 + 2q (+1) and ks*16 + 8 + 2q (+1).
+  uint32_t bh[2][KS][2];
+  uint32_t bl[2][KS][2];
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const float* row = sketch + uint64_t(16 * warp + 8 * nt + g) * D;
+    float amax = 0.0f;
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = ks * 16 + h * 8 + 2 * q;
+        amax = fmaxf(amax, fmaxf(fabsf(row[j]), fabsf(row[j + 1])));
+      }
+    }
+    // The group's four lanes hold the whole row.
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    // Largest entry into [2^14, 2^15): far from float16's overflow, and the
+    // low parts of small entries stay normal longer.
+    // Built from its bits: exact whatever the math flags.
+    const int shift = amax > 0.0f && isfinite(amax) ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
+    const float scale = __int_as_float((127 + shift) << 23);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int j = ks * 16 + h * 8 + 2 * q;
+        qjl_split_pair(row[j] * scale, row[j + 1] * scale, bh[nt][ks][h], bl[nt][ks][h]);
+      }
+    }
+  }
+
+  const uint32_t tiles = (n + ROWS - 1) / ROWS;
+  const bool wide = vq_aligned(k, 16);
+  uint4 next[PER_THREAD];
+  auto fetch = [&](uint32_t tile) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const uint32_t c = tid + i * THREADS;
+      const uint32_t r = c / (D / 8);
+      const uint32_t key = tile * ROWS + r;
+      next[i] = make_uint4(0, 0, 0, 0);
+      if (c < CHUNKS && key < n) {
+        const __half* src = k + uint64_t(key) * D + (c % (D / 8)) * 8;
+        if (wide) {
+          next[i] = *reinterpret_cast<const uint4*>(src);
+        } else {
+          __half* e = reinterpret_cast<__half*>(&next[i]);
+#pragma unroll
+          for (int y = 0; y < 8; ++y) e[y] = src[y];
+        }
+      }
+    }
+  };
+  auto stage = [&]() {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const uint32_t c = tid + i * THREADS;
+      if (c < CHUNKS) {
+        *reinterpret_cast<uint4*>(&xs[(c / (D / 8)) * PITCH + (c % (D / 8)) * 8]) = next[i];
+      }
+    }
+  };
+
+  if (blockIdx.x < tiles) {
+    fetch(blockIdx.x);
+    stage();
+  }
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    __syncthreads();  // xs holds this tile; sg is free
+    if (tile + gridDim.x < tiles) {
+      fetch(tile + gridDim.x);
+    }
+#pragma unroll 1
+    for (int mt = 0; mt < ROWS / 16; ++mt) {
+      float acc[2][4] = {};
+      const __half* a_row = xs + (mt * 16 + g) * PITCH + 2 * q;
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t a[4];
+        a[0] = *reinterpret_cast<const uint32_t*>(a_row + ks * 16);
+        a[1] = *reinterpret_cast<const uint32_t*>(a_row + 8 * PITCH + ks * 16);
+        a[2] = *reinterpret_cast<const uint32_t*>(a_row + ks * 16 + 8);
+        a[3] = *reinterpret_cast<const uint32_t*>(a_row + 8 * PITCH + ks * 16 + 8);
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+          qjl_mma(acc[nt], a, bh[nt][ks][0], bh[nt][ks][1]);
+          qjl_mma(acc[nt], a, bl[nt][ks][0], bl[nt][ks][1]);
+        }
+      }
+      // Bits 2q, 2q + 1 of byte (2 warp + nt) for rows g and g + 8; the
+      // group's four lanes OR them into whole bytes.
+      uint32_t bytes[2][2];
+#pragma unroll
+      for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+        for (int half_row = 0; half_row < 2; ++half_row) {
+          uint32_t v = ((acc[nt][2 * half_row] >= 0.0f ? 1u : 0u) | (acc[nt][2 * half_row + 1] >= 0.0f ? 2u : 0u)) << (2 * q);
+          v |= __shfl_xor_sync(0xffffffffu, v, 1);
+          v |= __shfl_xor_sync(0xffffffffu, v, 2);
+          bytes[nt][half_row] = v;
+        }
+      }
+      if (q < 2) {
+        const uint32_t r = mt * 16 + g + 8 * q;
+        *reinterpret_cast<uint16_t*>(&sg[r * NBYTES + 2 * warp]) = uint16_t(bytes[0][q] | (bytes[1][q] << 8));
+      }
+    }
+    // Norms: thread r sums key r's squares in order, 8 elements per read.
+    const uint32_t key = tile * ROWS + tid;
+    if (tid < ROWS && key < n) {
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int c = 0; c < D / 8; ++c) {
+        float v[8];
+        vq_load8(&xs[tid * PITCH + c * 8], v);
+#pragma unroll
+        for (int y = 0; y < 8; ++y) sum = __fadd_rn(sum, __fmul_rn(v[y], v[y]));
+      }
+      norms[key] = __float2half_rn(__fsqrt_rn(sum));
+    }
+    __syncthreads();  // sg complete; xs read by every warp
+    // The tile's sign rows are contiguous in the output.
+    const uint32_t rows = min(uint32_t(ROWS), n - tile * ROWS);
+    uint8_t* dst = signs + uint64_t(tile) * ROWS * NBYTES;
+    if (rows == ROWS && vq_aligned(dst, 16)) {
+      for (uint32_t c = tid; c < ROWS * NBYTES / 16; c += THREADS) {
+        reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(sg)[c];
+      }
+    } else {
+      for (uint32_t c = tid; c < rows * NBYTES; c += THREADS) {
+        dst[c] = sg[c];
+      }
+    }
+    if (tile + gridDim.x < tiles) {
+      stage();
+    }
+  }
+}
