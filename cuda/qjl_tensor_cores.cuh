@@ -1,15 +1,11 @@
 // qjl_encode on the tensor cores, for float16 keys (D a multiple of 16 up to
-// 128; m a multiple of 16 from 64 to 256). Placed after quant_common.cuh.
+// 128; m a multiple of 16 from 64 to 256). Placed after mma_common.cuh.
 //
-// The projections S k are mma.sync m16n8k16 products (float16 operands,
-// float32 accumulators). The keys are float16 already; the float32 sketch is
-// split into a float16 high part and the float16 rounding of the remainder,
-// so every product is exact and S k carries the sketch to about 22 bits
-// instead of 11. Each sketch row is first scaled by a power of two, which
-// changes no sign and keeps both parts inside float16's range. The sums run
-// in the tensor cores' order, not crate::cpu's: a sign may differ from the
-// CPU kernel's only where (S k)_r lies within float32 rounding of zero (the
-// parity rule's near-ties). The norms keep crate::cpu's in-order float32 sum.
+// The projections S k are mma.sync products of the float16 keys and the
+// split sketch (mma_common.cuh); the power-of-two scale of each sketch row
+// changes no sign, so it is never undone. The sums run in the tensor cores'
+// order, not crate::cpu's: a sign may differ from the CPU kernel's only where
+// (S k)_r lies within float32 rounding of zero (the parity rule's near-ties). The norms keep crate::cpu's in-order float32 sum.
 //
 // A block of 2m threads (m/16 warps) holds the whole split sketch in
 // registers as mma B fragments: warp w owns sketch rows 16w..16w+15. The
@@ -17,30 +13,6 @@
 // shared memory as float16 rows padded so that fragment reads hit 32 banks,
 // the next tile is loaded into registers while this one is multiplied, and
 // the sign bytes gather in a shared tile that leaves as one contiguous block.
-
-// c += a b for one m16n8k16 tile: a 4 and b 2 registers of float16 pairs.
-__device__ __forceinline__ void qjl_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// Two float16 as one register, the first in the low half (the lower index
-// of an mma fragment pair).
-__device__ __forceinline__ uint32_t qjl_half_pair(__half lo, __half hi) {
-  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
-}
-
-// The high and low float16 parts of two float32 sketch entries.
-__device__ __forceinline__ void qjl_split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
-  const __half ah = __float2half_rn(a);
-  const __half bh = __float2half_rn(b);
-  // Exact in float32: a float minus its own rounding to fewer bits.
-  hi = qjl_half_pair(ah, bh);
-  lo = qjl_half_pair(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
-}
 
 template <int D, int M>
 __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, uint8_t* signs, __half* norms,
@@ -67,31 +39,7 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
 #pragma unroll
   for (int nt = 0; nt < 2; ++nt) {
     const float* row = sketch + uint64_t(16 * warp + 8 * nt + g) * D;
-    float amax = 0.0f;
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int j = ks * 16 + h * 8 + 2 * q;
-        amax = fmaxf(amax, fmaxf(fabsf(row[j]), fabsf(row[j + 1])));
-      }
-    }
-    // The group's four lanes hold the whole row.
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
-    amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-    // Largest entry into [2^14, 2^15): far from float16's overflow, and the
-    // low parts of small entries stay normal longer.
-    // Built from its bits: exact whatever the math flags.
-    const int shift = amax > 0.0f && isfinite(amax) ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
-    const float scale = __int_as_float((127 + shift) << 23);
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int j = ks * 16 + h * 8 + 2 * q;
-        qjl_split_pair(row[j] * scale, row[j + 1] * scale, bh[nt][ks][h], bl[nt][ks][h]);
-      }
-    }
+    vq_split_b<KS>([&](int j) { return row[j]; }, bh[nt], bl[nt]);
   }
 
   const uint32_t tiles = (n + ROWS - 1) / ROWS;
@@ -148,8 +96,7 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
         a[3] = *reinterpret_cast<const uint32_t*>(a_row + 8 * PITCH + ks * 16 + 8);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          qjl_mma(acc[nt], a, bh[nt][ks][0], bh[nt][ks][1]);
-          qjl_mma(acc[nt], a, bl[nt][ks][0], bl[nt][ks][1]);
+          vq_mma_split(acc[nt], a, bh[nt][ks], bl[nt][ks]);
         }
       }
       // Bits 2q, 2q + 1 of byte (2 warp + nt) for rows g and g + 8; the

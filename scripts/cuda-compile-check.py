@@ -63,7 +63,7 @@ KERNELS = {
     "kivi_dequantize": ("kivi_dequantize.cu", ["quant_common.cuh"],
                         [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half"), ("params", "uint32_t")],
                         [("y", "T")], {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False]}),
-    "qjl_encode": ("qjl_encode.cu", ["quant_common.cuh", "qjl_tensor_cores.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
+    "qjl_encode": ("qjl_encode.cu", ["quant_common.cuh", "mma_common.cuh", "qjl_tensor_cores.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
                    [("signs", "uint8_t"), ("norms", "__half")],
                    {"T,TC_D,TC_M": [(t, 0, 0) for t in ELEMENT]
                     + [("__half", dd, mm) for dd, mm in [(128, 256), (128, 128), (64, 64), (96, 160), (16, 64)]]}),

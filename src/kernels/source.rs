@@ -182,7 +182,11 @@ impl Source {
             | Source::TqRvqEncode
             | Source::TqRvqDecode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
-            Source::QjlEncode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/qjl_tensor_cores.cuh")),
+            Source::QjlEncode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/qjl_tensor_cores.cuh")
+            ),
             Source::ScalarQuantize
             | Source::ScalarDequantize
             | Source::KiviQuantize

@@ -1,0 +1,86 @@
+// Tensor-core helpers (mma.sync m16n8k16, float16 operands, float32
+// accumulators), placed after quant_common.cuh. Fragment layouts, with lane =
+// 4 g + q: A (16 x 16, row-major) registers hold (row g | g + 8, columns
+// 2q, 2q + 1 | 2q + 8, 2q + 9); B (16 x 8) holds rows 2q, 2q + 1 | 2q + 8,
+// 2q + 9 of column g; C holds rows g | g + 8, columns 2q, 2q + 1.
+//
+// A float32 matrix enters as two float16 parts, its float16 rounding and the
+// float16 rounding of the remainder: against float16 (or ±1) operands every
+// product is exact and the matrix keeps about 22 bits instead of 11. Each
+// column of B is first scaled by a power of two (exact) that puts its
+// largest entry in [2^14, 2^15), inside float16's range with room to spare.
+
+// c += a b for one m16n8k16 tile.
+__device__ __forceinline__ void vq_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// Two float16 as one fragment register, the first in the low half.
+__device__ __forceinline__ uint32_t vq_half_pair(__half lo, __half hi) {
+  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
+}
+
+// The high and low float16 parts of two float32 entries.
+__device__ __forceinline__ void vq_split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
+  const __half ah = __float2half_rn(a);
+  const __half bh = __float2half_rn(b);
+  // Exact in float32: a float minus its own rounding to fewer bits.
+  hi = vq_half_pair(ah, bh);
+  lo = vq_half_pair(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
+}
+
+// 2^e as a float, from its bits (exact whatever the math flags); e in [-126, 127].
+__device__ __forceinline__ float vq_pow2(int e) {
+  return __int_as_float((127 + e) << 23);
+}
+
+// This lane's B fragments, split, for one n-tile and KS k-steps of a K x 8
+// block whose column g (this lane's) reads at(k), k < 16 KS: column g scaled
+// by 2^shift first. Returns shift; a product's column c (C layout) is
+// unscaled by vq_pow2(-shift of lane 4c).
+template <int KS, typename At>
+__device__ __forceinline__ int vq_split_b(At at, uint32_t (&hi)[KS][2], uint32_t (&lo)[KS][2]) {
+  const int q = threadIdx.x % 4;
+  float amax = 0.0f;
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = ks * 16 + h * 8 + 2 * q;
+      amax = fmaxf(amax, fmaxf(fabsf(at(k)), fabsf(at(k + 1))));
+    }
+  }
+  // The group's four lanes hold the whole column.
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const int shift = amax > 0.0f && isfinite(amax) ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
+  const float scale = vq_pow2(shift);
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int k = ks * 16 + h * 8 + 2 * q;
+      vq_split_pair(at(k) * scale, at(k + 1) * scale, hi[ks][h], lo[ks][h]);
+    }
+  }
+  return shift;
+}
+
+// c += a (b_hi + b_lo): one product of a split B.
+__device__ __forceinline__ void vq_mma_split(float (&c)[4], const uint32_t (&a)[4], const uint32_t (&hi)[2],
+                                             const uint32_t (&lo)[2]) {
+  vq_mma(c, a, hi[0], hi[1]);
+  vq_mma(c, a, lo[0], lo[1]);
+}
+
+// A fragment register of ±1 (bit set: +1) from bits 2q and 2q + 1 of byte.
+__device__ __forceinline__ uint32_t vq_sign_pair(uint32_t byte, int q) {
+  const uint32_t b0 = (byte >> (2 * q)) & 1u;
+  const uint32_t b1 = (byte >> (2 * q + 1)) & 1u;
+  // -1.0 is 0xBC00; clearing the sign bit gives +1.0.
+  return 0xBC00BC00u ^ (b0 << 15) ^ (b1 << 31);
+}
