@@ -6,6 +6,8 @@
 // from the centroid, its result goes back to shared memory for the rotation
 // product (with HADAMARD, rotation is the signs: butterflies instead). Sums
 // in order with round-to-nearest intrinsics, as crate::cpu::turboquant.
+// With TC (float16 or bfloat16 output, D = 64 or 128) the sketch product
+// runs on the tensor cores instead (tq_prod_decode_tensor_cores).
 constexpr int MSE_BITS = B_BITS - 1;
 constexpr int CODE_BYTES = D * MSE_BITS / 8;
 constexpr int CH = TQ_CHUNKS(D);
@@ -13,6 +15,11 @@ __shared__ float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[TQ_BS(D)];
 const uint32_t n = params[0];
 const float scale = __uint_as_float(params[1]);
+if constexpr (TC) {
+  tq_prod_decode_tensor_cores<(TC ? D : 64), MSE_BITS, ROTATE, HADAMARD>(codes, signs, norms, residual_norms, rotation,
+                                                                       centroids, sketch, y, V, Bs, n, scale);
+  return;
+}
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
 const int ty = tid / 32;

@@ -91,10 +91,14 @@ KERNELS = {
                         ("params", "uint32_t")],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half")],
                        {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False], "HADAMARD": [False, True]}),
-    "tq_prod_decode": ("tq_prod_decode.cu", TQ,
+    "tq_prod_decode": ("tq_prod_decode.cu", TQ + ["mma_common.cuh", "tq_tensor_cores.cuh"],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
                         ("rotation", "float"), ("centroids", "float"), ("sketch", "float"), ("params", "uint32_t")],
-                       [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False], "HADAMARD": [False, True]}),
+                       [("y", "T")],
+                       [{"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False],
+                         "HADAMARD": [False, True], "TC": [False]},
+                        {"TC": [True], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 1, 2],
+                         "ROTATE": [True, False], "HADAMARD": [False, True]}]),
     "tq_rvq_encode": ("tq_rvq_encode.cu", TQ,
                       [("x", "T"), ("rotation", "float"), ("centroids1", "float"), ("centroids2", "float"),
                        ("params", "uint32_t")],
@@ -222,8 +226,10 @@ def main():
     failed = 0
     for name in a.kernels or KERNELS:
         spec = KERNELS[name]
-        axes = spec[4]
-        for args in instantiations(axes, a.all):
+        # Template axes: one family, or a list of families whose arguments
+        # are valid only within each.
+        families = spec[4] if isinstance(spec[4], list) else [spec[4]]
+        for args in [x for axes in families for x in instantiations(axes, a.all)]:
             label = f"{name}{args}"
             cubin = None
             if a.cubin is not None:

@@ -26,7 +26,7 @@ pub use quant::{
     scalar_dequantize, scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
 pub use source::Source;
-pub use tq_codec::{tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes, RvqCodes, PROD_BITS};
+pub use tq_codec::{prod_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes, RvqCodes, PROD_BITS};
 pub use turboquant::tq_encode;
 pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
 
@@ -176,6 +176,10 @@ pub(crate) fn check_bits(argument: &'static str, bits: u32) -> Result<()> {
 
 /// Threads per threadgroup for the one-thread-per-item kernels.
 pub(crate) const THREADGROUP: i32 = 256;
+
+/// Blocks of a tensor-core kernel that walks its tiles grid-stride (each
+/// block loads its matrix fragments once): eight per SM of an H100/H200.
+pub(crate) const TENSOR_CORE_BLOCKS: usize = 132 * 8;
 
 /// A 1-D launch over `items` threads.
 pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {

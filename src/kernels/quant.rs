@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, TENSOR_CORE_BLOCKS, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -545,9 +545,6 @@ fn check_sketch(sketch: &Array, d: usize) -> Result<usize> {
     Ok(sh[0] as usize)
 }
 
-/// Blocks of the tensor-core `qjl_encode`: eight per SM of an H100/H200.
-const QJL_TC_BLOCKS: usize = 132 * 8;
-
 /// Whether CUDA's `qjl_encode` runs on the tensor cores: float16 keys (exact
 /// as mma operands), `D` a multiple of 16 up to 128 and `m` a multiple of 16
 /// from 64 to 256 (the split sketch fits a warp's registers). Its signs may
@@ -611,9 +608,9 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
             let p = params("k", &[n, d, m, nbytes])?;
             let tensor_cores = imp == Implementation::Cuda && qjl_tensor_cores(k.dtype(), d, m);
             let (threads, group) = if tensor_cores {
-                // Blocks of 2m threads walk tiles of 64 keys, at most
-                // QJL_TC_BLOCKS of them (each loads the whole sketch once).
-                let blocks = n.div_ceil(64).min(QJL_TC_BLOCKS);
+                // Blocks of 2m threads walk tiles of 64 keys, each loading
+                // the whole sketch once.
+                let blocks = n.div_ceil(64).min(TENSOR_CORE_BLOCKS);
                 (to_i32("k", blocks * 2 * m)?, 2 * m as i32)
             } else if imp == Implementation::Cuda {
                 // Blocks of 256 threads, one per tile of 64 keys x 64 sketch rows.

@@ -175,10 +175,15 @@ impl Source {
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
         match self {
+            Source::TqProdDecode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/tq_tensor_cores.cuh")
+            ),
             Source::TqEncode
             | Source::TqDecode
             | Source::TqProdEncode
-            | Source::TqProdDecode
             | Source::TqRvqEncode
             | Source::TqRvqDecode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),

@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::turboquant::{check_rotation_input, check_head_dim, dense_rotation};
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source};
+use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, TENSOR_CORE_BLOCKS};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
 use crate::dtype::Dtype;
@@ -120,6 +120,13 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
 /// Vectors per CUDA block of the TurboQuant codecs (`TQ_TV` in
 /// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
 const CUDA_TILE_VECTORS: usize = 32;
+
+/// Whether CUDA's `tq_prod_decode` runs its sketch product on the tensor
+/// cores: a float16 or bfloat16 output (whose rounding dwarfs the sums'
+/// reordering) and `d` = 64 or 128 (the split sketch fits the registers).
+pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
+    matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
+}
 
 /// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
 /// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
@@ -429,22 +436,32 @@ pub fn tq_prod_decode(
                 .remove(0)
             } else {
                 let p = params("norms", &[n, scale.to_bits() as usize])?;
-                launch_per_vector(
-                    imp,
-                    Source::TqProdDecode,
-                    &[&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p],
-                    &outputs,
-                    (n, d),
-                    &[
-                        ("T", TemplateArg::Dtype(dtype)),
-                        ("D", TemplateArg::Int(d as i32)),
-                        ("B_BITS", TemplateArg::Int(bits as i32)),
-                        ("ROTATE", TemplateArg::Bool(rotate)),
-                        ("HADAMARD", TemplateArg::Bool(hadamard)),
-                    ],
-                    s,
-                )?
-                .remove(0)
+                let mut template = vec![
+                    ("T", TemplateArg::Dtype(dtype)),
+                    ("D", TemplateArg::Int(d as i32)),
+                    ("B_BITS", TemplateArg::Int(bits as i32)),
+                    ("ROTATE", TemplateArg::Bool(rotate)),
+                    ("HADAMARD", TemplateArg::Bool(hadamard)),
+                ];
+                let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
+                if imp == Implementation::Cuda {
+                    let tensor_cores = prod_decode_tensor_cores(dtype, d);
+                    template.push(("TC", TemplateArg::Bool(tensor_cores)));
+                    if tensor_cores {
+                        // Blocks walk the tiles, each loading the split sketch once.
+                        let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
+                        let launch = Launch {
+                            source: Source::TqProdDecode,
+                            inputs: &inputs,
+                            outputs: &outputs,
+                            grid: (blocks as i32 * 256, 1, 1),
+                            threadgroup: (256, 1, 1),
+                            template: &template,
+                        };
+                        return ops::reshape(&gpu::launch(&launch, s)?.remove(0), &out_shape, s);
+                    }
+                }
+                launch_per_vector(imp, Source::TqProdDecode, &inputs, &outputs, (n, d), &template, s)?.remove(0)
             }
         }
     };
