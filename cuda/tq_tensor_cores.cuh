@@ -105,3 +105,100 @@ __device__ void tq_prod_decode_tensor_cores(const uint8_t* codes, const uint8_t*
     __syncthreads();  // V and Bs are free for the next tile
   }
 }
+
+// TurboQuant-Prod encode's second stage on the tensor cores, for float16 and
+// bfloat16 inputs (D = 64 or 128): the signs of S r for the tile's residuals
+// r in V (tq_common.cuh's layout), written to signs [N, D/8]. Each residual
+// is scaled by a power of two (no sign changes) and split like the sketch,
+// so r S keeps about 22 bits of both: hi·hi + hi·lo + lo·hi. A sign may
+// differ from the exact path's only where (S r)_k is within float32 rounding
+// of zero (the parity rule's near-ties). s_scale holds TQ_TV floats; V and
+// s_scale may be rewritten after the next barrier.
+template <int D>
+__device__ void tq_sketch_signs_tensor_cores(const float* V, float* s_scale, const float* sketch, uint8_t* signs,
+                                             uint64_t v0, uint32_t n) {
+  static_assert(D == 64 || D == 128, "tensor-core sketch: D = 64 or 128");
+  constexpr int KS = D / 16;
+  constexpr int NTW = D / 64;
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int g = (tid % 32) / 4;
+  const int q = tid % 4;
+  // Per-vector scales: 8 lanes per vector, each scanning D/8 coordinates.
+  {
+    const int v = tid / 8;
+    float amax = 0.0f;
+    for (int j = tid % 8; j < D; j += 8) {
+      amax = fmaxf(amax, fabsf(V[j * TQ_VS + v]));
+    }
+#pragma unroll
+    for (int o = 1; o < 8; o *= 2) {
+      amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, o));
+    }
+    if (tid % 8 == 0) {
+      s_scale[v] = vq_pow2(amax > 0.0f && isfinite(amax) ? max(-126, min(126, 14 - ilogbf(amax))) : 0);
+    }
+  }
+  // B(k, c) = S[c][k]: this lane's column (sketch row) is 8 (NTW warp + nt) + g.
+  uint32_t bh[NTW][KS][2];
+  uint32_t bl[NTW][KS][2];
+#pragma unroll
+  for (int nt = 0; nt < NTW; ++nt) {
+    const float* row = sketch + (8 * (NTW * warp + nt) + g) * D;
+    vq_split_b<KS>([&](int k) { return row[k]; }, bh[nt], bl[nt]);
+  }
+  __syncthreads();
+#pragma unroll
+  for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+    const int r0 = mt * 16 + g;
+    const float sc0 = s_scale[r0];
+    const float sc1 = s_scale[r0 + 8];
+    float acc[NTW][4] = {};
+    float cross[NTW][4] = {};
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      uint32_t ah[4];
+      uint32_t al[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        // Register i: row r0 (+8 for odd i), columns 2q, 2q + 1 (+8 for i >= 2).
+        const int v = r0 + 8 * (i % 2);
+        const int j = ks * 16 + 8 * (i / 2) + 2 * q;
+        const float sc = i % 2 ? sc1 : sc0;
+        vq_split_pair(V[j * TQ_VS + v] * sc, V[(j + 1) * TQ_VS + v] * sc, ah[i], al[i]);
+      }
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) {
+        vq_mma(acc[nt], ah, bh[nt][ks][0], bh[nt][ks][1]);
+        vq_mma(cross[nt], ah, bl[nt][ks][0], bl[nt][ks][1]);
+        vq_mma(cross[nt], al, bh[nt][ks][0], bh[nt][ks][1]);
+      }
+    }
+    // Bits 2q, 2q + 1 of byte NTW warp + nt for rows r0 and r0 + 8; the
+    // group's four lanes OR them into whole bytes.
+    uint32_t bytes[2] = {0u, 0u};
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const float p0 = acc[nt][2 * hr] + cross[nt][2 * hr];
+        const float p1 = acc[nt][2 * hr + 1] + cross[nt][2 * hr + 1];
+        uint32_t b = ((p0 >= 0.0f ? 1u : 0u) | (p1 >= 0.0f ? 2u : 0u)) << (2 * q);
+        b |= __shfl_xor_sync(0xffffffffu, b, 1);
+        b |= __shfl_xor_sync(0xffffffffu, b, 2);
+        bytes[hr] |= b << (8 * nt);
+      }
+    }
+    if (q < 2) {
+      const uint64_t v = v0 + r0 + 8 * q;
+      if (v < n) {
+        uint8_t* dst = signs + v * (D / 8) + NTW * warp;
+        if constexpr (NTW == 2) {
+          *reinterpret_cast<uint16_t*>(dst) = uint16_t(bytes[q]);
+        } else {
+          *dst = uint8_t(bytes[q]);
+        }
+      }
+    }
+  }
+}

@@ -121,10 +121,13 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
 /// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
 const CUDA_TILE_VECTORS: usize = 32;
 
-/// Whether CUDA's `tq_prod_decode` runs its sketch product on the tensor
-/// cores: a float16 or bfloat16 output (whose rounding dwarfs the sums'
-/// reordering) and `d` = 64 or 128 (the split sketch fits the registers).
-pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
+/// Whether CUDA's TurboQuant-Prod kernels run their sketch products on the
+/// tensor cores: `dtype` (the encoder's input, the decoder's output) float16
+/// or bfloat16, whose rounding dwarfs the sums' reordering, and `d` = 64 or
+/// 128 (the split sketch fits the registers). The encoder's signs may then
+/// differ from the exact path's where `(S r)_k` is within float32 rounding
+/// of zero; the decoder's values by the output's rounding.
+pub fn prod_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
 }
 
@@ -282,21 +285,18 @@ pub fn tq_prod_encode(
                 )?
             } else {
                 let p = params("x", &[n])?;
-                launch_per_vector(
-                    imp,
-                    Source::TqProdEncode,
-                    &[&rows.flat, rot_input, cent_input, sketch, &p],
-                    &outputs,
-                    (n, d),
-                    &[
-                        ("T", TemplateArg::Dtype(x.dtype())),
-                        ("D", TemplateArg::Int(d as i32)),
-                        ("B_BITS", TemplateArg::Int(bits as i32)),
-                        ("ROTATE", TemplateArg::Bool(rotate)),
-                        ("HADAMARD", TemplateArg::Bool(hadamard)),
-                    ],
-                    &stream,
-                )?
+                let mut template = vec![
+                    ("T", TemplateArg::Dtype(x.dtype())),
+                    ("D", TemplateArg::Int(d as i32)),
+                    ("B_BITS", TemplateArg::Int(bits as i32)),
+                    ("ROTATE", TemplateArg::Bool(rotate)),
+                    ("HADAMARD", TemplateArg::Bool(hadamard)),
+                ];
+                if imp == Implementation::Cuda {
+                    template.push(("TC", TemplateArg::Bool(prod_tensor_cores(x.dtype(), d))));
+                }
+                let inputs = [&rows.flat, rot_input, cent_input, sketch, &p];
+                launch_per_vector(imp, Source::TqProdEncode, &inputs, &outputs, (n, d), &template, &stream)?
             }
         }
     };
@@ -445,7 +445,7 @@ pub fn tq_prod_decode(
                 ];
                 let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
                 if imp == Implementation::Cuda {
-                    let tensor_cores = prod_decode_tensor_cores(dtype, d);
+                    let tensor_cores = prod_tensor_cores(dtype, d);
                     template.push(("TC", TemplateArg::Bool(tensor_cores)));
                     if tensor_cores {
                         // Blocks walk the tiles, each loading the split sketch once.
