@@ -3,7 +3,8 @@
 // HADAMARD (the signs: Πᵀ y = s ⊙ (H y / √D) by butterflies). params =
 // {N}. A block of 256 threads decodes TQ_TV vectors (tq_common.cuh's
 // tiles); sums in order with round-to-nearest intrinsics, as
-// crate::cpu::turboquant.
+// crate::cpu::turboquant. With TC (float16 or bfloat16 output, D = 64 or
+// 128) a dense Π's product runs on the tensor cores.
 constexpr int CH = TQ_CHUNKS(D);
 __shared__ float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
@@ -23,5 +24,10 @@ for (int e = tid; e < TQ_TV * D; e += 256) {
 }
 __syncthreads();
 float acc[4][CH * 4];
-tq_unrotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
+if constexpr (TC && ROTATE && !HADAMARD) {
+  __shared__ float W[D * TQ_VS];
+  tq_unrotate_tensor_cores<D>(acc, V, W, rotation);
+} else {
+  tq_unrotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
+}
 tq_store_tile<D>(acc, y, norms, v0, n);

@@ -1,22 +1,84 @@
+// The TurboQuant codecs' tensor-core parts (mma_common.cuh), for float16 and
+// bfloat16 data at D = 64 or 128. Placed after tq_common.cuh and
+// mma_common.cuh.
+
+// acc ← the tile's Πᵀ y for the vectors' y in V (tq_common.cuh's layout),
+// Π the dense row-major m [D, D], on the tensor cores: y and Π split, the
+// products hi·hi + hi·lo + lo·hi, for float16 and bfloat16 outputs (D = 64
+// or 128). Warp w computes columns 8 (D/64) w onward for all TQ_TV vectors
+// into W (V's size and layout), one n-tile at a time so that one set of
+// fragments is live; acc then loads from W. Ends with a barrier; V and W may
+// be rewritten after the next one.
+template <int D>
+__device__ void tq_unrotate_tensor_cores(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V, float* W,
+                                         const float* m) {
+  static_assert(D == 64 || D == 128, "tensor-core rotation: D = 64 or 128");
+  constexpr int KS = D / 16;
+  constexpr int NTW = D / 64;
+  const int warp = threadIdx.x / 32;
+  const int g = (threadIdx.x % 32) / 4;
+  const int q = threadIdx.x % 4;
+#pragma unroll 1
+  for (int nt = 0; nt < NTW; ++nt) {
+    // B(k, c) = Π[k][c] (Πᵀ y sums column c of Π against y).
+    const int col0 = 8 * (NTW * warp + nt);
+    uint32_t bh[KS][2];
+    uint32_t bl[KS][2];
+    const int shift = vq_split_b<KS>([&](int k) { return m[k * D + col0 + g]; }, bh, bl);
+    float unscale[2];
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      unscale[e] = vq_pow2(-__shfl_sync(0xffffffffu, shift, 4 * (2 * q + e)));
+    }
+#pragma unroll 1
+    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+      float prod[4] = {};
+      float cross[4] = {};
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t ah[4];
+        uint32_t al[4];
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int v = mt * 16 + g + 8 * (i % 2);
+          const int j = ks * 16 + 8 * (i / 2) + 2 * q;
+          vq_split_pair(V[j * TQ_VS + v], V[(j + 1) * TQ_VS + v], ah[i], al[i]);
+        }
+        vq_mma(prod, ah, bh[ks][0], bh[ks][1]);
+        vq_mma(cross, ah, bl[ks][0], bl[ks][1]);
+        vq_mma(cross, al, bh[ks][0], bh[ks][1]);
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const int v = mt * 16 + g + 8 * (i / 2);
+        W[(col0 + 2 * q + i % 2) * TQ_VS + v] = (prod[i] + cross[i]) * unscale[i % 2];
+      }
+    }
+  }
+  __syncthreads();
+  tq_load_tile<D, 1>(acc, W, 1.0f, nullptr);
+}
+
 // TurboQuant-Prod decode with its sketch product on the tensor cores, for
-// float16 and bfloat16 outputs (D = 64 or 128). Placed after tq_common.cuh
-// and mma_common.cuh.
+// float16 and bfloat16 outputs (D = 64 or 128).
 //
 // y = ‖x‖ Πᵀ (c[code] + a Sᵀ z) with z the ±1 signs and a = scale · ‖r‖:
 // Sᵀ z is one mma.sync product per tile, ±1 (exact in float16) against the
 // split sketch, so every product is exact and only the sums' order differs
-// from the exact path (float32 rounding, far below the output's). The rest
-// (centroids, the rotation's inverse, the norms) is the exact path's.
+// from the exact path (float32 rounding, far below the output's). The
+// centroids and norms are the exact path's; the rotation's inverse is its
+// butterflies, or a dense Π on the tensor cores (tq_unrotate_tensor_cores,
+// into W: V's size, unused otherwise).
 //
 // A block of 256 threads holds the split sketch in registers as B fragments
 // (warp w owns columns 8 (D/64) w onward) and walks tiles of TQ_TV vectors,
 // grid-stride: the product's rows go to V with their centroid added, then
-// tq_unrotate_tile and tq_store_tile finish the tile as in the exact path.
+// the rotation's inverse and tq_store_tile finish the tile.
 template <int D, int MSE_BITS, bool ROTATE, bool HADAMARD, typename T>
 __device__ void tq_prod_decode_tensor_cores(const uint8_t* codes, const uint8_t* signs, const __half* norms,
                                             const __half* residual_norms, const float* rotation,
-                                            const float* centroids, const float* sketch, T* y, float* V, float* Bs,
-                                            uint32_t n, float scale) {
+                                            const float* centroids, const float* sketch, T* y, float* V, float* W,
+                                            float* Bs, uint32_t n, float scale) {
   static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
   constexpr int KS = D / 16;       // k-steps (sketch rows) of an mma
   constexpr int NTW = D / 64;      // n-tiles (8 columns) per warp: 8 warps cover D
@@ -27,24 +89,34 @@ __device__ void tq_prod_decode_tensor_cores(const uint8_t* codes, const uint8_t*
   const int g = (tid % 32) / 4;
   const int q = tid % 4;
 
-  // B(k, c) = S[k][c]: this lane's column is 8 (NTW warp + nt) + g.
+  // B(k, c) = S[k][c]: this lane's column is 8 (NTW warp + nt) + g. Held
+  // across tiles, unless a dense rotation's fragments need the registers.
+  constexpr bool RELOAD = ROTATE && !HADAMARD;
   uint32_t bh[NTW][KS][2];
   uint32_t bl[NTW][KS][2];
   float unscale[NTW][2];
+  auto load_sketch = [&]() {
 #pragma unroll
-  for (int nt = 0; nt < NTW; ++nt) {
-    const int col = 8 * (NTW * warp + nt) + g;
-    const int shift = vq_split_b<KS>([&](int k) { return sketch[k * D + col]; }, bh[nt], bl[nt]);
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int col = 8 * (NTW * warp + nt) + g;
+      const int shift = vq_split_b<KS>([&](int k) { return sketch[k * D + col]; }, bh[nt], bl[nt]);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      unscale[nt][e] = vq_pow2(-__shfl_sync(0xffffffffu, shift, 4 * (2 * q + e)));
+      for (int e = 0; e < 2; ++e) {
+        unscale[nt][e] = vq_pow2(-__shfl_sync(0xffffffffu, shift, 4 * (2 * q + e)));
+      }
     }
+  };
+  if constexpr (!RELOAD) {
+    load_sketch();
   }
 
   const bool wide_signs = vq_aligned(signs, 4);
   const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
   for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const uint64_t v0 = uint64_t(tile) * TQ_TV;
+    if constexpr (RELOAD) {
+      load_sketch();
+    }
 #pragma unroll
     for (int mt = 0; mt < TQ_TV / 16; ++mt) {
       // Sign words of this lane's rows g and g + 8 (0 past n: never stored).
@@ -100,7 +172,11 @@ __device__ void tq_prod_decode_tensor_cores(const uint8_t* codes, const uint8_t*
     }
     __syncthreads();
     float out[4][TQ_CHUNKS(D) * 4];
-    tq_unrotate_tile<D, ROTATE, HADAMARD>(out, V, rotation, Bs);
+    if constexpr (ROTATE && !HADAMARD) {
+      tq_unrotate_tensor_cores<D>(out, V, W, rotation);
+    } else {
+      tq_unrotate_tile<D, ROTATE, HADAMARD>(out, V, rotation, Bs);
+    }
     tq_store_tile<D>(out, y, norms, v0, n);
     __syncthreads();  // V and Bs are free for the next tile
   }
