@@ -83,15 +83,9 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
     if (tile + gridDim.x < tiles) {
       fetch(tile + gridDim.x);
     }
-    // Norms: thread r sums key r's squares in order, a quarter of them after
-    // each m-tile's products (which run meanwhile), 8 elements per read.
-    float norm2 = 0.0f;
 #pragma unroll 1
     for (int mt = 0; mt < ROWS / 16; ++mt) {
-      // High and low parts in separate accumulators: four independent mma
-      // chains per warp instead of two.
       float acc[2][4] = {};
-      float acc_lo[2][4] = {};
       const __half* a_row = xs + (mt * 16 + g) * PITCH + 2 * q;
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
@@ -102,22 +96,8 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
         a[3] = *reinterpret_cast<const uint32_t*>(a_row + 8 * PITCH + ks * 16 + 8);
 #pragma unroll
         for (int nt = 0; nt < 2; ++nt) {
-          vq_mma(acc[nt], a, bh[nt][ks][0], bh[nt][ks][1]);
-          vq_mma(acc_lo[nt], a, bl[nt][ks][0], bl[nt][ks][1]);
+          vq_mma_split(acc[nt], a, bh[nt][ks], bl[nt][ks]);
         }
-      }
-      if (tid < ROWS) {
-        for (int c = mt * (D / 8) / 4; c < (mt + 1) * (D / 8) / 4; ++c) {
-          float v[8];
-          vq_load8(&xs[tid * PITCH + c * 8], v);
-#pragma unroll
-          for (int y = 0; y < 8; ++y) norm2 = __fadd_rn(norm2, __fmul_rn(v[y], v[y]));
-        }
-      }
-#pragma unroll
-      for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-        for (int i = 0; i < 4; ++i) acc[nt][i] += acc_lo[nt][i];
       }
       // Bits 2q, 2q + 1 of byte (2 warp + nt) for rows g and g + 8; the
       // group's four lanes OR them into whole bytes.
@@ -137,9 +117,18 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
         *reinterpret_cast<uint16_t*>(&sg[r * NBYTES + 2 * warp]) = uint16_t(bytes[0][q] | (bytes[1][q] << 8));
       }
     }
+    // Norms: thread r sums key r's squares in order, 8 elements per read.
     const uint32_t key = tile * ROWS + tid;
     if (tid < ROWS && key < n) {
-      norms[key] = __float2half_rn(__fsqrt_rn(norm2));
+      float sum = 0.0f;
+#pragma unroll 4
+      for (int c = 0; c < D / 8; ++c) {
+        float v[8];
+        vq_load8(&xs[tid * PITCH + c * 8], v);
+#pragma unroll
+        for (int y = 0; y < 8; ++y) sum = __fadd_rn(sum, __fmul_rn(v[y], v[y]));
+      }
+      norms[key] = __float2half_rn(__fsqrt_rn(sum));
     }
     __syncthreads();  // sg complete; xs read by every warp
     // The tile's sign rows are contiguous in the output.

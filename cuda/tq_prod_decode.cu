@@ -16,9 +16,8 @@ __shared__ __align__(16) float Bs[TQ_BS(D)];
 const uint32_t n = params[0];
 const float scale = __uint_as_float(params[1]);
 if constexpr (TC) {
-  __shared__ float W[(ROTATE && !HADAMARD) ? D * TQ_VS : 1];
-  tq_prod_decode_tensor_cores<D, MSE_BITS, ROTATE, HADAMARD>(codes, signs, norms, residual_norms, rotation, centroids,
-                                                             sketch, y, V, W, Bs, n, scale);
+  tq_prod_decode_tensor_cores<(TC ? D : 64), MSE_BITS, ROTATE, HADAMARD>(codes, signs, norms, residual_norms, rotation,
+                                                                       centroids, sketch, y, V, Bs, n, scale);
   return;
 }
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;

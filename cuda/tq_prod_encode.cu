@@ -8,9 +8,7 @@
 // tiles): norms, u = x/‖x‖, y = Π u, codes, the residual r (kept in shared
 // memory) and its norm, then the signs of S r, a second tiled product.
 // Arithmetic matches crate::cpu::turboquant::tq_prod_encode bit for bit
-// (round-to-nearest intrinsics, sums in order, the norms in float64). With
-// TC (float16 or bfloat16 input, D = 64 or 128) the signs of S r come from
-// the tensor cores (tq_sketch_signs_tensor_cores).
+// (round-to-nearest intrinsics, sums in order, the norms in float64).
 constexpr int MSE_BITS = B_BITS - 1;
 constexpr int K = 1 << MSE_BITS;
 constexpr int CH = TQ_CHUNKS(D);
@@ -66,11 +64,6 @@ tq_spill_tile<D>(acc, V);
 __syncthreads();
 if (MSE_BITS > 0 && tid < TQ_TV && v0 + tid < n) {
   residual_norms[v0 + tid] = __float2half_rn(fminf(tq_norm_col<D>(V, tid), 65504.0f));
-}
-if constexpr (TC) {
-  // s_norm is free since tq_normalize_tile.
-  tq_sketch_signs_tensor_cores<(TC ? D : 64)>(V, s_norm, sketch, signs, v0, n);
-  return;
 }
 tq_ordered_gemm<D, false>(acc, V, sketch, Bs);
 #pragma unroll

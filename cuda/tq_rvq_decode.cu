@@ -3,8 +3,7 @@
 // HADAMARD (the signs: Πᵀ y = s ⊙ (H y / √D) by butterflies). params =
 // {N}. A block of 256 threads decodes TQ_TV vectors (tq_common.cuh's
 // tiles); sums in order with round-to-nearest intrinsics, as
-// crate::cpu::turboquant. With TC (float16 or bfloat16 output, D = 64 or
-// 128) a dense Π's product runs on the tensor cores.
+// crate::cpu::turboquant.
 constexpr int CH = TQ_CHUNKS(D);
 __shared__ float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
@@ -24,10 +23,5 @@ for (int e = tid; e < TQ_TV * D; e += 256) {
 }
 __syncthreads();
 float acc[4][CH * 4];
-if constexpr (TC && ROTATE && !HADAMARD) {
-  __shared__ float W[D * TQ_VS];
-  tq_unrotate_tensor_cores<D>(acc, V, W, rotation);
-} else {
-  tq_unrotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
-}
+tq_unrotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
 tq_store_tile<D>(acc, y, norms, v0, n);

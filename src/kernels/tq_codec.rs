@@ -121,15 +121,10 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
 /// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
 const CUDA_TILE_VECTORS: usize = 32;
 
-/// Whether CUDA's TurboQuant codecs use the tensor cores, with float32
-/// matrices split into two float16 parts: `dtype` (an encoder's input, a
-/// decoder's output) float16 or bfloat16, whose rounding dwarfs the sums'
-/// reordering, and `d` = 64 or 128 (the fragments fit the registers). Then
-/// Prod's sketch products (encode and decode) and the decoders' dense
-/// rotation run there: Prod's signs may differ from the exact path's where
-/// `(S r)_k` is within float32 rounding of zero, decoded values by the
-/// output's rounding.
-pub fn tq_tensor_cores(dtype: Dtype, d: usize) -> bool {
+/// Whether CUDA's `tq_prod_decode` runs its sketch product on the tensor
+/// cores: a float16 or bfloat16 output (whose rounding dwarfs the sums'
+/// reordering) and `d` = 64 or 128 (the split sketch fits the registers).
+pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
 }
 
@@ -287,18 +282,21 @@ pub fn tq_prod_encode(
                 )?
             } else {
                 let p = params("x", &[n])?;
-                let mut template = vec![
-                    ("T", TemplateArg::Dtype(x.dtype())),
-                    ("D", TemplateArg::Int(d as i32)),
-                    ("B_BITS", TemplateArg::Int(bits as i32)),
-                    ("ROTATE", TemplateArg::Bool(rotate)),
-                    ("HADAMARD", TemplateArg::Bool(hadamard)),
-                ];
-                if imp == Implementation::Cuda {
-                    template.push(("TC", TemplateArg::Bool(tq_tensor_cores(x.dtype(), d))));
-                }
-                let inputs = [&rows.flat, rot_input, cent_input, sketch, &p];
-                launch_per_vector(imp, Source::TqProdEncode, &inputs, &outputs, (n, d), &template, &stream)?
+                launch_per_vector(
+                    imp,
+                    Source::TqProdEncode,
+                    &[&rows.flat, rot_input, cent_input, sketch, &p],
+                    &outputs,
+                    (n, d),
+                    &[
+                        ("T", TemplateArg::Dtype(x.dtype())),
+                        ("D", TemplateArg::Int(d as i32)),
+                        ("B_BITS", TemplateArg::Int(bits as i32)),
+                        ("ROTATE", TemplateArg::Bool(rotate)),
+                        ("HADAMARD", TemplateArg::Bool(hadamard)),
+                    ],
+                    &stream,
+                )?
             }
         }
     };
@@ -447,7 +445,7 @@ pub fn tq_prod_decode(
                 ];
                 let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
                 if imp == Implementation::Cuda {
-                    let tensor_cores = tq_tensor_cores(dtype, d);
+                    let tensor_cores = prod_decode_tensor_cores(dtype, d);
                     template.push(("TC", TemplateArg::Bool(tensor_cores)));
                     if tensor_cores {
                         // Blocks walk the tiles, each loading the split sketch once.
@@ -635,25 +633,20 @@ pub fn tq_rvq_decode(
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("norms", &[n])?;
-            let mut template = vec![
-                ("T", TemplateArg::Dtype(dtype)),
-                ("D", TemplateArg::Int(d as i32)),
-                ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
-                ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
-                ("ROTATE", TemplateArg::Bool(rotate)),
-                ("HADAMARD", TemplateArg::Bool(hadamard)),
-            ];
-            if imp == Implementation::Cuda {
-                // Only a dense rotation's product runs on the tensor cores.
-                template.push(("TC", TemplateArg::Bool(rotate && !hadamard && tq_tensor_cores(dtype, d))));
-            }
             launch_per_vector(
                 imp,
                 Source::TqRvqDecode,
                 &[&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p],
                 &outputs,
                 (n, d),
-                &template,
+                &[
+                    ("T", TemplateArg::Dtype(dtype)),
+                    ("D", TemplateArg::Int(d as i32)),
+                    ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
+                    ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
+                    ("ROTATE", TemplateArg::Bool(rotate)),
+                    ("HADAMARD", TemplateArg::Bool(hadamard)),
+                ],
                 s,
             )?
             .remove(0)
