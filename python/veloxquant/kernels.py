@@ -144,7 +144,10 @@ def kivi_dequantize(
 def qjl_encode(k: mx.array, sketch: mx.array, *, policy: str = "auto", device: Device = None) -> tuple:
     """QJL encoding of keys ``k [..., D]`` with the float32 sketch ``S [m, D]``:
     ``(signs uint8 [..., ceil(m/8)], norms float16 [...])``, bit r set where
-    ``(S k)_r >= 0``."""
+    ``(S k)_r >= 0``. On CUDA, float16 keys with D and m multiples of 16
+    (D <= 128, 64 <= m <= 256) are projected on the tensor cores: a sign may
+    then differ from the CPU's where ``(S k)_r`` is within float32 rounding
+    of zero."""
     return _native.qjl_encode(k, sketch, policy=policy, device=_device(device))
 
 
@@ -243,7 +246,10 @@ def tq_prod_decode(
 ) -> mx.array:
     """Inverse of :func:`tq_prod_encode`: ``|x| R^T (c[code] + sqrt(pi/2)/d *
     |r| * S^T z)`` as ``dtype`` ``[..., d]``, z the +-1 signs; ``rotation``
-    as the encoder's (``[d, d]``, Hadamard signs ``[d]``, or None)."""
+    as the encoder's (``[d, d]``, Hadamard signs ``[d]``, or None). On CUDA a
+    float16 or bfloat16 output at d = 64 or 128 takes ``S^T z`` from the
+    tensor cores: values may then differ from the CPU's by the output's
+    rounding."""
     return _native.tq_prod_decode(
         codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, _dtype(dtype),
         policy=policy, device=_device(device),
