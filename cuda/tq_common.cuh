@@ -16,6 +16,11 @@ constexpr int TQ_KC = 8;
 #define TQ_CHUNKS(D) (((D) + 127) / 128)
 #define TQ_CP(D) (TQ_CHUNKS(D) * 128 + 4)
 
+// The column of acc[a][k] in this lane's share of the tile (above).
+__device__ __forceinline__ int tq_lane_col(int k) {
+  return (k / 4) * 128 + (threadIdx.x % 32) * 4 + k % 4;
+}
+
 // Floats of the matrix slices tq_ordered_gemm stages: two slices where they
 // fit beside V in the 48 KB of static shared memory (D <= 128), else one.
 #define TQ_BUFS(D) (TQ_CHUNKS(D) == 1 ? 2 : 1)
@@ -143,12 +148,11 @@ template <int D, int MODE>
 __device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V, float scale,
                                              const float* m) {
   const int ty = threadIdx.x / 32;
-  const int tx = threadIdx.x % 32;
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
 #pragma unroll
     for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
-      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      const int col = tq_lane_col(k);
       const float u = (MODE != 0 && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
       if constexpr (MODE == 3) {
         acc[a][k] = col < D ? __fmul_rn(__fmul_rn(u, scale), m[col]) : 0.0f;
@@ -165,12 +169,11 @@ __device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], 
 template <int D>
 __device__ __forceinline__ void tq_spill_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V) {
   const int ty = threadIdx.x / 32;
-  const int tx = threadIdx.x % 32;
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
 #pragma unroll
     for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
-      const int col = (k / 4) * 128 + tx * 4 + k % 4;
+      const int col = tq_lane_col(k);
       if (col < D) {
         V[col * TQ_VS + ty * 4 + a] = acc[a][k];
       }

@@ -16,14 +16,13 @@ __shared__ __align__(16) float Bs[TQ_BS(D)];
 const uint32_t n = params[0];
 const float scale = __uint_as_float(params[1]);
 if constexpr (TC) {
-  tq_prod_decode_tensor_cores<(TC ? D : 64), MSE_BITS, ROTATE, HADAMARD>(codes, signs, norms, residual_norms, rotation,
-                                                                       centroids, sketch, y, V, Bs, n, scale);
+  tq_prod_decode_tensor_cores<D, MSE_BITS, ROTATE, HADAMARD>(codes, signs, norms, residual_norms, rotation, centroids,
+                                                             sketch, y, V, Bs, n, scale);
   return;
 }
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
 const int ty = tid / 32;
-const int tx = tid % 32;
 for (int e = tid; e < TQ_TV * D; e += 256) {
   const int v = e / D;
   const int k = e % D;
@@ -41,7 +40,7 @@ for (int a = 0; a < 4; ++a) {
   const uint64_t v = v0 + ty * 4 + a;
 #pragma unroll
   for (int k = 0; k < CH * 4; ++k) {
-    const int col = (k / 4) * 128 + tx * 4 + k % 4;
+    const int col = tq_lane_col(k);
     acc[a][k] = (MSE_BITS > 0 && col < D && v < n)
                     ? centroids[vq_code_at(codes + v * CODE_BYTES, unsigned(col), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
                     : 0.0f;

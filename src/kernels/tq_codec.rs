@@ -443,25 +443,26 @@ pub fn tq_prod_decode(
                     ("ROTATE", TemplateArg::Bool(rotate)),
                     ("HADAMARD", TemplateArg::Bool(hadamard)),
                 ];
-                let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
+                let tensor_cores = imp == Implementation::Cuda && prod_decode_tensor_cores(dtype, d);
                 if imp == Implementation::Cuda {
-                    let tensor_cores = prod_decode_tensor_cores(dtype, d);
                     template.push(("TC", TemplateArg::Bool(tensor_cores)));
-                    if tensor_cores {
-                        // Blocks walk the tiles, each loading the split sketch once.
-                        let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
-                        let launch = Launch {
-                            source: Source::TqProdDecode,
-                            inputs: &inputs,
-                            outputs: &outputs,
-                            grid: (blocks as i32 * 256, 1, 1),
-                            threadgroup: (256, 1, 1),
-                            template: &template,
-                        };
-                        return ops::reshape(&gpu::launch(&launch, s)?.remove(0), &out_shape, s);
-                    }
                 }
-                launch_per_vector(imp, Source::TqProdDecode, &inputs, &outputs, (n, d), &template, s)?.remove(0)
+                let (grid, threadgroup) = if tensor_cores {
+                    // Blocks walk the tiles, each loading the split sketch once.
+                    let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
+                    ((blocks as i32 * 256, 1, 1), (256, 1, 1))
+                } else {
+                    codec_grid(imp, n, d)?
+                };
+                let launch = Launch {
+                    source: Source::TqProdDecode,
+                    inputs: &[&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p],
+                    outputs: &outputs,
+                    grid,
+                    threadgroup,
+                    template: &template,
+                };
+                gpu::launch(&launch, s)?.remove(0)
             }
         }
     };
