@@ -368,6 +368,13 @@ impl OrderedDots {
         OrderedDots { t, m, d }
     }
 
+    /// The matrix `[m, d]` given by its transpose `[d, m]` (row-major), held
+    /// as is: `out[i] = Σ_j t[j][i] * x[j]`.
+    pub(crate) fn from_transpose(t: &[f32], m: usize, d: usize) -> Self {
+        assert_eq!(t.len(), m * d, "transpose length");
+        OrderedDots { t: t.to_vec(), m, d }
+    }
+
     pub(crate) fn apply<T: VqElement>(&self, x: &[T], out: &mut [f32]) {
         assert_eq!((x.len(), out.len()), (self.d, self.m), "x / out length");
         out.fill(0.0);

@@ -49,48 +49,56 @@ fn nearest(y: f32, centroids: &[f32]) -> u8 {
 /// Largest finite float16: norms beyond it are stored saturated.
 pub const MAX_NORM: f32 = 65504.0;
 
-/// `Π` as the CPU kernels apply it: a dense row-major `[d, d]` matrix (sums
-/// in order), or the ±1 signs `[d]` of a Hadamard rotation, `d` a power of
-/// two: `Π u = H (s ⊙ u) / √d` by butterflies, in `quant::rotation::fwht`'s
-/// order (`Rotation::forward`'s arithmetic, so bit for bit the quantizer's).
+/// `Π` or `Πᵀ` as the CPU kernels apply it: a dense row-major `[d, d]`
+/// matrix (sums in order), or the ±1 signs `[d]` of a Hadamard rotation, `d`
+/// a power of two: `Π u = H (s ⊙ u) / √d` and `Πᵀ y = s ⊙ (H y / √d)` by
+/// butterflies, in `quant::rotation::fwht`'s order (`Rotation::forward`'s and
+/// `inverse`'s arithmetic, so bit for bit the quantizer's).
 pub(crate) enum KernelRotation<'a> {
     Dense(OrderedDots),
-    Hadamard { signs: &'a [f32], scale: f32 },
-}
-
-/// The signs and `1/√d` of a rotation input that holds a Hadamard rotation's
-/// `d` signs (`d` a power of two), `None` for a dense `Π` (`d * d` values):
-/// how every CPU kernel reads its rotation input.
-fn hadamard_signs(rotation: &[f32], d: usize) -> Option<(&[f32], f32)> {
-    if rotation.len() == d && d > 1 {
-        assert!(d.is_power_of_two(), "a Hadamard rotation needs a power-of-two size, not {d}");
-        Some((rotation, 1.0 / (d as f32).sqrt()))
-    } else {
-        assert_eq!(rotation.len(), d * d, "rotation size");
-        None
-    }
+    Hadamard { signs: &'a [f32], scale: f32, inverse: bool },
 }
 
 impl<'a> KernelRotation<'a> {
-    /// From a rotation input: `d * d` values are a dense `Π`, `d` values the
-    /// signs of a Hadamard rotation (`d` a power of two).
+    /// `Π` from a rotation input: `d * d` values are a dense `Π`, `d` values
+    /// the signs of a Hadamard rotation (`d` a power of two).
     pub fn new(rotation: &'a [f32], d: usize) -> Self {
-        match hadamard_signs(rotation, d) {
-            Some((signs, scale)) => KernelRotation::Hadamard { signs, scale },
-            None => KernelRotation::Dense(OrderedDots::new(rotation, d, d)),
-        }
+        Self::read(rotation, d, false)
     }
 
-    /// `y = Π u`.
-    pub fn forward(&self, u: &[f32], y: &mut [f32]) {
+    /// `Πᵀ` from the same input.
+    pub fn inverse(rotation: &'a [f32], d: usize) -> Self {
+        Self::read(rotation, d, true)
+    }
+
+    /// How every CPU kernel reads its rotation input.
+    fn read(rotation: &'a [f32], d: usize, inverse: bool) -> Self {
+        if rotation.len() == d && d > 1 {
+            assert!(d.is_power_of_two(), "a Hadamard rotation needs a power-of-two size, not {d}");
+            return KernelRotation::Hadamard { signs: rotation, scale: 1.0 / (d as f32).sqrt(), inverse };
+        }
+        assert_eq!(rotation.len(), d * d, "rotation size");
+        // Πᵀ's transpose is Π itself: `Σ_k Π_ki y_k` in order of k.
+        KernelRotation::Dense(if inverse { OrderedDots::from_transpose(rotation, d, d) } else { OrderedDots::new(rotation, d, d) })
+    }
+
+    /// `out = Π x` (or `Πᵀ x`).
+    pub fn apply(&self, x: &[f32], out: &mut [f32]) {
         match self {
-            KernelRotation::Dense(dots) => dots.apply(u, y),
-            KernelRotation::Hadamard { signs, scale } => {
-                for ((yj, &uj), &sj) in y.iter_mut().zip(u).zip(signs.iter()) {
-                    *yj = uj * sj;
+            KernelRotation::Dense(dots) => dots.apply(x, out),
+            KernelRotation::Hadamard { signs, scale, inverse: false } => {
+                for ((o, &xj), &sj) in out.iter_mut().zip(x).zip(signs.iter()) {
+                    *o = xj * sj;
                 }
-                crate::quant::rotation::fwht(y);
-                y.iter_mut().for_each(|v| *v *= scale);
+                crate::quant::rotation::fwht(out);
+                out.iter_mut().for_each(|v| *v *= scale);
+            }
+            KernelRotation::Hadamard { signs, scale, inverse: true } => {
+                out.copy_from_slice(x);
+                crate::quant::rotation::fwht(out);
+                for (o, &sj) in out.iter_mut().zip(signs.iter()) {
+                    *o = *o * scale * sj;
+                }
             }
         }
     }
@@ -138,7 +146,7 @@ pub fn tq_encode<T: VqElement>(
                 *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
             }
             match &rotation {
-                Some(rot) => rot.forward(&u, &mut y),
+                Some(rot) => rot.apply(&u, &mut y),
                 None => y.copy_from_slice(&u),
             }
             for (code, &yi) in idx.iter_mut().zip(&y) {
@@ -350,35 +358,17 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&KernelRotatio
         *uj = if s > 0.0 { *uj / s } else { 0.0 };
     }
     match rotation {
-        Some(rot) => rot.forward(u, y),
+        Some(rot) => rot.apply(u, y),
         None => y.copy_from_slice(u),
     }
     s
 }
 
-/// `out = norm · Πᵀ y` (`Σ_k Π_ki y_k` in order of k), or `norm · y` without a
-/// rotation. `acc` is scratch of `y.len()`; walking `Π` by rows keeps each
-/// sum's order and reads memory contiguously. A Hadamard rotation's signs
-/// (`d` values) give `Πᵀ y = s ⊙ (H y / √d)` by butterflies, as
-/// `Rotation::inverse` computes it.
-fn unrotate_row<T: Float>(rotation: Option<&[f32]>, y: &[f32], norm: f32, acc: &mut [f32], out: &mut [T]) {
-    let d = y.len();
-    match rotation.map(|r| (r, hadamard_signs(r, d))) {
-        Some((_, Some((signs, scale)))) => {
-            acc.copy_from_slice(y);
-            crate::quant::rotation::fwht(acc);
-            for (a, &sj) in acc.iter_mut().zip(signs) {
-                *a = *a * scale * sj;
-            }
-        }
-        Some((rot, None)) => {
-            acc.iter_mut().for_each(|v| *v = 0.0);
-            for (k, &yk) in y.iter().enumerate() {
-                for (a, &p) in acc.iter_mut().zip(&rot[k * d..(k + 1) * d]) {
-                    *a += p * yk;
-                }
-            }
-        }
+/// `out = norm · Πᵀ y`, `rotation` read by [`KernelRotation::inverse`], or
+/// `norm · y` without a rotation. `acc` is scratch of `y.len()`.
+fn unrotate_row<T: Float>(rotation: Option<&KernelRotation>, y: &[f32], norm: f32, acc: &mut [f32], out: &mut [T]) {
+    match rotation {
+        Some(rot) => rot.apply(y, acc),
         None => acc.copy_from_slice(y),
     }
     for (o, &v) in out.iter_mut().zip(acc.iter()) {
@@ -495,6 +485,7 @@ pub fn tq_prod_decode<T: Float>(
     assert_eq!(codes.len(), n * code_bytes, "codes length");
     assert_eq!(signs.len(), n * sign_bytes, "signs length");
     assert_eq!(sketch.len(), d * d, "sketch size");
+    let unrotation = rotation.map(|r| KernelRotation::inverse(r, d));
     super::for_each_chunk(out, d, 32, |row0, chunk| {
         let (mut y, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (r, o) in chunk.chunks_mut(d).enumerate() {
@@ -517,7 +508,7 @@ pub fn tq_prod_decode<T: Float>(
                     *v += z * s;
                 }
             }
-            unrotate_row(rotation, &y, norms[row].to_f32(), &mut acc, o);
+            unrotate_row(unrotation.as_ref(), &y, norms[row].to_f32(), &mut acc, o);
         }
     });
 }
@@ -588,6 +579,7 @@ pub fn tq_rvq_decode<T: Float>(
     let (b1, b2) = (super::packed_len(d, bits.0), super::packed_len(d, bits.1));
     assert_eq!(out.len(), n * d, "out length");
     assert_eq!((codes1.len(), codes2.len()), (n * b1, n * b2), "codes length");
+    let unrotation = rotation.map(|r| KernelRotation::inverse(r, d));
     super::for_each_chunk(out, d, 32, |row0, chunk| {
         let (mut y, mut acc) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (r, o) in chunk.chunks_mut(d).enumerate() {
@@ -596,7 +588,7 @@ pub fn tq_rvq_decode<T: Float>(
             for (j, v) in y.iter_mut().enumerate() {
                 *v = first[code_at(c1, j, bits.0)] + second[code_at(c2, j, bits.1)];
             }
-            unrotate_row(rotation, &y, norms[row].to_f32(), &mut acc, o);
+            unrotate_row(unrotation.as_ref(), &y, norms[row].to_f32(), &mut acc, o);
         }
     });
 }
