@@ -84,3 +84,15 @@ __device__ __forceinline__ uint32_t vq_sign_pair(uint32_t byte, int q) {
   // -1.0 is 0xBC00; clearing the sign bit gives +1.0.
   return 0xBC00BC00u ^ (b0 << 15) ^ (b1 << 31);
 }
+
+// A fragment of the 16 x 16 float16 block at `tile` in shared memory, rows
+// `stride` elements apart (each row's 16 bytes aligned): lanes 0-15 address
+// rows 0-15 at column 0, lanes 16-31 the same rows at column 8, the four
+// 8 x 8 matrices ldmatrix returns being a[0] to a[3] of the layout above.
+__device__ __forceinline__ void vq_load_a(uint32_t (&a)[4], const __half* tile, int stride) {
+  const int l = threadIdx.x % 32;
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(tile + (l % 16) * stride + (l / 16) * 8));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(addr));
+}

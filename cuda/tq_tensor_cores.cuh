@@ -1,83 +1,127 @@
-// TurboQuant-Prod decode with its sketch product on the tensor cores, for
-// float16 and bfloat16 outputs (D = 64 or 128). Placed after tq_common.cuh
-// and mma_common.cuh.
+// TurboQuant decoders on the tensor cores, for float16 and bfloat16 outputs
+// (D = 64 or 128). Placed after tq_common.cuh and mma_common.cuh.
 //
+// Prod:
 // y = ‖x‖ Πᵀ (c[code] + a Sᵀ z) with z the ±1 signs and a = scale · ‖r‖:
 // Sᵀ z is one mma.sync product per tile, ±1 (exact in float16) against the
 // split sketch, so every product is exact and only the sums' order differs
 // from the exact path (float32 rounding, far below the output's). The rest
-// (centroids, the rotation's inverse, the norms) is the exact path's.
+// (centroids, the rotation's inverse, the norms) is the exact path's
+// arithmetic, operation for operation.
 //
 // A block of 256 threads holds the split sketch in registers as B fragments
 // (warp w owns columns 8 (D/64) w onward) and walks tiles of TQ_TV vectors,
-// grid-stride: the product's rows go to V with their centroid added, then
-// tq_unrotate_tile and tq_store_tile finish the tile as in the exact path.
-template <int D, int MSE_BITS, bool ROTATE, bool HADAMARD, typename T>
-__device__ void tq_prod_decode_tensor_cores(const uint8_t* codes, const uint8_t* signs, const __half* norms,
-                                            const __half* residual_norms, const float* rotation,
-                                            const float* centroids, const float* sketch, T* y, float* V, float* Bs,
-                                            uint32_t n, float scale) {
-  static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
-  constexpr int KS = D / 16;       // k-steps (sketch rows) of an mma
-  constexpr int NTW = D / 64;      // n-tiles (8 columns) per warp: 8 warps cover D
-  constexpr int SIGN_WORDS = D / 32;
-  constexpr int CODE_BYTES = D * MSE_BITS / 8;
-  const int tid = threadIdx.x;
-  const int warp = tid / 32;
-  const int g = (tid % 32) / 4;
-  const int q = tid % 4;
+// grid-stride.
+//
+// RVQ with a dense Π: y = ‖x‖ Πᵀ u, u = c1[a] + c2[b] (the exact path's
+// float32), entering as float16 high and low parts against the split Π:
+// u_hi Π_hi + u_hi Π_lo + u_lo Π_hi, every product exact, the dropped
+// u_lo Π_lo below float32's rounding of the sums.
 
-  // B(k, c) = S[k][c]: this lane's column is 8 (NTW warp + nt) + g.
-  uint32_t bh[NTW][KS][2];
-  uint32_t bl[NTW][KS][2];
-  float unscale[NTW][2];
+// A float32 D x D matrix M, split, as this lane's B fragments (B(k, c) =
+// M[k][c]): warp w's n-tiles 8 (NTW w + nt).
+template <int D>
+struct TqSplitFragments {
+  static constexpr int KS = D / 16;  // k-steps (sketch rows) of an mma
+  static constexpr int NTW = D / 64;  // n-tiles (8 columns) per warp: 8 warps cover D
+  uint32_t hi[NTW][KS][2];
+  uint32_t lo[NTW][KS][2];
+  float unscale[NTW][2];  // of the product's columns 2q, 2q + 1 in each n-tile
+
+  // This lane's column of B is 8 (NTW warp + nt) + g.
+  __device__ __forceinline__ void load(const float* m) {
+    const int warp = threadIdx.x / 32;
+    const int g = (threadIdx.x % 32) / 4;
+    const int q = threadIdx.x % 4;
 #pragma unroll
-  for (int nt = 0; nt < NTW; ++nt) {
-    const int col = 8 * (NTW * warp + nt) + g;
-    const int shift = vq_split_b<KS>([&](int k) { return sketch[k * D + col]; }, bh[nt], bl[nt]);
+    for (int nt = 0; nt < NTW; ++nt) {
+      const int col = 8 * (NTW * warp + nt) + g;
+      const int shift = vq_split_b<KS>([&](int k) { return m[k * D + col]; }, hi[nt], lo[nt]);
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      unscale[nt][e] = vq_pow2(-__shfl_sync(0xffffffffu, shift, 4 * (2 * q + e)));
+      for (int e = 0; e < 2; ++e) {
+        unscale[nt][e] = vq_pow2(-__shfl_sync(0xffffffffu, shift, 4 * (2 * q + e)));
+      }
     }
   }
 
+  // p[nt][2 hr + e] = (Mᵀ z)[8 (NTW warp + nt) + 2q + e] of vector v0 + g +
+  // 8 hr, z the ±1 of its sign bits (rows past n: zero words, never stored).
+  __device__ __forceinline__ void sign_product(float (&p)[NTW][4], const uint8_t* signs, bool wide_signs, uint64_t v0,
+                                          uint32_t n) const {
+    constexpr int SIGN_WORDS = D / 32;
+    const int g = (threadIdx.x % 32) / 4;
+    const int q = threadIdx.x % 4;
+    uint32_t w[2][SIGN_WORDS];
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const uint64_t v = v0 + g + 8 * hr;
+      const uint8_t* row = signs + v * (D / 8);
+#pragma unroll
+      for (int i = 0; i < SIGN_WORDS; ++i) {
+        w[hr][i] = v >= n ? 0u
+                   : wide_signs
+                       ? reinterpret_cast<const uint32_t*>(row)[i]
+                       : uint32_t(row[4 * i]) | (uint32_t(row[4 * i + 1]) << 8) | (uint32_t(row[4 * i + 2]) << 16) |
+                             (uint32_t(row[4 * i + 3]) << 24);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        p[nt][r] = 0.0f;
+      }
+    }
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      // Sketch rows 16 ks.. are bytes 2 ks (columns 0-7) and 2 ks + 1 (8-15).
+      const int word = ks / 2;
+      const int bit = (ks % 2) * 16;
+      uint32_t a[4];
+      a[0] = vq_sign_pair(w[0][word] >> bit, q);
+      a[1] = vq_sign_pair(w[1][word] >> bit, q);
+      a[2] = vq_sign_pair(w[0][word] >> (bit + 8), q);
+      a[3] = vq_sign_pair(w[1][word] >> (bit + 8), q);
+#pragma unroll
+      for (int nt = 0; nt < NTW; ++nt) {
+        vq_mma_split(p[nt], a, hi[nt][ks], lo[nt][ks]);
+      }
+    }
+#pragma unroll
+    for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+      for (int r = 0; r < 4; ++r) {
+        p[nt][r] = __fmul_rn(p[nt][r], unscale[nt][r % 2]);
+      }
+    }
+  }
+};
+
+// With a dense Π: the product's rows go to V (tq_common.cuh's transposed
+// tile) with their centroid added, then tq_unrotate_tile and tq_store_tile
+// finish the tile as in the exact path.
+template <int D, int MSE_BITS, typename T>
+__device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const uint8_t* signs, const __half* norms,
+                                                  const __half* residual_norms, const float* rotation,
+                                                  const float* centroids, const float* sketch, T* y, uint32_t n,
+                                                  float scale) {
+  using Frags = TqSplitFragments<D>;
+  constexpr int CODE_BYTES = D * MSE_BITS / 8;
+  __shared__ float V[D * TQ_VS];
+  __shared__ __align__(16) float Bs[TQ_BS(D)];
+  const int warp = threadIdx.x / 32;
+  const int g = (threadIdx.x % 32) / 4;
+  const int q = threadIdx.x % 4;
+  Frags frags;
+  frags.load(sketch);
   const bool wide_signs = vq_aligned(signs, 4);
   const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
   for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     const uint64_t v0 = uint64_t(tile) * TQ_TV;
 #pragma unroll
     for (int mt = 0; mt < TQ_TV / 16; ++mt) {
-      // Sign words of this lane's rows g and g + 8 (0 past n: never stored).
-      uint32_t w[2][SIGN_WORDS];
-#pragma unroll
-      for (int hr = 0; hr < 2; ++hr) {
-        const uint64_t v = v0 + mt * 16 + g + 8 * hr;
-        const uint8_t* row = signs + v * (D / 8);
-#pragma unroll
-        for (int i = 0; i < SIGN_WORDS; ++i) {
-          w[hr][i] = v >= n ? 0u
-                     : wide_signs
-                         ? reinterpret_cast<const uint32_t*>(row)[i]
-                         : uint32_t(row[4 * i]) | (uint32_t(row[4 * i + 1]) << 8) | (uint32_t(row[4 * i + 2]) << 16) |
-                               (uint32_t(row[4 * i + 3]) << 24);
-        }
-      }
-      float acc[NTW][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        // Sketch rows 16 ks.. are bytes 2 ks (columns 0-7) and 2 ks + 1 (8-15).
-        const int word = ks / 2;
-        const int bit = (ks % 2) * 16;
-        uint32_t a[4];
-        a[0] = vq_sign_pair(w[0][word] >> bit, q);
-        a[1] = vq_sign_pair(w[1][word] >> bit, q);
-        a[2] = vq_sign_pair(w[0][word] >> (bit + 8), q);
-        a[3] = vq_sign_pair(w[1][word] >> (bit + 8), q);
-#pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) {
-          vq_mma_split(acc[nt], a, bh[nt][ks], bl[nt][ks]);
-        }
-      }
+      float p[Frags::NTW][4];
+      frags.sign_product(p, signs, wide_signs, v0 + mt * 16, n);
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int vl = mt * 16 + g + 8 * hr;
@@ -85,23 +129,272 @@ __device__ void tq_prod_decode_tensor_cores(const uint8_t* codes, const uint8_t*
         const bool live = v < n;
         const float a = MSE_BITS > 0 && live ? __fmul_rn(scale, __half2float(residual_norms[v])) : scale;
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) {
+        for (int nt = 0; nt < Frags::NTW; ++nt) {
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const int col = 8 * (NTW * warp + nt) + 2 * q + e;
+            const int col = 8 * (Frags::NTW * warp + nt) + 2 * q + e;
             const float c = MSE_BITS > 0 && live
                                 ? centroids[vq_code_at(codes + v * CODE_BYTES, unsigned(col), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
                                 : 0.0f;
-            const float p = __fmul_rn(acc[nt][2 * hr + e], unscale[nt][e]);
-            V[col * TQ_VS + vl] = live ? __fadd_rn(c, __fmul_rn(a, p)) : 0.0f;
+            V[col * TQ_VS + vl] = live ? __fadd_rn(c, __fmul_rn(a, p[nt][2 * hr + e])) : 0.0f;
           }
         }
       }
     }
     __syncthreads();
     float out[4][TQ_CHUNKS(D) * 4];
-    tq_unrotate_tile<D, ROTATE, HADAMARD>(out, V, rotation, Bs);
+    tq_unrotate_tile<D, true, false>(out, V, rotation, Bs);
     tq_store_tile<D>(out, y, norms, v0, n);
     __syncthreads();  // V and Bs are free for the next tile
+  }
+}
+
+// Without a rotation or with Hadamard signs: the product's rows go to P,
+// row-major, and each warp then finishes 4 of the tile's vectors on its own,
+// a vector across the warp with lane l holding coordinates E l .. E l + E - 1
+// (E = D / 32): its codes from one coalesced read of the row, the centroids
+// from shared memory, and the butterflies in registers, E log2 E of them in
+// the lane and 5 stages across lanes by shuffles, each stage's pairs added
+// and subtracted as quant::rotation::fwht does. P is double-buffered: one
+// barrier per tile.
+template <int D, int MSE_BITS, bool ROTATE, typename T>
+__device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uint8_t* signs, const __half* norms,
+                                                 const __half* residual_norms, const float* rotation,
+                                                 const float* centroids, const float* sketch, T* y, uint32_t n,
+                                                 float scale) {
+  using Frags = TqSplitFragments<D>;
+  constexpr int E = D / 32;
+  constexpr int PS = D + 8;  // P's row stride: the fragments' 8-byte writes spread over the banks
+  constexpr int CODE_BYTES = D * MSE_BITS / 8;
+  constexpr int CODE_WORDS = CODE_BYTES / 4;  // at most 28: one per lane
+  constexpr int CENTROIDS = 1 << MSE_BITS;
+  constexpr unsigned CODE_MASK = (1u << MSE_BITS) - 1u;
+  static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
+  static_assert(CODE_WORDS <= 32, "a code row fits one word per lane");
+  __shared__ __align__(16) float P[2][TQ_TV * PS];
+  __shared__ float C[CENTROIDS];
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int q = lane % 4;
+  for (int i = tid; i < CENTROIDS && MSE_BITS > 0; i += 256) {
+    C[i] = centroids[i];
+  }
+  // This lane's rotation signs and the code bits' place in the row.
+  float sgn[E];
+#pragma unroll
+  for (int b = 0; b < E; ++b) {
+    sgn[b] = ROTATE ? rotation[E * lane + b] : 1.0f;
+  }
+  const float rscale = ROTATE ? __fdiv_rn(1.0f, __fsqrt_rn(float(D))) : 1.0f;
+  const unsigned code_bit = unsigned(E * MSE_BITS * lane);
+  const bool wide_codes = vq_aligned(codes, 4);
+  Frags frags;
+  frags.load(sketch);
+  const bool wide_signs = vq_aligned(signs, 4);
+  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
+  int buf = 0;
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+    const uint64_t v0 = uint64_t(tile) * TQ_TV;
+    constexpr int PER_WARP = TQ_TV / 8;
+    // This warp's vectors for the second half, requested first so their
+    // latency hides behind the products: a word of each code row per lane,
+    // the norms (rows past n read row n - 1 and are not stored).
+    unsigned word[PER_WARP];
+    float rnorm[PER_WARP];
+    float norm[PER_WARP];
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+      const uint64_t v = min(v0 + PER_WARP * warp + i, uint64_t(n) - 1);
+      word[i] = 0;
+      rnorm[i] = 1.0f;
+      if constexpr (MSE_BITS > 0) {
+        const uint8_t* row = codes + v * CODE_BYTES;
+        if (lane < CODE_WORDS) {
+          word[i] = wide_codes ? reinterpret_cast<const uint32_t*>(row)[lane]
+                               : uint32_t(row[4 * lane]) | (uint32_t(row[4 * lane + 1]) << 8) |
+                                     (uint32_t(row[4 * lane + 2]) << 16) | (uint32_t(row[4 * lane + 3]) << 24);
+        }
+        rnorm[i] = __half2float(residual_norms[v]);
+      }
+      norm[i] = __half2float(norms[v]);
+    }
+    float* Pb = P[buf];
+#pragma unroll
+    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+      float p[Frags::NTW][4];
+      frags.sign_product(p, signs, wide_signs, v0 + mt * 16, n);
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+        for (int nt = 0; nt < Frags::NTW; ++nt) {
+          const int col = 8 * (Frags::NTW * warp + nt) + 2 * q;
+          *reinterpret_cast<float2*>(&Pb[(mt * 16 + g + 8 * hr) * PS + col]) =
+              make_float2(p[nt][2 * hr], p[nt][2 * hr + 1]);
+        }
+      }
+    }
+    // Also orders C's writes before the first reads.
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+      const int vl = PER_WARP * warp + i;
+      const uint64_t v = v0 + vl;
+      float u[E];
+      const float4* src = reinterpret_cast<const float4*>(&Pb[vl * PS + E * lane]);
+      if constexpr (E == 4) {
+        const float4 t = src[0];
+        u[0] = t.x, u[1] = t.y, u[2] = t.z, u[3] = t.w;
+      } else {
+        const float2 t = *reinterpret_cast<const float2*>(src);
+        u[0] = t.x, u[1] = t.y;
+      }
+      unsigned bits = 0;
+      float a = scale;
+      if constexpr (MSE_BITS > 0) {
+        const unsigned w0 = __shfl_sync(0xffffffffu, word[i], int(code_bit / 32));
+        const unsigned w1 = __shfl_sync(0xffffffffu, word[i], int(code_bit / 32 + 1) % 32);
+        bits = __funnelshift_r(w0, w1, code_bit % 32);
+        a = __fmul_rn(scale, rnorm[i]);
+      }
+#pragma unroll
+      for (int b = 0; b < E; ++b) {
+        const float c = MSE_BITS > 0 ? C[(bits >> (b * MSE_BITS)) & CODE_MASK] : 0.0f;
+        u[b] = __fadd_rn(c, __fmul_rn(a, u[b]));
+      }
+      if constexpr (ROTATE) {
+#pragma unroll
+        for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+          for (int b = 0; b < E; ++b) {
+            if ((b & h) == 0) {
+              const float x0 = u[b];
+              const float x1 = u[b + h];
+              u[b] = __fadd_rn(x0, x1);
+              u[b + h] = __fsub_rn(x0, x1);
+            }
+          }
+        }
+#pragma unroll
+        for (int hl = 1; hl < 32; hl *= 2) {
+          // The pair's lower coordinate gets lower + upper, the upper one
+          // lower - upper: o ± u, with ±u exact, so one rounding as fwht's.
+          const float pm = (lane & hl) != 0 ? -1.0f : 1.0f;
+#pragma unroll
+          for (int b = 0; b < E; ++b) {
+            const float o = __shfl_xor_sync(0xffffffffu, u[b], hl);
+            u[b] = __fmaf_rn(u[b], pm, o);
+          }
+        }
+      }
+      float o[E];
+#pragma unroll
+      for (int b = 0; b < E; ++b) {
+        const float r = ROTATE ? __fmul_rn(__fmul_rn(u[b], rscale), sgn[b]) : u[b];
+        o[b] = __fmul_rn(r, norm[i]);
+      }
+      if (v < n) {
+        vq_store_n<E>(y + v * D + E * lane, o);
+      }
+    }
+  }
+}
+
+// RVQ decode with a dense Π (above). Per tile: u for the tile's vectors into
+// U (high and low float16 parts, row-major, double-buffered: one barrier per
+// tile), then each warp's columns of the tile by mma, stored from the
+// accumulators.
+template <int D, int B1_BITS, int B2_BITS, typename T>
+__device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t* codes2, const __half* norms,
+                                           const float* rotation, const float* centroids1, const float* centroids2,
+                                           T* y, uint32_t n) {
+  using Frags = TqSplitFragments<D>;
+  constexpr int US = D + 8;  // U's row stride: ldmatrix's rows land on distinct banks
+  constexpr int N1 = 1 << B1_BITS;
+  constexpr int N2 = 1 << B2_BITS;
+  static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
+  __shared__ __align__(16) __half U[2][2][TQ_TV * US];  // [buffer][high, low]
+  __shared__ float C1[N1];
+  __shared__ float C2[N2];
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int g = (tid % 32) / 4;
+  const int q = tid % 4;
+  for (int i = tid; i < N1; i += 256) {
+    C1[i] = centroids1[i];
+  }
+  for (int i = tid; i < N2; i += 256) {
+    C2[i] = centroids2[i];
+  }
+  __syncthreads();
+  Frags frags;
+  frags.load(rotation);
+  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
+  int buf = 0;
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+    const uint64_t v0 = uint64_t(tile) * TQ_TV;
+    // The norms of this lane's rows (past n: row n - 1's, not stored).
+    float norm[TQ_TV / 16][2];
+#pragma unroll
+    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        norm[mt][hr] = __half2float(norms[min(v0 + mt * 16 + g + 8 * hr, uint64_t(n) - 1)]);
+      }
+    }
+    __half* Uh = U[buf][0];
+    __half* Ul = U[buf][1];
+    for (int e = tid; e < TQ_TV * D / 2; e += 256) {
+      const int v = e / (D / 2);
+      const int j = 2 * (e % (D / 2));
+      float u[2] = {0.0f, 0.0f};
+      if (v0 + v < n) {
+        const uint8_t* r1 = codes1 + (v0 + v) * (D * B1_BITS / 8);
+        const uint8_t* r2 = codes2 + (v0 + v) * (D * B2_BITS / 8);
+#pragma unroll
+        for (int k = 0; k < 2; ++k) {
+          u[k] = __fadd_rn(C1[vq_code_at(r1, unsigned(j + k), unsigned(B1_BITS))],
+                           C2[vq_code_at(r2, unsigned(j + k), unsigned(B2_BITS))]);
+        }
+      }
+      uint32_t hi;
+      uint32_t lo;
+      vq_split_pair(u[0], u[1], hi, lo);
+      *reinterpret_cast<uint32_t*>(&Uh[v * US + j]) = hi;
+      *reinterpret_cast<uint32_t*>(&Ul[v * US + j]) = lo;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+      float acc[Frags::NTW][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < Frags::KS; ++ks) {
+        uint32_t ah[4];
+        uint32_t al[4];
+        vq_load_a(ah, Uh + mt * 16 * US + 16 * ks, US);
+        vq_load_a(al, Ul + mt * 16 * US + 16 * ks, US);
+#pragma unroll
+        for (int nt = 0; nt < Frags::NTW; ++nt) {
+          vq_mma_split(acc[nt], ah, frags.hi[nt][ks], frags.lo[nt][ks]);
+          vq_mma(acc[nt], al, frags.hi[nt][ks][0], frags.hi[nt][ks][1]);
+        }
+      }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const uint64_t v = v0 + mt * 16 + g + 8 * hr;
+        if (v < n) {
+#pragma unroll
+          for (int nt = 0; nt < Frags::NTW; ++nt) {
+            float o[2];
+#pragma unroll
+            for (int e = 0; e < 2; ++e) {
+              o[e] = __fmul_rn(__fmul_rn(acc[nt][2 * hr + e], frags.unscale[nt][e]), norm[mt][hr]);
+            }
+            vq_store_n<2>(y + v * D + 8 * (Frags::NTW * warp + nt) + 2 * q, o);
+          }
+        }
+      }
+    }
   }
 }

@@ -105,11 +105,14 @@ KERNELS = {
                       [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half")],
                       {"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
                        "ROTATE": [True, False], "HADAMARD": [False, True]}),
-    "tq_rvq_decode": ("tq_rvq_decode.cu", TQ,
+    "tq_rvq_decode": ("tq_rvq_decode.cu", TQ + ["mma_common.cuh", "tq_tensor_cores.cuh"],
                       [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half"), ("rotation", "float"),
                        ("centroids1", "float"), ("centroids2", "float"), ("params", "uint32_t")],
-                      [("y", "T")], {"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
-                                     "ROTATE": [True, False], "HADAMARD": [False, True]}),
+                      [("y", "T")],
+                      [{"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
+                        "ROTATE": [True, False], "HADAMARD": [False, True], "TC": [False]},
+                       {"TC": [True], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B1_BITS": [2, 1, 8],
+                        "B2_BITS": [2, 4, 8], "ROTATE": [True], "HADAMARD": [False]}]),
 }
 
 

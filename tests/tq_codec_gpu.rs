@@ -2,13 +2,16 @@
 //! codes, signs, norms and decoded values bit for bit for the same input (same
 //! arithmetic; CUDA sums the norms in float64 like the CPU), in float32,
 //! float16 and bfloat16, with and without a rotation; CUDA's tensor-core
-//! Prod decode (float16 and bfloat16 outputs) to the output's rounding. Ignored where MLX has no
-//! GPU back-end; run on the GPU machine with `--ignored`.
+//! decoders (Prod, and RVQ with a dense rotation, float16 and bfloat16
+//! outputs) to the output's rounding. Ignored where MLX has no GPU back-end;
+//! run on the GPU machine with `--ignored`.
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
-use veloxquant::kernels::{prod_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, PROD_BITS};
+use veloxquant::kernels::{
+    prod_decode_tensor_cores, rvq_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, PROD_BITS,
+};
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
 use veloxquant::{ops, Array, Backend, Dtype, Options, Policy, Stream};
@@ -32,12 +35,13 @@ fn on(s: &Stream) -> Options {
 }
 
 /// Decoded vectors `[.., d]` of the GPU against the CPU's: bit for bit, or
-/// where CUDA's tensor cores sum the sketch product in their own order (a
-/// float16 or bfloat16 output), at least 99% bit for bit and the rest one
-/// rounding of the output type apart (plus 1e-5 of the vector's RMS).
-fn assert_decode_matches(yg: &Array, yc: &Array, dtype: Dtype, d: usize, tag: &str) {
+/// where CUDA's tensor cores sum a product in their own order
+/// (`tensor_cores`: a float16 or bfloat16 output), at least 99% bit for bit
+/// and the rest one rounding of the output type apart (plus 1e-5 of the
+/// vector's RMS).
+fn assert_decode_matches(yg: &Array, yc: &Array, dtype: Dtype, d: usize, tensor_cores: bool, tag: &str) {
     let cuda = Stream::gpu().unwrap().backend().unwrap() == Backend::Cuda;
-    if !(cuda && prod_decode_tensor_cores(dtype, d)) {
+    if !(cuda && tensor_cores) {
         assert_eq!(count_differing(&bytes(yg), &bytes(yc)), 0, "decode {tag}");
         return;
     }
@@ -89,7 +93,7 @@ fn gpu_prod_is_bit_identical_to_cpu() {
                 }
                 let yg = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
                 let yc = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
-                assert_decode_matches(&yg, &yc, dtype, d, &tag);
+                assert_decode_matches(&yg, &yc, dtype, d, prod_decode_tensor_cores(dtype, d), &tag);
             }
         }
     }
@@ -116,7 +120,8 @@ fn gpu_rvq_is_bit_identical_to_cpu() {
                 assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
                 let yg = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
                 let yc = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
-                assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode {tag}");
+                let tensor_cores = rvq_decode_tensor_cores(dtype, d, rotation.is_some());
+                assert_decode_matches(&yg, &yc, dtype, d, tensor_cores, &tag);
             }
         }
     }
@@ -149,7 +154,7 @@ fn gpu_hadamard_codecs_are_bit_identical_to_cpu() {
             }
             let yg = tq_prod_decode(&c, Some(&signs), cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
             let yc = tq_prod_decode(&c, Some(&signs), cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
-            assert_decode_matches(&yg, &yc, dtype, d, &tag);
+            assert_decode_matches(&yg, &yc, dtype, d, prod_decode_tensor_cores(dtype, d), &tag);
         }
         for &bits in &[(2u32, 2u32), (4, 3), (1, 8)] {
             let tag = format!("rvq d={d} {dtype} bits={bits:?}");
@@ -193,8 +198,33 @@ fn gpu_prod_decode_walks_many_tiles() {
                 let tag = format!("{name} d={d} bits={bits} {dtype} n={n}");
                 let yg = tq_prod_decode(&enc, Some(rotation), cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
                 let yc = tq_prod_decode(&enc, Some(rotation), cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
-                assert_decode_matches(&yg, &yc, dtype, d, &tag);
+                assert_decode_matches(&yg, &yc, dtype, d, prod_decode_tensor_cores(dtype, d), &tag);
             }
+        }
+    }
+}
+
+/// RVQ decode with a dense rotation over more tiles than a tensor-core
+/// launch has blocks (the last tile partial): D = 128 and 64, 1- to 8-bit
+/// stages, float16 and bfloat16, against the CPU.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_rvq_decode_walks_many_tiles() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let n = 100_003i32;
+    for &(d, bits) in &[(128usize, (2u32, 2u32)), (64, (4, 3)), (128, (1, 8))] {
+        let mut rng = ChaCha8Rng::seed_from_u64(d as u64 + u64::from(bits.0 * 10 + bits.1));
+        let x = normal(&mut rng, &[n, d as i32], Dtype::F32);
+        let rot = f32_array(&veloxquant::cache::rotation_matrix(d, 5).unwrap(), &[d as i32, d as i32]);
+        let c1 = ScalarCodebook::sphere(d, bits.0).unwrap().centroids().to_vec();
+        let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
+        let (c1, c2) = (f32_array(&c1, &[c1.len() as i32]), f32_array(&c2, &[c2.len() as i32]));
+        let enc = tq_rvq_encode(&x, Some(&rot), &c1, &c2, bits, &on(&gpu)).unwrap();
+        for dtype in [Dtype::F16, Dtype::BF16] {
+            let tag = format!("d={d} bits={bits:?} {dtype} n={n}");
+            let yg = tq_rvq_decode(&enc, Some(&rot), &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
+            let yc = tq_rvq_decode(&enc, Some(&rot), &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
+            assert_decode_matches(&yg, &yc, dtype, d, rvq_decode_tensor_cores(dtype, d, true), &tag);
         }
     }
 }

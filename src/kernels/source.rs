@@ -175,7 +175,7 @@ impl Source {
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
         match self {
-            Source::TqProdDecode => concat!(
+            Source::TqProdDecode | Source::TqRvqDecode => concat!(
                 include_str!("../../cuda/quant_common.cuh"),
                 include_str!("../../cuda/tq_common.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
@@ -184,8 +184,7 @@ impl Source {
             Source::TqEncode
             | Source::TqDecode
             | Source::TqProdEncode
-            | Source::TqRvqEncode
-            | Source::TqRvqDecode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
+            | Source::TqRvqEncode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             Source::QjlEncode => concat!(
                 include_str!("../../cuda/quant_common.cuh"),

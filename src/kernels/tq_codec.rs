@@ -128,6 +128,21 @@ pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
 }
 
+/// Whether CUDA's `tq_rvq_decode` runs its rotation's product on the tensor
+/// cores: a dense `[d, d]` rotation, a float16 or bfloat16 output and `d` =
+/// 64 or 128, as [`prod_decode_tensor_cores`]. Hadamard signs and no
+/// rotation keep the exact path (no product to speed up).
+pub fn rvq_decode_tensor_cores(dtype: Dtype, d: usize, dense_rotation: bool) -> bool {
+    dense_rotation && prod_decode_tensor_cores(dtype, d)
+}
+
+/// The grid of a tensor-core decoder: blocks of 256 threads that walk the
+/// tiles, each loading its split matrix once.
+fn tensor_core_grid(n: usize) -> ((i32, i32, i32), (i32, i32, i32)) {
+    let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
+    ((blocks as i32 * 256, 1, 1), (256, 1, 1))
+}
+
 /// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
 /// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
 pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {
@@ -447,13 +462,7 @@ pub fn tq_prod_decode(
                 if imp == Implementation::Cuda {
                     template.push(("TC", TemplateArg::Bool(tensor_cores)));
                 }
-                let (grid, threadgroup) = if tensor_cores {
-                    // Blocks walk the tiles, each loading the split sketch once.
-                    let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
-                    ((blocks as i32 * 256, 1, 1), (256, 1, 1))
-                } else {
-                    codec_grid(imp, n, d)?
-                };
+                let (grid, threadgroup) = if tensor_cores { tensor_core_grid(n) } else { codec_grid(imp, n, d)? };
                 let launch = Launch {
                     source: Source::TqProdDecode,
                     inputs: &[&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p],
@@ -634,23 +643,28 @@ pub fn tq_rvq_decode(
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("norms", &[n])?;
-            launch_per_vector(
-                imp,
-                Source::TqRvqDecode,
-                &[&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p],
-                &outputs,
-                (n, d),
-                &[
-                    ("T", TemplateArg::Dtype(dtype)),
-                    ("D", TemplateArg::Int(d as i32)),
-                    ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
-                    ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
-                    ("ROTATE", TemplateArg::Bool(rotate)),
-                    ("HADAMARD", TemplateArg::Bool(hadamard)),
-                ],
-                s,
-            )?
-            .remove(0)
+            let mut template = vec![
+                ("T", TemplateArg::Dtype(dtype)),
+                ("D", TemplateArg::Int(d as i32)),
+                ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
+                ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
+                ("ROTATE", TemplateArg::Bool(rotate)),
+                ("HADAMARD", TemplateArg::Bool(hadamard)),
+            ];
+            let tensor_cores = imp == Implementation::Cuda && rvq_decode_tensor_cores(dtype, d, rotate && !hadamard);
+            if imp == Implementation::Cuda {
+                template.push(("TC", TemplateArg::Bool(tensor_cores)));
+            }
+            let (grid, threadgroup) = if tensor_cores { tensor_core_grid(n) } else { codec_grid(imp, n, d)? };
+            let launch = Launch {
+                source: Source::TqRvqDecode,
+                inputs: &[&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p],
+                outputs: &outputs,
+                grid,
+                threadgroup,
+                template: &template,
+            };
+            gpu::launch(&launch, s)?.remove(0)
         }
     };
     ops::reshape(&y, &out_shape, s)
