@@ -26,6 +26,18 @@ __device__ __forceinline__ unsigned long long vq_load_bytes(const uint8_t* p) {
   }
 }
 
+// vq_load_bytes<NB> where `wide` (p aligned to NB), else NB byte loads.
+template <int NB>
+__device__ __forceinline__ unsigned long long vq_read_bytes(const uint8_t* p, bool wide) {
+  if (wide) {
+    return vq_load_bytes<NB>(p);
+  }
+  unsigned long long v = 0;
+#pragma unroll
+  for (int y = 0; y < NB; ++y) v |= static_cast<unsigned long long>(p[y]) << (8 * y);
+  return v;
+}
+
 // Stores the low NB bytes of v at p, little-endian (offsets as for vq_load_bytes).
 template <int NB>
 __device__ __forceinline__ void vq_store_bytes(uint8_t* p, unsigned long long v) {

@@ -251,13 +251,15 @@ __device__ __forceinline__ void tq_normalize_tile(float* V, const float* s_norm)
 }
 
 // ‖column v of V‖ over its D coordinates as crate::quant computes a norm:
-// float64 squares summed in order, the root rounded to float32.
+// float64 squares summed in order, the root rounded to float32. A float's
+// square is exact in float64, so one fma per term rounds as the square
+// then the sum do, at half the dependent chain.
 template <int D>
 __device__ __forceinline__ float tq_norm_col(const float* V, int v) {
   double s2 = 0.0;
   for (int j = 0; j < D; ++j) {
     const double f = static_cast<double>(V[j * TQ_VS + v]);
-    s2 = __dadd_rn(s2, __dmul_rn(f, f));
+    s2 = __fma_rn(f, f, s2);
   }
   return __double2float_rn(__dsqrt_rn(s2));
 }

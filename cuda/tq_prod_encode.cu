@@ -62,10 +62,12 @@ if (MSE_BITS > 0) {
 __syncthreads();
 tq_spill_tile<D>(acc, V);
 __syncthreads();
+tq_ordered_gemm<D, false>(acc, V, sketch, Bs);
+// The product leaves V (the residual) as it was; its norms after the product
+// keep the other warps from waiting on this one's float64 sums.
 if (MSE_BITS > 0 && tid < TQ_TV && v0 + tid < n) {
   residual_norms[v0 + tid] = __float2half_rn(fminf(tq_norm_col<D>(V, tid), 65504.0f));
 }
-tq_ordered_gemm<D, false>(acc, V, sketch, Bs);
 #pragma unroll
 for (int a = 0; a < 4; ++a) {
 #pragma unroll

@@ -304,7 +304,9 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
 // RVQ decode with a dense Π (above). Per tile: u for the tile's vectors into
 // U (high and low float16 parts, row-major, double-buffered: one barrier per
 // tile), then each warp's columns of the tile by mma, stored from the
-// accumulators.
+// accumulators. Thread t computes u for D/8 consecutive coordinates of the
+// tile's vector t/8, from codes it requested one tile ahead (with the norms
+// of its accumulator rows), so their latency hides behind a tile of work.
 template <int D, int B1_BITS, int B2_BITS, typename T>
 __device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t* codes2, const __half* norms,
                                            const float* rotation, const float* centroids1, const float* centroids2,
@@ -313,6 +315,9 @@ __device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t*
   constexpr int US = D + 8;  // U's row stride: ldmatrix's rows land on distinct banks
   constexpr int N1 = 1 << B1_BITS;
   constexpr int N2 = 1 << B2_BITS;
+  constexpr int K = TQ_TV * D / 256;  // coordinates per thread
+  constexpr int GROUPS = K / 8;       // of 8 codes: B bytes each
+  constexpr int MT = TQ_TV / 16;
   static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
   __shared__ __align__(16) __half U[2][2][TQ_TV * US];  // [buffer][high, low]
   __shared__ float C1[N1];
@@ -327,46 +332,79 @@ __device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t*
   for (int i = tid; i < N2; i += 256) {
     C2[i] = centroids2[i];
   }
-  __syncthreads();
   Frags frags;
   frags.load(rotation);
-  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
-  int buf = 0;
-  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+  const bool wide = vq_aligned(codes1, 8) && vq_aligned(codes2, 8);
+  // The codes of this thread's coordinates in tile `tile` (zeros past n:
+  // never stored), and the norms of its accumulator rows (past n: row n - 1).
+  unsigned long long k1[GROUPS];
+  unsigned long long k2[GROUPS];
+  float norm[MT][2];
+  auto request = [&](uint32_t tile) {
     const uint64_t v0 = uint64_t(tile) * TQ_TV;
-    // The norms of this lane's rows (past n: row n - 1's, not stored).
-    float norm[TQ_TV / 16][2];
+    const uint64_t v = v0 + tid / 8;
 #pragma unroll
-    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+    for (int gr = 0; gr < GROUPS; ++gr) {
+      const uint64_t group = v * (D / 8) + (tid % 8) * GROUPS + gr;  // 8-code groups from the start
+      const uint8_t* p1 = codes1 + group * B1_BITS;
+      const uint8_t* p2 = codes2 + group * B2_BITS;
+      k1[gr] = v < n ? vq_read_bytes<B1_BITS>(p1, wide) : 0ull;
+      k2[gr] = v < n ? vq_read_bytes<B2_BITS>(p2, wide) : 0ull;
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         norm[mt][hr] = __half2float(norms[min(v0 + mt * 16 + g + 8 * hr, uint64_t(n) - 1)]);
       }
     }
+  };
+  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
+  if (blockIdx.x < tiles) {
+    request(blockIdx.x);
+  }
+  __syncthreads();  // C1 and C2 are written
+  int buf = 0;
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+    const uint64_t v0 = uint64_t(tile) * TQ_TV;
+    float u[K];
+#pragma unroll
+    for (int gr = 0; gr < GROUPS; ++gr) {
+#pragma unroll
+      for (int c = 0; c < 8; ++c) {
+        const unsigned a = unsigned(k1[gr] >> (c * B1_BITS)) & unsigned(N1 - 1);
+        const unsigned b = unsigned(k2[gr] >> (c * B2_BITS)) & unsigned(N2 - 1);
+        u[8 * gr + c] = __fadd_rn(C1[a], C2[b]);
+      }
+    }
+    float nrm[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      nrm[mt][0] = norm[mt][0];
+      nrm[mt][1] = norm[mt][1];
+    }
+    if (tile + gridDim.x < tiles) {
+      request(tile + gridDim.x);
+    }
     __half* Uh = U[buf][0];
     __half* Ul = U[buf][1];
-    for (int e = tid; e < TQ_TV * D / 2; e += 256) {
-      const int v = e / (D / 2);
-      const int j = 2 * (e % (D / 2));
-      float u[2] = {0.0f, 0.0f};
-      if (v0 + v < n) {
-        const uint8_t* r1 = codes1 + (v0 + v) * (D * B1_BITS / 8);
-        const uint8_t* r2 = codes2 + (v0 + v) * (D * B2_BITS / 8);
+    {
+      uint32_t hi[K / 2];
+      uint32_t lo[K / 2];
 #pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          u[k] = __fadd_rn(C1[vq_code_at(r1, unsigned(j + k), unsigned(B1_BITS))],
-                           C2[vq_code_at(r2, unsigned(j + k), unsigned(B2_BITS))]);
-        }
+      for (int i = 0; i < K / 2; ++i) {
+        vq_split_pair(u[2 * i], u[2 * i + 1], hi[i], lo[i]);
       }
-      uint32_t hi;
-      uint32_t lo;
-      vq_split_pair(u[0], u[1], hi, lo);
-      *reinterpret_cast<uint32_t*>(&Uh[v * US + j]) = hi;
-      *reinterpret_cast<uint32_t*>(&Ul[v * US + j]) = lo;
+      const int at = (tid / 8) * US + (tid % 8) * K;
+#pragma unroll
+      for (int i = 0; i < K / 8; ++i) {
+        *reinterpret_cast<uint4*>(&Uh[at + 8 * i]) = make_uint4(hi[4 * i], hi[4 * i + 1], hi[4 * i + 2], hi[4 * i + 3]);
+        *reinterpret_cast<uint4*>(&Ul[at + 8 * i]) = make_uint4(lo[4 * i], lo[4 * i + 1], lo[4 * i + 2], lo[4 * i + 3]);
+      }
     }
     __syncthreads();
 #pragma unroll
-    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
+    for (int mt = 0; mt < MT; ++mt) {
       float acc[Frags::NTW][4] = {};
 #pragma unroll
       for (int ks = 0; ks < Frags::KS; ++ks) {
@@ -389,7 +427,7 @@ __device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t*
             float o[2];
 #pragma unroll
             for (int e = 0; e < 2; ++e) {
-              o[e] = __fmul_rn(__fmul_rn(acc[nt][2 * hr + e], frags.unscale[nt][e]), norm[mt][hr]);
+              o[e] = __fmul_rn(__fmul_rn(acc[nt][2 * hr + e], frags.unscale[nt][e]), nrm[mt][hr]);
             }
             vq_store_n<2>(y + v * D + 8 * (Frags::NTW * warp + nt) + 2 * q, o);
           }
