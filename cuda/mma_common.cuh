@@ -96,3 +96,13 @@ __device__ __forceinline__ void vq_load_a(uint32_t (&a)[4], const __half* tile, 
                : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
                : "r"(addr));
 }
+
+// 16 bytes of shared memory, read where the code puts the read: a volatile
+// load is neither merged with an equal one nor hoisted out of a loop, so
+// fragments reread per use do not stay alive in registers.
+__device__ __forceinline__ uint4 vq_shared_load4(const uint4* p) {
+  uint4 v;
+  const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
+  return v;
+}

@@ -47,7 +47,17 @@ struct TqSplitFragments {
   // p[nt][2 hr + e] = (Mᵀ z)[8 (NTW warp + nt) + 2q + e] of vector v0 + g +
   // 8 hr, z the ±1 of its sign bits (rows past n: zero words, never stored).
   __device__ __forceinline__ void sign_product(float (&p)[NTW][4], const uint8_t* signs, bool wide_signs, uint64_t v0,
-                                          uint32_t n) const {
+                                               uint32_t n) const {
+    sign_product_of(p, signs, wide_signs, v0, n, unscale, [&](int nt, int ks, uint32_t(&h)[2], uint32_t(&l)[2]) {
+      h[0] = hi[nt][ks][0], h[1] = hi[nt][ks][1], l[0] = lo[nt][ks][0], l[1] = lo[nt][ks][1];
+    });
+  }
+
+  // The same with the fragments from b(nt, ks, hi, lo) and their unscale.
+  template <typename GetB>
+  __device__ __forceinline__ static void sign_product_of(float (&p)[NTW][4], const uint8_t* signs, bool wide_signs,
+                                                         uint64_t v0, uint32_t n, const float (&unscale)[NTW][2],
+                                                         GetB b) {
     constexpr int SIGN_WORDS = D / 32;
     const int g = (threadIdx.x % 32) / 4;
     const int q = threadIdx.x % 4;
@@ -84,7 +94,10 @@ struct TqSplitFragments {
       a[3] = vq_sign_pair(w[1][word] >> (bit + 8), q);
 #pragma unroll
       for (int nt = 0; nt < NTW; ++nt) {
-        vq_mma_split(p[nt], a, hi[nt][ks], lo[nt][ks]);
+        uint32_t h[2];
+        uint32_t l[2];
+        b(nt, ks, h, l);
+        vq_mma_split(p[nt], a, h, l);
       }
     }
 #pragma unroll
@@ -97,55 +110,202 @@ struct TqSplitFragments {
   }
 };
 
-// With a dense Π: the product's rows go to V (tq_common.cuh's transposed
-// tile) with their centroid added, then tq_unrotate_tile and tq_store_tile
-// finish the tile as in the exact path.
+// acc[nt] += (rows 16 mt.. of the split U) × (the split B of this warp's
+// n-tile nt): u_hi b_hi + u_hi b_lo + u_lo b_hi, every product exact, the
+// dropped u_lo b_lo below float32's rounding of the sums. Uh, Ul: float16
+// high and low parts, row-major with stride US; b(nt, ks, hi, lo) gives the
+// B fragments of k-step ks.
+template <int D, int US, typename GetB>
+__device__ __forceinline__ void tq_split_product(float (&acc)[D / 64][4], const __half* Uh, const __half* Ul,
+                                                 int mt, GetB b) {
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    uint32_t ah[4];
+    uint32_t al[4];
+    vq_load_a(ah, Uh + mt * 16 * US + 16 * ks, US);
+    vq_load_a(al, Ul + mt * 16 * US + 16 * ks, US);
+#pragma unroll
+    for (int nt = 0; nt < D / 64; ++nt) {
+      uint32_t hi[2];
+      uint32_t lo[2];
+      b(nt, ks, hi, lo);
+      vq_mma_split(acc[nt], ah, hi, lo);
+      vq_mma(acc[nt], al, hi[0], hi[1]);
+    }
+  }
+}
+
+// Prod decode with a dense Π, both products on the tensor cores. Per tile:
+// Sᵀ z with the sketch's split fragments in dynamic shared memory (D²·4
+// bytes: 64 KB at D = 128, past the 48 KB of static shared memory; each warp
+// reads back only its own); u = c[code] + a Sᵀ z at the accumulators' places
+// (the exact path's float32 operations), split into U; then Πᵀ u as RVQ's
+// product, Π's fragments in registers. The tile's codes are requested a tile
+// ahead, coalesced, and staged in shared memory with the residual norms and
+// norms; U and the staged codes are double-buffered: one barrier per tile.
 template <int D, int MSE_BITS, typename T>
 __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const uint8_t* signs, const __half* norms,
                                                   const __half* residual_norms, const float* rotation,
                                                   const float* centroids, const float* sketch, T* y, uint32_t n,
                                                   float scale) {
   using Frags = TqSplitFragments<D>;
+  constexpr int NTW = Frags::NTW;
+  constexpr int KS = Frags::KS;
+  constexpr int US = D + 8;
+  constexpr int MT = TQ_TV / 16;
   constexpr int CODE_BYTES = D * MSE_BITS / 8;
-  __shared__ float V[D * TQ_VS];
-  __shared__ __align__(16) float Bs[TQ_BS(D)];
-  const int warp = threadIdx.x / 32;
-  const int g = (threadIdx.x % 32) / 4;
-  const int q = threadIdx.x % 4;
-  Frags frags;
-  frags.load(sketch);
-  const bool wide_signs = vq_aligned(signs, 4);
-  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
-  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    const uint64_t v0 = uint64_t(tile) * TQ_TV;
+  constexpr int TILE_WORDS = TQ_TV * CODE_BYTES / 4;  // a tile's codes (rows are contiguous)
+  constexpr int PER = TILE_WORDS > 0 ? (TILE_WORDS + 255) / 256 : 1;
+  constexpr int CENTROIDS = 1 << MSE_BITS;
+  static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
+  extern __shared__ __align__(16) uint4 tq_sketch_fragments[];  // [warp][nt][ks][lane]: hi0, hi1, lo0, lo1
+  __shared__ __align__(16) __half U[2][2][TQ_TV * US];
+  __shared__ uint32_t K[2][TILE_WORDS > 0 ? TILE_WORDS : 1];
+  __shared__ float A[2][TQ_TV];  // scale · ‖r‖
+  __shared__ float N[2][TQ_TV];  // ‖x‖
+  __shared__ float C[CENTROIDS];
+  const int tid = threadIdx.x;
+  const int warp = tid / 32;
+  const int lane = tid % 32;
+  const int g = lane / 4;
+  const int q = lane % 4;
+  for (int i = tid; i < CENTROIDS && MSE_BITS > 0; i += 256) {
+    C[i] = centroids[i];
+  }
+  uint4* sketch_frags = tq_sketch_fragments + warp * (NTW * KS * 32) + lane;
+  float sketch_unscale[NTW][2];
+  {
+    Frags sk;
+    sk.load(sketch);
 #pragma unroll
-    for (int mt = 0; mt < TQ_TV / 16; ++mt) {
-      float p[Frags::NTW][4];
-      frags.sign_product(p, signs, wide_signs, v0 + mt * 16, n);
+    for (int nt = 0; nt < NTW; ++nt) {
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        sketch_frags[(nt * KS + ks) * 32] =
+            make_uint4(sk.hi[nt][ks][0], sk.hi[nt][ks][1], sk.lo[nt][ks][0], sk.lo[nt][ks][1]);
+      }
+      sketch_unscale[nt][0] = sk.unscale[nt][0];
+      sketch_unscale[nt][1] = sk.unscale[nt][1];
+    }
+  }
+  Frags rot;
+  rot.load(rotation);
+  const bool wide_signs = vq_aligned(signs, 4);
+  const bool wide_codes = vq_aligned(codes, 4);
+  // A tile's codes (words past n read as 0), and per vector (threads below
+  // TQ_TV) its residual norm and norm: requested a tile ahead in registers.
+  uint32_t kw[PER];
+  float rn = 1.0f;
+  float nm = 0.0f;
+  auto request = [&](uint32_t tile) {
+    const uint64_t first = uint64_t(tile) * TILE_WORDS;  // in words
+    const uint64_t total = (uint64_t(n) * CODE_BYTES) / 4;
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const uint64_t wd = first + tid + 256 * i;
+      kw[i] = 0;
+      if (tid + 256 * i < TILE_WORDS && wd < total) {
+        const uint8_t* b = codes + 4 * wd;
+        kw[i] = wide_codes ? *reinterpret_cast<const uint32_t*>(b)
+                           : uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
+      }
+    }
+    if (tid < TQ_TV) {
+      const uint64_t v = min(uint64_t(tile) * TQ_TV + tid, uint64_t(n) - 1);
+      rn = MSE_BITS > 0 ? __half2float(residual_norms[v]) : 1.0f;
+      nm = __half2float(norms[v]);
+    }
+  };
+  auto stage = [&](int b) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      if (tid + 256 * i < TILE_WORDS) {
+        K[b][tid + 256 * i] = kw[i];
+      }
+    }
+    if (tid < TQ_TV) {
+      A[b][tid] = MSE_BITS > 0 ? __fmul_rn(scale, rn) : scale;
+      N[b][tid] = nm;
+    }
+  };
+  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
+  if (blockIdx.x < tiles) {
+    request(blockIdx.x);
+    stage(0);
+  }
+  __syncthreads();  // C and the first tile's codes are staged
+  int buf = 0;
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
+    const uint64_t v0 = uint64_t(tile) * TQ_TV;
+    const bool next = tile + gridDim.x < tiles;
+    if (next) {
+      request(tile + gridDim.x);
+    }
+    __half* Uh = U[buf][0];
+    __half* Ul = U[buf][1];
+    const uint8_t* Kb = reinterpret_cast<const uint8_t*>(K[buf]);
+    // Every read of the staged buffer precedes this tile's barrier, after
+    // which the next tile's stage() may rewrite it.
+    float nv[MT][2];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float p[NTW][4];
+      Frags::sign_product_of(p, signs, wide_signs, v0 + mt * 16, n, sketch_unscale,
+                             [&](int nt, int ks, uint32_t(&hi)[2], uint32_t(&lo)[2]) {
+                               const uint4 f = vq_shared_load4(sketch_frags + (nt * KS + ks) * 32);
+                               hi[0] = f.x, hi[1] = f.y, lo[0] = f.z, lo[1] = f.w;
+                             });
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const int vl = mt * 16 + g + 8 * hr;
+        const float a = A[buf][vl];
+        nv[mt][hr] = N[buf][vl];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+          const int col = 8 * (NTW * warp + nt) + 2 * q;
+          float u[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float c = MSE_BITS > 0
+                                ? C[vq_code_at(Kb + vl * CODE_BYTES, unsigned(col + e), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
+                                : 0.0f;
+            u[e] = __fadd_rn(c, __fmul_rn(a, p[nt][2 * hr + e]));
+          }
+          uint32_t hi;
+          uint32_t lo;
+          vq_split_pair(u[0], u[1], hi, lo);
+          *reinterpret_cast<uint32_t*>(&Uh[vl * US + col]) = hi;
+          *reinterpret_cast<uint32_t*>(&Ul[vl * US + col]) = lo;
+        }
+      }
+    }
+    if (next) {
+      stage(buf ^ 1);  // last read in the previous tile, before its barrier
+    }
+    __syncthreads();
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      float acc[NTW][4] = {};
+      tq_split_product<D, US>(acc, Uh, Ul, mt, [&](int nt, int ks, uint32_t(&hi)[2], uint32_t(&lo)[2]) {
+        hi[0] = rot.hi[nt][ks][0], hi[1] = rot.hi[nt][ks][1], lo[0] = rot.lo[nt][ks][0], lo[1] = rot.lo[nt][ks][1];
+      });
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int vl = mt * 16 + g + 8 * hr;
         const uint64_t v = v0 + vl;
-        const bool live = v < n;
-        const float a = MSE_BITS > 0 && live ? __fmul_rn(scale, __half2float(residual_norms[v])) : scale;
+        if (v < n) {
 #pragma unroll
-        for (int nt = 0; nt < Frags::NTW; ++nt) {
+          for (int nt = 0; nt < NTW; ++nt) {
+            float o[2];
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int col = 8 * (Frags::NTW * warp + nt) + 2 * q + e;
-            const float c = MSE_BITS > 0 && live
-                                ? centroids[vq_code_at(codes + v * CODE_BYTES, unsigned(col), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
-                                : 0.0f;
-            V[col * TQ_VS + vl] = live ? __fadd_rn(c, __fmul_rn(a, p[nt][2 * hr + e])) : 0.0f;
+            for (int e = 0; e < 2; ++e) {
+              o[e] = __fmul_rn(__fmul_rn(acc[nt][2 * hr + e], rot.unscale[nt][e]), nv[mt][hr]);
+            }
+            vq_store_n<2>(y + v * D + 8 * (NTW * warp + nt) + 2 * q, o);
           }
         }
       }
     }
-    __syncthreads();
-    float out[4][TQ_CHUNKS(D) * 4];
-    tq_unrotate_tile<D, true, false>(out, V, rotation, Bs);
-    tq_store_tile<D>(out, y, norms, v0, n);
-    __syncthreads();  // V and Bs are free for the next tile
   }
 }
 
@@ -406,18 +566,9 @@ __device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t*
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       float acc[Frags::NTW][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < Frags::KS; ++ks) {
-        uint32_t ah[4];
-        uint32_t al[4];
-        vq_load_a(ah, Uh + mt * 16 * US + 16 * ks, US);
-        vq_load_a(al, Ul + mt * 16 * US + 16 * ks, US);
-#pragma unroll
-        for (int nt = 0; nt < Frags::NTW; ++nt) {
-          vq_mma_split(acc[nt], ah, frags.hi[nt][ks], frags.lo[nt][ks]);
-          vq_mma(acc[nt], al, frags.hi[nt][ks][0], frags.hi[nt][ks][1]);
-        }
-      }
+      tq_split_product<D, US>(acc, Uh, Ul, mt, [&](int nt, int ks, uint32_t(&hi)[2], uint32_t(&lo)[2]) {
+        hi[0] = frags.hi[nt][ks][0], hi[1] = frags.hi[nt][ks][1], lo[0] = frags.lo[nt][ks][0], lo[1] = frags.lo[nt][ks][1];
+      });
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const uint64_t v = v0 + mt * 16 + g + 8 * hr;

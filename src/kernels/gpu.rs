@@ -86,7 +86,7 @@ fn strings(names: &[&str]) -> Result<ffi::mlx_vector_string> {
     Ok(v)
 }
 
-fn create(backend: Backend, source: Source) -> Result<Handle> {
+fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateArg)]) -> Result<Handle> {
     let name = CString::new(source.name()).expect("static name");
     let body = match backend {
         Backend::Metal => source.metal(),
@@ -109,7 +109,13 @@ fn create(backend: Backend, source: Source) -> Result<Handle> {
             }
             _ => {
                 let k = ffi::mlx_fast_cuda_kernel_new(
-                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), source.row_contiguous(), 0,
+                    name.as_ptr(),
+                    inputs,
+                    outputs,
+                    body.as_ptr(),
+                    header.as_ptr(),
+                    source.row_contiguous(),
+                    source.cuda_dynamic_shared_bytes(template),
                 );
                 (!k.ctx.is_null()).then_some(Handle::Cuda(k))
             }
@@ -147,7 +153,7 @@ fn kernel(backend: Backend, launch: &Launch<'_>) -> Result<Arc<Handle>> {
     if let Some(k) = cache.get(&key) {
         return Ok(k.clone());
     }
-    let k = Arc::new(create(backend, launch.source)?);
+    let k = Arc::new(create(backend, launch.source, launch.template)?);
     cache.insert(key, k.clone());
     Ok(k)
 }

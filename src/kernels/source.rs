@@ -1,5 +1,7 @@
 //! The GPU kernel sources, embedded from `metal/` and `cuda/`.
 
+use super::gpu::TemplateArg;
+
 /// One kernel body per variant, in both GPU languages.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Source {
@@ -172,10 +174,35 @@ impl Source {
         }
     }
 
+    /// Dynamic shared memory of a CUDA launch, in bytes, for the template
+    /// arguments given: `tq_prod_decode`'s dense tensor-core path keeps the
+    /// split sketch's fragments there (4 bytes per entry of the `D x D`
+    /// sketch; MLX raises the kernel's limit past 48 KB); 0 elsewhere.
+    pub fn cuda_dynamic_shared_bytes(self, template: &[(&str, TemplateArg)]) -> i32 {
+        let arg = |name: &str| template.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+        match self {
+            Source::TqProdDecode => {
+                let on = |name: &str| arg(name) == Some(TemplateArg::Bool(true));
+                match arg("D") {
+                    Some(TemplateArg::Int(d)) if on("TC") && on("ROTATE") && !on("HADAMARD") => 4 * d * d,
+                    _ => 0,
+                }
+            }
+            _ => 0,
+        }
+    }
+
     /// Helpers placed before the CUDA kernel (MLX's `header`).
     pub fn cuda_header(self) -> &'static str {
         match self {
-            Source::TqProdDecode | Source::TqRvqDecode => concat!(
+            Source::TqProdDecode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/tq_tensor_cores.cuh"),
+                include_str!("../../cuda/two_blocks_per_sm.cuh")
+            ),
+            Source::TqRvqDecode => concat!(
                 include_str!("../../cuda/quant_common.cuh"),
                 include_str!("../../cuda/tq_common.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
