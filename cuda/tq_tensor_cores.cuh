@@ -18,6 +18,40 @@
 // u_hi Π_hi + u_hi Π_lo + u_lo Π_hi, every product exact, the dropped
 // u_lo Π_lo below float32's rounding of the sums.
 
+// The sign words of this lane's rows v0 + g and v0 + g + 8 (D bits each;
+// rows past n read as zero words: their products are never stored).
+template <int D>
+__device__ __forceinline__ void tq_sign_words(uint32_t (&w)[2][D / 32], const uint8_t* signs, bool wide_signs,
+                                              uint64_t v0, uint32_t n) {
+  const int g = (threadIdx.x % 32) / 4;
+#pragma unroll
+  for (int hr = 0; hr < 2; ++hr) {
+    const uint64_t v = v0 + g + 8 * hr;
+    const uint8_t* row = signs + v * (D / 8);
+#pragma unroll
+    for (int i = 0; i < D / 32; ++i) {
+      w[hr][i] = v >= n ? 0u
+                 : wide_signs
+                     ? reinterpret_cast<const uint32_t*>(row)[i]
+                     : uint32_t(row[4 * i]) | (uint32_t(row[4 * i + 1]) << 8) | (uint32_t(row[4 * i + 2]) << 16) |
+                           (uint32_t(row[4 * i + 3]) << 24);
+    }
+  }
+}
+
+// The A fragment of ±1 for k-step ks of those rows: sketch rows 16 ks.. are
+// bytes 2 ks (columns 0-7) and 2 ks + 1 (8-15) of the sign words.
+template <int D>
+__device__ __forceinline__ void tq_sign_a(uint32_t (&a)[4], const uint32_t (&w)[2][D / 32], int ks) {
+  const int q = threadIdx.x % 4;
+  const int word = ks / 2;
+  const int bit = (ks % 2) * 16;
+  a[0] = vq_sign_pair(w[0][word] >> bit, q);
+  a[1] = vq_sign_pair(w[1][word] >> bit, q);
+  a[2] = vq_sign_pair(w[0][word] >> (bit + 8), q);
+  a[3] = vq_sign_pair(w[1][word] >> (bit + 8), q);
+}
+
 // A float32 D x D matrix M, split, as this lane's B fragments (B(k, c) =
 // M[k][c]): warp w's n-tiles 8 (NTW w + nt).
 template <int D>
@@ -48,33 +82,8 @@ struct TqSplitFragments {
   // 8 hr, z the ±1 of its sign bits (rows past n: zero words, never stored).
   __device__ __forceinline__ void sign_product(float (&p)[NTW][4], const uint8_t* signs, bool wide_signs, uint64_t v0,
                                                uint32_t n) const {
-    sign_product_of(p, signs, wide_signs, v0, n, unscale, [&](int nt, int ks, uint32_t(&h)[2], uint32_t(&l)[2]) {
-      h[0] = hi[nt][ks][0], h[1] = hi[nt][ks][1], l[0] = lo[nt][ks][0], l[1] = lo[nt][ks][1];
-    });
-  }
-
-  // The same with the fragments from b(nt, ks, hi, lo) and their unscale.
-  template <typename GetB>
-  __device__ __forceinline__ static void sign_product_of(float (&p)[NTW][4], const uint8_t* signs, bool wide_signs,
-                                                         uint64_t v0, uint32_t n, const float (&unscale)[NTW][2],
-                                                         GetB b) {
-    constexpr int SIGN_WORDS = D / 32;
-    const int g = (threadIdx.x % 32) / 4;
-    const int q = threadIdx.x % 4;
-    uint32_t w[2][SIGN_WORDS];
-#pragma unroll
-    for (int hr = 0; hr < 2; ++hr) {
-      const uint64_t v = v0 + g + 8 * hr;
-      const uint8_t* row = signs + v * (D / 8);
-#pragma unroll
-      for (int i = 0; i < SIGN_WORDS; ++i) {
-        w[hr][i] = v >= n ? 0u
-                   : wide_signs
-                       ? reinterpret_cast<const uint32_t*>(row)[i]
-                       : uint32_t(row[4 * i]) | (uint32_t(row[4 * i + 1]) << 8) | (uint32_t(row[4 * i + 2]) << 16) |
-                             (uint32_t(row[4 * i + 3]) << 24);
-      }
-    }
+    uint32_t w[2][D / 32];
+    tq_sign_words<D>(w, signs, wide_signs, v0, n);
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
 #pragma unroll
@@ -84,20 +93,11 @@ struct TqSplitFragments {
     }
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
-      // Sketch rows 16 ks.. are bytes 2 ks (columns 0-7) and 2 ks + 1 (8-15).
-      const int word = ks / 2;
-      const int bit = (ks % 2) * 16;
       uint32_t a[4];
-      a[0] = vq_sign_pair(w[0][word] >> bit, q);
-      a[1] = vq_sign_pair(w[1][word] >> bit, q);
-      a[2] = vq_sign_pair(w[0][word] >> (bit + 8), q);
-      a[3] = vq_sign_pair(w[1][word] >> (bit + 8), q);
+      tq_sign_a<D>(a, w, ks);
 #pragma unroll
       for (int nt = 0; nt < NTW; ++nt) {
-        uint32_t h[2];
-        uint32_t l[2];
-        b(nt, ks, h, l);
-        vq_mma_split(p[nt], a, h, l);
+        vq_mma_split(p[nt], a, hi[nt][ks], lo[nt][ks]);
       }
     }
 #pragma unroll
@@ -247,14 +247,36 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
     // Every read of the staged buffer precedes this tile's barrier, after
     // which the next tile's stage() may rewrite it.
     float nv[MT][2];
+    // Sᵀ z for the tile's row blocks at once: each fragment read once per tile.
+    float p[MT][NTW][4] = {};
+    {
+      uint32_t w[MT][2][D / 32];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        tq_sign_words<D>(w[mt], signs, wide_signs, v0 + mt * 16, n);
+      }
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t hi[NTW][2];
+        uint32_t lo[NTW][2];
+#pragma unroll
+        for (int nt = 0; nt < NTW; ++nt) {
+          const uint4 f = vq_shared_load4(sketch_frags + (nt * KS + ks) * 32);
+          hi[nt][0] = f.x, hi[nt][1] = f.y, lo[nt][0] = f.z, lo[nt][1] = f.w;
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t a[4];
+          tq_sign_a<D>(a, w[mt], ks);
+#pragma unroll
+          for (int nt = 0; nt < NTW; ++nt) {
+            vq_mma_split(p[mt][nt], a, hi[nt], lo[nt]);
+          }
+        }
+      }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      float p[NTW][4];
-      Frags::sign_product_of(p, signs, wide_signs, v0 + mt * 16, n, sketch_unscale,
-                             [&](int nt, int ks, uint32_t(&hi)[2], uint32_t(&lo)[2]) {
-                               const uint4 f = vq_shared_load4(sketch_frags + (nt * KS + ks) * 32);
-                               hi[0] = f.x, hi[1] = f.y, lo[0] = f.z, lo[1] = f.w;
-                             });
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int vl = mt * 16 + g + 8 * hr;
@@ -269,7 +291,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
             const float c = MSE_BITS > 0
                                 ? C[vq_code_at(Kb + vl * CODE_BYTES, unsigned(col + e), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
                                 : 0.0f;
-            u[e] = __fadd_rn(c, __fmul_rn(a, p[nt][2 * hr + e]));
+            u[e] = __fadd_rn(c, __fmul_rn(a, __fmul_rn(p[mt][nt][2 * hr + e], sketch_unscale[nt][e])));
           }
           uint32_t hi;
           uint32_t lo;
