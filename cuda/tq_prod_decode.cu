@@ -7,9 +7,10 @@
 // product (with HADAMARD, rotation is the signs: butterflies instead). Sums
 // in order with round-to-nearest intrinsics, as crate::cpu::turboquant.
 // With TC (float16 or bfloat16 output, D = 64 or 128) the sketch product
-// runs on the tensor cores instead (tq_tensor_cores.cuh), and without a
-// rotation or with Hadamard signs each warp finishes whole vectors in
-// registers, the butterflies by shuffles.
+// runs on the tensor cores instead (tq_tensor_cores.cuh): without a
+// rotation or with Hadamard signs each warp then finishes whole vectors in
+// registers, the butterflies by shuffles; a dense rotation's product runs
+// on the tensor cores too.
 constexpr int MSE_BITS = B_BITS - 1;
 const uint32_t n = params[0];
 const float scale = __uint_as_float(params[1]);

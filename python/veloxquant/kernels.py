@@ -247,9 +247,9 @@ def tq_prod_decode(
     """Inverse of :func:`tq_prod_encode`: ``|x| R^T (c[code] + sqrt(pi/2)/d *
     |r| * S^T z)`` as ``dtype`` ``[..., d]``, z the +-1 signs; ``rotation``
     as the encoder's (``[d, d]``, Hadamard signs ``[d]``, or None). On CUDA a
-    float16 or bfloat16 output at d = 64 or 128 takes ``S^T z`` from the
-    tensor cores: values may then differ from the CPU's by the output's
-    rounding."""
+    float16 or bfloat16 output at d = 64 or 128 takes ``S^T z`` (and, with a
+    ``[d, d]`` rotation, ``R^T`` too) from the tensor cores: values may then
+    differ from the CPU's by the output's rounding."""
     return _native.tq_prod_decode(
         codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, _dtype(dtype),
         policy=policy, device=_device(device),
@@ -294,7 +294,9 @@ def tq_rvq_decode(
 ) -> mx.array:
     """Inverse of :func:`tq_rvq_encode`: ``|x| R^T (centroids1[a] + centroids2[b])``
     as ``dtype`` ``[..., d]``; ``rotation`` as the encoder's (``[d, d]``,
-    Hadamard signs ``[d]``, or None)."""
+    Hadamard signs ``[d]``, or None). On CUDA a float16 or bfloat16 output at
+    d = 64 or 128 with a ``[d, d]`` rotation takes ``R^T`` from the tensor
+    cores: values may then differ from the CPU's by the output's rounding."""
     return _native.tq_rvq_decode(
         codes1, codes2, norms, rotation, centroids1, centroids2, bits1, bits2, d, _dtype(dtype),
         policy=policy, device=_device(device),

@@ -121,9 +121,10 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
 /// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
 const CUDA_TILE_VECTORS: usize = 32;
 
-/// Whether CUDA's `tq_prod_decode` runs its sketch product on the tensor
-/// cores: a float16 or bfloat16 output (whose rounding dwarfs the sums'
-/// reordering) and `d` = 64 or 128 (the split sketch fits the registers).
+/// Whether CUDA's `tq_prod_decode` runs its sketch product (and a dense
+/// rotation's) on the tensor cores: a float16 or bfloat16 output (whose
+/// rounding dwarfs the sums' reordering) and `d` = 64 or 128 (a split
+/// matrix's fragments fit a block's registers or shared memory).
 pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
 }
