@@ -236,3 +236,27 @@ impl Source {
         !matches!(self, Source::TqDecode)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn dynamic_shared_memory_only_for_the_dense_tensor_core_prod_decode() {
+        let args = |d: i32, tc: bool, rotate: bool, hadamard: bool| {
+            vec![
+                ("D", TemplateArg::Int(d)),
+                ("ROTATE", TemplateArg::Bool(rotate)),
+                ("HADAMARD", TemplateArg::Bool(hadamard)),
+                ("TC", TemplateArg::Bool(tc)),
+            ]
+        };
+        let prod = Source::TqProdDecode;
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, true, false)), 65536);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(64, true, true, false)), 16384);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, true, true)), 0);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, false, false)), 0);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, false, true, false)), 0);
+        assert_eq!(Source::TqRvqDecode.cuda_dynamic_shared_bytes(&args(128, true, true, false)), 0);
+    }
+}
