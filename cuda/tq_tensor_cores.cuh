@@ -18,6 +18,14 @@
 // u_hi Π_hi + u_hi Π_lo + u_lo Π_hi, every product exact, the dropped
 // u_lo Π_lo below float32's rounding of the sums.
 
+// dst[i] = src[i] for i < count, by the block's threads (a barrier must
+// follow before other threads read dst).
+__device__ __forceinline__ void tq_stage_table(float* dst, const float* src, int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
 // The sign words of this lane's rows v0 + g and v0 + g + 8 (D bits each;
 // rows past n read as zero words: their products are never stored).
 template <int D>
@@ -169,9 +177,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
   const int lane = tid % 32;
   const int g = lane / 4;
   const int q = lane % 4;
-  for (int i = tid; i < CENTROIDS && MSE_BITS > 0; i += 256) {
-    C[i] = centroids[i];
-  }
+  tq_stage_table(C, centroids, MSE_BITS > 0 ? CENTROIDS : 0);
   uint4* sketch_frags = tq_sketch_fragments + warp * (NTW * KS * 32) + lane;
   float sketch_unscale[NTW][2];
   {
@@ -355,14 +361,12 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
   static_assert(CODE_WORDS <= 32, "a code row fits one word per lane");
   __shared__ __align__(16) float P[2][TQ_TV * PS];
   __shared__ float C[CENTROIDS];
+  tq_stage_table(C, centroids, MSE_BITS > 0 ? CENTROIDS : 0);
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int g = lane / 4;
   const int q = lane % 4;
-  for (int i = tid; i < CENTROIDS && MSE_BITS > 0; i += 256) {
-    C[i] = centroids[i];
-  }
   // This lane's rotation signs and the code bits' place in the row.
   float sgn[E];
 #pragma unroll
@@ -508,12 +512,8 @@ __device__ void tq_rvq_decode_tensor_cores(const uint8_t* codes1, const uint8_t*
   const int warp = tid / 32;
   const int g = (tid % 32) / 4;
   const int q = tid % 4;
-  for (int i = tid; i < N1; i += 256) {
-    C1[i] = centroids1[i];
-  }
-  for (int i = tid; i < N2; i += 256) {
-    C2[i] = centroids2[i];
-  }
+  tq_stage_table(C1, centroids1, N1);
+  tq_stage_table(C2, centroids2, N2);
   Frags frags;
   frags.load(rotation);
   const bool wide = vq_aligned(codes1, 8) && vq_aligned(codes2, 8);
