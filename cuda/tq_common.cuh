@@ -141,26 +141,36 @@ __device__ __forceinline__ void tq_butterflies(float* V) {
   }
 }
 
-// acc ← this lane's columns of the tile in V (tq_ordered_gemm's layout):
-// MODE 0 zeros, 1 the values, 2 the values times scale, 3 the values times
-// scale times m[col].
-template <int D, int MODE>
-__device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V, float scale,
-                                             const float* m) {
+// f(a, k, col, at) for each of this lane's places in the tile (tq_ordered_gemm's
+// layout): acc[a][k] holds column col (which may pass D) of the warp's
+// vector 4 ty + a, whose place in V is at.
+template <int D, typename F>
+__device__ __forceinline__ void tq_each_lane_col(F f) {
   const int ty = threadIdx.x / 32;
 #pragma unroll
   for (int a = 0; a < 4; ++a) {
 #pragma unroll
     for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
       const int col = tq_lane_col(k);
-      const float u = (MODE != 0 && col < D) ? V[col * TQ_VS + ty * 4 + a] : 0.0f;
-      if constexpr (MODE == 3) {
-        acc[a][k] = col < D ? __fmul_rn(__fmul_rn(u, scale), m[col]) : 0.0f;
-      } else {
-        acc[a][k] = MODE == 2 ? __fmul_rn(u, scale) : u;
-      }
+      f(a, k, col, col * TQ_VS + ty * 4 + a);
     }
   }
+}
+
+// acc ← this lane's columns of the tile in V (tq_ordered_gemm's layout):
+// MODE 0 zeros, 1 the values, 2 the values times scale, 3 the values times
+// scale times m[col].
+template <int D, int MODE>
+__device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V, float scale,
+                                             const float* m) {
+  tq_each_lane_col<D>([&](int a, int k, int col, int at) {
+    const float u = (MODE != 0 && col < D) ? V[at] : 0.0f;
+    if constexpr (MODE == 3) {
+      acc[a][k] = col < D ? __fmul_rn(__fmul_rn(u, scale), m[col]) : 0.0f;
+    } else {
+      acc[a][k] = MODE == 2 ? __fmul_rn(u, scale) : u;
+    }
+  });
 }
 
 // The inverse of tq_load_tile<D, 1>: this lane's columns of acc into the
@@ -168,18 +178,12 @@ __device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], 
 // after its last reads); the caller's barrier follows.
 template <int D>
 __device__ __forceinline__ void tq_spill_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V) {
-  const int ty = threadIdx.x / 32;
-#pragma unroll
-  for (int a = 0; a < 4; ++a) {
-#pragma unroll
-    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
-      const int col = tq_lane_col(k);
-      if (col < D) {
-        V[col * TQ_VS + ty * 4 + a] = acc[a][k];
-      }
-      acc[a][k] = 0.0f;
+  tq_each_lane_col<D>([&](int a, int k, int col, int at) {
+    if (col < D) {
+      V[at] = acc[a][k];
     }
-  }
+    acc[a][k] = 0.0f;
+  });
 }
 
 // acc ← the tile's y = Π u for the vectors' u in V (this lane's columns, as

@@ -38,11 +38,7 @@ __device__ __forceinline__ void tq_sign_words(uint32_t (&w)[2][D / 32], const ui
     const uint8_t* row = signs + v * (D / 8);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-      w[hr][i] = v >= n ? 0u
-                 : wide_signs
-                     ? reinterpret_cast<const uint32_t*>(row)[i]
-                     : uint32_t(row[4 * i]) | (uint32_t(row[4 * i + 1]) << 8) | (uint32_t(row[4 * i + 2]) << 16) |
-                           (uint32_t(row[4 * i + 3]) << 24);
+      w[hr][i] = v >= n ? 0u : uint32_t(vq_read_bytes<4>(row + 4 * i, wide_signs));
     }
   }
 }
@@ -211,9 +207,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
       const uint64_t wd = first + tid + 256 * i;
       kw[i] = 0;
       if (tid + 256 * i < TILE_WORDS && wd < total) {
-        const uint8_t* b = codes + 4 * wd;
-        kw[i] = wide_codes ? *reinterpret_cast<const uint32_t*>(b)
-                           : uint32_t(b[0]) | (uint32_t(b[1]) << 8) | (uint32_t(b[2]) << 16) | (uint32_t(b[3]) << 24);
+        kw[i] = uint32_t(vq_read_bytes<4>(codes + 4 * wd, wide_codes));
       }
     }
     if (tid < TQ_TV) {
@@ -398,9 +392,7 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
       if constexpr (MSE_BITS > 0) {
         const uint8_t* row = codes + v * CODE_BYTES;
         if (lane < CODE_WORDS) {
-          word[i] = wide_codes ? reinterpret_cast<const uint32_t*>(row)[lane]
-                               : uint32_t(row[4 * lane]) | (uint32_t(row[4 * lane + 1]) << 8) |
-                                     (uint32_t(row[4 * lane + 2]) << 16) | (uint32_t(row[4 * lane + 3]) << 24);
+          word[i] = uint32_t(vq_read_bytes<4>(row + 4 * lane, wide_codes));
         }
         rnorm[i] = __half2float(residual_norms[v]);
       }

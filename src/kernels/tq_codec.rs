@@ -144,6 +144,29 @@ fn tensor_core_grid(n: usize) -> ((i32, i32, i32), (i32, i32, i32)) {
     ((blocks as i32 * 256, 1, 1), (256, 1, 1))
 }
 
+/// Launches a TurboQuant decoder on Metal or CUDA. On CUDA the body takes
+/// the template argument `TC` = `tensor_cores` and, when set, the
+/// tensor-core grid; otherwise the codecs' grid.
+#[allow(clippy::too_many_arguments)]
+fn launch_decoder(
+    imp: Implementation,
+    source: Source,
+    inputs: &[&Array],
+    outputs: &[(Vec<i32>, Dtype)],
+    (n, d): (usize, usize),
+    mut template: Vec<(&'static str, TemplateArg)>,
+    tensor_cores: bool,
+    s: &Stream,
+) -> Result<Array> {
+    let tensor_cores = imp == Implementation::Cuda && tensor_cores;
+    if imp == Implementation::Cuda {
+        template.push(("TC", TemplateArg::Bool(tensor_cores)));
+    }
+    let (grid, threadgroup) = if tensor_cores { tensor_core_grid(n) } else { codec_grid(imp, n, d)? };
+    let launch = Launch { source, inputs, outputs, grid, threadgroup, template: &template };
+    Ok(gpu::launch(&launch, s)?.remove(0))
+}
+
 /// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
 /// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
 pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {
@@ -452,27 +475,16 @@ pub fn tq_prod_decode(
                 .remove(0)
             } else {
                 let p = params("norms", &[n, scale.to_bits() as usize])?;
-                let mut template = vec![
+                let template = vec![
                     ("T", TemplateArg::Dtype(dtype)),
                     ("D", TemplateArg::Int(d as i32)),
                     ("B_BITS", TemplateArg::Int(bits as i32)),
                     ("ROTATE", TemplateArg::Bool(rotate)),
                     ("HADAMARD", TemplateArg::Bool(hadamard)),
                 ];
-                let tensor_cores = imp == Implementation::Cuda && prod_decode_tensor_cores(dtype, d);
-                if imp == Implementation::Cuda {
-                    template.push(("TC", TemplateArg::Bool(tensor_cores)));
-                }
-                let (grid, threadgroup) = if tensor_cores { tensor_core_grid(n) } else { codec_grid(imp, n, d)? };
-                let launch = Launch {
-                    source: Source::TqProdDecode,
-                    inputs: &[&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p],
-                    outputs: &outputs,
-                    grid,
-                    threadgroup,
-                    template: &template,
-                };
-                gpu::launch(&launch, s)?.remove(0)
+                let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
+                let tensor_cores = prod_decode_tensor_cores(dtype, d);
+                launch_decoder(imp, Source::TqProdDecode, &inputs, &outputs, (n, d), template, tensor_cores, s)?
             }
         }
     };
@@ -644,7 +656,7 @@ pub fn tq_rvq_decode(
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("norms", &[n])?;
-            let mut template = vec![
+            let template = vec![
                 ("T", TemplateArg::Dtype(dtype)),
                 ("D", TemplateArg::Int(d as i32)),
                 ("B1_BITS", TemplateArg::Int(bits.0 as i32)),
@@ -652,20 +664,9 @@ pub fn tq_rvq_decode(
                 ("ROTATE", TemplateArg::Bool(rotate)),
                 ("HADAMARD", TemplateArg::Bool(hadamard)),
             ];
-            let tensor_cores = imp == Implementation::Cuda && rvq_decode_tensor_cores(dtype, d, rotate && !hadamard);
-            if imp == Implementation::Cuda {
-                template.push(("TC", TemplateArg::Bool(tensor_cores)));
-            }
-            let (grid, threadgroup) = if tensor_cores { tensor_core_grid(n) } else { codec_grid(imp, n, d)? };
-            let launch = Launch {
-                source: Source::TqRvqDecode,
-                inputs: &[&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p],
-                outputs: &outputs,
-                grid,
-                threadgroup,
-                template: &template,
-            };
-            gpu::launch(&launch, s)?.remove(0)
+            let inputs = [&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p];
+            let tensor_cores = rvq_decode_tensor_cores(dtype, d, rotate && !hadamard);
+            launch_decoder(imp, Source::TqRvqDecode, &inputs, &outputs, (n, d), template, tensor_cores, s)?
         }
     };
     ops::reshape(&y, &out_shape, s)
