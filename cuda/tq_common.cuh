@@ -5,13 +5,14 @@
 // ---------------------------------------------------------------------------
 // Block tiles of the TurboQuant codecs: a block of 256 threads owns TQ_TV
 // vectors of size D. Their working values live transposed in shared memory,
-// V[j * TQ_VS + v] (coordinate j of vector v; the odd stride keeps a column's
-// writes free of bank conflicts). Warp w (ty) owns vectors 4w..4w+3, lane tx
-// the columns c * 128 + 4 tx + b (c < TQ_CHUNKS(D), b < 4), so the 16 products
-// of a slice step are 4 broadcast reads of V and one 16-byte read of the
-// staged matrix slice.
+// V[j * TQ_VS + v] (coordinate j of vector v; V 16-byte aligned). Warp w
+// (ty) owns vectors 4w..4w+3, lane tx the columns c * 128 + 4 tx + b
+// (c < TQ_CHUNKS(D), b < 4), so the 16 products of a slice step are one
+// broadcast 16-byte read of V and one 16-byte read of the staged matrix
+// slice. The stride, a multiple of 4 for those reads, is 4 banks past 32:
+// a lane's 16-byte column accesses are 4-way conflicts, not 16-way.
 constexpr int TQ_TV = 32;
-constexpr int TQ_VS = TQ_TV + 1;
+constexpr int TQ_VS = TQ_TV + 4;
 constexpr int TQ_KC = 8;
 #define TQ_CHUNKS(D) (((D) + 127) / 128)
 #define TQ_CP(D) (TQ_CHUNKS(D) * 128 + 4)
@@ -28,12 +29,13 @@ __device__ __forceinline__ int tq_lane_col(int k) {
 
 // acc[a][4c + b] += sum over j of V[j][4ty + a] * M(col, j), col = 128c + 4tx
 // + b, j = 0, 1, ..., D - 1 in order, each product and sum rounded to nearest
-// (crate::cpu's OrderedDots order). M(i, j) = m[i * D + j], or m[j * D + i]
-// when TRANSPOSED. Bs ([TQ_BS(D)], 16-byte aligned) stages TQ_KC rows of M at
+// (crate::cpu's OrderedDots order), or with FUSED each term one fma (half the
+// instructions; not bit for bit the CPU's). M(i, j) = m[i * D + j], or
+// m[j * D + i] when TRANSPOSED. Bs ([TQ_BS(D)], 16-byte aligned) stages TQ_KC rows of M at
 // a time; each thread requests its share of the next slice before it works
 // on the current one, so the slice's latency hides behind the products. Ends
 // with a barrier: V and Bs may be rewritten after.
-template <int D, bool TRANSPOSED>
+template <int D, bool TRANSPOSED, bool FUSED = false>
 __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V,
                                                 const float* m, float* Bs) {
   constexpr int CH = TQ_CHUNKS(D);
@@ -89,11 +91,8 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
     const float* B = Bs + cur * SLICE;
 #pragma unroll
     for (int j = 0; j < TQ_KC; ++j) {
-      float av[4];
-#pragma unroll
-      for (int a = 0; a < 4; ++a) {
-        av[a] = V[(j0 + j) * TQ_VS + ty * 4 + a];
-      }
+      const float4 vv = *reinterpret_cast<const float4*>(&V[(j0 + j) * TQ_VS + ty * 4]);
+      const float av[4] = {vv.x, vv.y, vv.z, vv.w};
 #pragma unroll
       for (int c = 0; c < CH; ++c) {
         const float4 bv = *reinterpret_cast<const float4*>(&B[j * CP + c * 128 + tx * 4]);
@@ -102,7 +101,8 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
         for (int a = 0; a < 4; ++a) {
 #pragma unroll
           for (int b = 0; b < 4; ++b) {
-            acc[a][c * 4 + b] = __fadd_rn(acc[a][c * 4 + b], __fmul_rn(br[b], av[a]));
+            acc[a][c * 4 + b] = FUSED ? __fmaf_rn(br[b], av[a], acc[a][c * 4 + b])
+                                      : __fadd_rn(acc[a][c * 4 + b], __fmul_rn(br[b], av[a]));
           }
         }
       }
@@ -141,19 +141,17 @@ __device__ __forceinline__ void tq_butterflies(float* V) {
   }
 }
 
-// f(a, k, col, at) for each of this lane's places in the tile (tq_ordered_gemm's
-// layout): acc[a][k] holds column col (which may pass D) of the warp's
-// vector 4 ty + a, whose place in V is at.
+// f(k, col, at) for each of this lane's columns in the tile
+// (tq_ordered_gemm's layout): acc[a][k], a < 4, holds column col (which may
+// pass D) of the warp's vector 4 ty + a, whose place in V is at + a (at is
+// 16-byte aligned).
 template <int D, typename F>
 __device__ __forceinline__ void tq_each_lane_col(F f) {
   const int ty = threadIdx.x / 32;
 #pragma unroll
-  for (int a = 0; a < 4; ++a) {
-#pragma unroll
-    for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
-      const int col = tq_lane_col(k);
-      f(a, k, col, col * TQ_VS + ty * 4 + a);
-    }
+  for (int k = 0; k < TQ_CHUNKS(D) * 4; ++k) {
+    const int col = tq_lane_col(k);
+    f(k, col, col * TQ_VS + ty * 4);
   }
 }
 
@@ -163,12 +161,19 @@ __device__ __forceinline__ void tq_each_lane_col(F f) {
 template <int D, int MODE>
 __device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], const float* V, float scale,
                                              const float* m) {
-  tq_each_lane_col<D>([&](int a, int k, int col, int at) {
-    const float u = (MODE != 0 && col < D) ? V[at] : 0.0f;
-    if constexpr (MODE == 3) {
-      acc[a][k] = col < D ? __fmul_rn(__fmul_rn(u, scale), m[col]) : 0.0f;
-    } else {
-      acc[a][k] = MODE == 2 ? __fmul_rn(u, scale) : u;
+  tq_each_lane_col<D>([&](int k, int col, int at) {
+    float4 u4 = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (MODE != 0 && col < D) {
+      u4 = *reinterpret_cast<const float4*>(&V[at]);
+    }
+    const float u[4] = {u4.x, u4.y, u4.z, u4.w};
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      if constexpr (MODE == 3) {
+        acc[a][k] = col < D ? __fmul_rn(__fmul_rn(u[a], scale), m[col]) : 0.0f;
+      } else {
+        acc[a][k] = MODE == 2 ? __fmul_rn(u[a], scale) : u[a];
+      }
     }
   });
 }
@@ -178,11 +183,14 @@ __device__ __forceinline__ void tq_load_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], 
 // after its last reads); the caller's barrier follows.
 template <int D>
 __device__ __forceinline__ void tq_spill_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V) {
-  tq_each_lane_col<D>([&](int a, int k, int col, int at) {
+  tq_each_lane_col<D>([&](int k, int col, int at) {
     if (col < D) {
-      V[at] = acc[a][k];
+      *reinterpret_cast<float4*>(&V[at]) = make_float4(acc[0][k], acc[1][k], acc[2][k], acc[3][k]);
     }
-    acc[a][k] = 0.0f;
+#pragma unroll
+    for (int a = 0; a < 4; ++a) {
+      acc[a][k] = 0.0f;
+    }
   });
 }
 
@@ -191,7 +199,8 @@ __device__ __forceinline__ void tq_spill_tile(float (&acc)[4][TQ_CHUNKS(D) * 4],
 // row-major m [D, D] by tq_ordered_gemm; or, with HADAMARD, H (s ⊙ u) / √D
 // from the ±1 signs m [D] (D a power of two), by butterflies on V in place,
 // as Rotation::forward. V must not be rewritten before the next barrier.
-template <int D, bool ROTATE, bool HADAMARD>
+// FUSED: the dense product by fma (tq_ordered_gemm).
+template <int D, bool ROTATE, bool HADAMARD, bool FUSED = false>
 __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4], float* V, const float* m,
                                                float* Bs) {
   const int tid = threadIdx.x;
@@ -208,7 +217,7 @@ __device__ __forceinline__ void tq_rotate_tile(float (&acc)[4][TQ_CHUNKS(D) * 4]
   }
   tq_load_tile<D, !ROTATE ? 1 : (HADAMARD ? 2 : 0)>(acc, V, scale, m);
   if constexpr (ROTATE && !HADAMARD) {
-    tq_ordered_gemm<D, false>(acc, V, m, Bs);
+    tq_ordered_gemm<D, false, FUSED>(acc, V, m, Bs);
   }
 }
 

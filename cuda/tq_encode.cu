@@ -9,7 +9,7 @@
 // intrinsics, sequential sums, no fma; the norm in float32).
 constexpr int CH = TQ_CHUNKS(D);
 constexpr int K = 1 << B_BITS;
-__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
 __shared__ float s_norm[TQ_TV];
 __shared__ float cent[K];

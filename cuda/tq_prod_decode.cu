@@ -23,7 +23,7 @@ if constexpr (TC && ROTATE && !HADAMARD) {
 } else {
   constexpr int CODE_BYTES = D * MSE_BITS / 8;
   constexpr int CH = TQ_CHUNKS(D);
-  __shared__ float V[D * TQ_VS];
+  __shared__ __align__(16) float V[D * TQ_VS];
   __shared__ __align__(16) float Bs[TQ_BS(D)];
   const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
   const int tid = threadIdx.x;

@@ -7,12 +7,17 @@
 // written. A block of 256 threads encodes TQ_TV vectors (tq_common.cuh's
 // tiles): norms, u = x/‖x‖, y = Π u, codes, the residual r (kept in shared
 // memory) and its norm, then the signs of S r, a second tiled product.
-// Arithmetic matches crate::cpu::turboquant::tq_prod_encode bit for bit
-// (round-to-nearest intrinsics, sums in order, the norms in float64).
+// For a float32 input the arithmetic matches
+// crate::cpu::turboquant::tq_prod_encode bit for bit (round-to-nearest
+// intrinsics, sums in order, the norms in float64). A float16 or bfloat16
+// input sums both products' terms by fma, one instruction each instead of
+// two: the parity rule for those types lets a code or sign differ from the
+// CPU's at a near-tie (the norms stay identical).
 constexpr int MSE_BITS = B_BITS - 1;
+constexpr bool FUSED = sizeof(T) == 2;
 constexpr int K = 1 << MSE_BITS;
 constexpr int CH = TQ_CHUNKS(D);
-__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[TQ_BS(D)];
 __shared__ float s_norm[TQ_TV];
 __shared__ float cent[K];
@@ -38,7 +43,7 @@ if (tid < TQ_TV) {
 __syncthreads();
 tq_normalize_tile<D>(V, s_norm);
 float acc[4][CH * 4];
-tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
+tq_rotate_tile<D, ROTATE, HADAMARD, FUSED>(acc, V, rotation, Bs);
 unsigned code[4][CH * 4];
 #pragma unroll
 for (int a = 0; a < 4; ++a) {
@@ -62,7 +67,7 @@ if (MSE_BITS > 0) {
 __syncthreads();
 tq_spill_tile<D>(acc, V);
 __syncthreads();
-tq_ordered_gemm<D, false>(acc, V, sketch, Bs);
+tq_ordered_gemm<D, false, FUSED>(acc, V, sketch, Bs);
 // The product leaves V (the residual) as it was; its norms after the product
 // keep the other warps from waiting on this one's float64 sums.
 if (MSE_BITS > 0 && tid < TQ_TV && v0 + tid < n) {

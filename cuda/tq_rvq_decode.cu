@@ -12,7 +12,7 @@ if constexpr (TC) {
   tq_rvq_decode_tensor_cores<D, B1_BITS, B2_BITS>(codes1, codes2, norms, rotation, centroids1, centroids2, y, n);
 } else {
   constexpr int CH = TQ_CHUNKS(D);
-  __shared__ float V[D * TQ_VS];
+  __shared__ __align__(16) float V[D * TQ_VS];
   __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
   const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
   const int tid = threadIdx.x;

@@ -10,7 +10,7 @@
 constexpr int CH = TQ_CHUNKS(D);
 constexpr int K1 = 1 << B1_BITS;
 constexpr int K2 = 1 << B2_BITS;
-__shared__ float V[D * TQ_VS];
+__shared__ __align__(16) float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
 __shared__ float s_norm[TQ_TV];
 __shared__ float cent1[K1];

@@ -144,9 +144,11 @@ __device__ __forceinline__ void tq_split_product(float (&acc)[D / 64][4], const 
 // bytes: 64 KB at D = 128, past the 48 KB of static shared memory; each warp
 // reads back only its own); u = c[code] + a Sᵀ z at the accumulators' places
 // (the exact path's float32 operations), split into U; then Πᵀ u as RVQ's
-// product, Π's fragments in registers. The tile's codes are requested a tile
-// ahead, coalesced, and staged in shared memory with the residual norms and
-// norms; U and the staged codes are double-buffered: one barrier per tile.
+// product, Π's fragments in registers. The tile's codes and sign words are
+// requested a tile ahead, coalesced, and staged in shared memory with the
+// residual norms and norms (every warp reads all the tile's signs: once from
+// global memory instead of eight times); U and the staged tile are
+// double-buffered: one barrier per tile.
 template <int D, int MSE_BITS, typename T>
 __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const uint8_t* signs, const __half* norms,
                                                   const __half* residual_norms, const float* rotation,
@@ -158,15 +160,18 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
   constexpr int US = D + 8;
   constexpr int MT = TQ_TV / 16;
   constexpr int CODE_BYTES = D * MSE_BITS / 8;
-  constexpr int TILE_WORDS = TQ_TV * CODE_BYTES / 4;  // a tile's codes (rows are contiguous)
-  constexpr int PER = TILE_WORDS > 0 ? (TILE_WORDS + 255) / 256 : 1;
+  constexpr int TILE_CODES = TQ_TV * CODE_BYTES;  // a tile's code bytes (rows are contiguous)
+  constexpr int SIGN_ROW = D / 32;  // sign words per vector
+  constexpr int TILE_SIGNS = TQ_TV * D / 8;
+  static_assert(TILE_CODES % 16 == 0 && TILE_SIGNS % 16 == 0, "tiles of whole 16-byte chunks");
   constexpr int CENTROIDS = 1 << MSE_BITS;
   static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
   extern __shared__ __align__(16) uint4 tq_sketch_fragments[];  // [warp][nt][ks][lane]: hi0, hi1, lo0, lo1
   __shared__ __align__(16) __half U[2][2][TQ_TV * US];
-  __shared__ uint32_t K[2][TILE_WORDS > 0 ? TILE_WORDS : 1];
-  __shared__ float A[2][TQ_TV];  // scale · ‖r‖
-  __shared__ float N[2][TQ_TV];  // ‖x‖
+  __shared__ __align__(16) uint8_t K[2][TILE_CODES > 0 ? TILE_CODES : 16];
+  __shared__ __align__(16) uint32_t Z[2][TQ_TV * SIGN_ROW];
+  __shared__ __align__(16) __half RN[2][TQ_TV];  // ‖r‖
+  __shared__ __align__(16) __half NM[2][TQ_TV];  // ‖x‖
   __shared__ float C[CENTROIDS];
   const int tid = threadIdx.x;
   const int warp = tid / 32;
@@ -192,71 +197,59 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
   }
   Frags rot;
   rot.load(rotation);
-  const bool wide_signs = vq_aligned(signs, 4);
-  const bool wide_codes = vq_aligned(codes, 4);
-  // A tile's codes (words past n read as 0), and per vector (threads below
-  // TQ_TV) its residual norm and norm: requested a tile ahead in registers.
-  uint32_t kw[PER];
-  float rn = 1.0f;
-  float nm = 0.0f;
-  auto request = [&](uint32_t tile) {
-    const uint64_t first = uint64_t(tile) * TILE_WORDS;  // in words
-    const uint64_t total = (uint64_t(n) * CODE_BYTES) / 4;
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      const uint64_t wd = first + tid + 256 * i;
-      kw[i] = 0;
-      if (tid + 256 * i < TILE_WORDS && wd < total) {
-        kw[i] = uint32_t(vq_read_bytes<4>(codes + 4 * wd, wide_codes));
-      }
-    }
-    if (tid < TQ_TV) {
-      const uint64_t v = min(uint64_t(tile) * TQ_TV + tid, uint64_t(n) - 1);
-      rn = MSE_BITS > 0 ? __half2float(residual_norms[v]) : 1.0f;
-      nm = __half2float(norms[v]);
-    }
-  };
-  auto stage = [&](int b) {
-#pragma unroll
-    for (int i = 0; i < PER; ++i) {
-      if (tid + 256 * i < TILE_WORDS) {
-        K[b][tid + 256 * i] = kw[i];
-      }
-    }
-    if (tid < TQ_TV) {
-      A[b][tid] = MSE_BITS > 0 ? __fmul_rn(scale, rn) : scale;
-      N[b][tid] = nm;
+  const bool async_codes = vq_aligned(codes, 16);
+  const bool async_signs = vq_aligned(signs, 16);
+  const bool async_norms = vq_aligned(norms, 16);
+  const bool async_residual_norms = vq_aligned(residual_norms, 16);
+  // A tile's codes, sign words, residual norms and norms go to shared memory
+  // by cp.async (bytes past n as zero), requested a tile ahead.
+  auto request = [&](uint32_t tile, int b) {
+    const auto copy = [&](void* dst, const void* src, int row_bytes, bool async) {
+      vq_copy_to_shared(static_cast<uint8_t*>(dst), static_cast<const uint8_t*>(src),
+                        uint64_t(tile) * TQ_TV * row_bytes, uint64_t(n) * row_bytes, TQ_TV * row_bytes, async);
+    };
+    copy(K[b], codes, CODE_BYTES, async_codes);
+    copy(Z[b], signs, D / 8, async_signs);
+    copy(NM[b], norms, 2, async_norms);
+    if (MSE_BITS > 0) {
+      copy(RN[b], residual_norms, 2, async_residual_norms);
     }
   };
   const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
   if (blockIdx.x < tiles) {
-    request(blockIdx.x);
-    stage(0);
+    request(blockIdx.x, 0);
+    vq_copy_wait();
   }
-  __syncthreads();  // C and the first tile's codes are staged
+  __syncthreads();  // C and the first tile are staged
   int buf = 0;
   for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x, buf ^= 1) {
     const uint64_t v0 = uint64_t(tile) * TQ_TV;
     const bool next = tile + gridDim.x < tiles;
     if (next) {
-      request(tile + gridDim.x);
+      request(tile + gridDim.x, buf ^ 1);  // buffer last read in the previous tile, before its barrier
     }
     __half* Uh = U[buf][0];
     __half* Ul = U[buf][1];
-    const uint8_t* Kb = reinterpret_cast<const uint8_t*>(K[buf]);
+    const uint8_t* Kb = K[buf];
     // Every read of the staged buffer precedes this tile's barrier, after
     // which the next tile's stage() may rewrite it.
     float nv[MT][2];
     // Sᵀ z for the tile's row blocks at once: each fragment read once per tile.
     float p[MT][NTW][4] = {};
     {
+      // Only the words of this k-step are live: tq_sign_a reads word ks / 2.
       uint32_t w[MT][2][D / 32];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        tq_sign_words<D>(w[mt], signs, wide_signs, v0 + mt * 16, n);
-      }
-#pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
+        if (ks % 2 == 0) {
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+            for (int hr = 0; hr < 2; ++hr) {
+              w[mt][hr][ks / 2] = Z[buf][(mt * 16 + g + 8 * hr) * SIGN_ROW + ks / 2];
+            }
+          }
+        }
         uint32_t hi[NTW][2];
         uint32_t lo[NTW][2];
 #pragma unroll
@@ -280,8 +273,8 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const int vl = mt * 16 + g + 8 * hr;
-        const float a = A[buf][vl];
-        nv[mt][hr] = N[buf][vl];
+        const float a = MSE_BITS > 0 ? __fmul_rn(scale, __half2float(RN[buf][vl])) : scale;
+        nv[mt][hr] = __half2float(NM[buf][vl]);
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt) {
           const int col = 8 * (NTW * warp + nt) + 2 * q;
@@ -301,9 +294,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
         }
       }
     }
-    if (next) {
-      stage(buf ^ 1);  // last read in the previous tile, before its barrier
-    }
+    vq_copy_wait();  // the next tile's copies: complete for the block after the barrier
     __syncthreads();
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {

@@ -3,18 +3,23 @@
 //! arithmetic; CUDA sums the norms in float64 like the CPU), in float32,
 //! float16 and bfloat16, with and without a rotation; CUDA's tensor-core
 //! decoders (Prod, and RVQ with a dense rotation, float16 and bfloat16
-//! outputs) to the output's rounding. Ignored where MLX has no GPU back-end;
-//! run on the GPU machine with `--ignored`.
+//! outputs) to the output's rounding. CUDA's Prod encoder sums its products
+//! by fma for float16 and bfloat16 inputs: there its codes and signs are
+//! held to float64 truth, differing only at near-ties. Ignored where MLX has
+//! no GPU back-end; run on the GPU machine with `--ignored`.
 
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
+use veloxquant::cpu::turboquant::code_at;
 use veloxquant::kernels::{
-    prod_decode_tensor_cores, rvq_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, PROD_BITS,
+    prod_decode_tensor_cores, rvq_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes,
+    PROD_BITS,
 };
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
-use veloxquant::{ops, Array, Backend, Dtype, Options, Policy, Stream};
+use half::f16;
+use veloxquant::{ops, Array, Backend, Dtype, Element, Options, Policy, Stream};
 
 fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
     let n: i32 = shape.iter().product();
@@ -65,6 +70,98 @@ fn count_differing(a: &[u8], b: &[u8]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
 }
 
+fn f32_values(a: &Array) -> Vec<f32> {
+    ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// The GPU's Prod encoding `g` of `x` `[n, d]` against the CPU's `c`: bit
+/// for bit, or where the GPU sums the products by fma (`fused`: CUDA, a
+/// float16 or bfloat16 input) against float64 truth, `rotate` giving y = Π u of a unit u: each
+/// code the nearest centroid's but where y lies within 1e-5 of the
+/// boundary; each sign that of (S r), r = y − c[code] with the kernel's own
+/// codes, but within 1e-5 of ‖S_i‖ ‖r‖ of zero; each residual norm ‖r‖ to
+/// float16 rounding; the norms identical; and at most 1% of the codes' and
+/// signs' bytes differing from the CPU's.
+#[allow(clippy::too_many_arguments)]
+fn assert_prod_encodings_match(
+    fused: bool,
+    x: &Array,
+    rotate: &dyn Fn(&[f64]) -> Vec<f64>,
+    centroids: Option<&Array>,
+    sketch: &[f32],
+    bits: u32,
+    g: &ProdCodes,
+    c: &ProdCodes,
+    tag: &str,
+) {
+    assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
+    let pairs = |a: &Option<Array>, b: &Option<Array>| a.as_ref().map(|a| (bytes(a), bytes(b.as_ref().unwrap())));
+    let codes = pairs(&g.codes, &c.codes);
+    let residual_norms = pairs(&g.residual_norms, &c.residual_norms);
+    let signs = (bytes(&g.signs), bytes(&c.signs));
+    if !fused {
+        assert_eq!(count_differing(&signs.0, &signs.1), 0, "signs {tag}");
+        if let (Some((gc, cc)), Some((gr, cr))) = (&codes, &residual_norms) {
+            assert_eq!(count_differing(gc, cc), 0, "codes {tag}");
+            assert_eq!(count_differing(gr, cr), 0, "residual norms {tag}");
+        }
+        return;
+    }
+    let d = *x.shape().last().unwrap() as usize;
+    let xs = f32_values(x);
+    let n = xs.len() / d;
+    let cent = centroids.map(f32_values).unwrap_or_default();
+    let bounds = veloxquant::cpu::scalar_boundaries(&cent);
+    let mb = bits - 1;
+    let rn = g.residual_norms.as_ref().map(f32_values);
+    for v in 0..n {
+        let xv: Vec<f64> = xs[v * d..(v + 1) * d].iter().map(|&a| f64::from(a)).collect();
+        let s = xv.iter().map(|a| a * a).sum::<f64>().sqrt();
+        let u: Vec<f64> = xv.iter().map(|a| if s > 0.0 { a / s } else { 0.0 }).collect();
+        let mut r = rotate(&u);
+        if let Some((gc, _)) = &codes {
+            let row = &gc[v * d * mb as usize / 8..(v + 1) * d * mb as usize / 8];
+            for (j, rj) in r.iter_mut().enumerate() {
+                let got = code_at(row, j, mb);
+                let want = bounds.iter().filter(|&&b| f64::from(b) < *rj).count();
+                if got != want {
+                    let b = f64::from(bounds[got.min(want)]);
+                    assert!(got.abs_diff(want) == 1 && (*rj - b).abs() <= 1e-5, "codes {tag}: vector {v} coordinate {j}: {got} for y = {rj}");
+                }
+                *rj -= f64::from(cent[got]);
+            }
+        }
+        let norm_r = r.iter().map(|a| a * a).sum::<f64>().sqrt();
+        if let Some(rn) = &rn {
+            assert!((f64::from(rn[v]) - norm_r).abs() <= 2f64.powi(-10) * norm_r + 1e-6, "residual norms {tag}: vector {v}: {} vs {norm_r}", rn[v]);
+        }
+        for i in 0..d {
+            let row = &sketch[i * d..(i + 1) * d];
+            let dot: f64 = row.iter().zip(&r).map(|(a, b)| f64::from(*a) * b).sum();
+            let got = signs.0[v * d / 8 + i / 8] >> (i % 8) & 1 == 1;
+            if got != (dot >= 0.0) {
+                let scale = row.iter().map(|a| f64::from(*a).powi(2)).sum::<f64>().sqrt() * norm_r;
+                assert!(dot.abs() <= 1e-5 * scale, "signs {tag}: vector {v} row {i}: (S r) = {dot} of {scale}");
+            }
+        }
+    }
+    for (name, (a, b)) in [("codes", codes.unwrap_or_default()), ("signs", signs)] {
+        let differ = count_differing(&a, &b);
+        eprintln!("{tag}: {differ} of {} {name} bytes differ from the CPU's at near-ties", a.len());
+        assert!(differ * 100 <= a.len(), "{name} {tag}: {differ} of {} bytes differ", a.len());
+    }
+}
+
+/// Whether CUDA's Prod encoder sums `dtype`'s products by fma.
+fn fused_prod_encode(dtype: Dtype) -> bool {
+    Stream::gpu().unwrap().backend().unwrap() == Backend::Cuda && dtype != Dtype::F32
+}
+
+/// y = Π u for a row-major `[d, d]` Π, in float64.
+fn dense_rotate(m: &[f32]) -> impl Fn(&[f64]) -> Vec<f64> + '_ {
+    move |u: &[f64]| m.chunks(u.len()).map(|row| row.iter().zip(u).map(|(a, b)| f64::from(*a) * b).sum()).collect()
+}
+
 #[test]
 #[ignore = "needs a GPU back-end"]
 fn gpu_prod_is_bit_identical_to_cpu() {
@@ -73,8 +170,10 @@ fn gpu_prod_is_bit_identical_to_cpu() {
         for &bits in &PROD_BITS {
             let mut rng = ChaCha8Rng::seed_from_u64(d as u64 * 10 + u64::from(bits));
             let x = normal(&mut rng, &[3, 171, d as i32], dtype);
-            let rot = f32_array(&veloxquant::cache::rotation_matrix(d, 1).unwrap(), &[d as i32, d as i32]);
-            let sk = f32_array(&Sketch::new(d, d, true, 2).s, &[d as i32, d as i32]);
+            let rot_m = veloxquant::cache::rotation_matrix(d, 1).unwrap();
+            let rot = f32_array(&rot_m, &[d as i32, d as i32]);
+            let sk_m = Sketch::new(d, d, true, 2).s;
+            let sk = f32_array(&sk_m, &[d as i32, d as i32]);
             let cb = (bits > 1).then(|| {
                 let c = ScalarCodebook::sphere(d, bits - 1).unwrap().centroids().to_vec();
                 f32_array(&c, &[c.len() as i32])
@@ -83,14 +182,10 @@ fn gpu_prod_is_bit_identical_to_cpu() {
                 let tag = format!("d={d} {dtype} bits={bits} rotate={}", rotation.is_some());
                 let g = tq_prod_encode(&x, rotation, cb.as_ref(), &sk, bits, &on(&gpu)).unwrap();
                 let c = tq_prod_encode(&x, rotation, cb.as_ref(), &sk, bits, &on(&Stream::cpu())).unwrap();
-                assert_eq!(count_differing(&bytes(&g.signs), &bytes(&c.signs)), 0, "signs {tag}");
-                assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
-                if bits > 1 {
-                    let (gc, cc) = (g.codes.as_ref().unwrap(), c.codes.as_ref().unwrap());
-                    assert_eq!(count_differing(&bytes(gc), &bytes(cc)), 0, "codes {tag}");
-                    let (gr, cr) = (g.residual_norms.as_ref().unwrap(), c.residual_norms.as_ref().unwrap());
-                    assert_eq!(count_differing(&bytes(gr), &bytes(cr)), 0, "residual norms {tag}");
-                }
+                let identity = |u: &[f64]| u.to_vec();
+                let dense = dense_rotate(&rot_m);
+                let rotate: &dyn Fn(&[f64]) -> Vec<f64> = if rotation.is_some() { &dense } else { &identity };
+                assert_prod_encodings_match(fused_prod_encode(dtype), &x, rotate, cb.as_ref(), &sk_m, bits, &g, &c, &tag);
                 let yg = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
                 let yc = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
                 assert_decode_matches(&yg, &yc, dtype, d, prod_decode_tensor_cores(dtype, d), &tag);
@@ -138,7 +233,13 @@ fn gpu_hadamard_codecs_are_bit_identical_to_cpu() {
         let x = normal(&mut rng, &[3, 171, d as i32], dtype);
         let r = veloxquant::quant::Rotation::hadamard(d, 6).unwrap();
         let signs = f32_array(r.signs(), &[d as i32]);
-        let sk = f32_array(&Sketch::new(d, d, true, 2).s, &[d as i32, d as i32]);
+        let sk_m = Sketch::new(d, d, true, 2).s;
+        let sk = f32_array(&sk_m, &[d as i32, d as i32]);
+        let hadamard = |u: &[f64]| {
+            let mut y = vec![0f32; d];
+            r.forward(&u.iter().map(|&a| a as f32).collect::<Vec<_>>(), &mut y);
+            y.into_iter().map(f64::from).collect::<Vec<_>>()
+        };
         for &bits in &PROD_BITS {
             let tag = format!("prod d={d} {dtype} bits={bits}");
             let cb = (bits > 1).then(|| {
@@ -147,11 +248,7 @@ fn gpu_hadamard_codecs_are_bit_identical_to_cpu() {
             });
             let g = tq_prod_encode(&x, Some(&signs), cb.as_ref(), &sk, bits, &on(&gpu)).unwrap();
             let c = tq_prod_encode(&x, Some(&signs), cb.as_ref(), &sk, bits, &on(&Stream::cpu())).unwrap();
-            assert_eq!(count_differing(&bytes(&g.signs), &bytes(&c.signs)), 0, "signs {tag}");
-            assert_eq!(count_differing(&bytes(&g.norms), &bytes(&c.norms)), 0, "norms {tag}");
-            if let (Some(gc), Some(cc)) = (&g.codes, &c.codes) {
-                assert_eq!(count_differing(&bytes(gc), &bytes(cc)), 0, "codes {tag}");
-            }
+            assert_prod_encodings_match(fused_prod_encode(dtype), &x, &hadamard, cb.as_ref(), &sk_m, bits, &g, &c, &tag);
             let yg = tq_prod_decode(&c, Some(&signs), cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
             let yc = tq_prod_decode(&c, Some(&signs), cb.as_ref(), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
             assert_decode_matches(&yg, &yc, dtype, d, prod_decode_tensor_cores(dtype, d), &tag);
@@ -204,6 +301,50 @@ fn gpu_prod_decode_walks_many_tiles() {
     }
 }
 
+/// A row-contiguous view with `a`'s shape that starts `offset` elements into
+/// a larger buffer: MLX hands it to a kernel as is.
+fn offset_view<T: Element + Default + Copy>(a: &Array, offset: usize) -> Array {
+    let gpu = Stream::gpu().unwrap();
+    let mut padded = vec![T::default(); offset];
+    padded.extend(ops::contiguous(a, &Stream::cpu()).unwrap().to_vec::<T>().unwrap());
+    let all = Array::from_slice(&padded, &[padded.len() as i32]).unwrap();
+    let view = ops::slice(&all, &[offset as i32], &[padded.len() as i32], &gpu).unwrap();
+    ops::reshape(&view, &a.shape(), &gpu).unwrap()
+}
+
+/// Prod decode of codes, signs and norms that start off their alignment
+/// (1, 3, 1 and 5 elements into their buffers: the tensor-core decoders'
+/// copies to shared memory fall back to bytewise reads), dense and
+/// Hadamard, against the CPU on the aligned originals.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_prod_decode_reads_views_off_alignment() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let (n, d, bits) = (1_001i32, 128usize, 4u32);
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    let x = normal(&mut rng, &[n, d as i32], Dtype::F32);
+    let sk = f32_array(&Sketch::new(d, d, true, 4).s, &[d as i32, d as i32]);
+    let c = ScalarCodebook::sphere(d, bits - 1).unwrap().centroids().to_vec();
+    let cb = f32_array(&c, &[c.len() as i32]);
+    let dense = f32_array(&veloxquant::cache::rotation_matrix(d, 2).unwrap(), &[d as i32, d as i32]);
+    let hadamard = f32_array(veloxquant::quant::Rotation::hadamard(d, 2).unwrap().signs(), &[d as i32]);
+    for (name, rotation) in [("dense", &dense), ("hadamard", &hadamard)] {
+        let enc = tq_prod_encode(&x, Some(rotation), Some(&cb), &sk, bits, &on(&Stream::cpu())).unwrap();
+        let moved = ProdCodes {
+            codes: enc.codes.as_ref().map(|a| offset_view::<u8>(a, 1)),
+            signs: offset_view::<u8>(&enc.signs, 3),
+            norms: offset_view::<f16>(&enc.norms, 1),
+            residual_norms: enc.residual_norms.as_ref().map(|a| offset_view::<f16>(a, 5)),
+        };
+        for dtype in [Dtype::F16, Dtype::BF16, Dtype::F32] {
+            let tag = format!("{name} {dtype} off alignment");
+            let yg = tq_prod_decode(&moved, Some(rotation), Some(&cb), &sk, bits, dtype, &on(&gpu)).unwrap();
+            let yc = tq_prod_decode(&enc, Some(rotation), Some(&cb), &sk, bits, dtype, &on(&Stream::cpu())).unwrap();
+            assert_decode_matches(&yg, &yc, dtype, d, prod_decode_tensor_cores(dtype, d), &tag);
+        }
+    }
+}
+
 /// RVQ decode with a dense rotation over more tiles than a tensor-core
 /// launch has blocks (the last tile partial): D = 128 and 64, 1- to 8-bit
 /// stages, float16 and bfloat16, against the CPU.
@@ -228,3 +369,4 @@ fn gpu_rvq_decode_walks_many_tiles() {
         }
     }
 }
+
