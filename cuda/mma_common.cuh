@@ -77,12 +77,13 @@ __device__ __forceinline__ void vq_mma_split(float (&c)[4], const uint32_t (&a)[
   vq_mma(c, a, lo[0], lo[1]);
 }
 
-// A fragment register of ±1 (bit set: +1) from bits 2q and 2q + 1 of byte.
-__device__ __forceinline__ uint32_t vq_sign_pair(uint32_t byte, int q) {
-  const uint32_t b0 = (byte >> (2 * q)) & 1u;
-  const uint32_t b1 = (byte >> (2 * q + 1)) & 1u;
-  // -1.0 is 0xBC00; clearing the sign bit gives +1.0.
-  return 0xBC00BC00u ^ (b0 << 15) ^ (b1 << 31);
+// A fragment register of ±1 (bit set: +1) from bits 8k and 8k + 1 of t (k
+// = 0 or 1; t's other bits are ignored): (b0 + 2 b1) 2^8k times
+// 0x40008000 / 2^8k puts b0 at bit 15 and b1 at bit 31, the sign bits that
+// turn -1.0 (0xBC00) into +1.0.
+__device__ __forceinline__ uint32_t vq_sign_pair(uint32_t t, int k) {
+  const uint32_t m = (t & (3u << (8 * k))) * (0x40008000u >> (8 * k));
+  return (m & 0x80008000u) ^ 0xBC00BC00u;
 }
 
 // A fragment of the 16 x 16 float16 block at `tile` in shared memory, rows

@@ -12,7 +12,7 @@ constexpr int K = 1 << B_BITS;
 __shared__ __align__(16) float V[D * TQ_VS];
 __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
 __shared__ float s_norm[TQ_TV];
-__shared__ float cent[K];
+__shared__ __align__(16) float cent[K];
 const uint32_t n = x_shape[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
@@ -44,7 +44,7 @@ for (int a = 0; a < 4; ++a) {
   for (int k = 0; k < CH * 4; ++k) {
     float best = __int_as_float(0x7f800000);
     unsigned best_k = 0;
-#pragma unroll 16
+#pragma unroll 4
     for (int c = 0; c < K; ++c) {
       const float diff = __fsub_rn(acc[a][k], cent[c]);
       const float dist = __fmul_rn(diff, diff);

@@ -49,10 +49,14 @@ unsigned code[4][CH * 4];
 for (int a = 0; a < 4; ++a) {
 #pragma unroll
   for (int k = 0; k < CH * 4; ++k) {
+    // The number of boundaries below the value (crate::cpu's scalar_codes),
+    // by binary search over the sorted boundaries: MSE_BITS steps, none of
+    // the boundaries held in registers.
     unsigned c = 0;
     if (MSE_BITS > 0) {
-      for (int b = 0; b < K - 1; ++b) {
-        c += bounds[b] < acc[a][k] ? 1u : 0u;
+#pragma unroll
+      for (int step = K / 2; step >= 1; step /= 2) {
+        c += bounds[c + step - 1] < acc[a][k] ? unsigned(step) : 0u;
       }
       acc[a][k] = __fsub_rn(acc[a][k], cent[c]);
     }

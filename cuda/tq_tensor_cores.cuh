@@ -27,7 +27,8 @@ __device__ __forceinline__ void tq_stage_table(float* dst, const float* src, int
 }
 
 // The sign words of this lane's rows v0 + g and v0 + g + 8 (D bits each;
-// rows past n read as zero words: their products are never stored).
+// rows past n read as zero words: their products are never stored),
+// shifted right by 2q for tq_sign_a.
 template <int D>
 __device__ __forceinline__ void tq_sign_words(uint32_t (&w)[2][D / 32], const uint8_t* signs, bool wide_signs,
                                               uint64_t v0, uint32_t n) {
@@ -38,22 +39,23 @@ __device__ __forceinline__ void tq_sign_words(uint32_t (&w)[2][D / 32], const ui
     const uint8_t* row = signs + v * (D / 8);
 #pragma unroll
     for (int i = 0; i < D / 32; ++i) {
-      w[hr][i] = v >= n ? 0u : uint32_t(vq_read_bytes<4>(row + 4 * i, wide_signs));
+      w[hr][i] = v >= n ? 0u : uint32_t(vq_read_bytes<4>(row + 4 * i, wide_signs)) >> (2 * (threadIdx.x % 4));
     }
   }
 }
 
 // The A fragment of ±1 for k-step ks of those rows: sketch rows 16 ks.. are
-// bytes 2 ks (columns 0-7) and 2 ks + 1 (8-15) of the sign words.
+// bytes 2 ks (columns 0-7) and 2 ks + 1 (8-15) of the sign words, of which
+// lane q takes bits 2q and 2q + 1: bits 0, 1 and 8, 9 of the words'
+// halves once shifted by 2q.
 template <int D>
 __device__ __forceinline__ void tq_sign_a(uint32_t (&a)[4], const uint32_t (&w)[2][D / 32], int ks) {
-  const int q = threadIdx.x % 4;
-  const int word = ks / 2;
-  const int bit = (ks % 2) * 16;
-  a[0] = vq_sign_pair(w[0][word] >> bit, q);
-  a[1] = vq_sign_pair(w[1][word] >> bit, q);
-  a[2] = vq_sign_pair(w[0][word] >> (bit + 8), q);
-  a[3] = vq_sign_pair(w[1][word] >> (bit + 8), q);
+  const uint32_t w0 = w[0][ks / 2] >> ((ks % 2) * 16);
+  const uint32_t w1 = w[1][ks / 2] >> ((ks % 2) * 16);
+  a[0] = vq_sign_pair(w0, 0);
+  a[1] = vq_sign_pair(w1, 0);
+  a[2] = vq_sign_pair(w0, 1);
+  a[3] = vq_sign_pair(w1, 1);
 }
 
 // A float32 D x D matrix M, split, as this lane's B fragments (B(k, c) =
@@ -118,10 +120,12 @@ struct TqSplitFragments {
 // n-tile nt): u_hi b_hi + u_hi b_lo + u_lo b_hi, every product exact, the
 // dropped u_lo b_lo below float32's rounding of the sums. Uh, Ul: float16
 // high and low parts, row-major with stride US; b(nt, ks, hi, lo) gives the
-// B fragments of k-step ks.
+// B fragments of k-step ks. The small terms sum apart and join at the end:
+// two dependent mma chains per n-tile instead of one three times as long.
 template <int D, int US, typename GetB>
 __device__ __forceinline__ void tq_split_product(float (&acc)[D / 64][4], const __half* Uh, const __half* Ul,
                                                  int mt, GetB b) {
+  float small[D / 64][4] = {};
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     uint32_t ah[4];
@@ -133,8 +137,16 @@ __device__ __forceinline__ void tq_split_product(float (&acc)[D / 64][4], const 
       uint32_t hi[2];
       uint32_t lo[2];
       b(nt, ks, hi, lo);
-      vq_mma_split(acc[nt], ah, hi, lo);
-      vq_mma(acc[nt], al, hi[0], hi[1]);
+      vq_mma(acc[nt], ah, hi[0], hi[1]);
+      vq_mma(small[nt], ah, lo[0], lo[1]);
+      vq_mma(small[nt], al, hi[0], hi[1]);
+    }
+  }
+#pragma unroll
+  for (int nt = 0; nt < D / 64; ++nt) {
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      acc[nt][r] = __fadd_rn(acc[nt][r], small[nt][r]);
     }
   }
 }
@@ -168,7 +180,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
   static_assert(D == 64 || D == 128, "tensor-core decode: D = 64 or 128");
   extern __shared__ __align__(16) uint4 tq_sketch_fragments[];  // [warp][nt][ks][lane]: hi0, hi1, lo0, lo1
   __shared__ __align__(16) __half U[2][2][TQ_TV * US];
-  __shared__ __align__(16) uint8_t K[2][TILE_CODES > 0 ? TILE_CODES : 16];
+  __shared__ __align__(16) uint32_t K[2][TILE_CODES / 4 + 4];  // + 4: a row's last code word has a successor
   __shared__ __align__(16) uint32_t Z[2][TQ_TV * SIGN_ROW];
   __shared__ __align__(16) __half RN[2][TQ_TV];  // ‖r‖
   __shared__ __align__(16) __half NM[2][TQ_TV];  // ‖x‖
@@ -230,7 +242,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
     }
     __half* Uh = U[buf][0];
     __half* Ul = U[buf][1];
-    const uint8_t* Kb = K[buf];
+    const uint32_t* Kb = K[buf];
     // Every read of the staged buffer precedes this tile's barrier, after
     // which the next tile's stage() may rewrite it.
     float nv[MT][2];
@@ -246,7 +258,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
           for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
             for (int hr = 0; hr < 2; ++hr) {
-              w[mt][hr][ks / 2] = Z[buf][(mt * 16 + g + 8 * hr) * SIGN_ROW + ks / 2];
+              w[mt][hr][ks / 2] = Z[buf][(mt * 16 + g + 8 * hr) * SIGN_ROW + ks / 2] >> (2 * q);
             }
           }
         }
@@ -278,12 +290,19 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
 #pragma unroll
         for (int nt = 0; nt < NTW; ++nt) {
           const int col = 8 * (NTW * warp + nt) + 2 * q;
+          // Codes col and col + 1: 2 MSE_BITS bits at bit col MSE_BITS of
+          // the row (4-byte aligned), within two of its words.
+          uint32_t codes2 = 0;
+          if (MSE_BITS > 0) {
+            const int b0 = col * MSE_BITS;
+            const uint32_t* row = Kb + vl * (CODE_BYTES / 4);
+            codes2 = __funnelshift_r(row[b0 / 32], row[b0 / 32 + 1], unsigned(b0 % 32));
+          }
           float u[2];
 #pragma unroll
           for (int e = 0; e < 2; ++e) {
-            const float c = MSE_BITS > 0
-                                ? C[vq_code_at(Kb + vl * CODE_BYTES, unsigned(col + e), unsigned(MSE_BITS > 0 ? MSE_BITS : 1))]
-                                : 0.0f;
+            const unsigned code = (codes2 >> (e * MSE_BITS)) & ((1u << MSE_BITS) - 1u);
+            const float c = MSE_BITS > 0 ? C[code] : 0.0f;
             u[e] = __fadd_rn(c, __fmul_rn(a, __fmul_rn(p[mt][nt][2 * hr + e], sketch_unscale[nt][e])));
           }
           uint32_t hi;
