@@ -190,23 +190,33 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
   const int lane = tid % 32;
   const int g = lane / 4;
   const int q = lane % 4;
+  __shared__ float SU[D];  // the sketch's column unscales
   tq_stage_table(C, centroids, MSE_BITS > 0 ? CENTROIDS : 0);
-  uint4* sketch_frags = tq_sketch_fragments + warp * (NTW * KS * 32) + lane;
-  float sketch_unscale[NTW][2];
   {
+    // Warp w splits the sketch's n-tiles NTW w.. (Frags::load's columns).
     Frags sk;
     sk.load(sketch);
+    uint4* own = tq_sketch_fragments + warp * (NTW * KS * 32) + lane;
 #pragma unroll
     for (int nt = 0; nt < NTW; ++nt) {
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        sketch_frags[(nt * KS + ks) * 32] =
-            make_uint4(sk.hi[nt][ks][0], sk.hi[nt][ks][1], sk.lo[nt][ks][0], sk.lo[nt][ks][1]);
+        own[(nt * KS + ks) * 32] = make_uint4(sk.hi[nt][ks][0], sk.hi[nt][ks][1], sk.lo[nt][ks][0], sk.lo[nt][ks][1]);
       }
-      sketch_unscale[nt][0] = sk.unscale[nt][0];
-      sketch_unscale[nt][1] = sk.unscale[nt][1];
+      if (g == 0) {
+        SU[8 * (NTW * warp + nt) + 2 * q] = sk.unscale[nt][0];
+        SU[8 * (NTW * warp + nt) + 2 * q + 1] = sk.unscale[nt][1];
+      }
     }
   }
+  // In the sketch's product warp w takes row block PM = w / 4 of the tile
+  // and a quarter of the columns, n-tiles NTP (w % 4)..: each warp builds the
+  // sign fragments of one row block, not of all.
+  constexpr int NTP = 2 * NTW;
+  static_assert(MT * 4 == 8 && 4 * NTP * 8 == D, "8 warps: 2 row blocks x 4 column quarters");
+  const int pm = warp / 4;
+  const int first_nt = NTP * (warp % 4);
+  const uint4* sketch_frags = tq_sketch_fragments + first_nt * (KS * 32) + lane;
   Frags rot;
   rot.load(rotation);
   const bool async_codes = vq_aligned(codes, 16);
@@ -244,73 +254,66 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
     __half* Ul = U[buf][1];
     const uint32_t* Kb = K[buf];
     // Every read of the staged buffer precedes this tile's barrier, after
-    // which the next tile's stage() may rewrite it.
+    // which the next tile's request() may rewrite it.
     float nv[MT][2];
-    // Sᵀ z for the tile's row blocks at once: each fragment read once per tile.
-    float p[MT][NTW][4] = {};
-    {
-      // Only the words of this k-step are live: tq_sign_a reads word ks / 2.
-      uint32_t w[MT][2][D / 32];
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        if (ks % 2 == 0) {
-#pragma unroll
-          for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-            for (int hr = 0; hr < 2; ++hr) {
-              w[mt][hr][ks / 2] = Z[buf][(mt * 16 + g + 8 * hr) * SIGN_ROW + ks / 2] >> (2 * q);
-            }
-          }
-        }
-        uint32_t hi[NTW][2];
-        uint32_t lo[NTW][2];
-#pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) {
-          const uint4 f = vq_shared_load4(sketch_frags + (nt * KS + ks) * 32);
-          hi[nt][0] = f.x, hi[nt][1] = f.y, lo[nt][0] = f.z, lo[nt][1] = f.w;
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          uint32_t a[4];
-          tq_sign_a<D>(a, w[mt], ks);
-#pragma unroll
-          for (int nt = 0; nt < NTW; ++nt) {
-            vq_mma_split(p[mt][nt], a, hi[nt], lo[nt]);
-          }
-        }
-      }
-    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
-        const int vl = mt * 16 + g + 8 * hr;
-        const float a = MSE_BITS > 0 ? __fmul_rn(scale, __half2float(RN[buf][vl])) : scale;
-        nv[mt][hr] = __half2float(NM[buf][vl]);
+        nv[mt][hr] = __half2float(NM[buf][mt * 16 + g + 8 * hr]);
+      }
+    }
+    // Sᵀ z for row block pm, n-tiles first_nt..: each fragment read once.
+    float p[NTP][4] = {};
+    {
+      // Only the words of this k-step are live: tq_sign_a reads word ks / 2.
+      uint32_t w[2][D / 32];
 #pragma unroll
-        for (int nt = 0; nt < NTW; ++nt) {
-          const int col = 8 * (NTW * warp + nt) + 2 * q;
-          // Codes col and col + 1: 2 MSE_BITS bits at bit col MSE_BITS of
-          // the row (4-byte aligned), within two of its words.
-          uint32_t codes2 = 0;
-          if (MSE_BITS > 0) {
-            const int b0 = col * MSE_BITS;
-            const uint32_t* row = Kb + vl * (CODE_BYTES / 4);
-            codes2 = __funnelshift_r(row[b0 / 32], row[b0 / 32 + 1], unsigned(b0 % 32));
-          }
-          float u[2];
+      for (int ks = 0; ks < KS; ++ks) {
+        if (ks % 2 == 0) {
 #pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const unsigned code = (codes2 >> (e * MSE_BITS)) & ((1u << MSE_BITS) - 1u);
-            const float c = MSE_BITS > 0 ? C[code] : 0.0f;
-            u[e] = __fadd_rn(c, __fmul_rn(a, __fmul_rn(p[mt][nt][2 * hr + e], sketch_unscale[nt][e])));
+          for (int hr = 0; hr < 2; ++hr) {
+            w[hr][ks / 2] = Z[buf][(pm * 16 + g + 8 * hr) * SIGN_ROW + ks / 2] >> (2 * q);
           }
-          uint32_t hi;
-          uint32_t lo;
-          vq_split_pair(u[0], u[1], hi, lo);
-          *reinterpret_cast<uint32_t*>(&Uh[vl * US + col]) = hi;
-          *reinterpret_cast<uint32_t*>(&Ul[vl * US + col]) = lo;
         }
+        uint32_t a[4];
+        tq_sign_a<D>(a, w, ks);
+#pragma unroll
+        for (int j = 0; j < NTP; ++j) {
+          const uint4 f = vq_shared_load4(sketch_frags + (j * KS + ks) * 32);
+          const uint32_t hi[2] = {f.x, f.y};
+          const uint32_t lo[2] = {f.z, f.w};
+          vq_mma_split(p[j], a, hi, lo);
+        }
+      }
+    }
+#pragma unroll
+    for (int hr = 0; hr < 2; ++hr) {
+      const int vl = pm * 16 + g + 8 * hr;
+      const float a = MSE_BITS > 0 ? __fmul_rn(scale, __half2float(RN[buf][vl])) : scale;
+#pragma unroll
+      for (int j = 0; j < NTP; ++j) {
+        const int col = 8 * (first_nt + j) + 2 * q;
+        // Codes col and col + 1: 2 MSE_BITS bits at bit col MSE_BITS of
+        // the row (4-byte aligned), within two of its words.
+        uint32_t codes2 = 0;
+        if (MSE_BITS > 0) {
+          const int b0 = col * MSE_BITS;
+          const uint32_t* row = Kb + vl * (CODE_BYTES / 4);
+          codes2 = __funnelshift_r(row[b0 / 32], row[b0 / 32 + 1], unsigned(b0 % 32));
+        }
+        float u[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const unsigned code = (codes2 >> (e * MSE_BITS)) & ((1u << MSE_BITS) - 1u);
+          const float c = MSE_BITS > 0 ? C[code] : 0.0f;
+          u[e] = __fadd_rn(c, __fmul_rn(a, __fmul_rn(p[j][2 * hr + e], SU[col + e])));
+        }
+        uint32_t hi;
+        uint32_t lo;
+        vq_split_pair(u[0], u[1], hi, lo);
+        *reinterpret_cast<uint32_t*>(&Uh[vl * US + col]) = hi;
+        *reinterpret_cast<uint32_t*>(&Ul[vl * US + col]) = lo;
       }
     }
     vq_copy_wait();  // the next tile's copies: complete for the block after the barrier
