@@ -248,3 +248,38 @@ __device__ __forceinline__ void qjl_table_sums(float (&acc)[8], const uint32_t (
     }
   }
 }
+
+// dst[0, bytes) = src[offset, offset + bytes) of a global array of `total`
+// bytes, bytes past its end as zero, by the block's threads in 16-byte
+// chunks (bytes a multiple of 16, dst 16-byte aligned). With `async` (src
+// and offset 16-byte aligned) each chunk is a cp.async: the data lands in
+// shared memory with no register held while it is in flight, complete for
+// the thread after vq_copy_wait() and for the block after a barrier that
+// follows it. Otherwise the chunks are read bytewise and stored at once.
+__device__ __forceinline__ void vq_copy_to_shared(uint8_t* dst, const uint8_t* src, uint64_t offset, uint64_t total,
+                                                  int bytes, bool async) {
+  for (int c = 16 * threadIdx.x; c < bytes; c += 16 * blockDim.x) {
+    const uint64_t at = offset + c;
+    const int have = at >= total ? 0 : int(min(total - at, uint64_t(16)));
+    if (async) {
+      const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst + c));
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(have > 0 ? src + at : src),
+                   "r"(have)
+                   : "memory");
+    } else {
+      uint32_t w[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int y = 0; y < 16; ++y) {
+        if (y < have) {
+          w[y / 4] |= uint32_t(src[at + y]) << (8 * (y % 4));
+        }
+      }
+      *reinterpret_cast<uint4*>(dst + c) = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  }
+}
+
+// Waits for this thread's cp.async copies.
+__device__ __forceinline__ void vq_copy_wait() {
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
