@@ -185,12 +185,12 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
   __shared__ __align__(16) __half RN[2][TQ_TV];  // ‖r‖
   __shared__ __align__(16) __half NM[2][TQ_TV];  // ‖x‖
   __shared__ float C[CENTROIDS];
+  __shared__ float SU[D];  // the sketch's column unscales
   const int tid = threadIdx.x;
   const int warp = tid / 32;
   const int lane = tid % 32;
   const int g = lane / 4;
   const int q = lane % 4;
-  __shared__ float SU[D];  // the sketch's column unscales
   tq_stage_table(C, centroids, MSE_BITS > 0 ? CENTROIDS : 0);
   {
     // Warp w splits the sketch's n-tiles NTW w.. (Frags::load's columns).
@@ -209,9 +209,9 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
       }
     }
   }
-  // In the sketch's product warp w takes row block PM = w / 4 of the tile
+  // In the sketch's product warp w takes row block pm = w / 4 of the tile
   // and a quarter of the columns, n-tiles NTP (w % 4)..: each warp builds the
-  // sign fragments of one row block, not of all.
+  // sign fragments of one row block, not of both.
   constexpr int NTP = 2 * NTW;
   static_assert(MT * 4 == 8 && 4 * NTP * 8 == D, "8 warps: 2 row blocks x 4 column quarters");
   const int pm = warp / 4;
