@@ -3,6 +3,9 @@
 //! (same arithmetic, no fma), norms and scores to float rounding. Ignored where
 //! MLX has no GPU back-end; run with `--ignored` on the GPU machine.
 
+mod common;
+
+use common::offset_view;
 use half::{bf16, f16};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -317,17 +320,6 @@ fn gpu_pq_matches_cpu() {
     pq::<bf16>(777, 52, 4, 1024, 10);
     pq::<f32>(10_000, 128, 4, 4096, 12);
     pq::<f32>(1_000, 256, 8, 4096, 12);
-}
-
-/// A row-contiguous `[n, d]` view that starts `offset` elements into its
-/// buffer: MLX hands it to a kernel as is, so wide accesses must check alignment.
-fn offset_view<T: Element + Default + Copy>(v: &[T], shape: &[usize], offset: usize) -> Array {
-    let s = Stream::gpu().unwrap();
-    let mut padded = vec![T::default(); offset];
-    padded.extend_from_slice(v);
-    let all = arr(&padded, &[padded.len()]);
-    let view = ops::slice(&all, &[offset as i32], &[padded.len() as i32], &s).unwrap();
-    ops::reshape(&view, &shape.iter().map(|&d| d as i32).collect::<Vec<_>>(), &s).unwrap()
 }
 
 #[test]

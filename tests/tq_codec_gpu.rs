@@ -8,9 +8,11 @@
 //! held to float64 truth, differing only at near-ties. Ignored where MLX has
 //! no GPU back-end; run on the GPU machine with `--ignored`.
 
+mod common;
+
+use common::{f32s, normal, offset_view};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
-use rand_distr::{Distribution, StandardNormal};
 use veloxquant::cpu::turboquant::code_at;
 use veloxquant::kernels::{
     prod_decode_tensor_cores, rvq_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, ProdCodes,
@@ -20,12 +22,6 @@ use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
 use half::f16;
 use veloxquant::{ops, Array, Backend, Dtype, Element, Options, Policy, Stream};
-
-fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
-    let n: i32 = shape.iter().product();
-    let v: Vec<f32> = (0..n).map(|_| StandardNormal.sample(rng)).collect();
-    ops::astype(&Array::from_slice(&v, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
-}
 
 fn f32_array(v: &[f32], shape: &[i32]) -> Array {
     Array::from_slice(v, shape).unwrap()
@@ -50,8 +46,7 @@ fn assert_decode_matches(yg: &Array, yc: &Array, dtype: Dtype, d: usize, tensor_
         assert_eq!(count_differing(&bytes(yg), &bytes(yc)), 0, "decode {tag}");
         return;
     }
-    let f = |a: &Array| ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap();
-    let (g, c) = (f(yg), f(yc));
+    let (g, c) = (f32s(yg), f32s(yc));
     let rel = if dtype == Dtype::F16 { 2f32.powi(-10) } else { 2f32.powi(-7) };
     let mut differ = 0;
     for (gv, cv) in g.chunks(d).zip(c.chunks(d)) {
@@ -68,10 +63,6 @@ fn assert_decode_matches(yg: &Array, yc: &Array, dtype: Dtype, d: usize, tensor_
 
 fn count_differing(a: &[u8], b: &[u8]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
-}
-
-fn f32_values(a: &Array) -> Vec<f32> {
-    ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
 }
 
 /// The GPU's Prod encoding `g` of `x` `[n, d]` against the CPU's `c`: bit
@@ -108,12 +99,12 @@ fn assert_prod_encodings_match(
         return;
     }
     let d = *x.shape().last().unwrap() as usize;
-    let xs = f32_values(x);
+    let xs = f32s(x);
     let n = xs.len() / d;
-    let cent = centroids.map(f32_values).unwrap_or_default();
+    let cent = centroids.map(f32s).unwrap_or_default();
     let bounds = veloxquant::cpu::scalar_boundaries(&cent);
     let mb = bits - 1;
-    let rn = g.residual_norms.as_ref().map(f32_values);
+    let rn = g.residual_norms.as_ref().map(f32s);
     for v in 0..n {
         let xv: Vec<f64> = xs[v * d..(v + 1) * d].iter().map(|&a| f64::from(a)).collect();
         let s = xv.iter().map(|a| a * a).sum::<f64>().sqrt();
@@ -305,15 +296,10 @@ fn gpu_prod_decode_walks_many_tiles() {
     }
 }
 
-/// A row-contiguous view with `a`'s shape that starts `offset` elements into
-/// a larger buffer: MLX hands it to a kernel as is.
-fn offset_view<T: Element + Default + Copy>(a: &Array, offset: usize) -> Array {
-    let gpu = Stream::gpu().unwrap();
-    let mut padded = vec![T::default(); offset];
-    padded.extend(ops::contiguous(a, &Stream::cpu()).unwrap().to_vec::<T>().unwrap());
-    let all = Array::from_slice(&padded, &[padded.len() as i32]).unwrap();
-    let view = ops::slice(&all, &[offset as i32], &[padded.len() as i32], &gpu).unwrap();
-    ops::reshape(&view, &a.shape(), &gpu).unwrap()
+/// `a` moved `offset` elements into a larger buffer (common::offset_view).
+fn moved<T: Element + Default + Copy>(a: &Array, offset: usize) -> Array {
+    let shape: Vec<usize> = a.shape().iter().map(|&d| d as usize).collect();
+    offset_view(&ops::contiguous(a, &Stream::cpu()).unwrap().to_vec::<T>().unwrap(), &shape, offset)
 }
 
 /// Prod decode of codes, signs and norms that start off their alignment
@@ -335,10 +321,10 @@ fn gpu_prod_decode_reads_views_off_alignment() {
     for (name, rotation) in [("dense", &dense), ("hadamard", &hadamard)] {
         let enc = tq_prod_encode(&x, Some(rotation), Some(&cb), &sk, bits, &on(&Stream::cpu())).unwrap();
         let moved = ProdCodes {
-            codes: enc.codes.as_ref().map(|a| offset_view::<u8>(a, 1)),
-            signs: offset_view::<u8>(&enc.signs, 3),
-            norms: offset_view::<f16>(&enc.norms, 1),
-            residual_norms: enc.residual_norms.as_ref().map(|a| offset_view::<f16>(a, 5)),
+            codes: enc.codes.as_ref().map(|a| moved::<u8>(a, 1)),
+            signs: moved::<u8>(&enc.signs, 3),
+            norms: moved::<f16>(&enc.norms, 1),
+            residual_norms: enc.residual_norms.as_ref().map(|a| moved::<f16>(a, 5)),
         };
         for dtype in [Dtype::F16, Dtype::BF16, Dtype::F32] {
             let tag = format!("{name} {dtype} off alignment");
@@ -373,4 +359,3 @@ fn gpu_rvq_decode_walks_many_tiles() {
         }
     }
 }
-

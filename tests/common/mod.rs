@@ -1,11 +1,11 @@
-//! Helpers shared by the cache tests (CPU and GPU). Each test crate uses a
-//! part of them.
+//! Helpers shared by the integration tests (CPU and GPU). Each test crate
+//! uses a part of them.
 #![allow(dead_code)]
 
 use rand::RngExt;
 use rand_chacha::ChaCha8Rng;
 use rand_distr::{Distribution, StandardNormal};
-use veloxquant::{ops, Array, Dtype, Stream};
+use veloxquant::{ops, Array, Dtype, Element, Stream};
 
 /// Standard normal values of `shape` in `dtype`, made on the CPU.
 pub fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
@@ -16,6 +16,18 @@ pub fn normal(rng: &mut ChaCha8Rng, shape: &[i32], dtype: Dtype) -> Array {
 
 pub fn f32s(a: &Array) -> Vec<f32> {
     ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
+}
+
+/// A row-contiguous `shape` view of `v` on the GPU stream that starts
+/// `offset` elements into its buffer: MLX hands it to a kernel as is, so
+/// wide accesses must check alignment.
+pub fn offset_view<T: Element + Default + Copy>(v: &[T], shape: &[usize], offset: usize) -> Array {
+    let s = Stream::gpu().unwrap();
+    let mut padded = vec![T::default(); offset];
+    padded.extend_from_slice(v);
+    let all = Array::from_slice(&padded, &[padded.len() as i32]).unwrap();
+    let view = ops::slice(&all, &[offset as i32], &[padded.len() as i32], &s).unwrap();
+    ops::reshape(&view, &shape.iter().map(|&d| d as i32).collect::<Vec<_>>(), &s).unwrap()
 }
 
 /// ‖a − b‖ / ‖b‖.
