@@ -156,11 +156,10 @@ __device__ __forceinline__ void tq_split_product(float (&acc)[D / 64][4], const 
 // bytes: 64 KB at D = 128, past the 48 KB of static shared memory; each warp
 // reads back only its own); u = c[code] + a Sᵀ z at the accumulators' places
 // (the exact path's float32 operations), split into U; then Πᵀ u as RVQ's
-// product, Π's fragments in registers. The tile's codes and sign words are
-// requested a tile ahead, coalesced, and staged in shared memory with the
-// residual norms and norms (every warp reads all the tile's signs: once from
-// global memory instead of eight times); U and the staged tile are
-// double-buffered: one barrier per tile.
+// product, Π's fragments in registers. The tile's codes, sign words,
+// residual norms and norms reach shared memory by cp.async a tile ahead
+// (read from global memory once per block, not once per warp); U and the
+// staged tile are double-buffered: one barrier per tile.
 template <int D, int MSE_BITS, typename T>
 __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const uint8_t* signs, const __half* norms,
                                                   const __half* residual_norms, const float* rotation,
