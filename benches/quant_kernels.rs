@@ -111,8 +111,6 @@ fn main() {
         "quantizer kernels on {device} ({}), dtype {dtype}, N = {n}, d = {D}, median of 5 samples of {repeat} fused call(s) / 1 reference call",
         stream.backend().unwrap().name()
     );
-    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | % of HBM | f32 floor ms | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     let mut rng = ChaCha8Rng::seed_from_u64(7);
     let x = random(dtype, &[n, D], 1.0, &mut rng);
     // Shared inputs, built once by the fused kernels on `stream` (their parity
@@ -153,6 +151,22 @@ fn main() {
         &prod.norms, prod_rnorms, &rvq.codes1, &rvq.codes2, &rvq.norms,
     ];
     veloxquant::eval(&all).unwrap();
+
+    // The ceiling MLX's own bandwidth-bound op reaches in this harness: x + x
+    // reads x once per element (the second operand is the same address) and
+    // writes as many bytes.
+    let copy = measure(&|_: &Options| vec![veloxquant::ops::add(&x, &x, &stream).unwrap()], &setup, &stream, repeat);
+    let copy_bytes = 2.0 * (n * D * es) as f64;
+    println!(
+        "MLX x + x (reads and writes {:.0} MiB): {:.3} ms, {:.1} GB/s{}\n",
+        copy_bytes / 2.0 / (1 << 20) as f64,
+        copy.seconds * 1e3,
+        copy_bytes / copy.seconds / 1e9,
+        if gpu { format!(", {:.1}% of HBM", 100.0 * copy_bytes / copy.seconds / HBM_BYTES_PER_S) } else { String::new() },
+    );
+
+    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | % of HBM | f32 floor ms | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
 
     type Case<'a> = (&'static str, Box<dyn Fn(&Options) -> Vec<Array> + 'a>, usize, usize);
     let xb = n * D * es;

@@ -1,61 +1,87 @@
 // kivi_quantize: x T [N, D] -> packed uint8 [N, nbytes], scales and zeros
 // half. params = {N, D, nbytes, G}; template T, B_BITS, PER_CHANNEL.
 // scale = half((max - min) / (2^B - 1)), zero = half(min); code =
-// round((x - zero) / scale) clamped, 0 where scale is 0, with the rounded
-// values; round-to-nearest intrinsics throughout.
+// round((x - zero) / scale) (half away from zero) clamped to [0, 2^B - 1],
+// 0 where scale is not positive, with the rounded scale and zero: the CPU
+// kernel's codes, bit for bit.
 //
 // PER_CHANNEL (keys): one (scale, zero) per group of G rows and channel,
 // [ceil(N/G), D]. When G <= 32 and D is a multiple of 8 (the fast layout,
-// chosen by the host with the same test): KIVI_LANES threads per (row group,
-// 8 channels), adjacent lanes, each holding up to KIVI_ROWS of the group's
-// rows in registers; min and max meet through warp shuffles, so x is read
-// once.
-// Otherwise one thread per (row group, 8 channels) reads its rows twice.
+// chosen by the host with the same test): KIVI_LANES adjacent lanes per
+// (row group, 8 channels), each holding up to 32 / KIVI_LANES of the group's
+// rows in registers; min and max meet through warp shuffles, each lane
+// computes the scales of 8 / KIVI_LANES channels and shares them, so x is
+// read once. Otherwise one thread per (row group, 8 channels) reads its rows
+// twice.
 //
 // Values: one (scale, zero) per row and group of G channels (G a multiple of
 // 8 dividing D), [N, D/G]; one thread per (row, channel group), which keeps
 // the group in registers when G <= 32.
+//
+// The quotient: with s and zero finite, q0 = (x - zero) * rs, rs the
+// correctly rounded 1/s, and one Newton step q0 + (a - s q0) rs (both fma)
+// give the correctly rounded quotient (Markstein): no division per element.
+// A scale that is not positive gives s = rs = 0, whose quotient is 0 (or
+// NaN, clamped to 0): code 0 without a branch. An infinite scale or zero
+// divides. Rounding half up of the clamped quotient c is floor(c + 0.5):
+// two adds rounding down, the second onto 2^23's integer grid, which leaves
+// 2^23 + code, whose bits the packing adds in place.
 const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t nbytes = params[2];
 const uint32_t gsize = params[3];
 const float levels = float((1u << B_BITS) - 1u);
 const float inf = __int_as_float(0x7f800000);
-// The keys' fast layout: 8 lanes of 4 rows cover a group of up to 32 rows
-// with 32 registers of elements per thread (more would cost occupancy).
-constexpr uint32_t KIVI_LANES = 8;
-constexpr uint32_t KIVI_ROWS = 4;
 // Grids hold fewer than 2^31 threads.
 const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
-// round((v - z) / s) (half away from zero) clamped to [0, 2^B - 1], in
-// full-rate float and logic instructions. The quotient comes from the
-// correctly rounded reciprocal of s, within 2^-23 relative of the divided
-// one: it rounds to the same code unless it lies within 1e-3 of a boundary
-// k + 0.5 (codes are at most 255, so the two differ by under 1e-4), and only
-// then is v - z divided. Clamping first is exact (rounding is monotonic, the
-// bounds are integers; NaN clamps to 0) and makes boundaries outside the
-// range agree anyway. Adding 2^23 rounds the clamped quotient to an integer,
-// ties to even, in the low mantissa bits; a tie rounded down (remainder
-// exactly +0.5) goes up, as round() does.
-auto code_of = [&](float v, float s, float rs, float z) {
-  if (!(s > 0.0f)) {
-    return 0u;
-  }
-  const float a = __fsub_rn(v, z);
-  float q = fminf(fmaxf(__fmul_rn(a, rs), 0.0f), levels);
-  float big = __fadd_rn(q, 8388608.0f);
-  float rem = __fsub_rn(q, __fsub_rn(big, 8388608.0f));
-  if (fabsf(fabsf(rem) - 0.5f) < 1e-3f) {
-    q = fminf(fmaxf(__fdiv_rn(a, s), 0.0f), levels);
-    big = __fadd_rn(q, 8388608.0f);
-    rem = __fsub_rn(q, __fsub_rn(big, 8388608.0f));
-  }
-  return (__float_as_uint(big) - 0x4B000000u) + (rem == 0.5f ? 1u : 0u);
+// A group's (scale, zero) in float16 and the quotient's operands; `divide`
+// where the scale or the zero is infinite.
+struct Quant {
+  float s;
+  float rs;
+  float z;
 };
+auto quant_of = [&](float lo, float hi, __half* hs_out, __half* hz_out, bool& divide) {
+  const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), levels));
+  const __half hz = __float2half_rn(lo);
+  *hs_out = hs;
+  *hz_out = hz;
+  Quant q;
+  q.s = __half2float(hs);
+  q.z = __half2float(hz);
+  if (!(q.s > 0.0f)) {
+    q.s = 0.0f;
+    q.rs = 0.0f;
+  } else {
+    q.rs = __frcp_rn(q.s);
+    divide = divide || q.s == inf || fabsf(q.z) == inf;
+  }
+  return q;
+};
+// 2^23 + code, as a float. Callers pass a constant `divide`, so that each
+// loop over elements is compiled once per case.
+auto code_big = [&](float v, const Quant& q, bool divide) {
+  const float a = __fsub_rn(v, q.z);
+  float quot;
+  if (divide) {
+    quot = q.s > 0.0f ? __fdiv_rn(a, q.s) : 0.0f;
+  } else {
+    const float q0 = __fmul_rn(a, q.rs);
+    quot = __fmaf_rn(__fmaf_rn(-q.s, q0, a), q.rs, q0);
+  }
+  const float c = fminf(fmaxf(quot, 0.0f), levels);
+  return __fadd_rd(__fadd_rd(c, 0.5f), 8388608.0f);
+};
+auto pack8 = [&](const float (&big)[8]) { return vq_pack_big8<B_BITS>(big); };
+constexpr bool HALVES = sizeof(T) == 2;
 if (PER_CHANNEL) {
   const uint32_t cgroups = (d + 7) / 8;
   const uint32_t rgroups = vq_div(n + gsize - 1, gsize);
   if (gsize <= 32 && d % 8 == 0) {
+    // The keys' fast layout: 16-bit elements in 4 lanes of 8 rows (32
+    // registers of elements), float ones in 8 lanes of 4.
+    constexpr uint32_t KIVI_LANES = 8;
+    constexpr uint32_t KIVI_ROWS = 32 / KIVI_LANES;
     // Every lane takes part in the shuffles: the grid is a whole number of
     // warps, and a lane past the end works on nothing.
     const uint32_t team = t / KIVI_LANES;
@@ -66,61 +92,80 @@ if (PER_CHANNEL) {
     const uint32_t r0 = g * gsize;
     const uint32_t r1 = live ? min(r0 + gsize, n) : r0;
     const bool wide = vq_aligned(x, 16);
-    float v[KIVI_ROWS][8];
-    float lo[8];
-    float hi[8];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      lo[j] = inf;
-      hi[j] = -inf;
-    }
+    uint4 raw[KIVI_ROWS][HALVES ? 1 : 2];
 #pragma unroll
     for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
       const uint32_t r = r0 + sub * KIVI_ROWS + k;
       if (sub * KIVI_ROWS + k < gsize && r < r1) {
-        vq_read8(x + (uint64_t(r) * cgroups + c) * 8, v[k], wide);
+        vq_read_raw8(x + (uint64_t(r) * cgroups + c) * 8, raw[k], wide);
+      }
+    }
+    float lo[8];
+    float hi[8];
+    vq_minmax8<T, KIVI_ROWS, KIVI_LANES>(
+        raw, [&](uint32_t k) { return sub * KIVI_ROWS + k < gsize && r0 + sub * KIVI_ROWS + k < r1; }, lo, hi);
+    // Each lane's 8 / KIVI_LANES channels' parameters, then every lane
+    // takes all 8 from their owners.
+    Quant mine[8 / KIVI_LANES];
+    __half hs[8 / KIVI_LANES];
+    __half hz[8 / KIVI_LANES];
+    bool divide = false;
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          lo[j] = fminf(lo[j], v[k][j]);
-          hi[j] = fmaxf(hi[j], v[k][j]);
+    for (uint32_t i = 0; i < 8 / KIVI_LANES; ++i) {
+      const uint32_t j = i * KIVI_LANES + sub;
+      float l = lo[0];
+      float h = hi[0];
+#pragma unroll
+      for (uint32_t jj = 1; jj < 8; ++jj) {
+        if (jj == j) {
+          l = lo[jj];
+          h = hi[jj];
         }
       }
+      mine[i] = quant_of(l, h, &hs[i], &hz[i], divide);
     }
+    Quant q[8];
+    const uint32_t base_lane = (threadIdx.x % 32) & ~(KIVI_LANES - 1);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-#pragma unroll
-      for (uint32_t o = 1; o < KIVI_LANES; o *= 2) {
-        lo[j] = fminf(lo[j], __shfl_xor_sync(0xffffffffu, lo[j], o));
-        hi[j] = fmaxf(hi[j], __shfl_xor_sync(0xffffffffu, hi[j], o));
-      }
+    for (uint32_t j = 0; j < 8; ++j) {
+      const Quant& m = mine[j / KIVI_LANES];
+      const int src = int(base_lane + j % KIVI_LANES);
+      q[j].s = __shfl_sync(0xffffffffu, m.s, src);
+      q[j].rs = __shfl_sync(0xffffffffu, m.rs, src);
+      q[j].z = __shfl_sync(0xffffffffu, m.z, src);
     }
+    // Whether any channel of the team divides.
+    const uint32_t team_mask = ((1u << KIVI_LANES) - 1u) << base_lane;
+    divide = (__ballot_sync(0xffffffffu, divide) & team_mask) != 0;
     if (!live) {
       return;
     }
-    float s[8];
-    float rs[8];
-    float z[8];
 #pragma unroll
-    for (int j = 0; j < 8; ++j) {
-      s[j] = __half2float(__float2half_rn(__fdiv_rn(__fsub_rn(hi[j], lo[j]), levels)));
-      rs[j] = __frcp_rn(s[j]);
-      z[j] = __half2float(__float2half_rn(lo[j]));
+    for (uint32_t i = 0; i < 8 / KIVI_LANES; ++i) {
+      const uint64_t p = uint64_t(g) * d + c * 8 + i * KIVI_LANES + sub;
+      scales[p] = hs[i];
+      zeros[p] = hz[i];
     }
-    if (sub == 0) {
-      vq_store8(scales + uint64_t(g) * d + c * 8, s);
-      vq_store8(zeros + uint64_t(g) * d + c * 8, z);
-    }
+    auto encode = [&](bool div) {
 #pragma unroll
-    for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
-      const uint32_t r = r0 + sub * KIVI_ROWS + k;
-      if (sub * KIVI_ROWS + k < gsize && r < r1) {
-        uint64_t word = 0;
+      for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
+        const uint32_t r = r0 + sub * KIVI_ROWS + k;
+        if (sub * KIVI_ROWS + k < gsize && r < r1) {
+          float v[8];
+          vq_load8(reinterpret_cast<const T*>(raw[k]), v);
+          float big[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          word |= uint64_t(code_of(v[k][j], s[j], rs[j], z[j])) << (j * B_BITS);
+          for (int j = 0; j < 8; ++j) {
+            big[j] = code_big(v[j], q[j], div);
+          }
+          vq_store_bytes<B_BITS>(packed + (uint64_t(r) * cgroups + c) * B_BITS, pack8(big));
         }
-        vq_store_bytes<B_BITS>(packed + (uint64_t(r) * cgroups + c) * B_BITS, word);
       }
+    };
+    if (divide) {
+      encode(true);
+    } else {
+      encode(false);
     }
     return;
   }
@@ -146,27 +191,19 @@ if (PER_CHANNEL) {
       hi[j] = fmaxf(hi[j], v);
     }
   }
-  float s[8];
-  float z[8];
+  Quant q[8];
+  bool divide = false;
   for (uint32_t j = 0; j < count; ++j) {
-    const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(hi[j], lo[j]), levels));
-    const __half hz = __float2half_rn(lo[j]);
-    scales[uint64_t(g) * d + first + j] = hs;
-    zeros[uint64_t(g) * d + first + j] = hz;
-    s[j] = __half2float(hs);
-    z[j] = __half2float(hz);
-  }
-  float rs[8];
-  for (uint32_t j = 0; j < count; ++j) {
-    rs[j] = __frcp_rn(s[j]);
+    q[j] = quant_of(lo[j], hi[j], &scales[uint64_t(g) * d + first + j], &zeros[uint64_t(g) * d + first + j], divide);
   }
   const uint32_t b0 = (first / 8) * B_BITS;
   const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
   for (uint32_t r = r0; r < r1; ++r) {
-    uint64_t word = 0;
-    for (uint32_t j = 0; j < count; ++j) {
-      word |= uint64_t(code_of(static_cast<float>(x[uint64_t(r) * d + first + j]), s[j], rs[j], z[j])) << (j * B_BITS);
+    float big[8];
+    for (uint32_t j = 0; j < 8; ++j) {
+      big[j] = j < count ? code_big(static_cast<float>(x[uint64_t(r) * d + first + j]), q[j], divide) : 8388608.0f;
     }
+    const unsigned long long word = pack8(big);
     for (uint32_t k = b0; k < b1; ++k) {
       packed[uint64_t(r) * nbytes + k] = uint8_t(word >> (8 * (k - b0)));
     }
@@ -181,37 +218,46 @@ if (PER_CHANNEL) {
   const uint32_t chunks = gsize / 8;
   const bool wide = vq_aligned(x, 16);
   if (chunks <= 4) {
-    float v[4][8];
-    float lo = inf;
-    float hi = -inf;
+    uint4 raw[4][HALVES ? 1 : 2];
 #pragma unroll
     for (uint32_t k = 0; k < 4; ++k) {
       if (k < chunks) {
-        vq_read8(x + base + k * 8, v[k], wide);
-#pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          lo = fminf(lo, v[k][j]);
-          hi = fmaxf(hi, v[k][j]);
-        }
+        vq_read_raw8(x + base + k * 8, raw[k], wide);
       }
     }
-    const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), levels));
-    const __half hz = __float2half_rn(lo);
-    scales[t] = hs;
-    zeros[t] = hz;
-    const float s = __half2float(hs);
-    const float rs = __frcp_rn(s);
-    const float z = __half2float(hz);
+    float lo8[8];
+    float hi8[8];
+    vq_minmax8<T, 4, 1>(raw, [&](uint32_t k) { return k < chunks; }, lo8, hi8);
+    float lo = lo8[0];
+    float hi = hi8[0];
+#pragma unroll
+    for (int j = 1; j < 8; ++j) {
+      lo = fminf(lo, lo8[j]);
+      hi = fmaxf(hi, hi8[j]);
+    }
+    bool divide = false;
+    const Quant q = quant_of(lo, hi, &scales[t], &zeros[t], divide);
     uint64_t word[4];
+    auto encode = [&](bool div) {
 #pragma unroll
-    for (uint32_t k = 0; k < 4; ++k) {
-      word[k] = 0;
-      if (k < chunks) {
+      for (uint32_t k = 0; k < 4; ++k) {
+        word[k] = 0;
+        if (k < chunks) {
+          float v[8];
+          vq_load8(reinterpret_cast<const T*>(raw[k]), v);
+          float big[8];
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          word[k] |= uint64_t(code_of(v[k][j], s, rs, z)) << (j * B_BITS);
+          for (int j = 0; j < 8; ++j) {
+            big[j] = code_big(v[j], q, div);
+          }
+          word[k] = pack8(big);
         }
       }
+    };
+    if (divide) {
+      encode(true);
+    } else {
+      encode(false);
     }
     // A full group of 32 is 4 B_BITS contiguous bytes: one or two stores
     // where the width allows it, rather than four narrow ones.
@@ -250,21 +296,16 @@ if (PER_CHANNEL) {
       hi = fmaxf(hi, v[j]);
     }
   }
-  const __half hs = __float2half_rn(__fdiv_rn(__fsub_rn(hi, lo), levels));
-  const __half hz = __float2half_rn(lo);
-  scales[t] = hs;
-  zeros[t] = hz;
-  const float s = __half2float(hs);
-  const float rs = __frcp_rn(s);
-  const float z = __half2float(hz);
+  bool divide = false;
+  const Quant q = quant_of(lo, hi, &scales[t], &zeros[t], divide);
   for (uint32_t k = 0; k < chunks; ++k) {
     float v[8];
     vq_read8(x + base + k * 8, v, wide);
-    uint64_t word = 0;
+    float big[8];
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      word |= uint64_t(code_of(v[j], s, rs, z)) << (j * B_BITS);
+      big[j] = code_big(v[j], q, divide);
     }
-    vq_store_bytes<B_BITS>(packed + dst + k * B_BITS, word);
+    vq_store_bytes<B_BITS>(packed + dst + k * B_BITS, pack8(big));
   }
 }

@@ -198,6 +198,282 @@ __device__ __forceinline__ float vq_code_float(uint32_t c) {
   return __fsub_rn(__uint_as_float(0x4B000000u | c), 8388608.0f);
 }
 
+// The bits of the smallest 16-bit T value strictly above b: for a T value
+// v, b < v exactly when v >= that value (for a NaN b, a NaN, which no v
+// meets, as no v is above a NaN).
+__device__ __forceinline__ uint32_t vq_next_up16(uint32_t u) {
+  if ((u & 0x7FFFu) == 0u) {
+    return 1u;
+  }
+  return (u & 0x8000u) ? u - 1u : u + 1u;
+}
+
+__device__ __forceinline__ uint32_t vq_bits_above(const float*, float) { return 0u; }
+
+__device__ __forceinline__ uint32_t vq_bits_above(const __half*, float b) {
+  if (b != b) {
+    return 0x7E00u;
+  }
+  const __half r = __float2half_ru(b);
+  return __half2float(r) > b ? uint32_t(__half_as_ushort(r)) : vq_next_up16(__half_as_ushort(r));
+}
+
+__device__ __forceinline__ uint32_t vq_bits_above(const __nv_bfloat16*, float b) {
+  if (b != b) {
+    return 0x7FC0u;
+  }
+  const __nv_bfloat16 r = __float2bfloat16_ru(b);
+  return __bfloat162float(r) > b ? uint32_t(__bfloat16_as_ushort(r)) : vq_next_up16(__bfloat16_as_ushort(r));
+}
+
+// Per half of a pair of 16-bit T values: 0xFFFF where a >= b, else 0.
+// (The float overloads let bodies that also take float name the 16-bit
+// paths in code float never runs.)
+__device__ __forceinline__ uint32_t vq_ge_mask(const float*, uint32_t, uint32_t) { return 0u; }
+__device__ __forceinline__ uint32_t vq_ge_mask(const __half*, uint32_t a, uint32_t b) {
+  return __hge2_mask(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+}
+
+__device__ __forceinline__ uint32_t vq_ge_mask(const __nv_bfloat16*, uint32_t a, uint32_t b) {
+  return __hge2_mask(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+}
+
+// Binary search of a pair of 16-bit T values over sorted boundaries, both
+// halves at once: thr[i] holds vq_bits_above(boundary i) in both halves,
+// m[l] the mask (0xFFFF per half) of step l's outcome. Step L compares the
+// pair with the threshold its earlier steps chose, picked from thr by logic
+// ops on their masks (one op per candidate pair, the newest mask at the
+// root, so the rest of the choice is made while that mask is computed).
+//
+// vq_pair_pick: step L's threshold among the prefixes whose J last outcomes
+// are S (prefix bit d_i weighs 1 << (L - 1 - i)).
+template <int B, int L, int J, int S>
+__device__ __forceinline__ uint32_t vq_pair_pick(const uint32_t (&thr)[(1 << B) - 1], const uint32_t (&m)[B]) {
+  if constexpr (J == L) {
+    return thr[(S << (B - L)) + (1 << (B - L - 1)) - 1];
+  } else {
+    const uint32_t above = vq_pair_pick<B, L, J + 1, S + (1 << J)>(thr, m);
+    const uint32_t below = vq_pair_pick<B, L, J + 1, S>(thr, m);
+    return (m[L - 1 - J] & above) | (~m[L - 1 - J] & below);
+  }
+}
+
+template <int B, int L, typename T>
+__device__ __forceinline__ void vq_pair_steps(const T* tag, uint32_t v, const uint32_t (&thr)[(1 << B) - 1],
+                                              uint32_t (&m)[B]) {
+  if constexpr (L < B) {
+    m[L] = vq_ge_mask(tag, v, vq_pair_pick<B, L, 0, 0>(thr, m));
+    vq_pair_steps<B, L + 1>(tag, v, thr, m);
+  }
+}
+
+// The B-bit codes of the pair v (low half first) as low | high << B: each
+// the number of boundaries strictly below its value.
+template <int B, typename T>
+__device__ __forceinline__ uint32_t vq_pair_code(const T* tag, uint32_t v, const uint32_t (&thr)[(1 << B) - 1]) {
+  uint32_t m[B];
+  vq_pair_steps<B, 0>(tag, v, thr, m);
+  uint32_t acc = 0;
+#pragma unroll
+  for (int l = 0; l < B; ++l) {
+    acc |= m[l] & ((1u << (B - 1 - l)) | (1u << (16 + B - 1 - l)));
+  }
+  return (acc & 0xFFFFu) | ((acc >> 16) << B);
+}
+
+// Code j of a word of 8 packed B-bit codes times 2^vq_code_pos<B>(j), as a
+// float, exactly: the code keeps its place in the word (less a byte-multiple
+// shift where it would pass float32's 23 mantissa bits), its bits or'ed into
+// 2^23's, less 2^23: one logic op and one add. vq_code_unscale<B>(j) is
+// 2^-pos, the factor that undoes the place in a product with it.
+template <int B>
+__device__ constexpr int vq_code_base(int j) {
+  return j * B + B <= 23 ? 0 : ((j * B + B - 23 + 7) / 8) * 8;
+}
+
+template <int B>
+__device__ constexpr int vq_code_pos(int j) {
+  return j * B - vq_code_base<B>(j);
+}
+
+template <int B>
+__device__ __forceinline__ float vq_code_scaled(unsigned long long word, int j) {
+  // The same for every code at one base (the compiler shares it): then one
+  // logic op per code keeps that code's bits and 2^23's.
+  // (In assembly: the compiler would otherwise split it into a mask and an
+  // or again.)
+  const uint32_t w = (uint32_t(word >> vq_code_base<B>(j)) & 0x007FFFFFu) | 0x4B000000u;
+  uint32_t bits;
+  asm("and.b32 %0, %1, %2;" : "=r"(bits) : "r"(w), "r"(0xFF800000u | (((1u << B) - 1u) << vq_code_pos<B>(j))));
+  return __fsub_rn(__uint_as_float(bits), 8388608.0f);
+}
+
+template <int B>
+__device__ __forceinline__ float vq_code_unscale(int j) {
+  return __uint_as_float(uint32_t(127 - vq_code_pos<B>(j)) << 23);
+}
+
+// S consecutive T at src to dst, with the widest accesses S * sizeof(T)
+// bytes allow (both aligned to that, or to 16 bytes beyond it).
+template <int S, typename T>
+__device__ __forceinline__ void vq_copy_n(const T* src, T* dst) {
+  constexpr int BYTES = S * int(sizeof(T));
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) {
+      reinterpret_cast<uint4*>(dst)[i] = reinterpret_cast<const uint4*>(src)[i];
+    }
+  } else if constexpr (BYTES == 8) {
+    *reinterpret_cast<uint2*>(dst) = *reinterpret_cast<const uint2*>(src);
+  } else if constexpr (BYTES == 4) {
+    *reinterpret_cast<uint32_t*>(dst) = *reinterpret_cast<const uint32_t*>(src);
+  } else {
+#pragma unroll
+    for (int h = 0; h < S; ++h) {
+      dst[h] = src[h];
+    }
+  }
+}
+
+// Eight consecutive T at p as raw 16-byte words (one for 16-bit T, two for
+// float), read wide where `wide` (p 16-byte aligned), else element by
+// element.
+template <typename T>
+__device__ __forceinline__ void vq_read_raw8(const T* p, uint4 (&out)[sizeof(T) / 2], bool wide) {
+  if (wide) {
+#pragma unroll
+    for (int w = 0; w < int(sizeof(T) / 2); ++w) {
+      out[w] = reinterpret_cast<const uint4*>(p)[w];
+    }
+  } else {
+    T v[8];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      v[j] = p[j];
+    }
+    memcpy(out, v, sizeof(v));
+  }
+}
+
+// Per channel j < 8 of ROWS rows of 8 T held as raw words (vq_read_raw8),
+// the minimum and maximum over the rows k with keep(k), across LANES
+// adjacent lanes (each with its own rows; every lane of the warp calls it),
+// as fminf and fmaxf fold them from +inf and -inf (NaN left out). 16-bit
+// elements fold in pairs, two channels per instruction.
+__device__ __forceinline__ uint32_t vq_min2(const __half*, uint32_t a, uint32_t b) {
+  const __half2 r = __hmin2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t vq_max2(const __half*, uint32_t a, uint32_t b) {
+  const __half2 r = __hmax2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t vq_min2(const __nv_bfloat16*, uint32_t a, uint32_t b) {
+  const __nv_bfloat162 r = __hmin2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t vq_max2(const __nv_bfloat16*, uint32_t a, uint32_t b) {
+  const __nv_bfloat162 r = __hmax2(*reinterpret_cast<const __nv_bfloat162*>(&a), *reinterpret_cast<const __nv_bfloat162*>(&b));
+  return *reinterpret_cast<const uint32_t*>(&r);
+}
+__device__ __forceinline__ uint32_t vq_min2(const float*, uint32_t, uint32_t) { return 0u; }
+__device__ __forceinline__ uint32_t vq_inf2(const __half*) { return 0x7C007C00u; }
+__device__ __forceinline__ uint32_t vq_inf2(const __nv_bfloat16*) { return 0x7F807F80u; }
+__device__ __forceinline__ uint32_t vq_inf2(const float*) { return 0u; }
+__device__ __forceinline__ uint32_t vq_max2(const float*, uint32_t, uint32_t) { return 0u; }
+
+template <typename T, int ROWS, int LANES, typename Keep>
+__device__ __forceinline__ void vq_minmax8(const uint4 (&raw)[ROWS][sizeof(T) / 2], Keep keep, float (&lo)[8],
+                                           float (&hi)[8]) {
+  if constexpr (sizeof(T) == 2) {
+    // +inf and -inf in both halves of the type.
+    const uint32_t pinf = vq_inf2(static_cast<const T*>(nullptr));
+    uint32_t mn[4] = {pinf, pinf, pinf, pinf};
+    uint32_t mx[4] = {pinf | 0x80008000u, pinf | 0x80008000u, pinf | 0x80008000u, pinf | 0x80008000u};
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) {
+      if (keep(k)) {
+        const uint32_t w[4] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w};
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          mn[i] = vq_min2(static_cast<const T*>(nullptr), mn[i], w[i]);
+          mx[i] = vq_max2(static_cast<const T*>(nullptr), mx[i], w[i]);
+        }
+      }
+    }
+#pragma unroll
+    for (int o = 1; o < LANES; o *= 2) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        mn[i] = vq_min2(static_cast<const T*>(nullptr), mn[i], __shfl_xor_sync(0xffffffffu, mn[i], o));
+        mx[i] = vq_max2(static_cast<const T*>(nullptr), mx[i], __shfl_xor_sync(0xffffffffu, mx[i], o));
+      }
+    }
+    const uint4 m0 = make_uint4(mn[0], mn[1], mn[2], mn[3]);
+    const uint4 m1 = make_uint4(mx[0], mx[1], mx[2], mx[3]);
+    vq_load8(reinterpret_cast<const T*>(&m0), lo);
+    vq_load8(reinterpret_cast<const T*>(&m1), hi);
+  } else {
+    const float inf = __int_as_float(0x7f800000);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      lo[j] = inf;
+      hi[j] = -inf;
+    }
+#pragma unroll
+    for (int k = 0; k < ROWS; ++k) {
+      if (keep(k)) {
+        float v[8];
+        vq_load8(reinterpret_cast<const T*>(raw[k]), v);
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          lo[j] = fminf(lo[j], v[j]);
+          hi[j] = fmaxf(hi[j], v[j]);
+        }
+      }
+    }
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+#pragma unroll
+      for (int o = 1; o < LANES; o *= 2) {
+        lo[j] = fminf(lo[j], __shfl_xor_sync(0xffffffffu, lo[j], o));
+        hi[j] = fmaxf(hi[j], __shfl_xor_sync(0xffffffffu, hi[j], o));
+      }
+    }
+  }
+}
+
+// The bits of the float 2^23 + c_j summed at the places of 8 B-bit codes
+// c_j, less this, is the packed word of the codes (modulo the word's width,
+// which holds them): one shift-add per code.
+template <int B>
+__device__ constexpr unsigned long long vq_big_sum() {
+  unsigned long long s = 0;
+  for (int j = 0; j < 8; ++j) {
+    s += 0x4B000000ull << (j * B);
+  }
+  return s;
+}
+
+template <int B>
+__device__ __forceinline__ unsigned long long vq_pack_big8(const float (&big)[8]) {
+  if constexpr (8 * B <= 32) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      word += __float_as_uint(big[j]) << (j * B);
+    }
+    return word - uint32_t(vq_big_sum<B>());
+  } else {
+    unsigned long long word = 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      word += static_cast<unsigned long long>(__float_as_uint(big[j])) << (j * B);
+    }
+    return word - vq_big_sum<B>();
+  }
+}
+
 // Four floats from shared memory at a 16-byte aligned shared-window address
 // (from __cvta_generic_to_shared), so that a hot loop keeps one base
 // register rather than rebuilding the address of a __shared__ array.

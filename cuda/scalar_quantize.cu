@@ -1,34 +1,62 @@
 // scalar_quantize: x T [N, D], codebook float [2^B_BITS] (sorted) -> packed
 // uint8 [N, nbytes], bit_pack's layout. params = {N, D, nbytes}; template T,
-// B_BITS. One thread per (row, group of 8 codes), as bit_pack. The code of v
-// is the number of boundaries 0.5 * (c[i] + c[i+1]) strictly below v, found
-// by a binary search of B_BITS unrolled steps over the boundaries, which the
-// block computes once into shared memory. When D is a multiple of 8 a thread
-// reads its 8 elements and writes its B_BITS bytes with one wide access each.
+// B_BITS, ITEMS. A work item is a (row, group of 8 codes), as in bit_pack;
+// each thread takes ITEMS of them, blockDim apart (each request coalesced),
+// and requests all its elements before it computes, so that more bytes are
+// in flight and the block's set-up is paid once per 8 * ITEMS codes. The
+// code of v is the number of boundaries 0.5 * (c[i] + c[i+1]) strictly below
+// v, found by a binary search of B_BITS steps, which the block computes once
+// into shared memory. When D is a multiple of 8 a thread reads 8 elements and
+// writes B_BITS bytes with one wide access each.
+//
+// 16-bit inputs at up to 4 bits search two elements at once: b < v holds for
+// a 16-bit v exactly when v >= h, h the smallest T value above b, so each
+// step is one paired comparison (a 0xFFFF mask per half) of the pair with
+// the step's two thresholds, which logic ops select from registers by the
+// earlier steps' masks. Float32 inputs and wider codes search each element
+// over the boundaries in shared memory.
 __shared__ float bounds[256];
+__shared__ uint32_t pair_bounds[16];
 const uint32_t n = params[0];
 const uint32_t d = params[1];
 const uint32_t nbytes = params[2];
 constexpr uint32_t K = 1u << B_BITS;
+constexpr bool PAIRED = sizeof(T) == 2 && B_BITS <= 4;
+// Raw 16-byte words per group of 8 elements.
+constexpr int WORDS = sizeof(T) / 2;
 const uint32_t groups = (d + 7) / 8;
-const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-const bool live = t < uint64_t(n) * groups;
+const uint64_t total = uint64_t(n) * groups;
+const uint64_t first = uint64_t(blockIdx.x) * ITEMS * blockDim.x + threadIdx.x;
 const bool fast = d % 8 == 0 && vq_aligned(x, 16) && vq_aligned(packed, vq_bytes_align<B_BITS>());
 // The elements are requested before the block waits for its boundaries, so
 // that the two latencies overlap.
-float v[8];
-if (live && fast) {
-  vq_load8(x + t * 8, v);
+uint4 raw[ITEMS][WORDS];
+if (fast) {
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const uint64_t item = first + uint64_t(k) * blockDim.x;
+    if (item < total) {
+#pragma unroll
+      for (int w = 0; w < WORDS; ++w) {
+        raw[k][w] = reinterpret_cast<const uint4*>(x + item * 8)[w];
+      }
+    }
+  }
 }
 for (uint32_t i = threadIdx.x; i + 1 < K; i += blockDim.x) {
-  bounds[i] = __fmul_rn(0.5f, __fadd_rn(codebook[i], codebook[i + 1]));
+  const float b = __fmul_rn(0.5f, __fadd_rn(codebook[i], codebook[i + 1]));
+  bounds[i] = b;
+  if constexpr (PAIRED) {
+    const uint32_t h = vq_bits_above(static_cast<const T*>(nullptr), b);
+    pair_bounds[i] = h | (h << 16);
+  }
 }
 __syncthreads();
-if (!live) {
+if (first >= total) {
   return;
 }
-// The search walks a shared-window byte address, so that each step is a
-// load at a constant offset, a compare and a predicated add.
+// The per-element search walks a shared-window byte address, so that each
+// step is a load at a constant offset, a compare and a predicated add.
 const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(bounds));
 auto code_of = [&](float e) {
   uint32_t at = base;
@@ -43,26 +71,61 @@ auto code_of = [&](float e) {
   return (at - base) / 4;
 };
 if (fast) {
-  uint64_t word = 0;
+  if constexpr (PAIRED) {
+    uint32_t thr[K - 1];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    word |= uint64_t(code_of(v[j])) << (j * B_BITS);
+    for (uint32_t i = 0; i + 1 < K; ++i) {
+      thr[i] = pair_bounds[i];
+    }
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const uint64_t item = first + uint64_t(k) * blockDim.x;
+      if (item < total) {
+        const uint32_t v[4] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w};
+        uint32_t word = 0;
+#pragma unroll
+        for (int p = 0; p < 4; ++p) {
+          word |= vq_pair_code<B_BITS>(static_cast<const T*>(nullptr), v[p], thr) << (2 * B_BITS * p);
+        }
+        vq_store_bytes<B_BITS>(packed + item * B_BITS, word);
+      }
+    }
+  } else {
+#pragma unroll
+    for (int k = 0; k < ITEMS; ++k) {
+      const uint64_t item = first + uint64_t(k) * blockDim.x;
+      if (item < total) {
+        float v[8];
+        vq_load8(reinterpret_cast<const T*>(raw[k]), v);
+        uint64_t word = 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) {
+          word |= uint64_t(code_of(v[j])) << (j * B_BITS);
+        }
+        vq_store_bytes<B_BITS>(packed + item * B_BITS, word);
+      }
+    }
   }
-  vq_store_bytes<B_BITS>(packed + t * B_BITS, word);
   return;
 }
-const uint32_t row = uint32_t(t / groups);
-const uint32_t g = uint32_t(t % groups);
-const uint32_t first = g * 8;
-const uint32_t count = min(8u, d - first);
-const uint64_t src = uint64_t(row) * d + first;
-uint64_t word = 0;
-for (uint32_t j = 0; j < count; ++j) {
-  word |= uint64_t(code_of(static_cast<float>(x[src + j]))) << (j * B_BITS);
-}
-const uint32_t b0 = g * B_BITS;
-const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
-const uint64_t dst = uint64_t(row) * nbytes;
-for (uint32_t k = b0; k < b1; ++k) {
-  packed[dst + k] = uint8_t(word >> (8 * (k - b0)));
+for (int k = 0; k < ITEMS; ++k) {
+  const uint64_t item = first + uint64_t(k) * blockDim.x;
+  if (item >= total) {
+    return;
+  }
+  const uint32_t row = uint32_t(item / groups);
+  const uint32_t g = uint32_t(item % groups);
+  const uint32_t lead = g * 8;
+  const uint32_t count = min(8u, d - lead);
+  const uint64_t src = uint64_t(row) * d + lead;
+  uint64_t word = 0;
+  for (uint32_t j = 0; j < count; ++j) {
+    word |= uint64_t(code_of(static_cast<float>(x[src + j]))) << (j * B_BITS);
+  }
+  const uint32_t b0 = g * B_BITS;
+  const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
+  const uint64_t dst = uint64_t(row) * nbytes;
+  for (uint32_t b = b0; b < b1; ++b) {
+    packed[dst + b] = uint8_t(word >> (8 * (b - b0)));
+  }
 }

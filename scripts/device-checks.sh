@@ -36,7 +36,7 @@ if want ncu; then
     row="${spec%%:*}"
     row="${row//+/ }"
     kernel="${spec#*:}"
-    file="$OUT/ncu_$(echo "$kernel" | tr -c 'A-Za-z0-9_\n' _).txt"
+    file="$OUT/ncu_$(echo "$row" | tr -c 'A-Za-z0-9_\n' _).txt"
     # shellcheck disable=SC2086
     "$ncu_bin" -k "regex:$kernel" -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \

@@ -59,6 +59,55 @@ fn gpu_scalar_matches_cpu() {
         scalar::<bf16>(1, 7, bits);
     }
     scalar::<f32>(4, 65_536, 8);
+    // The wide paths (D a multiple of 8), float16 and bfloat16 pairs among
+    // them, with rows that do not fill the last thread's items.
+    for &bits in &cpu::SUPPORTED_BITS {
+        scalar::<f16>(10_007, 128, bits);
+        scalar::<bf16>(3_001, 64, bits);
+    }
+}
+
+/// Float16 and bfloat16 inputs on, next to and between the decision
+/// boundaries (each boundary rounded both ways and a few ulps around), with
+/// signed zeros, subnormals, infinities and NaN: the paired search compares
+/// each input with the smallest value of its type above a boundary, which
+/// must pick the CPU's code for every one of them.
+fn scalar_boundaries<T: Float + Element>(bits: u32, cb: &[f32]) {
+    let k = 1usize << bits;
+    let mut v: Vec<f32> = vec![0.0, -0.0, f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 6e-8, -6e-8, 1e-40, 65504.0, -65504.0];
+    for i in 0..k - 1 {
+        let b = 0.5 * (cb[i] + cb[i + 1]);
+        let t = T::from_f32(b).to_f32();
+        v.extend([b, t]);
+        // Neighbours in T's own grid: a few ulps of T either side.
+        for ulps in 1..=3i32 {
+            let step = (t.abs().max(1e-6) * 2f32.powi(-10)) * ulps as f32;
+            v.extend([t + step, t - step, T::from_f32(t + step * 0.25).to_f32(), T::from_f32(t - step * 0.25).to_f32()]);
+        }
+    }
+    let d = 64;
+    let n = v.len().div_ceil(d) * 3;
+    let x: Vec<T> = (0..n * d).map(|i| T::from_f32(v[(i * 7) % v.len()])).collect();
+    let mut want = vec![0u8; n * cpu::packed_len(d, bits)];
+    cpu::scalar_quantize(&x, n, d, cb, bits, &mut want);
+    let p = scalar_quantize(&arr(&x, &[n, d]), &arr(cb, &[k]), bits, &gpu()).unwrap();
+    assert_eq!(p.to_vec::<u8>().unwrap(), want, "{} bits={bits} codebook {cb:?}", T::DTYPE);
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_scalar_codes_at_boundaries_match_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        let k = 1usize << bits;
+        // Boundaries that float16 and bfloat16 hold exactly, and random ones.
+        let exact: Vec<f32> = (0..k).map(|i| (i as f32 - (k as f32 - 1.0) / 2.0) / k as f32).collect();
+        let mut random: Vec<f32> = data(bits as u64 + 40, k, 0.5);
+        random.sort_by(f32::total_cmp);
+        for cb in [&exact, &random] {
+            scalar_boundaries::<f16>(bits, cb);
+            scalar_boundaries::<bf16>(bits, cb);
+        }
+    }
 }
 
 fn kivi<T: Float + Element>(mode: KiviMode, n: usize, d: usize, bits: u32, group: usize) {

@@ -152,6 +152,36 @@ fn launch_gpu(
     gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template }, s)
 }
 
+/// Work items each thread of a CUDA body that takes `ITEMS` handles (the
+/// Metal bodies take one): more bytes in flight per thread, and a block's
+/// set-up paid once per `ITEMS` items.
+const SCALAR_Q_ITEMS: usize = 4;
+const KIVI_DQ_ITEMS: usize = 4;
+/// pq_decode's blocks copy the codebook to shared memory first: more items
+/// per block make that copy a smaller share of the block's reads.
+const PQ_DEC_ITEMS: usize = 16;
+
+/// [`launch_gpu`] for a body that, on CUDA, strides each thread over
+/// `per_thread` of the items (its `ITEMS` template argument).
+#[allow(clippy::too_many_arguments)]
+fn launch_gpu_strided(
+    imp: Implementation,
+    per_thread: usize,
+    source: Source,
+    inputs: &[&Array],
+    outputs: &[(Vec<i32>, Dtype)],
+    items: (&'static str, usize),
+    template: &[(&'static str, TemplateArg)],
+    s: &Stream,
+) -> Result<Vec<Array>> {
+    if imp != Implementation::Cuda {
+        return launch_gpu(source, inputs, outputs, items, template, s);
+    }
+    let mut template = template.to_vec();
+    template.push(("ITEMS", TemplateArg::Int(per_thread as i32)));
+    launch_gpu(source, inputs, outputs, (items.0, items.1.div_ceil(per_thread)), &template, s)
+}
+
 // ------------------------------------------------------------ scalar codebook
 
 fn check_codebook_1d(codebook: &Array, bits: u32) -> Result<()> {
@@ -214,7 +244,9 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, nbytes])?;
-            launch_gpu(
+            launch_gpu_strided(
+                imp,
+                SCALAR_Q_ITEMS,
                 Source::ScalarQuantize,
                 &[&flat, codebook, &p],
                 &out,
@@ -517,11 +549,14 @@ pub fn kivi_dequantize(
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("packed", &[n, d, nbytes, group])?;
-            launch_gpu(
+            launch_gpu_strided(
+                imp,
+                KIVI_DQ_ITEMS,
                 Source::KiviDequantize,
                 &[packed, scales, zeros, &p],
                 &out,
-                ("packed", n * d.div_ceil(8)),
+                // CUDA: each thread a group of 8 channels in KIVI_DQ_ITEMS rows.
+                ("packed", n.next_multiple_of(KIVI_DQ_ITEMS) * d.div_ceil(8)),
                 &[
                     ("T", TemplateArg::Dtype(dtype)),
                     ("B_BITS", TemplateArg::Int(bits as i32)),
@@ -922,11 +957,13 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("codes", &[n, d, k, nb_lo, nb_hi])?;
-            launch_gpu(
+            launch_gpu_strided(
+                imp,
+                PQ_DEC_ITEMS,
                 Source::PqDecode,
                 &[&flat, &flat_hi, codebook, &p],
                 &out,
-                // CUDA: a thread per sub-vector; Metal: per group of 8.
+                // CUDA: sub-vectors; Metal: a thread per group of 8.
                 ("codes", if imp == Implementation::Cuda { n * per } else { n * per.div_ceil(8) }),
                 &[
                     ("T", TemplateArg::Dtype(dtype)),
