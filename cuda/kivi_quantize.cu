@@ -124,41 +124,40 @@ if (PER_CHANNEL) {
       }
       mine[i] = quant_of(l, h, &hs[i], &hz[i], divide);
     }
-    Quant q[8];
     const uint32_t base_lane = (threadIdx.x % 32) & ~(KIVI_LANES - 1);
-#pragma unroll
-    for (uint32_t j = 0; j < 8; ++j) {
-      const Quant& m = mine[j / KIVI_LANES];
-      const int src = int(base_lane + j % KIVI_LANES);
-      q[j].s = __shfl_sync(0xffffffffu, m.s, src);
-      q[j].rs = __shfl_sync(0xffffffffu, m.rs, src);
-      q[j].z = __shfl_sync(0xffffffffu, m.z, src);
-    }
     // Whether any channel of the team divides.
     const uint32_t team_mask = ((1u << KIVI_LANES) - 1u) << base_lane;
     divide = (__ballot_sync(0xffffffffu, divide) & team_mask) != 0;
-    if (!live) {
-      return;
-    }
 #pragma unroll
     for (uint32_t i = 0; i < 8 / KIVI_LANES; ++i) {
-      const uint64_t p = uint64_t(g) * d + c * 8 + i * KIVI_LANES + sub;
-      scales[p] = hs[i];
-      zeros[p] = hz[i];
+      if (live) {
+        const uint64_t p = uint64_t(g) * d + c * 8 + i * KIVI_LANES + sub;
+        scales[p] = hs[i];
+        zeros[p] = hz[i];
+      }
     }
+    // Channel by channel, its parameters taken from their owner just before
+    // its codes, so that few of them are live at once; each row's codes
+    // summed in place (rows past the group compute codes nobody stores).
+    using Word = vq_word_t<B_BITS>;
+    Word words[KIVI_ROWS];
     auto encode = [&](bool div) {
 #pragma unroll
       for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
-        const uint32_t r = r0 + sub * KIVI_ROWS + k;
-        if (sub * KIVI_ROWS + k < gsize && r < r1) {
-          float v[8];
-          vq_load8(reinterpret_cast<const T*>(raw[k]), v);
-          float big[8];
+        words[k] = 0;
+      }
 #pragma unroll
-          for (int j = 0; j < 8; ++j) {
-            big[j] = code_big(v[j], q[j], div);
-          }
-          vq_store_bytes<B_BITS>(packed + (uint64_t(r) * cgroups + c) * B_BITS, pack8(big));
+      for (uint32_t j = 0; j < 8; ++j) {
+        const Quant& m = mine[j / KIVI_LANES];
+        const int src = int(base_lane + j % KIVI_LANES);
+        Quant qj;
+        qj.s = __shfl_sync(0xffffffffu, m.s, src);
+        qj.rs = __shfl_sync(0xffffffffu, m.rs, src);
+        qj.z = __shfl_sync(0xffffffffu, m.z, src);
+#pragma unroll
+        for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
+          const float big = code_big(vq_raw_elem(static_cast<const T*>(nullptr), raw[k], j), qj, div);
+          words[k] += Word(__float_as_uint(big)) << (j * B_BITS);
         }
       }
     };
@@ -166,6 +165,56 @@ if (PER_CHANNEL) {
       encode(true);
     } else {
       encode(false);
+    }
+    // A lane's codes are B_BITS bytes of each of its rows (at D = 128 and 2
+    // bits, a quarter of a sector per row and warp). When the block's teams
+    // cover whole row groups, its codes are one run of whole rows: the block
+    // gathers them in shared memory (rows padded, so that a warp's lanes,
+    // which hold different rows, write different banks) and writes the run
+    // in words.
+    constexpr uint32_t KIVI_TILE_BYTES = 4608;
+    constexpr uint32_t PAD = vq_bytes_align<B_BITS>() > 4 ? vq_bytes_align<B_BITS>() : 4;
+    __shared__ __align__(16) uint8_t tile[KIVI_TILE_BYTES];
+    const uint32_t teams = blockDim.x / KIVI_LANES;
+    const uint32_t stride = nbytes + PAD;
+    if (teams % cgroups == 0 && (teams / cgroups) * gsize * stride <= KIVI_TILE_BYTES) {
+      const uint32_t row0 = vq_div(blockIdx.x * teams, cgroups) * gsize;
+      if (live) {
+#pragma unroll
+        for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
+          const uint32_t r = r0 + sub * KIVI_ROWS + k;
+          if (sub * KIVI_ROWS + k < gsize && r < r1) {
+            vq_store_bytes<B_BITS>(tile + (r - row0) * stride + c * B_BITS, words[k] - Word(vq_big_sum<B_BITS>()));
+          }
+        }
+      }
+      __syncthreads();
+      const uint32_t rows = min((teams / cgroups) * gsize, n > row0 ? n - row0 : 0u);
+      uint8_t* out = packed + uint64_t(row0) * nbytes;
+      if (nbytes % 4 == 0 && vq_aligned(out, 4)) {
+        const uint32_t per_row = nbytes / 4;
+        for (uint32_t i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+          const uint32_t row = vq_div(i, per_row);
+          reinterpret_cast<uint32_t*>(out)[i] =
+              *reinterpret_cast<const uint32_t*>(tile + row * stride + (i - row * per_row) * 4);
+        }
+      } else {
+        for (uint32_t i = threadIdx.x; i < rows * nbytes; i += blockDim.x) {
+          const uint32_t row = vq_div(i, nbytes);
+          out[i] = tile[row * stride + (i - row * nbytes)];
+        }
+      }
+      return;
+    }
+    if (!live) {
+      return;
+    }
+#pragma unroll
+    for (uint32_t k = 0; k < KIVI_ROWS; ++k) {
+      const uint32_t r = r0 + sub * KIVI_ROWS + k;
+      if (sub * KIVI_ROWS + k < gsize && r < r1) {
+        vq_store_bytes<B_BITS>(packed + (uint64_t(r) * cgroups + c) * B_BITS, words[k] - Word(vq_big_sum<B_BITS>()));
+      }
     }
     return;
   }

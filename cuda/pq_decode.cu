@@ -2,7 +2,7 @@
 // 1-element placeholder when C_BITS has one plane), codebook float [K, S] ->
 // y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
 // pq_encode's planes. params = {N, D, K, nbytes, nbytes_hi}; template T, S,
-// C_BITS (1..12), ITEMS (a multiple of 4). A work item is a (row, sub-vector); each thread
+// C_BITS (1..12), ITEMS (1, 2 or a multiple of 4). A work item is a (row, sub-vector); each thread
 // takes ITEMS of them, blockDim apart (adjacent lanes, adjacent sub-vectors:
 // each request coalesced), and makes its requests in three rounds, every
 // code, then every entry, then every store, so that a thread waits on two
@@ -13,11 +13,12 @@
 // to shared memory, converted to T (the rounding the store would do), and
 // reads each entry from there with one load: a warp's scattered entries cost
 // a few shared-memory wavefronts where the L1 cache serves one line each.
-// Larger codebooks are read through the L1 cache, one load per entry where
-// the pointers allow it.
+// Larger codebooks (K = 1024 of 4 float16 is 8 KB: its copy would cost each
+// block more reads than its codes) are read through the L1 cache, one load
+// per entry where the pointers allow it.
 constexpr int LO_BITS = (C_BITS <= 4 || C_BITS == 8) ? C_BITS : (C_BITS < 8 ? 4 : 8);
 constexpr int HI_BITS = C_BITS - LO_BITS;
-constexpr uint32_t PQ_TABLE_BYTES = 8192;
+constexpr uint32_t PQ_TABLE_BYTES = 4096;
 __shared__ __align__(16) uint8_t table_bytes[PQ_TABLE_BYTES];
 T* table = reinterpret_cast<T*>(table_bytes);
 const uint32_t n = params[0];
@@ -76,13 +77,14 @@ if (staged) {
 if (first >= total) {
   return;
 }
-// Entries and stores in batches of 4 items, so that the entries in flight
-// stay within registers for every S and T.
+// Entries and stores in batches of up to 4 items, so that the entries in
+// flight stay within registers for every S and T.
+constexpr int BATCH = ITEMS < 4 ? ITEMS : 4;
 #pragma unroll
-for (int k0 = 0; k0 < ITEMS; k0 += 4) {
-  __align__(16) T e[4][S];
+for (int k0 = 0; k0 < ITEMS; k0 += BATCH) {
+  __align__(16) T e[BATCH][S];
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < BATCH; ++k) {
     const uint32_t code = c[k0 + k] < kk ? c[k0 + k] : 0u;
     if (staged) {
       vq_copy_n<S>(table + code * S, e[k]);
@@ -117,7 +119,7 @@ for (int k0 = 0; k0 < ITEMS; k0 += 4) {
     }
   }
 #pragma unroll
-  for (int k = 0; k < 4; ++k) {
+  for (int k = 0; k < BATCH; ++k) {
     const uint64_t item = first + uint64_t(k0 + k) * blockDim.x;
     if (item < total) {
       T* dst = y + item * S;

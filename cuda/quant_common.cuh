@@ -443,6 +443,34 @@ __device__ __forceinline__ void vq_minmax8(const uint4 (&raw)[ROWS][sizeof(T) / 
   }
 }
 
+// Element j (0..7) of 8 T held as raw words (vq_read_raw8), as float.
+__device__ __forceinline__ float vq_raw_elem(const float*, const uint4 (&r)[2], uint32_t j) {
+  const uint4 w = r[j / 4];
+  const uint32_t u = (j % 4 == 0) ? w.x : (j % 4 == 1) ? w.y : (j % 4 == 2) ? w.z : w.w;
+  return __uint_as_float(u);
+}
+__device__ __forceinline__ float vq_raw_elem(const __half*, const uint4 (&r)[1], uint32_t j) {
+  const uint32_t u = (j / 2 == 0) ? r[0].x : (j / 2 == 1) ? r[0].y : (j / 2 == 2) ? r[0].z : r[0].w;
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 ? u >> 16 : u & 0xFFFFu)));
+}
+__device__ __forceinline__ float vq_raw_elem(const __nv_bfloat16*, const uint4 (&r)[1], uint32_t j) {
+  const uint32_t u = (j / 2 == 0) ? r[0].x : (j / 2 == 1) ? r[0].y : (j / 2 == 2) ? r[0].z : r[0].w;
+  // A bfloat16 is the high half of the float it stands for.
+  return __uint_as_float(j % 2 ? u & 0xFFFF0000u : u << 16);
+}
+
+// The narrowest unsigned word that holds 8 B-bit codes.
+template <bool NARROW>
+struct VqWordOf {
+  using type = unsigned long long;
+};
+template <>
+struct VqWordOf<true> {
+  using type = uint32_t;
+};
+template <int B>
+using vq_word_t = typename VqWordOf<8 * B <= 32>::type;
+
 // The bits of the float 2^23 + c_j summed at the places of 8 B-bit codes
 // c_j, less this, is the packed word of the codes (modulo the word's width,
 // which holds them): one shift-add per code.

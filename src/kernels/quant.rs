@@ -157,9 +157,13 @@ fn launch_gpu(
 /// set-up paid once per `ITEMS` items.
 const SCALAR_Q_ITEMS: usize = 4;
 const KIVI_DQ_ITEMS: usize = 4;
-/// pq_decode's blocks copy the codebook to shared memory first: more items
-/// per block make that copy a smaller share of the block's reads.
-const PQ_DEC_ITEMS: usize = 16;
+/// pq_decode's blocks copy a codebook of up to PQ_TABLE_BYTES in the output
+/// type to shared memory first (`cuda/pq_decode.cu`): more items per block
+/// make that copy a smaller share of the block's reads. Larger codebooks
+/// are read through the L1 cache, where more threads in flight serve better.
+const PQ_TABLE_BYTES: usize = 4096;
+const PQ_DEC_ITEMS_STAGED: usize = 16;
+const PQ_DEC_ITEMS: usize = 2;
 
 /// [`launch_gpu`] for a body that, on CUDA, strides each thread over
 /// `per_thread` of the items (its `ITEMS` template argument).
@@ -959,7 +963,7 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
             let p = params("codes", &[n, d, k, nb_lo, nb_hi])?;
             launch_gpu_strided(
                 imp,
-                PQ_DEC_ITEMS,
+                if k * s * dtype.size() <= PQ_TABLE_BYTES { PQ_DEC_ITEMS_STAGED } else { PQ_DEC_ITEMS },
                 Source::PqDecode,
                 &[&flat, &flat_hi, codebook, &p],
                 &out,
