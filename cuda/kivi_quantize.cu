@@ -11,8 +11,9 @@
 // (row group, 8 channels), each holding up to 32 / KIVI_LANES of the group's
 // rows in registers; min and max meet through warp shuffles, each lane
 // computes the scales of 8 / KIVI_LANES channels and shares them, so x is
-// read once. Otherwise one thread per (row group, 8 channels) reads its rows
-// twice.
+// read once; where the block's teams cover whole row groups, the codes go
+// through shared memory and leave as whole rows. Otherwise one thread per
+// (row group, 8 channels) reads its rows twice.
 //
 // Values: one (scale, zero) per row and group of G channels (G a multiple of
 // 8 dividing D), [N, D/G]; one thread per (row, channel group), which keeps
@@ -34,8 +35,8 @@ const float levels = float((1u << B_BITS) - 1u);
 const float inf = __int_as_float(0x7f800000);
 // Grids hold fewer than 2^31 threads.
 const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
-// A group's (scale, zero) in float16 and the quotient's operands; `divide`
-// where the scale or the zero is infinite.
+// A group's (scale, zero) in float16 and the quotient's operands; quant_of
+// also sets `divide` where the scale or the zero is infinite.
 struct Quant {
   float s;
   float rs;
@@ -78,8 +79,8 @@ if (PER_CHANNEL) {
   const uint32_t cgroups = (d + 7) / 8;
   const uint32_t rgroups = vq_div(n + gsize - 1, gsize);
   if (gsize <= 32 && d % 8 == 0) {
-    // The keys' fast layout: 16-bit elements in 4 lanes of 8 rows (32
-    // registers of elements), float ones in 8 lanes of 4.
+    // 8 lanes of 4 rows: 16 registers of 16-bit elements, 32 of float ones
+    // (4 lanes of 8 rows held more registers than the lanes they saved).
     constexpr uint32_t KIVI_LANES = 8;
     constexpr uint32_t KIVI_ROWS = 32 / KIVI_LANES;
     // Every lane takes part in the shuffles: the grid is a whole number of
