@@ -165,25 +165,21 @@ const PQ_TABLE_BYTES: usize = 4096;
 const PQ_DEC_ITEMS_STAGED: usize = 16;
 const PQ_DEC_ITEMS: usize = 2;
 
-/// [`launch_gpu`] for a body that, on CUDA, strides each thread over
-/// `per_thread` of the items (its `ITEMS` template argument).
-#[allow(clippy::too_many_arguments)]
-fn launch_gpu_strided(
+/// The items and template arguments of a body that, on CUDA, strides each
+/// thread over `per_thread` of the items (its `ITEMS` template argument);
+/// other back-ends keep one item per thread.
+fn strided(
     imp: Implementation,
     per_thread: usize,
-    source: Source,
-    inputs: &[&Array],
-    outputs: &[(Vec<i32>, Dtype)],
     items: (&'static str, usize),
     template: &[(&'static str, TemplateArg)],
-    s: &Stream,
-) -> Result<Vec<Array>> {
-    if imp != Implementation::Cuda {
-        return launch_gpu(source, inputs, outputs, items, template, s);
-    }
+) -> ((&'static str, usize), Vec<(&'static str, TemplateArg)>) {
     let mut template = template.to_vec();
+    if imp != Implementation::Cuda {
+        return (items, template);
+    }
     template.push(("ITEMS", TemplateArg::Int(per_thread as i32)));
-    launch_gpu(source, inputs, outputs, (items.0, items.1.div_ceil(per_thread)), &template, s)
+    ((items.0, items.1.div_ceil(per_thread)), template)
 }
 
 // ------------------------------------------------------------ scalar codebook
@@ -248,16 +244,13 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, nbytes])?;
-            launch_gpu_strided(
+            let (items, template) = strided(
                 imp,
                 SCALAR_Q_ITEMS,
-                Source::ScalarQuantize,
-                &[&flat, codebook, &p],
-                &out,
                 ("x", n * d.div_ceil(8)),
                 &[("T", TemplateArg::Dtype(x.dtype())), ("B_BITS", TemplateArg::Int(bits as i32))],
-                &stream,
-            )?
+            );
+            launch_gpu(Source::ScalarQuantize, &[&flat, codebook, &p], &out, items, &template, &stream)?
             .remove(0)
         }
     };
@@ -553,12 +546,9 @@ pub fn kivi_dequantize(
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("packed", &[n, d, nbytes, group])?;
-            launch_gpu_strided(
+            let (items, template) = strided(
                 imp,
                 KIVI_DQ_ITEMS,
-                Source::KiviDequantize,
-                &[packed, scales, zeros, &p],
-                &out,
                 // CUDA: each thread a group of 8 channels in KIVI_DQ_ITEMS rows.
                 ("packed", n.next_multiple_of(KIVI_DQ_ITEMS) * d.div_ceil(8)),
                 &[
@@ -566,8 +556,8 @@ pub fn kivi_dequantize(
                     ("B_BITS", TemplateArg::Int(bits as i32)),
                     ("PER_CHANNEL", TemplateArg::Bool(per_channel)),
                 ],
-                &stream,
-            )?
+            );
+            launch_gpu(Source::KiviDequantize, &[packed, scales, zeros, &p], &out, items, &template, &stream)?
             .remove(0)
         }
     })
@@ -961,12 +951,9 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("codes", &[n, d, k, nb_lo, nb_hi])?;
-            launch_gpu_strided(
+            let (items, template) = strided(
                 imp,
                 if k * s * dtype.size() <= PQ_TABLE_BYTES { PQ_DEC_ITEMS_STAGED } else { PQ_DEC_ITEMS },
-                Source::PqDecode,
-                &[&flat, &flat_hi, codebook, &p],
-                &out,
                 // CUDA: sub-vectors; Metal: a thread per group of 8.
                 ("codes", if imp == Implementation::Cuda { n * per } else { n * per.div_ceil(8) }),
                 &[
@@ -974,8 +961,8 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
                     ("S", TemplateArg::Int(s as i32)),
                     ("C_BITS", TemplateArg::Int(bits as i32)),
                 ],
-                &stream,
-            )?
+            );
+            launch_gpu(Source::PqDecode, &[&flat, &flat_hi, codebook, &p], &out, items, &template, &stream)?
             .remove(0)
         }
     };
