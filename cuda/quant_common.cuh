@@ -355,11 +355,8 @@ __device__ __forceinline__ void vq_read_raw8(const T* p, uint4 (&out)[sizeof(T) 
   }
 }
 
-// Per channel j < 8 of ROWS rows of 8 T held as raw words (vq_read_raw8),
-// the minimum and maximum over the rows k with keep(k), across LANES
-// adjacent lanes (each with its own rows; every lane of the warp calls it),
-// as fminf and fmaxf fold them from +inf and -inf (NaN left out). 16-bit
-// elements fold in pairs, two channels per instruction.
+// Pairwise minimum and maximum of two pairs of 16-bit T values, and +inf in
+// both halves (the float overloads, as vq_ge_mask's, are never run).
 __device__ __forceinline__ uint32_t vq_min2(const __half*, uint32_t a, uint32_t b) {
   const __half2 r = __hmin2(*reinterpret_cast<const __half2*>(&a), *reinterpret_cast<const __half2*>(&b));
   return *reinterpret_cast<const uint32_t*>(&r);
@@ -377,11 +374,16 @@ __device__ __forceinline__ uint32_t vq_max2(const __nv_bfloat16*, uint32_t a, ui
   return *reinterpret_cast<const uint32_t*>(&r);
 }
 __device__ __forceinline__ uint32_t vq_min2(const float*, uint32_t, uint32_t) { return 0u; }
+__device__ __forceinline__ uint32_t vq_max2(const float*, uint32_t, uint32_t) { return 0u; }
 __device__ __forceinline__ uint32_t vq_inf2(const __half*) { return 0x7C007C00u; }
 __device__ __forceinline__ uint32_t vq_inf2(const __nv_bfloat16*) { return 0x7F807F80u; }
 __device__ __forceinline__ uint32_t vq_inf2(const float*) { return 0u; }
-__device__ __forceinline__ uint32_t vq_max2(const float*, uint32_t, uint32_t) { return 0u; }
 
+// Per channel j < 8 of ROWS rows of 8 T held as raw words (vq_read_raw8),
+// the minimum and maximum over the rows k with keep(k), across LANES
+// adjacent lanes (each with its own rows; every lane of the warp calls it),
+// as fminf and fmaxf fold them from +inf and -inf (NaN left out). 16-bit
+// elements fold in pairs, two channels per instruction.
 template <typename T, int ROWS, int LANES, typename Keep>
 __device__ __forceinline__ void vq_minmax8(const uint4 (&raw)[ROWS][sizeof(T) / 2], Keep keep, float (&lo)[8],
                                            float (&hi)[8]) {

@@ -36,10 +36,7 @@ if (fast) {
   for (int k = 0; k < ITEMS; ++k) {
     const uint64_t item = first + uint64_t(k) * blockDim.x;
     if (item < total) {
-#pragma unroll
-      for (int w = 0; w < WORDS; ++w) {
-        raw[k][w] = reinterpret_cast<const uint4*>(x + item * 8)[w];
-      }
+      vq_read_raw8(x + item * 8, raw[k], true);
     }
   }
 }
