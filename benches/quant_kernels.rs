@@ -155,7 +155,8 @@ fn main() {
     // The ceiling MLX's own bandwidth-bound op reaches in this harness: x + x
     // reads x once per element (the second operand is the same address) and
     // writes as many bytes.
-    let copy = measure(&|_: &Options| vec![veloxquant::ops::add(&x, &x, &stream).unwrap()], &setup, &stream, repeat);
+    let ceiling = || measure(&|_: &Options| vec![veloxquant::ops::add(&x, &x, &stream).unwrap()], &setup, &stream, repeat);
+    let copy = ceiling();
     let copy_bytes = 2.0 * (n * D * es) as f64;
     println!(
         "MLX x + x (reads and writes {:.0} MiB): {:.3} ms, {:.1} GB/s{}\n",
@@ -165,8 +166,10 @@ fn main() {
         if gpu { format!(", {:.1}% of HBM", 100.0 * copy_bytes / copy.seconds / HBM_BYTES_PER_S) } else { String::new() },
     );
 
-    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | % of HBM | f32 floor ms | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    // Each row's x + x is timed again just before its fused call, which
+    // shows how fast the GPU was then.
+    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | % of HBM | x + x ms before | f32 floor ms | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
 
     type Case<'a> = (&'static str, Box<dyn Fn(&Options) -> Vec<Array> + 'a>, usize, usize);
     let xb = n * D * es;
@@ -325,15 +328,23 @@ fn main() {
             _ => 0.0,
         }
     };
-    for (name, f, read, written) in &cases {
-        if !only.is_empty() && !only.iter().any(|o| name.contains(o.as_str())) {
-            continue;
-        }
-        let fused = measure(f.as_ref(), &Options::on(stream.clone(), Policy::Require), &stream, repeat);
-        // Inputs are evaluated: what is pending is the call's own kernels.
-        let outs = f(&Options::on(stream.clone(), Policy::Require));
-        let launches = veloxquant::graph::pending_kernels(&outs.iter().collect::<Vec<_>>()).unwrap().len();
-        drop(outs);
+    let selected: Vec<&Case<'_>> =
+        cases.iter().filter(|(name, ..)| only.is_empty() || only.iter().any(|o| name.contains(o.as_str()))).collect();
+    // Every fused call is timed before any reference runs: some references
+    // run for seconds at tens of GB and leave the GPU slower for a while
+    // after (x + x itself measured 20% slower right after pq_encode's).
+    let fused: Vec<(Measure, Measure, usize)> = selected
+        .iter()
+        .map(|(_, f, ..)| {
+            let before = ceiling();
+            let fused = measure(f.as_ref(), &Options::on(stream.clone(), Policy::Require), &stream, repeat);
+            // Inputs are evaluated: what is pending is the call's own kernels.
+            let outs = f(&Options::on(stream.clone(), Policy::Require));
+            let launches = veloxquant::graph::pending_kernels(&outs.iter().collect::<Vec<_>>()).unwrap().len();
+            (before, fused, launches)
+        })
+        .collect();
+    for ((name, f, read, written), (before, fused, launches)) in selected.iter().zip(fused) {
         let reference = measure(f.as_ref(), &Options::on(stream.clone(), Policy::Off), &stream, 1);
         let bytes_per_s = (read + written) as f64 / fused.seconds;
         let (hbm, floor) = if gpu {
@@ -346,11 +357,12 @@ fn main() {
             ("-".into(), "-".into())
         };
         println!(
-            "| {name} | {:.3} | {:.3} | {:.1}x | {:.1} | {hbm} | {floor} | {:.2} | {:.2} | {:.2} | {launches} |",
+            "| {name} | {:.3} | {:.3} | {:.1}x | {:.1} | {hbm} | {:.3} | {floor} | {:.2} | {:.2} | {:.2} | {launches} |",
             fused.seconds * 1e3,
             reference.seconds * 1e3,
             reference.seconds / fused.seconds,
             bytes_per_s / 1e9,
+            before.seconds * 1e3,
             mib(fused.peak_above_inputs),
             mib(reference.peak_above_inputs),
             mib(*written),

@@ -6,14 +6,18 @@
 // kernel's codes, bit for bit.
 //
 // PER_CHANNEL (keys): one (scale, zero) per group of G rows and channel,
-// [ceil(N/G), D]. When G <= 32 and D is a multiple of 8 (the fast layout,
-// chosen by the host with the same test): KIVI_LANES adjacent lanes per
-// (row group, 8 channels), each holding up to 32 / KIVI_LANES of the group's
-// rows in registers; min and max meet through warp shuffles, each lane
-// computes the scales of 8 / KIVI_LANES channels and shares them, so x is
-// read once; where the block's teams cover whole row groups, the codes go
-// through shared memory and leave as whole rows. Otherwise one thread per
-// (row group, 8 channels) reads its rows twice.
+// [ceil(N/G), D]. Two fast layouts, chosen by the host with the same tests,
+// read x once and keep a group's rows in registers:
+// - columns, when G <= 32, B_BITS is 1, 2, 4 or 8 and D B_BITS is a
+//   multiple of 32: a thread per (row group, 4 bytes of a row), below;
+// - teams, at 3 bits when G <= 32 and D is a multiple of 8: KIVI_LANES
+//   adjacent lanes per (row group, 8 channels), each holding 32 /
+//   KIVI_LANES of the group's rows; min and max meet through warp
+//   shuffles, and each lane computes the scales of 8 / KIVI_LANES channels
+//   and shares them.
+// Where a block covers whole row groups, the codes go through shared memory
+// and leave as whole rows. Otherwise one thread per (row group, 8 channels)
+// reads its rows twice.
 //
 // Values: one (scale, zero) per row and group of G channels (G a multiple of
 // 8 dividing D), [N, D/G]; one thread per (row, channel group), which keeps
@@ -78,7 +82,170 @@ constexpr bool HALVES = sizeof(T) == 2;
 if (PER_CHANNEL) {
   const uint32_t cgroups = (d + 7) / 8;
   const uint32_t rgroups = vq_div(n + gsize - 1, gsize);
-  if (gsize <= 32 && d % 8 == 0) {
+  // The keys' codes of a block's whole row groups, gathered to leave as
+  // whole rows (rows padded, so that lanes that hold different rows write
+  // different banks).
+  constexpr uint32_t KIVI_TILE_BYTES = 8192;
+  __shared__ __align__(16) uint8_t tile[KIVI_TILE_BYTES];
+  constexpr bool WORD_CODES = B_BITS == 1 || B_BITS == 2 || B_BITS == 4 || B_BITS == 8;
+  if (WORD_CODES && gsize <= 32 && (d * B_BITS) % 32 == 0) {
+    // Columns: a thread per (row group, 4 bytes of a row) holds CPT
+    // channels of the group's rows, one load per row (a warp reads whole
+    // lines of it), and takes their min and max with no shuffle. Its codes
+    // of L rows fill a word; the L lanes of a segment then transpose their
+    // words, so that each holds one row's word of the segment's channels.
+    constexpr uint32_t CPT = 4 / sizeof(T);
+    constexpr uint32_t L = 32 / (CPT * B_BITS);
+    constexpr uint32_t WORDS = 32 / L;
+    constexpr uint32_t E = CPT * B_BITS;
+    const uint32_t cols = d / CPT;
+    const uint32_t g = vq_div(t, cols);
+    const uint32_t col = t - g * cols;
+    const bool live = g < rgroups;
+    const uint32_t r0 = g * gsize;
+    const uint32_t count = live ? min(gsize, n - r0) : 0u;
+    // Rows past the group (or N) repeat its last row, which leaves min and
+    // max alone and needs no test per row (their codes are not stored). A
+    // 16-bit x off 4-byte alignment reads its elements one by one.
+    const bool wide = sizeof(T) == 4 || vq_aligned(x, 4);
+    const T* p = x + uint64_t(r0) * d + col * CPT;
+    uint32_t raw[32];
+    auto load = [&](uint32_t cnt) {
+      const uint32_t step = d / CPT;
+#pragma unroll
+      for (uint32_t k = 0; k < 32; ++k) {
+        const uint32_t row = k < cnt ? k : cnt - 1;
+        if (wide) {
+          raw[k] = __ldg(reinterpret_cast<const uint32_t*>(p) + row * step);
+        } else {
+          const uint16_t* h = reinterpret_cast<const uint16_t*>(p) + row * d;
+          raw[k] = uint32_t(h[0]) | uint32_t(h[1]) << 16;
+        }
+      }
+    };
+    if (count == 32) {
+      load(32);
+    } else if (count > 0) {
+      load(count);
+    } else {
+#pragma unroll
+      for (uint32_t k = 0; k < 32; ++k) {
+        raw[k] = 0;
+      }
+    }
+    float lo[CPT];
+    float hi[CPT];
+    if constexpr (HALVES) {
+      const uint32_t pinf = vq_inf2(static_cast<const T*>(nullptr));
+      uint32_t mn = pinf;
+      uint32_t mx = pinf | 0x80008000u;
+#pragma unroll
+      for (uint32_t k = 0; k < 32; ++k) {
+        mn = vq_min2(static_cast<const T*>(nullptr), mn, raw[k]);
+        mx = vq_max2(static_cast<const T*>(nullptr), mx, raw[k]);
+      }
+#pragma unroll
+      for (uint32_t j = 0; j < CPT; ++j) {
+        lo[j] = vq_word_elem(static_cast<const T*>(nullptr), mn, j);
+        hi[j] = vq_word_elem(static_cast<const T*>(nullptr), mx, j);
+      }
+    } else {
+      lo[0] = inf;
+      hi[0] = -inf;
+#pragma unroll
+      for (uint32_t k = 0; k < 32; ++k) {
+        lo[0] = fminf(lo[0], __uint_as_float(raw[k]));
+        hi[0] = fmaxf(hi[0], __uint_as_float(raw[k]));
+      }
+    }
+    Quant q[CPT];
+    __align__(4) __half hs[CPT];
+    __align__(4) __half hz[CPT];
+    bool divide = false;
+#pragma unroll
+    for (uint32_t j = 0; j < CPT; ++j) {
+      q[j] = quant_of(lo[j], hi[j], &hs[j], &hz[j], divide);
+    }
+    if (live) {
+      vq_copy_n<CPT>(hs, scales + uint64_t(g) * d + col * CPT);
+      vq_copy_n<CPT>(hz, zeros + uint64_t(g) * d + col * CPT);
+    }
+    // Word w: the codes of rows w L .. w L + L - 1, E bits a row.
+    uint32_t words[WORDS];
+    auto encode = [&](bool div) {
+#pragma unroll
+      for (uint32_t w = 0; w < WORDS; ++w) {
+        uint32_t sum = 0;
+#pragma unroll
+        for (uint32_t i = 0; i < L; ++i) {
+          const uint32_t k = w * L + i;
+#pragma unroll
+          for (uint32_t j = 0; j < CPT; ++j) {
+            const float v = vq_word_elem(static_cast<const T*>(nullptr), raw[k], j);
+            sum += __float_as_uint(code_big(v, q[j], div)) << (i * E + j * B_BITS);
+          }
+        }
+        words[w] = sum - uint32_t(vq_big_sum32<B_BITS, L * CPT>());
+      }
+    };
+    if (divide) {
+      encode(true);
+    } else {
+      encode(false);
+    }
+    // Transpose within segments of L lanes: lane l ends with the words of
+    // rows w L + l, element j (E bits) from lane j. At level h, lanes l and
+    // l ^ h swap the halves of their words that the other's keeps.
+    const uint32_t l = (threadIdx.x % 32) % L;
+#pragma unroll
+    for (uint32_t h = L / 2; h >= 1; h /= 2) {
+      const uint32_t m = vq_transpose_mask<E>(h);
+      const bool up = (l & h) != 0;
+#pragma unroll
+      for (uint32_t w = 0; w < WORDS; ++w) {
+        const uint32_t send = up ? (words[w] & ~m) << (h * E) : (words[w] & m) >> (h * E);
+        const uint32_t recv = __shfl_xor_sync(0xffffffffu, send, h);
+        words[w] = (words[w] & (up ? m : ~m)) | recv;
+      }
+    }
+    // Lane l holds word `word` of rows w L + l.
+    const uint32_t word = (col - l) / L;
+    const uint32_t stride = nbytes + 4;
+    const uint32_t groups = blockDim.x / cols;
+    if (blockDim.x % cols == 0 && groups * gsize * stride <= KIVI_TILE_BYTES) {
+      const uint32_t g0 = blockIdx.x * groups;
+      if (live) {
+#pragma unroll
+        for (uint32_t w = 0; w < WORDS; ++w) {
+          const uint32_t k = w * L + l;
+          if (k < count) {
+            *reinterpret_cast<uint32_t*>(tile + ((g - g0) * gsize + k) * stride + word * 4) = words[w];
+          }
+        }
+      }
+      __syncthreads();
+      const uint32_t row0 = g0 * gsize;
+      const uint32_t rows = min(groups * gsize, n > row0 ? n - row0 : 0u);
+      const uint32_t per_row = nbytes / 4;
+      uint32_t* out = reinterpret_cast<uint32_t*>(packed + uint64_t(row0) * nbytes);
+      for (uint32_t i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+        const uint32_t row = vq_div(i, per_row);
+        out[i] = *reinterpret_cast<const uint32_t*>(tile + row * stride + (i - row * per_row) * 4);
+      }
+      return;
+    }
+    if (live) {
+#pragma unroll
+      for (uint32_t w = 0; w < WORDS; ++w) {
+        const uint32_t k = w * L + l;
+        if (k < count) {
+          reinterpret_cast<uint32_t*>(packed + uint64_t(r0 + k) * nbytes)[word] = words[w];
+        }
+      }
+    }
+    return;
+  }
+  if (!WORD_CODES && gsize <= 32 && d % 8 == 0) {
     // 8 lanes of 4 rows: 16 registers of 16-bit elements, 32 of float ones
     // (4 lanes of 8 rows held more registers than the lanes they saved).
     constexpr uint32_t KIVI_LANES = 8;
@@ -167,15 +334,13 @@ if (PER_CHANNEL) {
     } else {
       encode(false);
     }
-    // A lane's codes are B_BITS bytes of each of its rows (at D = 128 and 2
-    // bits, a quarter of a sector per row and warp). When the block's teams
+    // A lane's codes are B_BITS bytes of each of its rows (at D = 128, a
+    // few bytes per row and warp). When the block's teams
     // cover whole row groups, its codes are one run of whole rows: the block
     // gathers them in shared memory (rows padded, so that a warp's lanes,
     // which hold different rows, write different banks) and writes the run
     // in words.
-    constexpr uint32_t KIVI_TILE_BYTES = 4608;
     constexpr uint32_t PAD = vq_bytes_align<B_BITS>() > 4 ? vq_bytes_align<B_BITS>() : 4;
-    __shared__ __align__(16) uint8_t tile[KIVI_TILE_BYTES];
     const uint32_t teams = blockDim.x / KIVI_LANES;
     const uint32_t stride = nbytes + PAD;
     if (teams % cgroups == 0 && (teams / cgroups) * gsize * stride <= KIVI_TILE_BYTES) {

@@ -445,20 +445,27 @@ __device__ __forceinline__ void vq_minmax8(const uint4 (&raw)[ROWS][sizeof(T) / 
   }
 }
 
+// Element j of the T values a 32-bit word holds (two 16-bit ones, or one
+// float), as float.
+__device__ __forceinline__ float vq_word_elem(const float*, uint32_t u, uint32_t) { return __uint_as_float(u); }
+__device__ __forceinline__ float vq_word_elem(const __half*, uint32_t u, uint32_t j) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(j ? u >> 16 : u & 0xFFFFu)));
+}
+__device__ __forceinline__ float vq_word_elem(const __nv_bfloat16*, uint32_t u, uint32_t j) {
+  // A bfloat16 is the high half of the float it stands for.
+  return __uint_as_float(j ? u & 0xFFFF0000u : u << 16);
+}
+
 // Element j (0..7) of 8 T held as raw words (vq_read_raw8), as float.
 __device__ __forceinline__ float vq_raw_elem(const float*, const uint4 (&r)[2], uint32_t j) {
   const uint4 w = r[j / 4];
   const uint32_t u = (j % 4 == 0) ? w.x : (j % 4 == 1) ? w.y : (j % 4 == 2) ? w.z : w.w;
   return __uint_as_float(u);
 }
-__device__ __forceinline__ float vq_raw_elem(const __half*, const uint4 (&r)[1], uint32_t j) {
+template <typename T>
+__device__ __forceinline__ float vq_raw_elem(const T* t, const uint4 (&r)[1], uint32_t j) {
   const uint32_t u = (j / 2 == 0) ? r[0].x : (j / 2 == 1) ? r[0].y : (j / 2 == 2) ? r[0].z : r[0].w;
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(j % 2 ? u >> 16 : u & 0xFFFFu)));
-}
-__device__ __forceinline__ float vq_raw_elem(const __nv_bfloat16*, const uint4 (&r)[1], uint32_t j) {
-  const uint32_t u = (j / 2 == 0) ? r[0].x : (j / 2 == 1) ? r[0].y : (j / 2 == 2) ? r[0].z : r[0].w;
-  // A bfloat16 is the high half of the float it stands for.
-  return __uint_as_float(j % 2 ? u & 0xFFFF0000u : u << 16);
+  return vq_word_elem(t, u, j % 2);
 }
 
 // The narrowest unsigned word that holds 8 B-bit codes.
@@ -483,6 +490,27 @@ __device__ constexpr unsigned long long vq_big_sum() {
     s += 0x4B000000ull << (j * B);
   }
   return s;
+}
+
+// vq_big_sum for COUNT B-bit codes in a 32-bit word.
+template <int B, int COUNT>
+__device__ constexpr uint32_t vq_big_sum32() {
+  uint32_t s = 0;
+  for (int j = 0; j < COUNT; ++j) {
+    s += j * B < 32 ? 0x4B000000u << (j * B) : 0u;
+  }
+  return s;
+}
+
+// In a word of E-bit elements, the elements j with j & h set.
+template <int E>
+__device__ __forceinline__ uint32_t vq_transpose_mask(uint32_t h) {
+  uint32_t m = 0;
+#pragma unroll
+  for (int j = 0; j < 32 / E; ++j) {
+    m |= (uint32_t(j) & h) ? ((E == 32 ? 0xFFFFFFFFu : (1u << E) - 1u) << (j * E)) : 0u;
+  }
+  return m;
 }
 
 template <int B>

@@ -75,7 +75,7 @@ KERNELS = {
                   {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [4, 8, 10], "STAGED": [True, False]}),
     "pq_decode": ("pq_decode.cu", ["quant_common.cuh"],
                   [("packed", "uint8_t"), ("packed_hi", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")],
-                  [("y", "T")], {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [4, 6, 8, 10, 12], "ITEMS": [16, 2]}),
+                  [("y", "T")], {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [3, 4, 5, 6, 8, 10, 12], "TABLE_BYTES,ITEMS,QUADS": [(4096, 16, 0), (16384, 1, 4), (0, 2, 0)]}),
     "tq_encode": ("tq_encode.cu", TQ, [("x", "T"), ("rotation", "float"), ("centroids", "float")],
                   [("codes", "uint8_t"), ("norms", "__half")],
                   {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 3], "ROTATE": [True, False],

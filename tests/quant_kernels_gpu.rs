@@ -142,9 +142,49 @@ fn gpu_kivi_matches_cpu() {
     kivi::<bf16>(KiviMode::Keys, 999, 64, 4, 16);
     kivi::<f16>(KiviMode::Keys, 1_001, 96, 3, 5);
     kivi::<f32>(KiviMode::Keys, 1_001, 64, 2, 64);
+    // Columns at 1 and 8 bits of 16-bit types (16 and 2 rows a word), and a
+    // row length whose groups do not fill a block (codes stored directly).
+    kivi::<bf16>(KiviMode::Keys, 2_001, 64, 1, 32);
+    kivi::<f16>(KiviMode::Keys, 3_001, 128, 8, 32);
+    kivi::<f16>(KiviMode::Keys, 2_001, 96, 2, 32);
     // Values groups in registers (G <= 32) and streamed twice (G > 32).
     kivi::<f16>(KiviMode::Values, 10_007, 128, 2, 32);
     kivi::<f16>(KiviMode::Values, 1_003, 128, 4, 64);
+}
+
+/// KIVI of inputs with infinities, NaN and magnitudes beyond float16 (a
+/// scale or zero that is infinite divides; NaN is left out of min and max),
+/// every CUDA layout: the CPU kernel's codes, scales and zeros, bit for bit.
+fn kivi_special<T: Float + Element>(specials: &[f32]) {
+    let (n, d) = (203usize, 128usize);
+    let mut x: Vec<T> = data(29, n * d, 1.0);
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for &v in specials {
+        for _ in 0..40 {
+            x[rng.random_range(0..n * d)] = T::from_f32(v);
+        }
+    }
+    let bits16 = |v: Vec<f16>| v.iter().map(|h| h.to_bits()).collect::<Vec<_>>();
+    for mode in [KiviMode::Keys, KiviMode::Values] {
+        for bits in [2u32, 3, 8] {
+            let per_channel = mode == KiviMode::Keys;
+            let np = if per_channel { n.div_ceil(32) * d } else { n * d / 32 };
+            let (mut c, mut s, mut z) = (vec![0u8; n * cpu::packed_len(d, bits)], vec![f16::ZERO; np], vec![f16::ZERO; np]);
+            cpu::kivi_quantize(&x, n, d, bits, 32, per_channel, &mut c, &mut s, &mut z);
+            let tag = format!("{} {mode:?} bits={bits}", T::DTYPE);
+            let (gc, gs, gz) = kivi_quantize(&arr(&x, &[n, d]), bits, 32, mode, &gpu()).unwrap();
+            assert_eq!(bits16(gs.to_vec::<f16>().unwrap()), bits16(s), "scales {tag}");
+            assert_eq!(bits16(gz.to_vec::<f16>().unwrap()), bits16(z), "zeros {tag}");
+            assert_eq!(gc.to_vec::<u8>().unwrap(), c, "codes {tag}");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_kivi_special_values_match_cpu() {
+    kivi_special::<f32>(&[f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 3e38, -3e38, 65520.0]);
+    kivi_special::<f16>(&[f32::INFINITY, f32::NEG_INFINITY, f32::NAN, 65504.0, -65504.0]);
 }
 
 /// Rows of KIVI values (one group of 32 per row: minimum 0, maximum
@@ -363,12 +403,39 @@ fn gpu_pq_matches_cpu() {
         pq::<f16>(1_000, 8 * s + s, s, 16, 4);
     }
     pq::<bf16>(1, 8, 8, 1, 1);
-    // Two planes, staged (K·s ≤ 4096) and unstaged codebooks, up to K = 4096.
+    // Two planes; codebooks copied per block of items (up to 4 KiB in the
+    // output type), once per block of a capped grid of quads (up to 16 KiB),
+    // and read through the L1 cache, up to K = 4096.
     pq::<f32>(3_001, 26, 2, 32, 5);
     pq::<f16>(2_000, 64, 8, 512, 9);
     pq::<bf16>(777, 52, 4, 1024, 10);
     pq::<f32>(10_000, 128, 4, 4096, 12);
     pq::<f32>(1_000, 256, 8, 4096, 12);
+    // Quads (4 sub-vectors) whose codes are whole bytes of both planes: 10
+    // bits as the benchmark's; 6 bits (4 + 2) with a small codebook.
+    pq::<f16>(4_097, 128, 4, 1024, 10);
+    pq::<bf16>(999, 64, 2, 64, 6);
+}
+
+/// A codebook of 8 KiB in float16 is decoded in quads by a capped grid whose
+/// blocks stride over rounds: more quads than one round holds. The codes
+/// are random bytes (decoding needs no encoder).
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_pq_decode_strides_over_rounds() {
+    let (n, d, s, k, bits) = (140_001usize, 128usize, 4usize, 1024usize, 10u32);
+    let per = d / s;
+    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let (nb, nb_hi) = (cpu::packed_len(per, lo), cpu::packed_len(per, hi));
+    let mut rng = ChaCha8Rng::seed_from_u64(13);
+    let codes: Vec<u8> = (0..n * nb).map(|_| rng.random()).collect();
+    let codes_hi: Vec<u8> = (0..n * nb_hi).map(|_| rng.random()).collect();
+    let cb: Vec<f32> = data(9, k * s, 1.0);
+    let mut want = vec![f16::ZERO; n * d];
+    cpu::pq_decode(&codes, &codes_hi, n, d, &cb, s, bits, &mut want);
+    let packed = veloxquant::kernels::PqCodes { codes: arr(&codes, &[n, nb]), codes_hi: Some(arr(&codes_hi, &[n, nb_hi])) };
+    let got = pq_decode(&packed, &arr(&cb, &[k, s]), bits, d, f16::DTYPE, &gpu()).unwrap();
+    assert_eq!(got.to_vec::<f16>().unwrap(), want);
 }
 
 #[test]

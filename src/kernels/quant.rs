@@ -157,13 +157,20 @@ fn launch_gpu(
 /// set-up paid once per `ITEMS` items.
 const SCALAR_Q_ITEMS: usize = 4;
 const KIVI_DQ_ITEMS: usize = 4;
-/// pq_decode's blocks copy a codebook of up to PQ_TABLE_BYTES in the output
-/// type to shared memory first (`cuda/pq_decode.cu`): more items per block
-/// make that copy a smaller share of the block's reads. Larger codebooks
-/// are read through the L1 cache, where more threads in flight serve better.
-const PQ_TABLE_BYTES: usize = 4096;
+/// CUDA pq_decode (`cuda/pq_decode.cu`) picks its layout by the codebook's
+/// size in the output type. Up to PQ_SMALL_TABLE_BYTES, each block of
+/// PQ_DEC_ITEMS_STAGED items per thread copies it to shared memory (after
+/// requesting its codes); up to PQ_TABLE_BYTES, at most PQ_DEC_BLOCKS
+/// blocks copy it once each and stride over quads of 4 sub-vectors,
+/// PQ_DEC_QUADS per thread and round (a copy per block of items would cost
+/// more reads than the block's codes); larger codebooks are read through
+/// the L1 cache, PQ_DEC_ITEMS per thread.
+const PQ_SMALL_TABLE_BYTES: usize = 4096;
+const PQ_TABLE_BYTES: usize = 16384;
 const PQ_DEC_ITEMS_STAGED: usize = 16;
 const PQ_DEC_ITEMS: usize = 2;
+const PQ_DEC_QUADS: usize = 4;
+const PQ_DEC_BLOCKS: usize = 1024;
 
 /// The items and template arguments of a body that, on CUDA, strides each
 /// thread over `per_thread` of the items (its `ITEMS` template argument);
@@ -386,9 +393,14 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, nbytes, group])?;
             let items = match mode {
-                // The CUDA body's fast layout: eight threads per (row group, 8
-                // channels), whole warps for its shuffles.
-                KiviMode::Keys if imp == Implementation::Cuda && group <= 32 && d % 8 == 0 => {
+                // The CUDA body's fast layouts, in whole warps for their
+                // shuffles: a thread per (row group, 4 bytes of a row) where
+                // 32-bit words hold whole rows' codes of its lanes...
+                KiviMode::Keys if imp == Implementation::Cuda && group <= 32 && [1, 2, 4, 8].contains(&bits) && (d * bits as usize) % 32 == 0 => {
+                    (n.div_ceil(group) * (d * x.dtype().size() / 4)).next_multiple_of(32)
+                }
+                // ... else, at 3 bits, eight threads per (row group, 8 channels).
+                KiviMode::Keys if imp == Implementation::Cuda && bits == 3 && group <= 32 && d % 8 == 0 => {
                     (n.div_ceil(group) * (d / 8) * 8).next_multiple_of(32)
                 }
                 KiviMode::Keys => n.div_ceil(group) * d.div_ceil(8),
@@ -951,18 +963,32 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
             let p = params("codes", &[n, d, k, nb_lo, nb_hi])?;
-            let (items, template) = strided(
-                imp,
-                if k * s * dtype.size() <= PQ_TABLE_BYTES { PQ_DEC_ITEMS_STAGED } else { PQ_DEC_ITEMS },
-                // CUDA: sub-vectors; Metal: a thread per group of 8.
-                ("codes", if imp == Implementation::Cuda { n * per } else { n * per.div_ceil(8) }),
-                &[
-                    ("T", TemplateArg::Dtype(dtype)),
-                    ("S", TemplateArg::Int(s as i32)),
-                    ("C_BITS", TemplateArg::Int(bits as i32)),
-                ],
-            );
-            launch_gpu(Source::PqDecode, &[&flat, &flat_hi, codebook, &p], &out, items, &template, &stream)?
+            let mut template =
+                vec![("T", TemplateArg::Dtype(dtype)), ("S", TemplateArg::Int(s as i32)), ("C_BITS", TemplateArg::Int(bits as i32))];
+            let threads = if imp == Implementation::Cuda {
+                let table = k * s * dtype.size();
+                let (table_bytes, items, quads) = if table <= PQ_SMALL_TABLE_BYTES {
+                    (PQ_SMALL_TABLE_BYTES, PQ_DEC_ITEMS_STAGED, 0)
+                } else if table <= PQ_TABLE_BYTES {
+                    (PQ_TABLE_BYTES, 1, PQ_DEC_QUADS)
+                } else {
+                    (0, PQ_DEC_ITEMS, 0)
+                };
+                for (name, v) in [("TABLE_BYTES", table_bytes), ("ITEMS", items), ("QUADS", quads)] {
+                    template.push((name, TemplateArg::Int(v as i32)));
+                }
+                if quads > 0 {
+                    // The body counts quads in 32 bits.
+                    let quads_total = to_i32("codes", (n * per).div_ceil(4))? as usize;
+                    quads_total.div_ceil(quads).min(PQ_DEC_BLOCKS * THREADGROUP as usize)
+                } else {
+                    (n * per).div_ceil(items)
+                }
+            } else {
+                // A thread per group of 8 sub-vectors.
+                n * per.div_ceil(8)
+            };
+            launch_gpu(Source::PqDecode, &[&flat, &flat_hi, codebook, &p], &out, ("codes", threads), &template, &stream)?
             .remove(0)
         }
     };
