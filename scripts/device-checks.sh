@@ -10,7 +10,8 @@
 #   QUANT_ARGS  extra quant_kernels_bench arguments, e.g. "--only tq_prod"
 #   NCU         profiles, each ROW:KERNEL ("+" for a space in ROW): the first
 #               launch of KERNEL (a regex) in the benchmark's row ROW, at
-#               N = 262144; NCU_ARGS adds ncu options
+#               N = 262144, with the stall reasons per issued instruction;
+#               NCU_ARGS adds ncu options
 #   TESTS       test binaries, each BIN or BIN:FILTER (default: every GPU
 #               test binary), started together as separate processes (NVRTC
 #               compiling is most of their time), each to its own file
@@ -40,7 +41,8 @@ if want ncu; then
     # shellcheck disable=SC2086
     "$ncu_bin" -k "regex:$kernel" -c 1 --section SpeedOfLight --section Occupancy --section LaunchStats \
       --section WarpStateStats --section SchedulerStats --section MemoryWorkloadAnalysis \
-      --section ComputeWorkloadAnalysis --section SourceCounters ${NCU_ARGS:-} \
+      --section ComputeWorkloadAnalysis --section SourceCounters \
+      --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" ${NCU_ARGS:-} \
       .device/build/quant_kernels_bench --device gpu --dtype f16 --n 262144 --only "$row" >"$file" 2>&1 || status=1
     grep -E "Duration|Registers Per|Issue Slots|stalled" "$file"
   done
