@@ -87,6 +87,16 @@ if (PER_CHANNEL) {
   // different banks).
   constexpr uint32_t KIVI_TILE_BYTES = 8192;
   __shared__ __align__(16) uint8_t tile[KIVI_TILE_BYTES];
+  // The tile's first `rows` rows (`stride` bytes apart) to `out`'s rows, in
+  // 32-bit words (nbytes a multiple of 4, out aligned to 4).
+  auto store_tile_words = [&](uint8_t* out, uint32_t rows, uint32_t stride) {
+    const uint32_t per_row = nbytes / 4;
+    for (uint32_t i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
+      const uint32_t row = vq_div(i, per_row);
+      reinterpret_cast<uint32_t*>(out)[i] =
+          *reinterpret_cast<const uint32_t*>(tile + row * stride + (i - row * per_row) * 4);
+    }
+  };
   constexpr bool WORD_CODES = B_BITS == 1 || B_BITS == 2 || B_BITS == 4 || B_BITS == 8;
   if (WORD_CODES && gsize <= 32 && (d * B_BITS) % 32 == 0) {
     // Columns: a thread per (row group, 4 bytes of a row) holds CPT
@@ -111,12 +121,12 @@ if (PER_CHANNEL) {
     const T* p = x + uint64_t(r0) * d + col * CPT;
     uint32_t raw[32];
     auto load = [&](uint32_t cnt) {
-      const uint32_t step = d / CPT;
 #pragma unroll
       for (uint32_t k = 0; k < 32; ++k) {
         const uint32_t row = k < cnt ? k : cnt - 1;
         if (wide) {
-          raw[k] = __ldg(reinterpret_cast<const uint32_t*>(p) + row * step);
+          // A row is `cols` 32-bit words.
+          raw[k] = __ldg(reinterpret_cast<const uint32_t*>(p) + row * cols);
         } else {
           const uint16_t* h = reinterpret_cast<const uint16_t*>(p) + row * d;
           raw[k] = uint32_t(h[0]) | uint32_t(h[1]) << 16;
@@ -225,13 +235,7 @@ if (PER_CHANNEL) {
       }
       __syncthreads();
       const uint32_t row0 = g0 * gsize;
-      const uint32_t rows = min(groups * gsize, n > row0 ? n - row0 : 0u);
-      const uint32_t per_row = nbytes / 4;
-      uint32_t* out = reinterpret_cast<uint32_t*>(packed + uint64_t(row0) * nbytes);
-      for (uint32_t i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-        const uint32_t row = vq_div(i, per_row);
-        out[i] = *reinterpret_cast<const uint32_t*>(tile + row * stride + (i - row * per_row) * 4);
-      }
+      store_tile_words(packed + uint64_t(row0) * nbytes, min(groups * gsize, n > row0 ? n - row0 : 0u), stride);
       return;
     }
     if (live) {
@@ -358,12 +362,7 @@ if (PER_CHANNEL) {
       const uint32_t rows = min((teams / cgroups) * gsize, n > row0 ? n - row0 : 0u);
       uint8_t* out = packed + uint64_t(row0) * nbytes;
       if (nbytes % 4 == 0 && vq_aligned(out, 4)) {
-        const uint32_t per_row = nbytes / 4;
-        for (uint32_t i = threadIdx.x; i < rows * per_row; i += blockDim.x) {
-          const uint32_t row = vq_div(i, per_row);
-          reinterpret_cast<uint32_t*>(out)[i] =
-              *reinterpret_cast<const uint32_t*>(tile + row * stride + (i - row * per_row) * 4);
-        }
+        store_tile_words(out, rows, stride);
       } else {
         for (uint32_t i = threadIdx.x; i < rows * nbytes; i += blockDim.x) {
           const uint32_t row = vq_div(i, nbytes);
