@@ -19,18 +19,55 @@ __device__ __forceinline__ void vq_mma(float (&c)[4], const uint32_t (&a)[4], ui
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
-// Two float16 as one fragment register, the first in the low half.
-__device__ __forceinline__ uint32_t vq_half_pair(__half lo, __half hi) {
-  return uint32_t(__half_as_ushort(lo)) | (uint32_t(__half_as_ushort(hi)) << 16);
+// 16-bit element helpers by tag (the tag's value is never read).
+__device__ __forceinline__ __half vq_round(const __half*, float a) { return __float2half_rn(a); }
+__device__ __forceinline__ __nv_bfloat16 vq_round(const __nv_bfloat16*, float a) { return __float2bfloat16_rn(a); }
+__device__ __forceinline__ uint32_t vq_bits16(__half a) { return __half_as_ushort(a); }
+__device__ __forceinline__ uint32_t vq_bits16(__nv_bfloat16 a) { return __bfloat16_as_ushort(a); }
+// Whether products with the type's operands need vq_split_b's column scale:
+// float16's range is narrow, bfloat16's that of float32.
+__device__ constexpr bool vq_narrow_range(const __half*) { return true; }
+__device__ constexpr bool vq_narrow_range(const __nv_bfloat16*) { return false; }
+
+// c += a b for one m16n8k16 tile of bfloat16 operands.
+__device__ __forceinline__ void vq_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// c += a b with operands of the tag's type.
+__device__ __forceinline__ void vq_mma(const __half*, float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  vq_mma(c, a, b0, b1);
+}
+__device__ __forceinline__ void vq_mma(const __nv_bfloat16*, float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  vq_mma_bf16(c, a, b0, b1);
+}
+
+// Two float32 entries as PARTS fragment registers of the tag's type: part 0
+// their rounding, each next part the rounding of what the earlier parts
+// leave (exact in float32: a float minus its own rounding to fewer bits).
+template <int PARTS, typename E>
+__device__ __forceinline__ void vq_split_pair(const E* tag, float a, float b, uint32_t (&part)[PARTS]) {
+#pragma unroll
+  for (int p = 0; p < PARTS; ++p) {
+    const E ea = vq_round(tag, a);
+    const E eb = vq_round(tag, b);
+    part[p] = vq_bits16(ea) | (vq_bits16(eb) << 16);
+    a -= static_cast<float>(ea);
+    b -= static_cast<float>(eb);
+  }
 }
 
 // The high and low float16 parts of two float32 entries.
 __device__ __forceinline__ void vq_split_pair(float a, float b, uint32_t& hi, uint32_t& lo) {
-  const __half ah = __float2half_rn(a);
-  const __half bh = __float2half_rn(b);
-  // Exact in float32: a float minus its own rounding to fewer bits.
-  hi = vq_half_pair(ah, bh);
-  lo = vq_half_pair(__float2half_rn(a - __half2float(ah)), __float2half_rn(b - __half2float(bh)));
+  uint32_t part[2];
+  vq_split_pair<2>(static_cast<const __half*>(nullptr), a, b, part);
+  hi = part[0];
+  lo = part[1];
 }
 
 // 2^e as a float, from its bits (exact whatever the math flags); e in [-126, 127].
@@ -38,12 +75,13 @@ __device__ __forceinline__ float vq_pow2(int e) {
   return __int_as_float((127 + e) << 23);
 }
 
-// This lane's B fragments, split, for one n-tile and KS k-steps of a K x 8
-// block whose column g (this lane's) reads at(k), k < 16 KS: column g scaled
-// by 2^shift first. Returns shift; a product's column c (C layout) is
-// unscaled by vq_pow2(-shift of lane 4c).
-template <int KS, typename At>
-__device__ __forceinline__ int vq_split_b(At at, uint32_t (&hi)[KS][2], uint32_t (&lo)[KS][2]) {
+// This lane's B fragments for one n-tile and KS k-steps of a K x 8 block
+// whose column g (this lane's) reads at(k), k < 16 KS, in PARTS parts of the
+// tag's type (vq_split_pair): column g scaled by 2^shift first (0 for a
+// type of float32's range). Returns shift; a product's column c (C layout)
+// is unscaled by vq_pow2(-shift of lane 4c).
+template <int KS, int PARTS, typename E, typename At>
+__device__ __forceinline__ int vq_split_b(const E* tag, At at, uint32_t (&part)[PARTS][KS][2]) {
   const int q = threadIdx.x % 4;
   float amax = 0.0f;
 #pragma unroll
@@ -57,14 +95,36 @@ __device__ __forceinline__ int vq_split_b(At at, uint32_t (&hi)[KS][2], uint32_t
   // The group's four lanes hold the whole column.
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
   amax = fmaxf(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
-  const int shift = amax > 0.0f && isfinite(amax) ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
+  const int shift =
+      vq_narrow_range(tag) && amax > 0.0f && isfinite(amax) ? max(-126, min(126, 14 - ilogbf(amax))) : 0;
   const float scale = vq_pow2(shift);
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int k = ks * 16 + h * 8 + 2 * q;
-      vq_split_pair(at(k) * scale, at(k + 1) * scale, hi[ks][h], lo[ks][h]);
+      uint32_t p[PARTS];
+      vq_split_pair<PARTS>(tag, at(k) * scale, at(k + 1) * scale, p);
+#pragma unroll
+      for (int i = 0; i < PARTS; ++i) {
+        part[i][ks][h] = p[i];
+      }
+    }
+  }
+  return shift;
+}
+
+// vq_split_b in two float16 parts, high and low.
+template <int KS, typename At>
+__device__ __forceinline__ int vq_split_b(At at, uint32_t (&hi)[KS][2], uint32_t (&lo)[KS][2]) {
+  uint32_t part[2][KS][2];
+  const int shift = vq_split_b<KS, 2>(static_cast<const __half*>(nullptr), at, part);
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      hi[ks][h] = part[0][ks][h];
+      lo[ks][h] = part[1][ks][h];
     }
   }
   return shift;

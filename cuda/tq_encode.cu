@@ -7,53 +7,61 @@
 // the packing, with no intermediate in global memory. Arithmetic matches
 // crate::cpu::turboquant::tq_encode bit for bit (round-to-nearest
 // intrinsics, sequential sums, no fma; the norm in float32).
-constexpr int CH = TQ_CHUNKS(D);
-constexpr int K = 1 << B_BITS;
-__shared__ __align__(16) float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
-__shared__ float s_norm[TQ_TV];
-__shared__ __align__(16) float cent[K];
-const uint32_t n = x_shape[0];
-const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
-const int tid = threadIdx.x;
-for (int k = tid; k < K; k += 256) {
-  cent[k] = centroids[k];
-}
-tq_stage_rows<D>(V, x, v0, n);
-__syncthreads();
-if (tid < TQ_TV) {
-  float s2 = 0.0f;
-  for (int j = 0; j < D; ++j) {
-    const float f = V[j * TQ_VS + tid];
-    s2 = __fadd_rn(s2, __fmul_rn(f, f));
+// With TC > 0 (float16 or bfloat16 x, a rotation, D = 64 or 128) the
+// rotation runs on the tensor cores instead (tq_encode_tensor_cores.cuh),
+// a dense Π in TC parts of x's type.
+if constexpr (TC > 0) {
+  tq_encode_tensor_cores<T, D, B_BITS, 0, TC, HADAMARD>(x, rotation, centroids, nullptr, codes, nullptr, norms,
+                                                       x_shape[0]);
+} else {
+  constexpr int CH = TQ_CHUNKS(D);
+  constexpr int K = 1 << B_BITS;
+  __shared__ __align__(16) float V[D * TQ_VS];
+  __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
+  __shared__ float s_norm[TQ_TV];
+  __shared__ __align__(16) float cent[K];
+  const uint32_t n = x_shape[0];
+  const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+  const int tid = threadIdx.x;
+  for (int k = tid; k < K; k += 256) {
+    cent[k] = centroids[k];
   }
-  const float s = __fsqrt_rn(s2);
-  s_norm[tid] = s;
-  if (v0 + tid < n) {
-    norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
-  }
-}
-__syncthreads();
-tq_normalize_tile<D>(V, s_norm);
-float acc[4][CH * 4];
-tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
-unsigned code[4][CH * 4];
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    float best = __int_as_float(0x7f800000);
-    unsigned best_k = 0;
-#pragma unroll 4
-    for (int c = 0; c < K; ++c) {
-      const float diff = __fsub_rn(acc[a][k], cent[c]);
-      const float dist = __fmul_rn(diff, diff);
-      if (dist < best) {
-        best = dist;
-        best_k = c;
-      }
+  tq_stage_rows<D>(V, x, v0, n);
+  __syncthreads();
+  if (tid < TQ_TV) {
+    float s2 = 0.0f;
+    for (int j = 0; j < D; ++j) {
+      const float f = V[j * TQ_VS + tid];
+      s2 = __fadd_rn(s2, __fmul_rn(f, f));
     }
-    code[a][k] = best_k;
+    const float s = __fsqrt_rn(s2);
+    s_norm[tid] = s;
+    if (v0 + tid < n) {
+      norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
+    }
   }
+  __syncthreads();
+  tq_normalize_tile<D>(V, s_norm);
+  float acc[4][CH * 4];
+  tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
+  unsigned code[4][CH * 4];
+  #pragma unroll
+  for (int a = 0; a < 4; ++a) {
+  #pragma unroll
+    for (int k = 0; k < CH * 4; ++k) {
+      float best = __int_as_float(0x7f800000);
+      unsigned best_k = 0;
+  #pragma unroll 4
+      for (int c = 0; c < K; ++c) {
+        const float diff = __fsub_rn(acc[a][k], cent[c]);
+        const float dist = __fmul_rn(diff, diff);
+        if (dist < best) {
+          best = dist;
+          best_k = c;
+        }
+      }
+      code[a][k] = best_k;
+    }
+  }
+  tq_pack_store<D, B_BITS>(code, codes, v0, n);
 }
-tq_pack_store<D, B_BITS>(code, codes, v0, n);

@@ -7,59 +7,67 @@
 // the first code, the residual's code, both packed. Arithmetic matches
 // crate::cpu::turboquant::tq_rvq_encode bit for bit (round-to-nearest
 // intrinsics, sums in order, the norm in float64).
-constexpr int CH = TQ_CHUNKS(D);
-constexpr int K1 = 1 << B1_BITS;
-constexpr int K2 = 1 << B2_BITS;
-__shared__ __align__(16) float V[D * TQ_VS];
-__shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
-__shared__ float s_norm[TQ_TV];
-__shared__ float cent1[K1];
-__shared__ float bounds1[K1];
-__shared__ float bounds2[K2];
-const uint32_t n = params[0];
-const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
-const int tid = threadIdx.x;
-for (int k = tid; k < K1; k += 256) {
-  cent1[k] = centroids1[k];
-  if (k + 1 < K1) {
-    bounds1[k] = __fmul_rn(0.5f, __fadd_rn(centroids1[k], centroids1[k + 1]));
-  }
-}
-for (int k = tid; k + 1 < K2; k += 256) {
-  bounds2[k] = __fmul_rn(0.5f, __fadd_rn(centroids2[k], centroids2[k + 1]));
-}
-tq_stage_rows<D>(V, x, v0, n);
-__syncthreads();
-if (tid < TQ_TV) {
-  const float s = tq_norm_col<D>(V, tid);
-  s_norm[tid] = s;
-  if (v0 + tid < n) {
-    norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
-  }
-}
-__syncthreads();
-tq_normalize_tile<D>(V, s_norm);
-float acc[4][CH * 4];
-tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
-unsigned code1[4][CH * 4];
-unsigned code2[4][CH * 4];
-#pragma unroll
-for (int a = 0; a < 4; ++a) {
-#pragma unroll
-  for (int k = 0; k < CH * 4; ++k) {
-    const float y = acc[a][k];
-    unsigned c1 = 0;
-    for (int c = 0; c < K1 - 1; ++c) {
-      c1 += bounds1[c] < y ? 1u : 0u;
+// With TC > 0 (float16 or bfloat16 x, a rotation, D = 64 or 128) the
+// rotation runs on the tensor cores instead (tq_encode_tensor_cores.cuh),
+// a dense Π in TC parts of x's type.
+if constexpr (TC > 0) {
+  tq_encode_tensor_cores<T, D, B1_BITS, B2_BITS, TC, HADAMARD>(x, rotation, centroids1, centroids2, codes1, codes2,
+                                                               norms, params[0]);
+} else {
+  constexpr int CH = TQ_CHUNKS(D);
+  constexpr int K1 = 1 << B1_BITS;
+  constexpr int K2 = 1 << B2_BITS;
+  __shared__ __align__(16) float V[D * TQ_VS];
+  __shared__ __align__(16) float Bs[(ROTATE && !HADAMARD) ? TQ_BS(D) : 4];
+  __shared__ float s_norm[TQ_TV];
+  __shared__ float cent1[K1];
+  __shared__ float bounds1[K1];
+  __shared__ float bounds2[K2];
+  const uint32_t n = params[0];
+  const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
+  const int tid = threadIdx.x;
+  for (int k = tid; k < K1; k += 256) {
+    cent1[k] = centroids1[k];
+    if (k + 1 < K1) {
+      bounds1[k] = __fmul_rn(0.5f, __fadd_rn(centroids1[k], centroids1[k + 1]));
     }
-    const float r = __fsub_rn(y, cent1[c1]);
-    unsigned c2 = 0;
-    for (int c = 0; c < K2 - 1; ++c) {
-      c2 += bounds2[c] < r ? 1u : 0u;
-    }
-    code1[a][k] = c1;
-    code2[a][k] = c2;
   }
+  for (int k = tid; k + 1 < K2; k += 256) {
+    bounds2[k] = __fmul_rn(0.5f, __fadd_rn(centroids2[k], centroids2[k + 1]));
+  }
+  tq_stage_rows<D>(V, x, v0, n);
+  __syncthreads();
+  if (tid < TQ_TV) {
+    const float s = tq_norm_col<D>(V, tid);
+    s_norm[tid] = s;
+    if (v0 + tid < n) {
+      norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
+    }
+  }
+  __syncthreads();
+  tq_normalize_tile<D>(V, s_norm);
+  float acc[4][CH * 4];
+  tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
+  unsigned code1[4][CH * 4];
+  unsigned code2[4][CH * 4];
+  #pragma unroll
+  for (int a = 0; a < 4; ++a) {
+  #pragma unroll
+    for (int k = 0; k < CH * 4; ++k) {
+      const float y = acc[a][k];
+      unsigned c1 = 0;
+      for (int c = 0; c < K1 - 1; ++c) {
+        c1 += bounds1[c] < y ? 1u : 0u;
+      }
+      const float r = __fsub_rn(y, cent1[c1]);
+      unsigned c2 = 0;
+      for (int c = 0; c < K2 - 1; ++c) {
+        c2 += bounds2[c] < r ? 1u : 0u;
+      }
+      code1[a][k] = c1;
+      code2[a][k] = c2;
+    }
+  }
+  tq_pack_store<D, B1_BITS>(code1, codes1, v0, n);
+  tq_pack_store<D, B2_BITS>(code2, codes2, v0, n);
 }
-tq_pack_store<D, B1_BITS>(code1, codes1, v0, n);
-tq_pack_store<D, B2_BITS>(code2, codes2, v0, n);

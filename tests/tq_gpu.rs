@@ -13,7 +13,7 @@ use rand_chacha::ChaCha8Rng;
 use veloxquant::cache::{CacheConfig, LayerCache};
 use veloxquant::kernels::turboquant::tq_encode;
 use veloxquant::quant::ScalarCodebook;
-use veloxquant::{ops, Array, Dtype, Options, Policy, Stream};
+use veloxquant::{ops, Array, Backend, Dtype, Options, Policy, Stream};
 
 #[test]
 #[ignore = "needs a GPU back-end"]
@@ -105,5 +105,104 @@ fn gpu_encode_is_bit_identical_to_cpu() {
                 );
             }
         }
+    }
+}
+
+/// The tensor-core encoder (float16 and bfloat16 `x` with a rotation, d = 64
+/// or 128) against the CPU kernel, by the parity rule for these types: a code
+/// may differ only at a near-tie, so every differing code is a neighbour of
+/// the CPU's and `y = Π x / ‖x‖` (float64) lies within 2e-4 of the midpoint
+/// between the two centroids; at most 1% differ, and the reconstruction
+/// errors of both agree within 1% relative. Norms agree to one float16 step.
+/// Rows of zeros, a NaN and an infinity match the CPU exactly; a row of
+/// values whose squares overflow float32 (bfloat16) too. 70,001 vectors walk more tiles than the grid has blocks.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_tensor_core_encode_matches_cpu_at_near_ties() {
+    use veloxquant::kernels::encode_tensor_core_parts;
+    use veloxquant::quant::Rotation;
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let cuda = gpu.backend().unwrap() == Backend::Cuda;
+    let mut cases = Vec::new();
+    for d in [64usize, 128] {
+        for dtype in [Dtype::F16, Dtype::BF16] {
+            for bits in [1u32, 2, 3, 4, 8] {
+                for hadamard in [false, true] {
+                    cases.push((d, dtype, bits, hadamard, 517usize));
+                }
+            }
+        }
+    }
+    for dtype in [Dtype::F16, Dtype::BF16] {
+        for hadamard in [false, true] {
+            cases.push((128, dtype, 4, hadamard, 70_001));
+        }
+    }
+    for (d, dtype, bits, hadamard, n) in cases {
+        let tag = format!("d={d} {dtype} bits={bits} hadamard={hadamard} n={n}");
+        if cuda {
+            assert!(encode_tensor_core_parts(dtype, d, true, bits) > 0, "{tag}: expected the tensor-core path");
+        }
+        let mut rng = ChaCha8Rng::seed_from_u64(7 * d as u64 + bits as u64 + n as u64);
+        let mut xv = f32s(&normal(&mut rng, &[n as i32, d as i32], Dtype::F32));
+        let huge = if dtype == Dtype::F16 { 60000.0 } else { 1e30 };
+        xv[..d].fill(0.0);
+        xv[d + 3] = f32::NAN;
+        xv[2 * d + 5] = f32::INFINITY;
+        xv[3 * d..4 * d].fill(huge);
+        let x = ops::astype(&Array::from_slice(&xv, &[n as i32, d as i32]).unwrap(), dtype, &Stream::cpu()).unwrap();
+        let rotation = if hadamard { Rotation::hadamard(d, 5).unwrap() } else { Rotation::dense(d, 5).unwrap() };
+        let rot = if hadamard {
+            Array::from_slice(rotation.signs(), &[d as i32]).unwrap()
+        } else {
+            Array::from_slice(rotation.matrix(), &[d as i32, d as i32]).unwrap()
+        };
+        let cent = ScalarCodebook::sphere(d, bits).unwrap().centroids().to_vec();
+        let cent_arr = Array::from_slice(&cent, &[cent.len() as i32]).unwrap();
+        let run = |s: &Stream| {
+            let (c, nm) = tq_encode(&x, Some(&rot), &cent_arr, bits, &Options::on(s.clone(), Policy::Require)).unwrap();
+            let mut codes = vec![0u8; n * d];
+            veloxquant::cpu::bit_unpack(&c.to_vec::<u8>().unwrap(), n, d, bits, &mut codes);
+            let norms: Vec<u16> = nm.to_bytes().unwrap().chunks(2).map(|b| u16::from_le_bytes([b[0], b[1]])).collect();
+            (codes, norms)
+        };
+        let (gc, gn) = run(&gpu);
+        let (cc, cn) = run(&Stream::cpu());
+        // Norms: one float16 step at most, and rarely that.
+        let mut norms_differ = 0;
+        for (i, (&a, &b)) in gn.iter().zip(&cn).enumerate() {
+            assert!(a.abs_diff(b) <= 1, "{tag}: norm {i}: GPU {a:#x}, CPU {b:#x}");
+            norms_differ += usize::from(a != b);
+        }
+        assert!(norms_differ * 100 <= n, "{tag}: {norms_differ} norms differ");
+        // Rows 0-2: zeros, a NaN, an infinity. Row 3 (huge values) is an
+        // ordinary vector in float16 and has a norm of ∞ in bfloat16.
+        assert_eq!(gc[..3 * d], cc[..3 * d], "{tag}: the special rows' codes");
+        let special = 3;
+        let pi = rotation.to_dense();
+        let xr = f32s(&x);
+        let (mut differ, mut err_gpu, mut err_cpu) = (0usize, 0.0f64, 0.0f64);
+        for i in special..n {
+            let row = &xr[i * d..(i + 1) * d];
+            let norm = row.iter().map(|&v| f64::from(v).powi(2)).sum::<f64>().sqrt();
+            for j in 0..d {
+                let y = (0..d).map(|k| f64::from(pi[j * d + k]) * f64::from(row[k])).sum::<f64>() / norm;
+                let (g, c) = (gc[i * d + j] as usize, cc[i * d + j] as usize);
+                err_gpu += (y - f64::from(cent[g])).powi(2);
+                err_cpu += (y - f64::from(cent[c])).powi(2);
+                if g != c {
+                    differ += 1;
+                    let mid = 0.5 * (f64::from(cent[g]) + f64::from(cent[c]));
+                    assert!(
+                        g.abs_diff(c) == 1 && (y - mid).abs() <= 2e-4,
+                        "{tag}: vector {i} coordinate {j}: code {g} against the CPU's {c}, y = {y}, midpoint {mid}"
+                    );
+                }
+            }
+        }
+        assert!(differ * 100 <= n * d, "{tag}: {differ} of {} codes differ", n * d);
+        let rel = (err_gpu.sqrt() - err_cpu.sqrt()).abs() / err_cpu.sqrt();
+        assert!(rel <= 0.01, "{tag}: reconstruction errors differ by {rel}");
+        println!("{tag}: {differ} of {} codes and {norms_differ} norms differ from the CPU's", n * d);
     }
 }

@@ -208,10 +208,14 @@ impl Source {
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/tq_tensor_cores.cuh")
             ),
-            Source::TqEncode
-            | Source::TqDecode
-            | Source::TqProdEncode
-            | Source::TqRvqEncode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
+            Source::TqEncode | Source::TqRvqEncode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/tq_encode_tensor_cores.cuh"),
+                include_str!("../../cuda/two_blocks_per_sm.cuh")
+            ),
+            Source::TqDecode | Source::TqProdEncode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             Source::QjlEncode => concat!(
                 include_str!("../../cuda/quant_common.cuh"),

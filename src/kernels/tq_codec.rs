@@ -12,7 +12,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::turboquant::{check_rotation_input, check_head_dim, dense_rotation};
+use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, launch_encoder};
 use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, TENSOR_CORE_BLOCKS};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
@@ -569,7 +569,7 @@ pub fn tq_rvq_encode(
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n])?;
-            launch_per_vector(
+            launch_encoder(
                 imp,
                 Source::TqRvqEncode,
                 &[&rows.flat, rot_input, centroids1, centroids2, &p],

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::kv_attention::times_transpose;
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source};
+use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source, TENSOR_CORE_BLOCKS};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
@@ -74,6 +74,75 @@ pub(crate) fn dense_rotation(r: &Array, s: &Stream) -> Result<Array> {
     ops::multiply(&ops::multiply(&h, &ops::reshape(r, &[1, d as i32], s)?, s)?, &scale, s)
 }
 
+/// Vectors per tile of CUDA's tensor-core `tq_encode` (`ROWS` in
+/// cuda/tq_encode_tensor_cores.cuh).
+const ENCODE_TILE_VECTORS: usize = 64;
+
+/// How CUDA's `tq_encode` and `tq_rvq_encode` rotate: 0 for the exact path
+/// (`crate::cpu`'s arithmetic bit for bit), else on the tensor cores, a dense
+/// `Π` in that many parts of `x`'s type. For float16 and bfloat16 `x` (exact
+/// as mma operands) with a rotation and `d` = 64 or 128 (`Π`'s fragments fit
+/// a block's registers). `bits`, the code bits per coordinate (both stages of
+/// RVQ), sets the parts: rounding `Π` to float16 moves `y` by about
+/// 2^-11 / √(3d) (2.5e-5 at d = 128), a thousandth of 4-bit codes' error but
+/// a third of 12-bit ones', so float16 takes one part up to 4 bits and two
+/// (about 22 bits) beyond; bfloat16 (8 bits a part) always two. The sums'
+/// order then differs from the exact path's and the centroid search rounds
+/// `y` (and RVQ's residual) to float16 where a stage has at most 4 bits, so a
+/// code may differ where that value lies within rounding of a midpoint
+/// between two centroids: the parity rule's near-ties for these types.
+pub fn encode_tensor_core_parts(dtype: Dtype, d: usize, rotate: bool, bits: u32) -> i32 {
+    if !rotate || !matches!(d, 64 | 128) {
+        return 0;
+    }
+    match dtype {
+        Dtype::F16 if bits <= 4 => 1,
+        Dtype::F16 | Dtype::BF16 => 2,
+        _ => 0,
+    }
+}
+
+/// Launches a TurboQuant encoder on Metal or CUDA (`template` names `T`,
+/// `ROTATE` and `B_BITS`, or `B1_BITS` and `B2_BITS`). On CUDA the body takes the template argument `TC` =
+/// [`encode_tensor_core_parts`] and, when that is not 0, blocks of `2d`
+/// threads that walk tiles of 64 vectors, each loading `Π`'s fragments once;
+/// otherwise the codecs' grid.
+pub(crate) fn launch_encoder(
+    imp: Implementation,
+    source: Source,
+    inputs: &[&Array],
+    outputs: &[(Vec<i32>, Dtype)],
+    (n, d): (usize, usize),
+    template: &[(&'static str, TemplateArg)],
+    s: &Stream,
+) -> Result<Vec<Array>> {
+    let arg = |name: &str| template.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
+    let bits: i32 = ["B_BITS", "B1_BITS", "B2_BITS"]
+        .iter()
+        .map(|name| match arg(name) {
+            Some(TemplateArg::Int(b)) => b,
+            _ => 0,
+        })
+        .sum();
+    let parts = match (imp, arg("T"), arg("ROTATE")) {
+        (Implementation::Cuda, Some(TemplateArg::Dtype(dtype)), Some(TemplateArg::Bool(rotate))) => {
+            encode_tensor_core_parts(dtype, d, rotate, bits as u32)
+        }
+        _ => 0,
+    };
+    let (grid, threadgroup) = if parts > 0 {
+        let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
+        ((blocks as i32 * 2 * d as i32, 1, 1), (2 * d as i32, 1, 1))
+    } else {
+        super::tq_codec::codec_grid(imp, n, d)?
+    };
+    let mut template = template.to_vec();
+    if imp == Implementation::Cuda {
+        template.push(("TC", TemplateArg::Int(parts)));
+    }
+    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template: &template }, s)
+}
+
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
 /// float16 `[...]`. `rotation` is `Π` (float32 `[d, d]`), the ±1 signs of a
 /// Hadamard rotation (float32 `[d]`, `d` a power of two: `Π u = H (s ⊙ u) /
@@ -132,24 +201,14 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let (grid, threadgroup) = super::tq_codec::codec_grid(imp, n, d)?;
-            gpu::launch(
-                &Launch {
-                    source: Source::TqEncode,
-                    inputs: &[&flat, rot_input, centroids],
-                    outputs: &outputs,
-                    grid,
-                    threadgroup,
-                    template: &[
-                        ("T", TemplateArg::Dtype(x.dtype())),
-                        ("D", TemplateArg::Int(d as i32)),
-                        ("B_BITS", TemplateArg::Int(bits as i32)),
-                        ("ROTATE", TemplateArg::Bool(rotate)),
-                        ("HADAMARD", TemplateArg::Bool(hadamard)),
-                    ],
-                },
-                &stream,
-            )?
+            let template = [
+                ("T", TemplateArg::Dtype(x.dtype())),
+                ("D", TemplateArg::Int(d as i32)),
+                ("B_BITS", TemplateArg::Int(bits as i32)),
+                ("ROTATE", TemplateArg::Bool(rotate)),
+                ("HADAMARD", TemplateArg::Bool(hadamard)),
+            ];
+            launch_encoder(imp, Source::TqEncode, &[&flat, rot_input, centroids], &outputs, (n, d), &template, &stream)?
         }
     };
     let norms = ops::reshape(&outs.remove(1), &lead, &stream)?;
@@ -518,4 +577,25 @@ fn attention_reference(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -
     let p = ops::softmax(&scores, -1, s)?;
     let o = ops::matmul(&ops::matmul(&p, &values, s)?, layer.rot_v, s)?;
     ops::astype(&ops::reshape(&o, &q.shape(), s)?, q.dtype(), s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tensor_core_encoders_take_16_bit_inputs_with_a_rotation_at_d_64_and_128() {
+        assert_eq!(encode_tensor_core_parts(Dtype::F16, 128, true, 4), 1);
+        assert_eq!(encode_tensor_core_parts(Dtype::F16, 64, true, 1), 1);
+        // Past 4 bits a float16 Π's rounding would show in the codes.
+        assert_eq!(encode_tensor_core_parts(Dtype::F16, 128, true, 5), 2);
+        assert_eq!(encode_tensor_core_parts(Dtype::F16, 128, true, 12), 2);
+        assert_eq!(encode_tensor_core_parts(Dtype::BF16, 128, true, 2), 2);
+        // The exact path: float32, no rotation, other head dimensions.
+        assert_eq!(encode_tensor_core_parts(Dtype::F32, 128, true, 4), 0);
+        assert_eq!(encode_tensor_core_parts(Dtype::F16, 128, false, 4), 0);
+        for d in [32, 96, 256] {
+            assert_eq!(encode_tensor_core_parts(Dtype::F16, d, true, 4), 0, "d = {d}");
+        }
+    }
 }

@@ -1,0 +1,312 @@
+// tq_encode and tq_rvq_encode on the tensor cores, for float16 and bfloat16
+// inputs rotated by a dense Π or Hadamard signs (D = 64 or 128). Placed
+// after quant_common.cuh and mma_common.cuh.
+//
+// y = Π x / ‖x‖: x enters the mma.sync products as it is (exact as an
+// operand of its own type) against Π's rows as B columns, and the product is
+// scaled afterwards. A dense Π enters in PARTS parts of x's type
+// (mma_common.cuh's split: every product exact, Π kept to about 11 PARTS
+// bits in float16, 8 PARTS in bfloat16); Hadamard signs enter as the exact
+// ±1 entries of H diag(s), the 1/√D applied after. The nearest centroid is
+// the interval between the midpoints of neighbouring centroids that y falls
+// in (TqTcNearest); RVQ's second stage codes the residual y - c1[code] the
+// same way against its own codebook. Sums run in the tensor cores' order and
+// the norm's by fma, so a code may differ from the exact path's where y (or
+// the residual) lies near a midpoint: the parity rule's near-ties for
+// float16 and bfloat16 inputs.
+//
+// A block of 2D threads (D/16 warps) holds Π's fragments in registers and
+// walks tiles of 64 vectors, grid-stride. Each warp owns NT n-tiles (8
+// output coordinates each) of MTW m-tiles (16 vectors each): 4 n-tiles
+// where Π enters in one part, so that each A fragment read from shared
+// memory feeds 4 products, else 2 (the registers of two parts). The tile
+// sits in shared memory as rows padded so that ldmatrix hits 32 banks, the
+// next tile is fetched into registers while this one is encoded, and the
+// codes gather in a shared tile that leaves as one contiguous block.
+
+// The nearest of 2^B sorted centroids, by the midpoints between neighbours
+// (the midpoint c lies between centroids c and c + 1; above it is nearer
+// c + 1): for B <= 4 by vq_pair_code, y rounded to float16, two values at a
+// time against thresholds held in registers; else a binary search of the
+// float32 midpoints in shared memory.
+template <int B>
+struct TqTcNearest {
+  static constexpr int K = 1 << B;
+  static constexpr bool PAIRED = B <= 4;
+  uint32_t thr[PAIRED ? K - 1 : 1];
+  const float* mids;
+
+  // Every thread calls it; where !PAIRED, a barrier must follow before pair().
+  __device__ __forceinline__ void init(const float* centroids, float* shared_mids) {
+    auto mid = [&](int c) { return 0.5f * (centroids[c] + centroids[c + 1]); };
+    mids = shared_mids;
+    if constexpr (PAIRED) {
+#pragma unroll
+      for (int c = 0; c < K - 1; ++c) {
+        thr[c] = vq_bits_above(static_cast<const __half*>(nullptr), mid(c)) * 0x10001u;
+      }
+    } else {
+      for (int c = threadIdx.x; c < K - 1; c += blockDim.x) {
+        shared_mids[c] = mid(c);
+      }
+    }
+  }
+
+  // The codes of y0 and y1 as low | high << B; a NaN gets code 0.
+  __device__ __forceinline__ uint32_t pair(float y0, float y1) const {
+    if constexpr (PAIRED) {
+      const __half2 h = __floats2half2_rn(y0, y1);
+      return vq_pair_code<B>(static_cast<const __half*>(nullptr), *reinterpret_cast<const uint32_t*>(&h), thr);
+    } else {
+      uint32_t out = 0;
+      const float y[2] = {y0, y1};
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        uint32_t c = 0;
+#pragma unroll
+        for (int step = K / 2; step >= 1; step /= 2) {
+          c += y[e] > mids[c + step - 1] ? step : 0;
+        }
+        out |= c << (e * B);
+      }
+      return out;
+    }
+  }
+};
+
+// The codes of an n-tile's 8 columns are B bytes of the row at dst; lane q
+// holds those of columns 2q and 2q + 1 in `pair` (low | high << B), bits
+// 2 q B onward of the 8.
+template <int B>
+__device__ __forceinline__ void tq_tc_store_codes(uint8_t* dst, uint32_t pair) {
+  const uint32_t q = threadIdx.x % 4;
+  if constexpr (B == 8) {
+    *reinterpret_cast<uint16_t*>(dst + 2 * q) = uint16_t(pair);
+  } else {
+    uint32_t w = pair << (2 * B * q);
+    w |= __shfl_xor_sync(0xffffffffu, w, 1);
+    w |= __shfl_xor_sync(0xffffffffu, w, 2);
+    if (q < B) {
+      dst[q] = uint8_t(w >> (8 * q));
+    }
+  }
+}
+
+// The first `rows` rows of a shared code tile (rows of RB bytes) to out,
+// where they are contiguous; by the block's threads.
+template <int ROWS, int RB>
+__device__ __forceinline__ void tq_tc_copy_codes(const uint8_t* tile, uint8_t* out, uint32_t rows) {
+  if (rows == ROWS && (ROWS * RB) % 16 == 0 && vq_aligned(out, 16)) {
+    for (uint32_t c = threadIdx.x; c < ROWS * RB / 16; c += blockDim.x) {
+      reinterpret_cast<uint4*>(out)[c] = reinterpret_cast<const uint4*>(tile)[c];
+    }
+  } else {
+    for (uint32_t c = threadIdx.x; c < rows * RB; c += blockDim.x) {
+      out[c] = tile[c];
+    }
+  }
+}
+
+// B2_BITS = 0: tq_encode (centroids2 and codes2 unused). Else tq_rvq_encode:
+// codes of B_BITS against centroids, then of B2_BITS for the residual
+// against centroids2.
+template <typename T, int D, int B_BITS, int B2_BITS, int PARTS, bool HADAMARD>
+__device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const float* centroids,
+                                       const float* centroids2, uint8_t* codes, uint8_t* codes2, __half* norms,
+                                       uint32_t n) {
+  static_assert((D == 64 || D == 128) && PARTS >= 1 && PARTS <= 3, "tensor-core shape");
+  constexpr int ROWS = 64;                // vectors per tile
+  constexpr int KS = D / 16;              // k-steps of an mma
+  constexpr int THREADS = 2 * D;          // D / 16 warps
+  constexpr bool RVQ = B2_BITS > 0;
+  constexpr int RB = D * B_BITS / 8;      // code bytes per vector
+  constexpr int RB2 = D * B2_BITS / 8;
+  constexpr int PITCH = D + 8;            // elements per staged row: row r starts at bank 4r (mod 32)
+  constexpr int CHUNKS = ROWS * D / 8;    // 16-byte chunks per tile
+  constexpr int PER_THREAD = CHUNKS / THREADS;
+  constexpr int TPV = THREADS / ROWS;     // threads per vector for the norms, 32 elements each
+  constexpr int NP = HADAMARD ? 1 : PARTS;
+  constexpr int NT = NP == 1 ? 4 : 2;             // n-tiles per warp
+  constexpr int COL_WARPS = D / (8 * NT);         // warps across the coordinates
+  constexpr int MTW = (ROWS / 16) * COL_WARPS / (THREADS / 32);  // m-tiles per warp
+  static_assert(CHUNKS % THREADS == 0 && TPV * 32 == D, "tile shape");
+  __shared__ __align__(16) T xs[ROWS * PITCH];
+  __shared__ __align__(16) uint8_t sc[ROWS * RB];
+  __shared__ __align__(16) uint8_t sc2[RVQ ? ROWS * RB2 : 16];
+  __shared__ float s_inv[ROWS];
+  __shared__ float mids[TqTcNearest<B_BITS>::PAIRED ? 1 : (1 << B_BITS)];
+  __shared__ float mids2[TqTcNearest<RVQ ? B2_BITS : 1>::PAIRED ? 1 : (1 << B2_BITS)];
+  __shared__ float cent[RVQ ? 1 << B_BITS : 1];
+  const uint32_t tid = threadIdx.x;
+  const uint32_t warp = tid / 32;
+  const uint32_t g = (tid % 32) / 4;  // fragment row group
+  const uint32_t q = tid % 4;         // lane in the group
+  const uint32_t col0 = 8 * NT * (warp % COL_WARPS);  // the warp's first coordinate
+  const uint32_t mt0 = MTW * (warp / COL_WARPS);      // and m-tile
+  const T* tag = nullptr;
+
+  TqTcNearest<B_BITS> nearest;
+  nearest.init(centroids, mids);
+  TqTcNearest<RVQ ? B2_BITS : 1> nearest2;
+  if constexpr (RVQ) {
+    nearest2.init(centroids2, mids2);
+    for (int c = tid; c < (1 << B_BITS); c += THREADS) {
+      cent[c] = centroids[c];
+    }
+  }
+
+  // B fragments: column g of n-tile nt is Π's row (output coordinate)
+  // col0 + 8 nt + g; a register pair holds its entries ks*16 + 2q (+1) and
+  // ks*16 + 8 + 2q (+1). unscale: of the product's columns 2q, 2q + 1 (with
+  // Hadamard signs 1, the 1/√D going with 1/‖x‖).
+  uint32_t b[NT][NP][KS][2];
+  float unscale[NT][2];
+#pragma unroll
+  for (int nt = 0; nt < NT; ++nt) {
+    const int i = col0 + 8 * nt + g;
+    if constexpr (HADAMARD) {
+      // H[i][j] s_j = (-1)^popc(i & j) s_j: ±1, the sign bit set for -1.
+      const uint32_t one = vq_bits16(vq_round(tag, 1.0f));
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int j = ks * 16 + h * 8 + 2 * q;
+          uint32_t pair = 0;
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const uint32_t neg = (__popc(i & (j + e)) & 1) ^ (rotation[j + e] < 0.0f ? 1u : 0u);
+            pair |= (one | (neg << 15)) << (16 * e);
+          }
+          b[nt][0][ks][h] = pair;
+        }
+      }
+      unscale[nt][0] = unscale[nt][1] = 1.0f;
+    } else {
+      const float* row = rotation + i * D;
+      const int shift = vq_split_b<KS, NP>(tag, [&](int j) { return row[j]; }, b[nt]);
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        unscale[nt][e] = vq_pow2(-__shfl_sync(0xffffffffu, shift, 4 * (2 * q + e)));
+      }
+    }
+  }
+  const float post = HADAMARD ? 1.0f / sqrtf(float(D)) : 1.0f;
+  const uint32_t tiles = (n + ROWS - 1) / ROWS;
+  const bool wide = vq_aligned(x, 16);
+  uint4 next[PER_THREAD];
+  auto fetch = [&](uint32_t tile) {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const uint32_t c = tid + i * THREADS;
+      const uint32_t v = tile * ROWS + c / (D / 8);
+      next[i] = make_uint4(0, 0, 0, 0);
+      if (v < n) {
+        const T* src = x + uint64_t(v) * D + (c % (D / 8)) * 8;
+        if (wide) {
+          next[i] = *reinterpret_cast<const uint4*>(src);
+        } else {
+          T* e = reinterpret_cast<T*>(&next[i]);
+#pragma unroll
+          for (int y = 0; y < 8; ++y) e[y] = src[y];
+        }
+      }
+    }
+  };
+  auto stage = [&]() {
+#pragma unroll
+    for (int i = 0; i < PER_THREAD; ++i) {
+      const uint32_t c = tid + i * THREADS;
+      *reinterpret_cast<uint4*>(&xs[(c / (D / 8)) * PITCH + (c % (D / 8)) * 8]) = next[i];
+    }
+  };
+
+  if (blockIdx.x < tiles) {
+    fetch(blockIdx.x);
+    stage();
+  }
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    __syncthreads();  // xs holds this tile; sc is free; the midpoints are set
+    if (tile + gridDim.x < tiles) {
+      fetch(tile + gridDim.x);
+    }
+    // Norms: TPV threads per vector, 32 elements each, by fma.
+    {
+      const uint32_t r = tid / TPV;
+      float s2 = 0.0f;
+#pragma unroll
+      for (int c = 0; c < 4; ++c) {
+        float f[8];
+        vq_load8(&xs[r * PITCH + (tid % TPV) * 32 + c * 8], f);
+#pragma unroll
+        for (int y = 0; y < 8; ++y) s2 = __fmaf_rn(f[y], f[y], s2);
+      }
+#pragma unroll
+      for (int o = 1; o < TPV; o *= 2) s2 += __shfl_xor_sync(0xffffffffu, s2, o);
+      const float s = __fsqrt_rn(s2);
+      const uint32_t v = tile * ROWS + r;
+      if (!(s > 0.0f)) {
+        // As the exact path's u = x/‖x‖ = 0 for a zero (or underflowing) or
+        // NaN norm: y = 0. (An infinite norm leaves products times 1/∞ = 0:
+        // NaN, code 0, where x holds an infinity, as there.)
+#pragma unroll
+        for (int c = 0; c < 4; ++c) {
+          *reinterpret_cast<uint4*>(&xs[r * PITCH + (tid % TPV) * 32 + c * 8]) = make_uint4(0, 0, 0, 0);
+        }
+      }
+      if (tid % TPV == 0) {
+        s_inv[r] = s > 0.0f ? post / s : 0.0f;
+        if (v < n) {
+          norms[v] = __float2half_rn(fminf(s, 65504.0f));
+        }
+      }
+    }
+    __syncthreads();  // s_inv holds the tile's norms
+#pragma unroll 1
+    for (int mt = mt0; mt < mt0 + MTW; ++mt) {
+      float acc[NT][4] = {};
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t a[4];
+        vq_load_a(a, reinterpret_cast<const __half*>(xs) + mt * 16 * PITCH + ks * 16, PITCH);
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+          for (int p = 0; p < NP; ++p) {
+            vq_mma(tag, acc[nt], a, b[nt][p][ks][0], b[nt][p][ks][1]);
+          }
+        }
+      }
+#pragma unroll
+      for (int hr = 0; hr < 2; ++hr) {
+        const uint32_t r = mt * 16 + g + 8 * hr;
+        const float inv = s_inv[r];
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) {
+          float y[2];
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            y[e] = HADAMARD ? acc[nt][2 * hr + e] * inv : acc[nt][2 * hr + e] * unscale[nt][e] * inv;
+          }
+          const uint32_t pair = nearest.pair(y[0], y[1]);
+          tq_tc_store_codes<B_BITS>(sc + r * RB + (col0 / 8 + nt) * B_BITS, pair);
+          if constexpr (RVQ) {
+            constexpr uint32_t MASK = (1u << B_BITS) - 1u;
+            const uint32_t pair2 = nearest2.pair(y[0] - cent[pair & MASK], y[1] - cent[pair >> B_BITS]);
+            tq_tc_store_codes<B2_BITS>(sc2 + r * RB2 + (col0 / 8 + nt) * B2_BITS, pair2);
+          }
+        }
+      }
+    }
+    __syncthreads();  // sc complete; xs read by every warp
+    // The tile's code rows are contiguous in the output.
+    const uint32_t rows = min(uint32_t(ROWS), n - tile * ROWS);
+    tq_tc_copy_codes<ROWS, RB>(sc, codes + uint64_t(tile) * ROWS * RB, rows);
+    if constexpr (RVQ) {
+      tq_tc_copy_codes<ROWS, RB2>(sc2, codes2 + uint64_t(tile) * ROWS * RB2, rows);
+    }
+    if (tile + gridDim.x < tiles) {
+      stage();
+    }
+  }
+}
