@@ -167,3 +167,47 @@ __device__ __forceinline__ uint4 vq_shared_load4(const uint4* p) {
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(addr));
   return v;
 }
+
+// A tile of ROWS rows of D 16-bit elements (D a multiple of 8) moved by
+// THREADS threads in 16-byte chunks, PER a thread: fetched from global
+// memory into registers (so that the next tile loads while this one is
+// used), then staged into shared memory as rows PITCH elements apart.
+template <int D, int ROWS, int THREADS>
+struct VqRowTile {
+  static constexpr int CHUNKS = ROWS * D / 8;
+  static constexpr int PER = (CHUNKS + THREADS - 1) / THREADS;
+  uint4 next[PER];
+
+  // Rows tile * ROWS.. of x [n, D] (rows past n read as zeros), by thread
+  // tid; `wide`: x 16-byte aligned, else element loads.
+  template <typename T>
+  __device__ __forceinline__ void fetch(const T* x, uint32_t tile, uint32_t n, bool wide, uint32_t tid) {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const uint32_t c = tid + i * THREADS;
+      const uint32_t r = tile * ROWS + c / (D / 8);
+      next[i] = make_uint4(0, 0, 0, 0);
+      if ((CHUNKS % THREADS == 0 || c < CHUNKS) && r < n) {
+        const T* src = x + uint64_t(r) * D + (c % (D / 8)) * 8;
+        if (wide) {
+          next[i] = *reinterpret_cast<const uint4*>(src);
+        } else {
+          T* e = reinterpret_cast<T*>(&next[i]);
+#pragma unroll
+          for (int y = 0; y < 8; ++y) e[y] = src[y];
+        }
+      }
+    }
+  }
+
+  template <int PITCH, typename T>
+  __device__ __forceinline__ void stage(T* xs, uint32_t tid) const {
+#pragma unroll
+    for (int i = 0; i < PER; ++i) {
+      const uint32_t c = tid + i * THREADS;
+      if (CHUNKS % THREADS == 0 || c < CHUNKS) {
+        *reinterpret_cast<uint4*>(&xs[(c / (D / 8)) * PITCH + (c % (D / 8)) * 8]) = next[i];
+      }
+    }
+  }
+};

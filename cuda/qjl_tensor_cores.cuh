@@ -23,8 +23,6 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
   constexpr int THREADS = 2 * M;      // M / 16 warps of 32
   constexpr int NBYTES = M / 8;       // sign bytes per key
   constexpr int PITCH = D + 8;        // float16 per staged row: row r starts at bank 4r (mod 32)
-  constexpr int CHUNKS = ROWS * D / 8;  // 16-byte chunks per tile
-  constexpr int PER_THREAD = (CHUNKS + THREADS - 1) / THREADS;
   __shared__ __align__(16) __half xs[ROWS * PITCH];
   __shared__ __align__(16) uint8_t sg[ROWS * NBYTES];
   const uint32_t tid = threadIdx.x;
@@ -44,44 +42,16 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
 
   const uint32_t tiles = (n + ROWS - 1) / ROWS;
   const bool wide = vq_aligned(k, 16);
-  uint4 next[PER_THREAD];
-  auto fetch = [&](uint32_t tile) {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const uint32_t c = tid + i * THREADS;
-      const uint32_t r = c / (D / 8);
-      const uint32_t key = tile * ROWS + r;
-      next[i] = make_uint4(0, 0, 0, 0);
-      if (c < CHUNKS && key < n) {
-        const __half* src = k + uint64_t(key) * D + (c % (D / 8)) * 8;
-        if (wide) {
-          next[i] = *reinterpret_cast<const uint4*>(src);
-        } else {
-          __half* e = reinterpret_cast<__half*>(&next[i]);
-#pragma unroll
-          for (int y = 0; y < 8; ++y) e[y] = src[y];
-        }
-      }
-    }
-  };
-  auto stage = [&]() {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const uint32_t c = tid + i * THREADS;
-      if (c < CHUNKS) {
-        *reinterpret_cast<uint4*>(&xs[(c / (D / 8)) * PITCH + (c % (D / 8)) * 8]) = next[i];
-      }
-    }
-  };
+  VqRowTile<D, ROWS, THREADS> rows_in;
 
   if (blockIdx.x < tiles) {
-    fetch(blockIdx.x);
-    stage();
+    rows_in.fetch(k, blockIdx.x, n, wide, tid);
+    rows_in.template stage<PITCH>(xs, tid);
   }
   for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     __syncthreads();  // xs holds this tile; sg is free
     if (tile + gridDim.x < tiles) {
-      fetch(tile + gridDim.x);
+      rows_in.fetch(k, tile + gridDim.x, n, wide, tid);
     }
 #pragma unroll 1
     for (int mt = 0; mt < ROWS / 16; ++mt) {
@@ -144,7 +114,7 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
       }
     }
     if (tile + gridDim.x < tiles) {
-      stage();
+      rows_in.template stage<PITCH>(xs, tid);
     }
   }
 }

@@ -334,3 +334,35 @@ __device__ __forceinline__ void tq_store_tile(const float (&acc)[4][TQ_CHUNKS(D)
     }
   }
 }
+
+// The exact encoders' first steps for the tile at v0: its rows staged in
+// V, each vector's norm (NORM64: tq_norm_col's float64 sum; else float32
+// squares summed in order, as crate::cpu::turboquant::tq_encode) into
+// s_norm and, as float16 (at most 65504), into norms; then u = x/‖x‖ in V
+// (tq_normalize_tile, which ends with a barrier).
+template <int D, bool NORM64, typename T>
+__device__ __forceinline__ void tq_stage_unit_rows(float* V, float* s_norm, const T* x, __half* norms, uint64_t v0,
+                                                   uint32_t n) {
+  const int tid = threadIdx.x;
+  tq_stage_rows<D>(V, x, v0, n);
+  __syncthreads();
+  if (tid < TQ_TV) {
+    float s;
+    if constexpr (NORM64) {
+      s = tq_norm_col<D>(V, tid);
+    } else {
+      float s2 = 0.0f;
+      for (int j = 0; j < D; ++j) {
+        const float f = V[j * TQ_VS + tid];
+        s2 = __fadd_rn(s2, __fmul_rn(f, f));
+      }
+      s = __fsqrt_rn(s2);
+    }
+    s_norm[tid] = s;
+    if (v0 + tid < n) {
+      norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
+    }
+  }
+  __syncthreads();
+  tq_normalize_tile<D>(V, s_norm);
+}

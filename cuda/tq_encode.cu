@@ -26,22 +26,7 @@ if constexpr (TC > 0) {
   for (int k = tid; k < K; k += 256) {
     cent[k] = centroids[k];
   }
-  tq_stage_rows<D>(V, x, v0, n);
-  __syncthreads();
-  if (tid < TQ_TV) {
-    float s2 = 0.0f;
-    for (int j = 0; j < D; ++j) {
-      const float f = V[j * TQ_VS + tid];
-      s2 = __fadd_rn(s2, __fmul_rn(f, f));
-    }
-    const float s = __fsqrt_rn(s2);
-    s_norm[tid] = s;
-    if (v0 + tid < n) {
-      norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
-    }
-  }
-  __syncthreads();
-  tq_normalize_tile<D>(V, s_norm);
+  tq_stage_unit_rows<D, false>(V, s_norm, x, norms, v0, n);
   float acc[4][CH * 4];
   tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
   unsigned code[4][CH * 4];

@@ -122,14 +122,12 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   constexpr int RB = D * B_BITS / 8;      // code bytes per vector
   constexpr int RB2 = D * B2_BITS / 8;
   constexpr int PITCH = D + 8;            // elements per staged row: row r starts at bank 4r (mod 32)
-  constexpr int CHUNKS = ROWS * D / 8;    // 16-byte chunks per tile
-  constexpr int PER_THREAD = CHUNKS / THREADS;
   constexpr int TPV = THREADS / ROWS;     // threads per vector for the norms, 32 elements each
   constexpr int NP = HADAMARD ? 1 : PARTS;
   constexpr int NT = NP == 1 ? 4 : 2;             // n-tiles per warp
   constexpr int COL_WARPS = D / (8 * NT);         // warps across the coordinates
   constexpr int MTW = (ROWS / 16) * COL_WARPS / (THREADS / 32);  // m-tiles per warp
-  static_assert(CHUNKS % THREADS == 0 && TPV * 32 == D, "tile shape");
+  static_assert(TPV * 32 == D, "tile shape");
   __shared__ __align__(16) T xs[ROWS * PITCH];
   __shared__ __align__(16) uint8_t sc[ROWS * RB];
   __shared__ __align__(16) uint8_t sc2[RVQ ? ROWS * RB2 : 16];
@@ -194,41 +192,16 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   const float post = HADAMARD ? 1.0f / sqrtf(float(D)) : 1.0f;
   const uint32_t tiles = (n + ROWS - 1) / ROWS;
   const bool wide = vq_aligned(x, 16);
-  uint4 next[PER_THREAD];
-  auto fetch = [&](uint32_t tile) {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const uint32_t c = tid + i * THREADS;
-      const uint32_t v = tile * ROWS + c / (D / 8);
-      next[i] = make_uint4(0, 0, 0, 0);
-      if (v < n) {
-        const T* src = x + uint64_t(v) * D + (c % (D / 8)) * 8;
-        if (wide) {
-          next[i] = *reinterpret_cast<const uint4*>(src);
-        } else {
-          T* e = reinterpret_cast<T*>(&next[i]);
-#pragma unroll
-          for (int y = 0; y < 8; ++y) e[y] = src[y];
-        }
-      }
-    }
-  };
-  auto stage = [&]() {
-#pragma unroll
-    for (int i = 0; i < PER_THREAD; ++i) {
-      const uint32_t c = tid + i * THREADS;
-      *reinterpret_cast<uint4*>(&xs[(c / (D / 8)) * PITCH + (c % (D / 8)) * 8]) = next[i];
-    }
-  };
+  VqRowTile<D, ROWS, THREADS> rows_in;
 
   if (blockIdx.x < tiles) {
-    fetch(blockIdx.x);
-    stage();
+    rows_in.fetch(x, blockIdx.x, n, wide, tid);
+    rows_in.template stage<PITCH>(xs, tid);
   }
   for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
     __syncthreads();  // xs holds this tile; sc is free; the midpoints are set
     if (tile + gridDim.x < tiles) {
-      fetch(tile + gridDim.x);
+      rows_in.fetch(x, tile + gridDim.x, n, wide, tid);
     }
     // Norms: TPV threads per vector, 32 elements each, by fma.
     {
@@ -306,7 +279,7 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
       tq_tc_copy_codes<ROWS, RB2>(sc2, codes2 + uint64_t(tile) * ROWS * RB2, rows);
     }
     if (tile + gridDim.x < tiles) {
-      stage();
+      rows_in.template stage<PITCH>(xs, tid);
     }
   }
 }

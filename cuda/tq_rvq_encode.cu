@@ -35,17 +35,7 @@ if constexpr (TC > 0) {
   for (int k = tid; k + 1 < K2; k += 256) {
     bounds2[k] = __fmul_rn(0.5f, __fadd_rn(centroids2[k], centroids2[k + 1]));
   }
-  tq_stage_rows<D>(V, x, v0, n);
-  __syncthreads();
-  if (tid < TQ_TV) {
-    const float s = tq_norm_col<D>(V, tid);
-    s_norm[tid] = s;
-    if (v0 + tid < n) {
-      norms[v0 + tid] = __float2half_rn(fminf(s, 65504.0f));
-    }
-  }
-  __syncthreads();
-  tq_normalize_tile<D>(V, s_norm);
+  tq_stage_unit_rows<D, true>(V, s_norm, x, norms, v0, n);
   float acc[4][CH * 4];
   tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
   unsigned code1[4][CH * 4];

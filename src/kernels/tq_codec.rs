@@ -175,7 +175,7 @@ pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<((i3
     Ok(((threads, 1, 1), (group as i32, 1, 1)))
 }
 
-fn launch_per_vector(
+pub(crate) fn launch_per_vector(
     imp: Implementation,
     source: Source,
     inputs: &[&Array],

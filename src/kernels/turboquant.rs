@@ -103,10 +103,10 @@ pub fn encode_tensor_core_parts(dtype: Dtype, d: usize, rotate: bool, bits: u32)
 }
 
 /// Launches a TurboQuant encoder on Metal or CUDA (`template` names `T`,
-/// `ROTATE` and `B_BITS`, or `B1_BITS` and `B2_BITS`). On CUDA the body takes the template argument `TC` =
-/// [`encode_tensor_core_parts`] and, when that is not 0, blocks of `2d`
-/// threads that walk tiles of 64 vectors, each loading `Π`'s fragments once;
-/// otherwise the codecs' grid.
+/// `ROTATE` and `B_BITS`, or `B1_BITS` and `B2_BITS`). On CUDA the body
+/// takes the template argument `TC` = [`encode_tensor_core_parts`] and, when
+/// that is not 0, blocks of `2d` threads that walk tiles of 64 vectors, each
+/// loading `Π`'s fragments once; otherwise the codecs' grid.
 pub(crate) fn launch_encoder(
     imp: Implementation,
     source: Source,
@@ -130,17 +130,17 @@ pub(crate) fn launch_encoder(
         }
         _ => 0,
     };
-    let (grid, threadgroup) = if parts > 0 {
-        let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
-        ((blocks as i32 * 2 * d as i32, 1, 1), (2 * d as i32, 1, 1))
-    } else {
-        super::tq_codec::codec_grid(imp, n, d)?
-    };
     let mut template = template.to_vec();
     if imp == Implementation::Cuda {
         template.push(("TC", TemplateArg::Int(parts)));
     }
-    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template: &template }, s)
+    if parts == 0 {
+        return super::tq_codec::launch_per_vector(imp, source, inputs, outputs, (n, d), &template, s);
+    }
+    let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS) as i32;
+    let threads = 2 * d as i32;
+    let launch = Launch { source, inputs, outputs, grid: (blocks * threads, 1, 1), threadgroup: (threads, 1, 1), template: &template };
+    gpu::launch(&launch, s)
 }
 
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
