@@ -1,6 +1,7 @@
 //! The TurboQuant cache kernels on the GPU against the CPU kernels: the
-//! encoder gives bit-identical codes and norms for the same input (same
-//! arithmetic), caches filled on both agree (their windows are rotated by each
+//! encoder gives bit-identical codes and norms for the same float32 input
+//! (same arithmetic), and on CUDA's tensor cores (float16 and bfloat16
+//! inputs) codes that differ only at near-ties; caches filled on both agree (their windows are rotated by each
 //! back-end's matmul, so a code may flip at a near-tie), and attention agrees
 //! to rounding. Ignored where MLX has no GPU back-end; run on the GPU machine
 //! with `--ignored`.

@@ -204,7 +204,10 @@ def tq_encode(
     packed as :func:`bit_pack` packs them, and ``|x|`` in float16. ``rotation``
     is ``R`` (float32 ``[d, d]``), the +-1 signs ``s`` of a Hadamard rotation
     (float32 ``[d]``, d a power of two: ``R u = H (s * u) / sqrt(d)``, applied
-    by butterflies), or None for vectors rotated already."""
+    by butterflies), or None for vectors rotated already. The CPU and Metal
+    kernels, and CUDA's for float32 ``x``, agree bit for bit; for float16 or
+    bfloat16 ``x`` with a rotation at d = 64 or 128 CUDA rotates on the tensor
+    cores, so a code may differ from the CPU's at a near-tie."""
     return _native.tq_encode(x, rotation, centroids, bits, policy=policy, device=_device(device))
 
 
@@ -276,7 +279,9 @@ def tq_rvq_encode(
     width 1, 2, 3, 4 or 8, as ``TurboQuantRvq``'s encoding. ``rotation`` is
     the float32 ``[d, d]`` matrix, a Hadamard rotation's float32 signs ``[d]``
     (d a power of two; butterflies), or ``None`` for vectors rotated
-    already."""
+    already. Parity as :func:`tq_encode`: on CUDA, float16 or bfloat16 ``x``
+    with a rotation at d = 64 or 128 is rotated on the tensor cores, and a
+    code may differ from the CPU's at a near-tie."""
     return _native.tq_rvq_encode(x, rotation, centroids1, centroids2, bits1, bits2, policy=policy, device=_device(device))
 
 

@@ -1,9 +1,11 @@
 //! TurboQuant-MSE for the cache: encode (norm, rotate, nearest centroid,
 //! pack) and attention that reads the packed codes directly.
 //!
-//! Arithmetic order is the GPU kernels' (float32, no fused multiply-add,
-//! sequential sums), so the encoders agree bit for bit; attention sums in
-//! different orders on different back-ends and agrees to rounding.
+//! Arithmetic order is the GPU kernels' exact path's (float32, no fused
+//! multiply-add, sequential sums), so the encoders agree bit for bit (CUDA's
+//! tensor-core path for float16 and bfloat16 inputs up to near-ties);
+//! attention sums in different orders on different back-ends and agrees to
+//! rounding.
 //!
 //! A cached vector `x` is stored as `‖x‖` (float16) and the `b`-bit indices of
 //! `y = Π x/‖x‖` in a sorted codebook `c`. Its reconstruction is
