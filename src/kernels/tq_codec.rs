@@ -175,19 +175,6 @@ pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<((i3
     Ok(((threads, 1, 1), (group as i32, 1, 1)))
 }
 
-pub(crate) fn launch_per_vector(
-    imp: Implementation,
-    source: Source,
-    inputs: &[&Array],
-    outputs: &[(Vec<i32>, Dtype)],
-    (n, d): (usize, usize),
-    template: &[(&'static str, TemplateArg)],
-    s: &Stream,
-) -> Result<Vec<Array>> {
-    let (grid, threadgroup) = codec_grid(imp, n, d)?;
-    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template }, s)
-}
-
 /// Reference graph: `(‖x‖ [n, 1], y = Π x/‖x‖ [n, d])` in float32.
 fn normalize_rotate_reference(x: &Array, rotation: Option<&Array>, s: &Stream) -> Result<(Array, Array)> {
     let xf = ops::astype(x, Dtype::F32, s)?;
@@ -326,7 +313,7 @@ pub fn tq_prod_encode(
                 )?
             } else {
                 let p = params("x", &[n])?;
-                launch_per_vector(
+                launch_encoder(
                     imp,
                     Source::TqProdEncode,
                     &[&rows.flat, rot_input, cent_input, sketch, &p],

@@ -102,11 +102,11 @@ pub fn encode_tensor_core_parts(dtype: Dtype, d: usize, rotate: bool, bits: u32)
     }
 }
 
-/// Launches a TurboQuant encoder on Metal or CUDA (`template` names `T`,
-/// `ROTATE` and `B_BITS`, or `B1_BITS` and `B2_BITS`). On CUDA the body
-/// takes the template argument `TC` = [`encode_tensor_core_parts`] and, when
-/// that is not 0, blocks of `2d` threads that walk tiles of 64 vectors, each
-/// loading `Π`'s fragments once; otherwise the codecs' grid.
+/// Launches a TurboQuant encoder on Metal or CUDA: the codecs' grid, or for
+/// `tq_encode` and `tq_rvq_encode` on CUDA (`template` names `T`, `ROTATE`
+/// and `B_BITS`, or `B1_BITS` and `B2_BITS`) the template argument `TC` =
+/// [`encode_tensor_core_parts`] and, when that is not 0, blocks of `2d`
+/// threads that walk tiles of 64 vectors, each loading `Π`'s fragments once.
 pub(crate) fn launch_encoder(
     imp: Implementation,
     source: Source,
@@ -116,6 +116,7 @@ pub(crate) fn launch_encoder(
     template: &[(&'static str, TemplateArg)],
     s: &Stream,
 ) -> Result<Vec<Array>> {
+    let with_tc = imp == Implementation::Cuda && matches!(source, Source::TqEncode | Source::TqRvqEncode);
     let arg = |name: &str| template.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
     let bits: i32 = ["B_BITS", "B1_BITS", "B2_BITS"]
         .iter()
@@ -124,23 +125,24 @@ pub(crate) fn launch_encoder(
             _ => 0,
         })
         .sum();
-    let parts = match (imp, arg("T"), arg("ROTATE")) {
-        (Implementation::Cuda, Some(TemplateArg::Dtype(dtype)), Some(TemplateArg::Bool(rotate))) => {
+    let parts = match (with_tc, arg("T"), arg("ROTATE")) {
+        (true, Some(TemplateArg::Dtype(dtype)), Some(TemplateArg::Bool(rotate))) => {
             encode_tensor_core_parts(dtype, d, rotate, bits as u32)
         }
         _ => 0,
     };
     let mut template = template.to_vec();
-    if imp == Implementation::Cuda {
+    if with_tc {
         template.push(("TC", TemplateArg::Int(parts)));
     }
-    if parts == 0 {
-        return super::tq_codec::launch_per_vector(imp, source, inputs, outputs, (n, d), &template, s);
-    }
-    let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS) as i32;
-    let threads = 2 * d as i32;
-    let launch = Launch { source, inputs, outputs, grid: (blocks * threads, 1, 1), threadgroup: (threads, 1, 1), template: &template };
-    gpu::launch(&launch, s)
+    let (grid, threadgroup) = if parts > 0 {
+        let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS) as i32;
+        let threads = 2 * d as i32;
+        ((blocks * threads, 1, 1), (threads, 1, 1))
+    } else {
+        super::tq_codec::codec_grid(imp, n, d)?
+    };
+    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template: &template }, s)
 }
 
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
