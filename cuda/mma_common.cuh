@@ -211,3 +211,20 @@ struct VqRowTile {
     }
   }
 };
+
+// The first `rows` rows (of RB bytes) of a shared tile to out, where they
+// are contiguous, by threads tid, tid + stride, ...: 16 bytes a step where
+// the tile is whole and out aligned, else bytewise.
+template <int ROWS, int RB>
+__device__ __forceinline__ void vq_copy_tile_rows(const uint8_t* tile, uint8_t* out, uint32_t rows, uint32_t tid,
+                                                  uint32_t stride) {
+  if (rows == ROWS && (ROWS * RB) % 16 == 0 && vq_aligned(out, 16)) {
+    for (uint32_t c = tid; c < ROWS * RB / 16; c += stride) {
+      reinterpret_cast<uint4*>(out)[c] = reinterpret_cast<const uint4*>(tile)[c];
+    }
+  } else {
+    for (uint32_t c = tid; c < rows * RB; c += stride) {
+      out[c] = tile[c];
+    }
+  }
+}

@@ -103,16 +103,7 @@ __device__ void qjl_encode_tensor_cores(const __half* k, const float* sketch, ui
     __syncthreads();  // sg complete; xs read by every warp
     // The tile's sign rows are contiguous in the output.
     const uint32_t rows = min(uint32_t(ROWS), n - tile * ROWS);
-    uint8_t* dst = signs + uint64_t(tile) * ROWS * NBYTES;
-    if (rows == ROWS && vq_aligned(dst, 16)) {
-      for (uint32_t c = tid; c < ROWS * NBYTES / 16; c += THREADS) {
-        reinterpret_cast<uint4*>(dst)[c] = reinterpret_cast<const uint4*>(sg)[c];
-      }
-    } else {
-      for (uint32_t c = tid; c < rows * NBYTES; c += THREADS) {
-        dst[c] = sg[c];
-      }
-    }
+    vq_copy_tile_rows<ROWS, NBYTES>(sg, signs + uint64_t(tile) * ROWS * NBYTES, rows, tid, THREADS);
     if (tile + gridDim.x < tiles) {
       rows_in.template stage<PITCH>(xs, tid);
     }

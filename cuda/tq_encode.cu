@@ -30,13 +30,13 @@ if constexpr (TC > 0) {
   float acc[4][CH * 4];
   tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
   unsigned code[4][CH * 4];
-  #pragma unroll
+#pragma unroll
   for (int a = 0; a < 4; ++a) {
-  #pragma unroll
+#pragma unroll
     for (int k = 0; k < CH * 4; ++k) {
       float best = __int_as_float(0x7f800000);
       unsigned best_k = 0;
-  #pragma unroll 4
+#pragma unroll 4
       for (int c = 0; c < K; ++c) {
         const float diff = __fsub_rn(acc[a][k], cent[c]);
         const float dist = __fmul_rn(diff, diff);

@@ -92,21 +92,6 @@ __device__ __forceinline__ void tq_tc_store_codes(uint8_t* dst, uint32_t pair) {
   }
 }
 
-// The first `rows` rows of a shared code tile (rows of RB bytes) to out,
-// where they are contiguous; by the block's threads.
-template <int ROWS, int RB>
-__device__ __forceinline__ void tq_tc_copy_codes(const uint8_t* tile, uint8_t* out, uint32_t rows) {
-  if (rows == ROWS && (ROWS * RB) % 16 == 0 && vq_aligned(out, 16)) {
-    for (uint32_t c = threadIdx.x; c < ROWS * RB / 16; c += blockDim.x) {
-      reinterpret_cast<uint4*>(out)[c] = reinterpret_cast<const uint4*>(tile)[c];
-    }
-  } else {
-    for (uint32_t c = threadIdx.x; c < rows * RB; c += blockDim.x) {
-      out[c] = tile[c];
-    }
-  }
-}
-
 // B2_BITS = 0: tq_encode (centroids2 and codes2 unused). Else tq_rvq_encode:
 // codes of B_BITS against centroids, then of B2_BITS for the residual
 // against centroids2.
@@ -274,9 +259,9 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
     __syncthreads();  // sc complete; xs read by every warp
     // The tile's code rows are contiguous in the output.
     const uint32_t rows = min(uint32_t(ROWS), n - tile * ROWS);
-    tq_tc_copy_codes<ROWS, RB>(sc, codes + uint64_t(tile) * ROWS * RB, rows);
+    vq_copy_tile_rows<ROWS, RB>(sc, codes + uint64_t(tile) * ROWS * RB, rows, threadIdx.x, blockDim.x);
     if constexpr (RVQ) {
-      tq_tc_copy_codes<ROWS, RB2>(sc2, codes2 + uint64_t(tile) * ROWS * RB2, rows);
+      vq_copy_tile_rows<ROWS, RB2>(sc2, codes2 + uint64_t(tile) * ROWS * RB2, rows, threadIdx.x, blockDim.x);
     }
     if (tile + gridDim.x < tiles) {
       rows_in.template stage<PITCH>(xs, tid);

@@ -40,9 +40,9 @@ if constexpr (TC > 0) {
   tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
   unsigned code1[4][CH * 4];
   unsigned code2[4][CH * 4];
-  #pragma unroll
+#pragma unroll
   for (int a = 0; a < 4; ++a) {
-  #pragma unroll
+#pragma unroll
     for (int k = 0; k < CH * 4; ++k) {
       const float y = acc[a][k];
       unsigned c1 = 0;
