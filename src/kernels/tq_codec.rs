@@ -12,7 +12,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, launch_encoder};
+use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, encode_tensor_core_parts, launch_encoder};
 use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, TENSOR_CORE_BLOCKS};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
@@ -326,6 +326,7 @@ pub fn tq_prod_encode(
                         ("ROTATE", TemplateArg::Bool(rotate)),
                         ("HADAMARD", TemplateArg::Bool(hadamard)),
                     ],
+                    None,
                     &stream,
                 )?
             }
@@ -570,6 +571,7 @@ pub fn tq_rvq_encode(
                     ("ROTATE", TemplateArg::Bool(rotate)),
                     ("HADAMARD", TemplateArg::Bool(hadamard)),
                 ],
+                Some(encode_tensor_core_parts(x.dtype(), d, rotate, bits.0 + bits.1)),
                 s,
             )?
         }

@@ -103,10 +103,11 @@ pub fn encode_tensor_core_parts(dtype: Dtype, d: usize, rotate: bool, bits: u32)
 }
 
 /// Launches a TurboQuant encoder on Metal or CUDA: the codecs' grid, or for
-/// `tq_encode` and `tq_rvq_encode` on CUDA (`template` names `T`, `ROTATE`
-/// and `B_BITS`, or `B1_BITS` and `B2_BITS`) the template argument `TC` =
-/// [`encode_tensor_core_parts`] and, when that is not 0, blocks of `2d`
-/// threads that walk tiles of 64 vectors, each loading `Π`'s fragments once.
+/// a body with a tensor-core path (`parts`: [`encode_tensor_core_parts`] of
+/// its input; `tq_encode` and `tq_rvq_encode`) on CUDA the template argument
+/// `TC` = parts and, when that is not 0, blocks of `2d` threads that walk
+/// tiles of 64 vectors, each loading `Π`'s fragments once.
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_encoder(
     imp: Implementation,
     source: Source,
@@ -114,33 +115,21 @@ pub(crate) fn launch_encoder(
     outputs: &[(Vec<i32>, Dtype)],
     (n, d): (usize, usize),
     template: &[(&'static str, TemplateArg)],
+    parts: Option<i32>,
     s: &Stream,
 ) -> Result<Vec<Array>> {
-    let with_tc = imp == Implementation::Cuda && matches!(source, Source::TqEncode | Source::TqRvqEncode);
-    let arg = |name: &str| template.iter().find(|(k, _)| *k == name).map(|(_, v)| *v);
-    let bits: i32 = ["B_BITS", "B1_BITS", "B2_BITS"]
-        .iter()
-        .map(|name| match arg(name) {
-            Some(TemplateArg::Int(b)) => b,
-            _ => 0,
-        })
-        .sum();
-    let parts = match (with_tc, arg("T"), arg("ROTATE")) {
-        (true, Some(TemplateArg::Dtype(dtype)), Some(TemplateArg::Bool(rotate))) => {
-            encode_tensor_core_parts(dtype, d, rotate, bits as u32)
-        }
-        _ => 0,
-    };
     let mut template = template.to_vec();
-    if with_tc {
-        template.push(("TC", TemplateArg::Int(parts)));
+    let parts = if imp == Implementation::Cuda { parts } else { None };
+    if let Some(p) = parts {
+        template.push(("TC", TemplateArg::Int(p)));
     }
-    let (grid, threadgroup) = if parts > 0 {
-        let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS) as i32;
-        let threads = 2 * d as i32;
-        ((blocks * threads, 1, 1), (threads, 1, 1))
-    } else {
-        super::tq_codec::codec_grid(imp, n, d)?
+    let (grid, threadgroup) = match parts {
+        Some(p) if p > 0 => {
+            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS) as i32;
+            let threads = 2 * d as i32;
+            ((blocks * threads, 1, 1), (threads, 1, 1))
+        }
+        _ => super::tq_codec::codec_grid(imp, n, d)?,
     };
     gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template: &template }, s)
 }
@@ -210,7 +199,8 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
                 ("ROTATE", TemplateArg::Bool(rotate)),
                 ("HADAMARD", TemplateArg::Bool(hadamard)),
             ];
-            launch_encoder(imp, Source::TqEncode, &[&flat, rot_input, centroids], &outputs, (n, d), &template, &stream)?
+            let parts = encode_tensor_core_parts(x.dtype(), d, rotate, bits);
+            launch_encoder(imp, Source::TqEncode, &[&flat, rot_input, centroids], &outputs, (n, d), &template, Some(parts), &stream)?
         }
     };
     let norms = ops::reshape(&outs.remove(1), &lead, &stream)?;
