@@ -366,3 +366,152 @@ __device__ __forceinline__ void tq_stage_unit_rows(float* V, float* s_norm, cons
   __syncthreads();
   tq_normalize_tile<D>(V, s_norm);
 }
+
+// dst[i] = src[i] for i < count, by the block's threads (a barrier must
+// follow before other threads read dst).
+__device__ __forceinline__ void tq_stage_table(float* dst, const float* src, int count) {
+  for (int i = threadIdx.x; i < count; i += blockDim.x) {
+    dst[i] = src[i];
+  }
+}
+
+// ---------------------------------------------------------------------------
+// Warp rows: a warp holds a vector of D = 32 E coordinates, lane l the E
+// consecutive coordinates E l .. E l + E - 1, so that a row's codes are one
+// coalesced read (a word per lane) and its values one store per lane.
+
+// The E * BITS code bits of this lane's coordinates (its first code in the
+// low bits), from `word`: word `lane` of the code row, as lane `lane` read
+// it (lanes past the row's words hold anything). Every lane must call.
+template <int E, int BITS>
+__device__ __forceinline__ unsigned tq_lane_code_bits(unsigned word, int lane) {
+  static_assert(E * BITS <= 32, "a lane's codes fit one word");
+  const unsigned bit = unsigned(E * BITS * lane);
+  const unsigned w0 = __shfl_sync(0xffffffffu, word, int(bit / 32));
+  if constexpr (32 % (E * BITS) == 0) {
+    return w0 >> (bit % 32);  // never across a word boundary
+  } else {
+    const unsigned w1 = __shfl_sync(0xffffffffu, word, int(bit / 32 + 1) % 32);
+    return __funnelshift_r(w0, w1, bit % 32);
+  }
+}
+
+// u <- H u (unnormalised) for the warp's vector, as quant::rotation::fwht:
+// for h = 1, 2, 4, ... each pair (j, j + h) becomes (u_j + u_{j+h},
+// u_j - u_{j+h}); the first log2 E stages within the lane, the 5 others
+// across lanes by shuffles.
+template <int E>
+__device__ __forceinline__ void tq_warp_fwht(float (&u)[E], int lane) {
+  static_assert((E & (E - 1)) == 0, "a power of two");
+#pragma unroll
+  for (int h = 1; h < E; h *= 2) {
+#pragma unroll
+    for (int b = 0; b < E; ++b) {
+      if ((b & h) == 0) {
+        const float x0 = u[b];
+        const float x1 = u[b + h];
+        u[b] = __fadd_rn(x0, x1);
+        u[b + h] = __fsub_rn(x0, x1);
+      }
+    }
+  }
+#pragma unroll
+  for (int hl = 1; hl < 32; hl *= 2) {
+    // The pair's lower coordinate gets lower + upper, the upper one
+    // lower - upper: o ± u, with ±u exact, so one rounding as fwht's.
+    const float pm = (lane & hl) != 0 ? -1.0f : 1.0f;
+#pragma unroll
+    for (int b = 0; b < E; ++b) {
+      const float o = __shfl_xor_sync(0xffffffffu, u[b], hl);
+      u[b] = __fmaf_rn(u[b], pm, o);
+    }
+  }
+}
+
+// RVQ decode in warp rows, without a rotation or with Hadamard signs (D a
+// multiple of 32 up to 128): y = ‖x‖ s ⊙ (H u) / √D, u = c1[a] + c2[b], the
+// exact tiles' float32 operations in their order (so bit for bit the same),
+// without their shared-memory round trips and barriers. Blocks of 256
+// threads walk tiles of TQ_TV vectors, grid-stride, warp w taking 4 of each;
+// a tile's code words and norms are requested a tile ahead.
+template <int D, int B1_BITS, int B2_BITS, bool ROTATE, typename T>
+__device__ void tq_rvq_decode_rows(const uint8_t* codes1, const uint8_t* codes2, const __half* norms,
+                                   const float* signs, const float* centroids1, const float* centroids2, T* y,
+                                   uint32_t n) {
+  constexpr int E = D / 32;
+  constexpr int N1 = 1 << B1_BITS;
+  constexpr int N2 = 1 << B2_BITS;
+  constexpr int W1 = D * B1_BITS / 32;  // words of a code row: at most 32
+  constexpr int W2 = D * B2_BITS / 32;
+  constexpr int PER_WARP = TQ_TV / 8;
+  static_assert(D % 32 == 0 && D <= 128, "warp rows: D a multiple of 32 up to 128");
+  __shared__ float C1[N1];
+  __shared__ float C2[N2];
+  tq_stage_table(C1, centroids1, N1);
+  tq_stage_table(C2, centroids2, N2);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  float sgn[E];
+#pragma unroll
+  for (int b = 0; b < E; ++b) {
+    sgn[b] = ROTATE ? signs[E * lane + b] : 1.0f;
+  }
+  const float rscale = ROTATE ? __fdiv_rn(1.0f, __fsqrt_rn(float(D))) : 1.0f;
+  // Code rows are 4 (D / 32) bits bytes: whole words once the start is.
+  const bool wide = vq_aligned(codes1, 4) && vq_aligned(codes2, 4);
+  unsigned word1[PER_WARP];
+  unsigned word2[PER_WARP];
+  float norm[PER_WARP];
+  // Rows past n read row n - 1 and are not stored.
+  auto request = [&](uint32_t tile) {
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+      const uint64_t v = min(uint64_t(tile) * TQ_TV + PER_WARP * warp + i, uint64_t(n) - 1);
+      word1[i] = lane < W1 ? unsigned(vq_read_bytes<4>(codes1 + v * (4 * W1) + 4 * lane, wide)) : 0u;
+      word2[i] = lane < W2 ? unsigned(vq_read_bytes<4>(codes2 + v * (4 * W2) + 4 * lane, wide)) : 0u;
+      norm[i] = __half2float(norms[v]);
+    }
+  };
+  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
+  if (blockIdx.x < tiles) {
+    request(blockIdx.x);
+  }
+  __syncthreads();  // C1 and C2 are written
+  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
+    unsigned bits1[PER_WARP];
+    unsigned bits2[PER_WARP];
+    float nrm[PER_WARP];
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+      bits1[i] = tq_lane_code_bits<E, B1_BITS>(word1[i], lane);
+      bits2[i] = tq_lane_code_bits<E, B2_BITS>(word2[i], lane);
+      nrm[i] = norm[i];
+    }
+    if (tile + gridDim.x < tiles) {
+      request(tile + gridDim.x);
+    }
+#pragma unroll
+    for (int i = 0; i < PER_WARP; ++i) {
+      float u[E];
+#pragma unroll
+      for (int b = 0; b < E; ++b) {
+        const unsigned a = (bits1[i] >> (b * B1_BITS)) & unsigned(N1 - 1);
+        const unsigned c = (bits2[i] >> (b * B2_BITS)) & unsigned(N2 - 1);
+        u[b] = __fadd_rn(C1[a], C2[c]);
+      }
+      if constexpr (ROTATE) {
+        tq_warp_fwht<E>(u, lane);
+      }
+      float o[E];
+#pragma unroll
+      for (int b = 0; b < E; ++b) {
+        const float r = ROTATE ? __fmul_rn(__fmul_rn(u[b], rscale), sgn[b]) : u[b];
+        o[b] = __fmul_rn(r, nrm[i]);
+      }
+      const uint64_t v = uint64_t(tile) * TQ_TV + PER_WARP * warp + i;
+      if (v < n) {
+        vq_store_n<E>(y + v * D + E * lane, o);
+      }
+    }
+  }
+}

@@ -5,11 +5,18 @@
 // tiles); sums in order with round-to-nearest intrinsics, as
 // crate::cpu::turboquant. With TC (float16 or bfloat16 output, D = 64 or 128,
 // a dense rotation) the rotation's product runs on the tensor cores instead
-// (tq_tensor_cores.cuh), blocks walking the tiles.
+// (tq_tensor_cores.cuh), blocks walking the tiles. With ROWS (Hadamard
+// signs or no rotation, D a multiple of 32 up to 128) each warp decodes
+// whole vectors in registers (tq_common.cuh's warp rows), the same
+// arithmetic as the tiles'.
 const uint32_t n = params[0];
 static_assert(!TC || (ROTATE && !HADAMARD), "the tensor-core decode takes a dense rotation");
+static_assert(!ROWS || !TC, "one path");
+static_assert(!ROWS || !ROTATE || HADAMARD, "warp rows take Hadamard signs or no rotation");
 if constexpr (TC) {
   tq_rvq_decode_tensor_cores<D, B1_BITS, B2_BITS>(codes1, codes2, norms, rotation, centroids1, centroids2, y, n);
+} else if constexpr (ROWS) {
+  tq_rvq_decode_rows<D, B1_BITS, B2_BITS, ROTATE>(codes1, codes2, norms, rotation, centroids1, centroids2, y, n);
 } else {
   constexpr int CH = TQ_CHUNKS(D);
   __shared__ __align__(16) float V[D * TQ_VS];

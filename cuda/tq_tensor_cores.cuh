@@ -18,14 +18,6 @@
 // u_hi Π_hi + u_hi Π_lo + u_lo Π_hi, every product exact, the dropped
 // u_lo Π_lo below float32's rounding of the sums.
 
-// dst[i] = src[i] for i < count, by the block's threads (a barrier must
-// follow before other threads read dst).
-__device__ __forceinline__ void tq_stage_table(float* dst, const float* src, int count) {
-  for (int i = threadIdx.x; i < count; i += blockDim.x) {
-    dst[i] = src[i];
-  }
-}
-
 // The sign words of this lane's rows v0 + g and v0 + g + 8 (D bits each;
 // rows past n read as zero words: their products are never stored),
 // shifted right by 2q for tq_sign_a.
@@ -380,7 +372,6 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
     sgn[b] = ROTATE ? rotation[E * lane + b] : 1.0f;
   }
   const float rscale = ROTATE ? __fdiv_rn(1.0f, __fsqrt_rn(float(D))) : 1.0f;
-  const unsigned code_bit = unsigned(E * MSE_BITS * lane);
   const bool wide_codes = vq_aligned(codes, 4);
   Frags frags;
   frags.load(sketch);
@@ -443,9 +434,7 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
       unsigned bits = 0;
       float a = scale;
       if constexpr (MSE_BITS > 0) {
-        const unsigned w0 = __shfl_sync(0xffffffffu, word[i], int(code_bit / 32));
-        const unsigned w1 = __shfl_sync(0xffffffffu, word[i], int(code_bit / 32 + 1) % 32);
-        bits = __funnelshift_r(w0, w1, code_bit % 32);
+        bits = tq_lane_code_bits<E, MSE_BITS>(word[i], lane);
         a = __fmul_rn(scale, rnorm[i]);
       }
 #pragma unroll
@@ -454,29 +443,7 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
         u[b] = __fadd_rn(c, __fmul_rn(a, u[b]));
       }
       if constexpr (ROTATE) {
-#pragma unroll
-        for (int h = 1; h < E; h *= 2) {
-#pragma unroll
-          for (int b = 0; b < E; ++b) {
-            if ((b & h) == 0) {
-              const float x0 = u[b];
-              const float x1 = u[b + h];
-              u[b] = __fadd_rn(x0, x1);
-              u[b + h] = __fsub_rn(x0, x1);
-            }
-          }
-        }
-#pragma unroll
-        for (int hl = 1; hl < 32; hl *= 2) {
-          // The pair's lower coordinate gets lower + upper, the upper one
-          // lower - upper: o ± u, with ±u exact, so one rounding as fwht's.
-          const float pm = (lane & hl) != 0 ? -1.0f : 1.0f;
-#pragma unroll
-          for (int b = 0; b < E; ++b) {
-            const float o = __shfl_xor_sync(0xffffffffu, u[b], hl);
-            u[b] = __fmaf_rn(u[b], pm, o);
-          }
-        }
+        tq_warp_fwht<E>(u, lane);
       }
       float o[E];
 #pragma unroll

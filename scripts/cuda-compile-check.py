@@ -114,9 +114,13 @@ KERNELS = {
                        ("centroids1", "float"), ("centroids2", "float"), ("params", "uint32_t")],
                       [("y", "T")],
                       [{"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
-                        "ROTATE": [True, False], "HADAMARD": [False, True], "TC": [False]},
-                       {"TC": [True], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B1_BITS": [2, 1, 8],
-                        "B2_BITS": [2, 4, 8], "ROTATE": [True], "HADAMARD": [False]}]),
+                        "ROTATE": [True, False], "HADAMARD": [False, True], "TC": [False], "ROWS": [False]},
+                       {"TC": [True], "ROWS": [False], "T": ["__half", "__nv_bfloat16"], "D": [128, 64],
+                        "B1_BITS": [2, 1, 8], "B2_BITS": [2, 4, 8], "ROTATE": [True], "HADAMARD": [False]},
+                       {"ROWS": [True], "TC": [False], "T": ELEMENT, "D": [128, 64, 32], "B1_BITS": [2, 1, 3, 8],
+                        "B2_BITS": [2, 3, 4, 8], "ROTATE": [True], "HADAMARD": [True]},
+                       {"ROWS": [True], "TC": [False], "T": ELEMENT, "D": [128, 96, 32], "B1_BITS": [2, 3],
+                        "B2_BITS": [2, 1], "ROTATE": [False], "HADAMARD": [False]}]),
 }
 
 

@@ -16,8 +16,8 @@ use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::turboquant::code_at;
 use veloxquant::kernels::{
-    encode_tensor_core_parts, prod_decode_tensor_cores, rvq_decode_tensor_cores, tq_prod_decode, tq_prod_encode, tq_rvq_decode,
-    tq_rvq_encode, ProdCodes, RvqCodes, PROD_BITS,
+    encode_tensor_core_parts, prod_decode_tensor_cores, rvq_decode_path, tq_prod_decode, tq_prod_encode, tq_rvq_decode,
+    tq_rvq_encode, CudaDecodePath, ProdCodes, RotationKind, RvqCodes, PROD_BITS,
 };
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
@@ -280,7 +280,8 @@ fn gpu_rvq_matches_cpu() {
                 assert_rvq_encodings_match(tc, &x, rotate, (&c1, &c2), bits, &g, &c, &tag);
                 let yg = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
                 let yc = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
-                let tensor_cores = rvq_decode_tensor_cores(dtype, d, rotation.is_some());
+                let kind = if rotation.is_some() { RotationKind::Dense } else { RotationKind::None };
+                let tensor_cores = rvq_decode_path(dtype, d, kind) == CudaDecodePath::TensorCores;
                 assert_decode_matches(&yg, &yc, dtype, d, tensor_cores, &tag);
             }
         }
@@ -424,7 +425,60 @@ fn gpu_rvq_decode_walks_many_tiles() {
             let tag = format!("d={d} bits={bits:?} {dtype} n={n}");
             let yg = tq_rvq_decode(&enc, Some(&rot), &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
             let yc = tq_rvq_decode(&enc, Some(&rot), &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
-            assert_decode_matches(&yg, &yc, dtype, d, rvq_decode_tensor_cores(dtype, d, true), &tag);
+            let tensor_cores = rvq_decode_path(dtype, d, RotationKind::Dense) == CudaDecodePath::TensorCores;
+            assert_decode_matches(&yg, &yc, dtype, d, tensor_cores, &tag);
         }
+    }
+}
+
+/// RVQ decode in warp rows (Hadamard signs or no rotation, d a multiple of
+/// 32 up to 128) against the CPU, bit for bit: over more tiles than the
+/// launch has blocks (the last one partial) and a single vector; codes of 1
+/// to 8 bits, whose lane bits cross code words at 3 bits; d = 32 and 96;
+/// every output type; code views off 4-byte alignment; and d = 256 and 72,
+/// which stay on the tiles.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_rvq_decode_rows_match_cpu() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let cases: &[(usize, (u32, u32), bool, i32)] = &[
+        (128, (2, 2), true, 100_003),
+        (64, (3, 3), true, 70_001),
+        (32, (8, 1), true, 40_000),
+        (128, (4, 8), false, 50_001),
+        (96, (3, 2), false, 33_793),
+        (128, (1, 4), true, 1),
+        (256, (2, 2), true, 517),
+        (72, (2, 3), false, 517),
+    ];
+    for &(d, bits, hadamard, n) in cases {
+        let mut rng = ChaCha8Rng::seed_from_u64(d as u64 * 31 + u64::from(bits.0 * 10 + bits.1));
+        let x = normal(&mut rng, &[n, d as i32], Dtype::F32);
+        let r = hadamard.then(|| veloxquant::quant::Rotation::hadamard(d, 9).unwrap());
+        let signs = r.as_ref().map(|r| f32_array(r.signs(), &[d as i32]));
+        let c1 = ScalarCodebook::sphere(d, bits.0).unwrap().centroids().to_vec();
+        let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
+        let (c1, c2) = (f32_array(&c1, &[c1.len() as i32]), f32_array(&c2, &[c2.len() as i32]));
+        let enc = tq_rvq_encode(&x, signs.as_ref(), &c1, &c2, bits, &on(&gpu)).unwrap();
+        let kind = if hadamard { RotationKind::Hadamard } else { RotationKind::None };
+        let rows = d % 32 == 0 && d <= 128;
+        assert_eq!(rvq_decode_path(Dtype::F16, d, kind) == CudaDecodePath::Rows, rows, "path d={d}");
+        for dtype in [Dtype::F32, Dtype::F16, Dtype::BF16] {
+            let tag = format!("d={d} bits={bits:?} hadamard={hadamard} n={n} {dtype}");
+            let yg = tq_rvq_decode(&enc, signs.as_ref(), &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
+            let yc = tq_rvq_decode(&enc, signs.as_ref(), &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
+            assert_eq!(yg.shape(), vec![n, d as i32], "{tag}");
+            assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode {tag}");
+        }
+        // The same codes as views one and two bytes into their buffers.
+        let (b1, b2) = (d * bits.0 as usize / 8, d * bits.1 as usize / 8);
+        let shifted = RvqCodes {
+            codes1: offset_view(&bytes(&enc.codes1), &[n as usize, b1], 1),
+            codes2: offset_view(&bytes(&enc.codes2), &[n as usize, b2], 2),
+            norms: enc.norms.clone(),
+        };
+        let yg = tq_rvq_decode(&shifted, signs.as_ref(), &c1, &c2, bits, d, Dtype::F16, &on(&gpu)).unwrap();
+        let yc = tq_rvq_decode(&enc, signs.as_ref(), &c1, &c2, bits, d, Dtype::F16, &on(&Stream::cpu())).unwrap();
+        assert_eq!(count_differing(&bytes(&yg), &bytes(&yc)), 0, "decode of unaligned code views d={d} bits={bits:?}");
     }
 }

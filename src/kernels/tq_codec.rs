@@ -129,24 +129,64 @@ pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
 }
 
-/// Whether CUDA's `tq_rvq_decode` runs its rotation's product on the tensor
-/// cores: a dense `[d, d]` rotation, a float16 or bfloat16 output and `d` =
-/// 64 or 128, as [`prod_decode_tensor_cores`]. Hadamard signs and no
-/// rotation keep the exact path (no product to speed up).
-pub fn rvq_decode_tensor_cores(dtype: Dtype, d: usize, dense_rotation: bool) -> bool {
-    dense_rotation && prod_decode_tensor_cores(dtype, d)
+/// How CUDA runs a TurboQuant decoder.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum CudaDecodePath {
+    /// Blocks of 256 threads tile 32 vectors through shared memory, sums in
+    /// the CPU's order (every case; bit for bit the CPU's).
+    Tiles,
+    /// Products on the tensor cores, blocks walking the tiles (a float16 or
+    /// bfloat16 output: within its rounding of the CPU's).
+    TensorCores,
+    /// Warp rows: a warp decodes whole vectors in registers, butterflies by
+    /// shuffles (bit for bit the CPU's).
+    Rows,
 }
 
-/// The grid of a tensor-core decoder: blocks of 256 threads that walk the
-/// tiles, each loading its split matrix once.
-fn tensor_core_grid(n: usize) -> ((i32, i32, i32), (i32, i32, i32)) {
+/// How CUDA's `tq_rvq_decode` runs: a dense `[d, d]` rotation on the tensor
+/// cores for a float16 or bfloat16 output at `d` = 64 or 128, as
+/// [`prod_decode_tensor_cores`]; Hadamard signs or no rotation in warp rows
+/// for `d` a multiple of 32 up to 128 (a lane's codes fit a 32-bit word);
+/// the tiles otherwise.
+pub fn rvq_decode_path(dtype: Dtype, d: usize, rotation: RotationKind) -> CudaDecodePath {
+    match rotation {
+        RotationKind::Dense if prod_decode_tensor_cores(dtype, d) => CudaDecodePath::TensorCores,
+        RotationKind::Hadamard | RotationKind::None if d % 32 == 0 && d <= 128 => CudaDecodePath::Rows,
+        _ => CudaDecodePath::Tiles,
+    }
+}
+
+/// The rotation a codec is given.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum RotationKind {
+    /// A float32 `[d, d]` matrix.
+    Dense,
+    /// The ±1 signs `[d]` of a Hadamard rotation.
+    Hadamard,
+    /// None: the vectors are rotated already.
+    None,
+}
+
+impl RotationKind {
+    fn of(rotation: Option<&Array>, hadamard: bool) -> Self {
+        match (rotation, hadamard) {
+            (None, _) => RotationKind::None,
+            (Some(_), true) => RotationKind::Hadamard,
+            (Some(_), false) => RotationKind::Dense,
+        }
+    }
+}
+
+/// The grid of a decoder whose blocks of 256 threads walk the tiles
+/// (each loading its tables or split matrix once).
+fn walking_grid(n: usize) -> ((i32, i32, i32), (i32, i32, i32)) {
     let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
     ((blocks as i32 * 256, 1, 1), (256, 1, 1))
 }
 
 /// Launches a TurboQuant decoder on Metal or CUDA. On CUDA the body takes
-/// the template argument `TC` = `tensor_cores` and, when set, the
-/// tensor-core grid; otherwise the codecs' grid.
+/// the template arguments `TC` and `ROWS` of `path` and, for those two, the
+/// walking grid; otherwise the codecs' grid.
 #[allow(clippy::too_many_arguments)]
 fn launch_decoder(
     imp: Implementation,
@@ -155,14 +195,15 @@ fn launch_decoder(
     outputs: &[(Vec<i32>, Dtype)],
     (n, d): (usize, usize),
     mut template: Vec<(&'static str, TemplateArg)>,
-    tensor_cores: bool,
+    path: CudaDecodePath,
     s: &Stream,
 ) -> Result<Array> {
-    let tensor_cores = imp == Implementation::Cuda && tensor_cores;
+    let path = if imp == Implementation::Cuda { path } else { CudaDecodePath::Tiles };
     if imp == Implementation::Cuda {
-        template.push(("TC", TemplateArg::Bool(tensor_cores)));
+        template.push(("TC", TemplateArg::Bool(path == CudaDecodePath::TensorCores)));
+        template.push(("ROWS", TemplateArg::Bool(path == CudaDecodePath::Rows)));
     }
-    let (grid, threadgroup) = if tensor_cores { tensor_core_grid(n) } else { codec_grid(imp, n, d)? };
+    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(n) };
     let launch = Launch { source, inputs, outputs, grid, threadgroup, template: &template };
     Ok(gpu::launch(&launch, s)?.remove(0))
 }
@@ -476,8 +517,8 @@ pub fn tq_prod_decode(
                     ("HADAMARD", TemplateArg::Bool(hadamard)),
                 ];
                 let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
-                let tensor_cores = prod_decode_tensor_cores(dtype, d);
-                launch_decoder(imp, Source::TqProdDecode, &inputs, &outputs, (n, d), template, tensor_cores, s)?
+                let path = if prod_decode_tensor_cores(dtype, d) { CudaDecodePath::TensorCores } else { CudaDecodePath::Tiles };
+                launch_decoder(imp, Source::TqProdDecode, &inputs, &outputs, (n, d), template, path, s)?
             }
         }
     };
@@ -659,9 +700,32 @@ pub fn tq_rvq_decode(
                 ("HADAMARD", TemplateArg::Bool(hadamard)),
             ];
             let inputs = [&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p];
-            let tensor_cores = rvq_decode_tensor_cores(dtype, d, rotate && !hadamard);
-            launch_decoder(imp, Source::TqRvqDecode, &inputs, &outputs, (n, d), template, tensor_cores, s)?
+            let path = rvq_decode_path(dtype, d, RotationKind::of(rotation, hadamard));
+            launch_decoder(imp, Source::TqRvqDecode, &inputs, &outputs, (n, d), template, path, s)?
         }
     };
     ops::reshape(&y, &out_shape, s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rvq_decode_paths() {
+        use CudaDecodePath::*;
+        use RotationKind::{Dense, Hadamard};
+        assert_eq!(rvq_decode_path(Dtype::F16, 128, Dense), TensorCores);
+        assert_eq!(rvq_decode_path(Dtype::BF16, 64, Dense), TensorCores);
+        assert_eq!(rvq_decode_path(Dtype::F32, 128, Dense), Tiles);
+        assert_eq!(rvq_decode_path(Dtype::F16, 256, Dense), Tiles);
+        for dtype in [Dtype::F32, Dtype::F16, Dtype::BF16] {
+            assert_eq!(rvq_decode_path(dtype, 128, Hadamard), Rows);
+            assert_eq!(rvq_decode_path(dtype, 32, Hadamard), Rows);
+            assert_eq!(rvq_decode_path(dtype, 256, Hadamard), Tiles);
+            assert_eq!(rvq_decode_path(dtype, 96, RotationKind::None), Rows);
+            assert_eq!(rvq_decode_path(dtype, 72, RotationKind::None), Tiles);
+            assert_eq!(rvq_decode_path(dtype, 16, Hadamard), Tiles);
+        }
+    }
 }
