@@ -428,6 +428,23 @@ __device__ __forceinline__ void tq_warp_fwht(float (&u)[E], int lane) {
   }
 }
 
+// The end of a warp-rows decode, this lane's E values of the vector:
+// o = ‖x‖ s ⊙ (H u) / √D with ROTATE (s the lane's signs, rscale = 1/√D),
+// else ‖x‖ u, in the tiles' float32 operations and order. Every lane must
+// call (the butterflies shuffle).
+template <int E, bool ROTATE>
+__device__ __forceinline__ void tq_warp_finish(float (&u)[E], const float (&sgn)[E], float rscale, float norm,
+                                               float (&o)[E], int lane) {
+  if constexpr (ROTATE) {
+    tq_warp_fwht<E>(u, lane);
+  }
+#pragma unroll
+  for (int b = 0; b < E; ++b) {
+    const float r = ROTATE ? __fmul_rn(__fmul_rn(u[b], rscale), sgn[b]) : u[b];
+    o[b] = __fmul_rn(r, norm);
+  }
+}
+
 // RVQ decode in warp rows, without a rotation or with Hadamard signs (D a
 // multiple of 32 up to 128): y = ‖x‖ s ⊙ (H u) / √D, u = c1[a] + c2[b], the
 // exact tiles' float32 operations in their order (so bit for bit the same),
@@ -499,15 +516,8 @@ __device__ void tq_rvq_decode_rows(const uint8_t* codes1, const uint8_t* codes2,
         const unsigned c = (bits2[i] >> (b * B2_BITS)) & unsigned(N2 - 1);
         u[b] = __fadd_rn(C1[a], C2[c]);
       }
-      if constexpr (ROTATE) {
-        tq_warp_fwht<E>(u, lane);
-      }
       float o[E];
-#pragma unroll
-      for (int b = 0; b < E; ++b) {
-        const float r = ROTATE ? __fmul_rn(__fmul_rn(u[b], rscale), sgn[b]) : u[b];
-        o[b] = __fmul_rn(r, nrm[i]);
-      }
+      tq_warp_finish<E, ROTATE>(u, sgn, rscale, nrm[i], o, lane);
       const uint64_t v = uint64_t(tile) * TQ_TV + PER_WARP * warp + i;
       if (v < n) {
         vq_store_n<E>(y + v * D + E * lane, o);

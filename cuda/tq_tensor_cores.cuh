@@ -442,15 +442,8 @@ __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uin
         const float c = MSE_BITS > 0 ? C[(bits >> (b * MSE_BITS)) & CODE_MASK] : 0.0f;
         u[b] = __fadd_rn(c, __fmul_rn(a, u[b]));
       }
-      if constexpr (ROTATE) {
-        tq_warp_fwht<E>(u, lane);
-      }
       float o[E];
-#pragma unroll
-      for (int b = 0; b < E; ++b) {
-        const float r = ROTATE ? __fmul_rn(__fmul_rn(u[b], rscale), sgn[b]) : u[b];
-        o[b] = __fmul_rn(r, norm[i]);
-      }
+      tq_warp_finish<E, ROTATE>(u, sgn, rscale, norm[i], o, lane);
       if (v < n) {
         vq_store_n<E>(y + v * D + E * lane, o);
       }
