@@ -335,6 +335,22 @@ __device__ __forceinline__ void tq_store_tile(const float (&acc)[4][TQ_CHUNKS(D)
   }
 }
 
+// The exact encoders' codebook tables, by the block's 256 threads (a
+// barrier must follow): for k < count, cent[k] = centroids[k] (CENT) and,
+// below the last, mids[k] = the midpoint of centroids k and k + 1 rounded
+// as crate::cpu's scalar_boundaries (a code counts the midpoints below y).
+template <bool CENT>
+__device__ __forceinline__ void tq_stage_codebook(float* cent, float* mids, const float* centroids, int count) {
+  for (int k = threadIdx.x; k < count; k += 256) {
+    if constexpr (CENT) {
+      cent[k] = centroids[k];
+    }
+    if (k + 1 < count) {
+      mids[k] = __fmul_rn(0.5f, __fadd_rn(centroids[k], centroids[k + 1]));
+    }
+  }
+}
+
 // The exact encoders' first steps for the tile at v0: its rows staged in
 // V, each vector's norm (NORM64: tq_norm_col's float64 sum; else float32
 // squares summed in order, as crate::cpu::turboquant::tq_encode) into

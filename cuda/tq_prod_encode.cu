@@ -25,12 +25,7 @@ __shared__ float bounds[K];
 const uint32_t n = params[0];
 const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
 const int tid = threadIdx.x;
-for (int k = tid; k < K; k += 256) {
-  cent[k] = centroids[k];
-  if (k + 1 < K) {
-    bounds[k] = __fmul_rn(0.5f, __fadd_rn(centroids[k], centroids[k + 1]));
-  }
-}
+tq_stage_codebook<true>(cent, bounds, centroids, K);
 tq_stage_unit_rows<D, true>(V, s_norm, x, norms, v0, n);
 float acc[4][CH * 4];
 tq_rotate_tile<D, ROTATE, HADAMARD, FUSED>(acc, V, rotation, Bs);

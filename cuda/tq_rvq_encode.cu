@@ -26,12 +26,7 @@ if constexpr (TC > 0) {
   const uint32_t n = params[0];
   const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
   const int tid = threadIdx.x;
-  for (int k = tid; k < K1; k += 256) {
-    cent1[k] = centroids1[k];
-    if (k + 1 < K1) {
-      bounds1[k] = __fmul_rn(0.5f, __fadd_rn(centroids1[k], centroids1[k + 1]));
-    }
-  }
+  tq_stage_codebook<true>(cent1, bounds1, centroids1, K1);
   for (int k = tid; k + 1 < K2; k += 256) {
     bounds2[k] = __fmul_rn(0.5f, __fadd_rn(centroids2[k], centroids2[k + 1]));
   }
