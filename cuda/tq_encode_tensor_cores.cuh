@@ -23,6 +23,13 @@
 // sits in shared memory as rows padded so that ldmatrix hits 32 banks, the
 // next tile is fetched into registers while this one is encoded, and the
 // codes gather in a shared tile that leaves as one contiguous block.
+//
+// TurboQuant-Prod (PROD) codes y against its codebook the same way, then
+// sketches the residual r = y - c[code]: r goes to a shared tile in float16
+// and the signs of S r come from a second product, against S's rows as B
+// fragments held in shared memory (the registers hold Π's), one float16
+// part (a sign needs no more: each rounding, of S and of r, moves S r by
+// about 1e-5 ‖S_j‖ ‖r‖). ‖r‖ sums by fma across the warps' columns.
 
 // The nearest of 2^B sorted centroids, by the midpoints between neighbours
 // (the midpoint c lies between centroids c and c + 1; above it is nearer
@@ -94,18 +101,25 @@ __device__ __forceinline__ void tq_tc_store_codes(uint8_t* dst, uint32_t pair) {
 
 // B2_BITS = 0: tq_encode (centroids2 and codes2 unused). Else tq_rvq_encode:
 // codes of B_BITS against centroids, then of B2_BITS for the residual
-// against centroids2.
-template <typename T, int D, int B_BITS, int B2_BITS, int PARTS, bool HADAMARD>
+// against centroids2. PROD (B2_BITS = 0): tq_prod_encode's codes of B_BITS
+// (its MSE stage, at least 1 bit), then the residual's norm into
+// residual_norms and the signs of S r (sketch: float32 [D, D], row-major)
+// into codes2; it takes 2 D² + 128 (D + 8) bytes of dynamic shared memory
+// (S's fragments, a uint2 per lane, n-tile and k-step, then the float16
+// residual tile of 64 rows).
+template <typename T, int D, int B_BITS, int B2_BITS, int PARTS, bool HADAMARD, bool PROD = false>
 __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const float* centroids,
                                        const float* centroids2, uint8_t* codes, uint8_t* codes2, __half* norms,
-                                       uint32_t n) {
+                                       uint32_t n, const float* sketch = nullptr,
+                                       __half* residual_norms = nullptr) {
   static_assert((D == 64 || D == 128) && PARTS >= 1 && PARTS <= 3, "tensor-core shape");
   constexpr int ROWS = 64;                // vectors per tile
   constexpr int KS = D / 16;              // k-steps of an mma
   constexpr int THREADS = 2 * D;          // D / 16 warps
   constexpr bool RVQ = B2_BITS > 0;
+  static_assert(!(PROD && RVQ) && B_BITS >= 1, "one second stage");
   constexpr int RB = D * B_BITS / 8;      // code bytes per vector
-  constexpr int RB2 = D * B2_BITS / 8;
+  constexpr int RB2 = PROD ? D / 8 : D * B2_BITS / 8;  // second codes, or signs
   constexpr int PITCH = D + 8;            // elements per staged row: row r starts at bank 4r (mod 32)
   constexpr int TPV = THREADS / ROWS;     // threads per vector for the norms, 32 elements each
   constexpr int NP = HADAMARD ? 1 : PARTS;
@@ -115,11 +129,12 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   static_assert(TPV * 32 == D, "tile shape");
   __shared__ __align__(16) T xs[ROWS * PITCH];
   __shared__ __align__(16) uint8_t sc[ROWS * RB];
-  __shared__ __align__(16) uint8_t sc2[RVQ ? ROWS * RB2 : 16];
+  __shared__ __align__(16) uint8_t sc2[RVQ || PROD ? ROWS * RB2 : 16];
   __shared__ float s_inv[ROWS];
   __shared__ float mids[TqTcNearest<B_BITS>::PAIRED ? 1 : (1 << B_BITS)];
   __shared__ float mids2[TqTcNearest<RVQ ? B2_BITS : 1>::PAIRED ? 1 : (1 << B2_BITS)];
-  __shared__ float cent[RVQ ? 1 << B_BITS : 1];
+  __shared__ float cent[RVQ || PROD ? 1 << B_BITS : 1];
+  __shared__ float rn2[PROD ? ROWS * COL_WARPS : 1];  // ‖r‖² of each row's columns, by column warp
   const uint32_t tid = threadIdx.x;
   const uint32_t warp = tid / 32;
   const uint32_t g = (tid % 32) / 4;  // fragment row group
@@ -133,8 +148,32 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   TqTcNearest<RVQ ? B2_BITS : 1> nearest2;
   if constexpr (RVQ) {
     nearest2.init(centroids2, mids2);
+  }
+  if constexpr (RVQ || PROD) {
     for (int c = tid; c < (1 << B_BITS); c += THREADS) {
       cent[c] = centroids[c];
+    }
+  }
+  // PROD: S's fragments, sfrag[(n-tile · KS + ks) · 32 + lane], column g of
+  // n-tile t being S's row 8 t + g (scaled by a power of two: signs need no
+  // unscale); the residual tile rs, rows PITCH apart. The first barrier of
+  // the tile loop orders these writes before the reads.
+  extern __shared__ __align__(16) uint2 tq_prod_dynamic[];
+  uint2* sfrag = tq_prod_dynamic;
+  __half* rs = reinterpret_cast<__half*>(tq_prod_dynamic + (PROD ? D * D / 4 : 0));
+  if constexpr (PROD) {
+    if (warp < COL_WARPS) {
+#pragma unroll 1
+      for (int nt = 0; nt < NT; ++nt) {
+        const int t = col0 / 8 + nt;
+        const float* row = sketch + (8 * t + g) * D;
+        uint32_t part[1][KS][2];
+        vq_split_b<KS, 1>(static_cast<const __half*>(nullptr), [&](int j) { return row[j]; }, part);
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          sfrag[(t * KS + ks) * 32 + tid % 32] = make_uint2(part[0][ks][0], part[0][ks][1]);
+        }
+      }
     }
   }
 
@@ -235,6 +274,7 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
           }
         }
       }
+      float rr[2] = {0.0f, 0.0f};  // PROD: this lane's share of ‖r‖² of rows g, g + 8
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const uint32_t r = mt * 16 + g + 8 * hr;
@@ -248,19 +288,70 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
           }
           const uint32_t pair = nearest.pair(y[0], y[1]);
           tq_tc_store_codes<B_BITS>(sc + r * RB + (col0 / 8 + nt) * B_BITS, pair);
+          constexpr uint32_t MASK = (1u << B_BITS) - 1u;
           if constexpr (RVQ) {
-            constexpr uint32_t MASK = (1u << B_BITS) - 1u;
             const uint32_t pair2 = nearest2.pair(y[0] - cent[pair & MASK], y[1] - cent[pair >> B_BITS]);
             tq_tc_store_codes<B2_BITS>(sc2 + r * RB2 + (col0 / 8 + nt) * B2_BITS, pair2);
+          }
+          if constexpr (PROD) {
+            const float r0 = y[0] - cent[pair & MASK];
+            const float r1 = y[1] - cent[pair >> B_BITS];
+            *reinterpret_cast<__half2*>(&rs[r * PITCH + col0 + 8 * nt + 2 * q]) = __floats2half2_rn(r0, r1);
+            rr[hr] = __fmaf_rn(r0, r0, __fmaf_rn(r1, r1, rr[hr]));
+          }
+        }
+        if constexpr (PROD) {
+          // The row's sum over this warp's columns: the quad's four lanes.
+          rr[hr] += __shfl_xor_sync(0xffffffffu, rr[hr], 1);
+          rr[hr] += __shfl_xor_sync(0xffffffffu, rr[hr], 2);
+          if (q == 0) {
+            rn2[r * COL_WARPS + warp % COL_WARPS] = rr[hr];
           }
         }
       }
     }
     __syncthreads();  // sc complete; xs read by every warp
+    if constexpr (PROD) {
+      // ‖r‖ of each row, then the signs of S r for this warp's m-tiles and
+      // n-tiles into sc2; the barrier after orders them before the copy.
+      if (tid < ROWS && tile * ROWS + tid < n) {
+        float s2 = 0.0f;
+#pragma unroll
+        for (int w = 0; w < COL_WARPS; ++w) {
+          s2 += rn2[tid * COL_WARPS + w];
+        }
+        residual_norms[tile * ROWS + tid] = __float2half_rn(fminf(__fsqrt_rn(s2), 65504.0f));
+      }
+#pragma unroll 1
+      for (int mt = mt0; mt < mt0 + MTW; ++mt) {
+        float acc[NT][4] = {};
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          uint32_t a[4];
+          vq_load_a(a, rs + mt * 16 * PITCH + ks * 16, PITCH);
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            const uint2 bf = sfrag[((col0 / 8 + nt) * KS + ks) * 32 + tid % 32];
+            vq_mma(static_cast<const __half*>(nullptr), acc[nt], a, bf.x, bf.y);
+          }
+        }
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+          const uint32_t r = mt * 16 + g + 8 * hr;
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            // As the exact path's p >= 0 (a NaN gives 0).
+            const uint32_t pair = (acc[nt][2 * hr] >= 0.0f ? 1u : 0u) | (acc[nt][2 * hr + 1] >= 0.0f ? 2u : 0u);
+            tq_tc_store_codes<1>(sc2 + r * RB2 + col0 / 8 + nt, pair);
+          }
+        }
+      }
+      __syncthreads();  // sc2 complete; rs and rn2 read
+    }
     // The tile's code rows are contiguous in the output.
     const uint32_t rows = min(uint32_t(ROWS), n - tile * ROWS);
     vq_copy_tile_rows<ROWS, RB>(sc, codes + uint64_t(tile) * ROWS * RB, rows, threadIdx.x, blockDim.x);
-    if constexpr (RVQ) {
+    if constexpr (RVQ || PROD) {
       vq_copy_tile_rows<ROWS, RB2>(sc2, codes2 + uint64_t(tile) * ROWS * RB2, rows, threadIdx.x, blockDim.x);
     }
     if (tile + gridDim.x < tiles) {

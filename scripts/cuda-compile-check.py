@@ -45,7 +45,8 @@ ELEMENT = ["float", "__half", "__nv_bfloat16"]
 TQ = ["quant_common.cuh", "tq_common.cuh"]
 
 # kernel: (file, header files, inputs, outputs, template axes). An input or
-# output typed "T" takes the instantiation's element type.
+# output typed "T" takes the instantiation's element type; the header files
+# may be a function of the instantiation's arguments.
 KERNELS = {
     "bit_pack": ("bit_pack.cu", [], [("codes", "uint8_t"), ("params", "uint32_t")],
                  [("packed", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
@@ -88,11 +89,17 @@ KERNELS = {
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
                   {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]}),
-    "tq_prod_encode": ("tq_prod_encode.cu", TQ,
+    # The tensor-core path alone takes the two-blocks register bound (Source::cuda_header_for).
+    "tq_prod_encode": ("tq_prod_encode.cu",
+                       lambda a: TQ + ["mma_common.cuh", "tq_encode_tensor_cores.cuh"]
+                       + (["two_blocks_per_sm.cuh"] if a.get("TC", 0) > 0 else []),
                        [("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
                         ("params", "uint32_t")],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half")],
-                       {"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False], "HADAMARD": [False, True]}),
+                       [{"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False],
+                         "HADAMARD": [False, True], "TC": [0]},
+                        {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 2, 3, 5, 9],
+                         "ROTATE": [True], "HADAMARD": [False, True]}]),
     "tq_prod_decode": ("tq_prod_decode.cu", TQ + ["mma_common.cuh", "tq_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
                         ("rotation", "float"), ("centroids", "float"), ("sketch", "float"), ("params", "uint32_t")],
@@ -167,6 +174,8 @@ def source(name, spec, args):
             params += [f"    const __grid_constant__ Shape {n}_shape", f"    const __grid_constant__ Strides {n}_strides",
                        f"    const __grid_constant__ int {n}_ndim"]
     params += [f"    {t if ty == 'T' else ty}* {n}" for n, ty in outputs]
+    if callable(headers):
+        headers = headers(args)
     header = "".join((ROOT / "cuda" / h).read_text() for h in headers)
     return (
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'

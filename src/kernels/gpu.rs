@@ -94,7 +94,7 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
         Backend::Cpu => return Err(Error::Unsupported("no GPU kernel on the CPU back-end".into())),
     };
     let body = CString::new(body).map_err(|_| Error::invalid("source", "contains NUL"))?;
-    let header = if backend == Backend::Metal { source.metal_header() } else { source.cuda_header() };
+    let header = if backend == Backend::Metal { source.metal_header() } else { source.cuda_header_for(template) };
     let header = CString::new(header).map_err(|_| Error::invalid("header", "contains NUL"))?;
     let inputs = strings(source.input_names())?;
     let outputs = strings(source.output_names())?;
@@ -138,7 +138,7 @@ fn kernel(backend: Backend, launch: &Launch<'_>) -> Result<Arc<Handle>> {
     let (body, header) = if backend == Backend::Metal {
         (launch.source.metal(), launch.source.metal_header())
     } else {
-        (launch.source.cuda(), launch.source.cuda_header())
+        (launch.source.cuda(), launch.source.cuda_header_for(launch.template))
     };
     let mut h = DefaultHasher::new();
     body.hash(&mut h);

@@ -177,10 +177,17 @@ impl Source {
     /// Dynamic shared memory of a CUDA launch, in bytes, for the template
     /// arguments given: `tq_prod_decode`'s dense tensor-core path keeps the
     /// split sketch's fragments there (4 bytes per entry of the `D x D`
-    /// sketch; MLX raises the kernel's limit past 48 KB); 0 elsewhere.
+    /// sketch; MLX raises the kernel's limit past 48 KB); `tq_prod_encode`'s
+    /// tensor-core path the sketch's float16 fragments (2 bytes an entry)
+    /// and its residual tile of 64 rows (`tq_prod_tc_dynamic_bytes`); 0
+    /// elsewhere.
     pub fn cuda_dynamic_shared_bytes(self, template: &[(&str, TemplateArg)]) -> i32 {
         let arg = |name: &str| template.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
         match self {
+            Source::TqProdEncode => match (arg("D"), arg("TC")) {
+                (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(tc))) if tc > 0 => 2 * d * d + 64 * (d + 8) * 2,
+                _ => 0,
+            },
             Source::TqProdDecode => {
                 let on = |name: &str| arg(name) == Some(TemplateArg::Bool(true));
                 match arg("D") {
@@ -215,7 +222,13 @@ impl Source {
                 include_str!("../../cuda/tq_encode_tensor_cores.cuh"),
                 include_str!("../../cuda/two_blocks_per_sm.cuh")
             ),
-            Source::TqDecode | Source::TqProdEncode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
+            Source::TqProdEncode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/tq_encode_tensor_cores.cuh")
+            ),
+            Source::TqDecode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             Source::QjlEncode => concat!(
                 include_str!("../../cuda/quant_common.cuh"),
@@ -233,6 +246,26 @@ impl Source {
         }
     }
 
+    /// The CUDA header of an instantiation with these template arguments:
+    /// [`Source::cuda_header`], but `tq_prod_encode`'s tensor-core path
+    /// (`TC` > 0) adds two_blocks_per_sm.cuh's register bound, which its
+    /// exact path goes without (ptxas would give that path more registers,
+    /// and at D = 256 a spill). The template arguments differ, so MLX
+    /// compiles the two apart.
+    pub fn cuda_header_for(self, template: &[(&str, TemplateArg)]) -> &'static str {
+        let tensor_cores = template.iter().any(|(n, v)| *n == "TC" && matches!(v, TemplateArg::Int(p) if *p > 0));
+        match self {
+            Source::TqProdEncode if tensor_cores => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/tq_encode_tensor_cores.cuh"),
+                include_str!("../../cuda/two_blocks_per_sm.cuh")
+            ),
+            _ => self.cuda_header(),
+        }
+    }
+
     /// Whether MLX must hand the inputs over row-contiguous (copying views).
     /// `tq_decode` reads its inputs through their strides, so that views of
     /// the cache's stores and transposed queries cost no copy.
@@ -246,7 +279,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dynamic_shared_memory_only_for_the_dense_tensor_core_prod_decode() {
+    fn dynamic_shared_memory_only_for_the_tensor_core_prod_codecs() {
         let args = |d: i32, tc: bool, rotate: bool, hadamard: bool| {
             vec![
                 ("D", TemplateArg::Int(d)),
@@ -262,5 +295,19 @@ mod tests {
         assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, false, false)), 0);
         assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, false, true, false)), 0);
         assert_eq!(Source::TqRvqDecode.cuda_dynamic_shared_bytes(&args(128, true, true, false)), 0);
+        let encode = |d: i32, tc: i32| vec![("D", TemplateArg::Int(d)), ("TC", TemplateArg::Int(tc))];
+        assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&encode(128, 1)), 32768 + 17408);
+        assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&encode(64, 2)), 8192 + 9216);
+        assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&encode(128, 0)), 0);
+    }
+
+    #[test]
+    fn only_the_tensor_core_prod_encoder_takes_the_register_bound() {
+        let bound = |h: &str| h.contains("__launch_bounds__(256, 2)");
+        let tc = |p: i32| vec![("D", TemplateArg::Int(128)), ("TC", TemplateArg::Int(p))];
+        assert!(bound(Source::TqProdEncode.cuda_header_for(&tc(1))));
+        assert!(!bound(Source::TqProdEncode.cuda_header_for(&tc(0))));
+        assert!(Source::TqProdEncode.cuda_header_for(&tc(1)).starts_with(Source::TqProdEncode.cuda_header()));
+        assert_eq!(Source::TqEncode.cuda_header_for(&tc(0)), Source::TqEncode.cuda_header());
     }
 }

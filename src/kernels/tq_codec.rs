@@ -129,6 +129,22 @@ pub fn prod_decode_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && matches!(d, 64 | 128)
 }
 
+/// How CUDA's `tq_prod_encode` runs both its products, `Π x` and the sketch
+/// `S r` of the residual: 0 on the CUDA cores (sums by fma for float16 and
+/// bfloat16 inputs), else on the tensor cores with a dense `Π` in that many
+/// parts, where [`encode_tensor_core_parts`] takes them (never at 1 bit,
+/// which has no MSE stage). Always two parts: a sign flips where `y`'s
+/// error reaches `(S r)_j`, and one float16 part of `Π` (y within about
+/// 2.5e-5) would flip about one sign in 400 at 4 MSE bits, where `‖r‖` is
+/// near 0.1. `S` enters in one float16 part and the residual as float16,
+/// each rounding `S r` by about 1e-5 of `‖S_j‖ ‖r‖`.
+pub fn prod_encode_tensor_core_parts(dtype: Dtype, d: usize, rotate: bool, mse_bits: u32) -> i32 {
+    if mse_bits == 0 || encode_tensor_core_parts(dtype, d, rotate, mse_bits) == 0 {
+        return 0;
+    }
+    2
+}
+
 /// How CUDA runs a TurboQuant decoder.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum CudaDecodePath {
@@ -253,9 +269,11 @@ fn unrotate_reference(y: &Array, rotation: Option<&Array>, norms: &Array, dtype:
 /// float32 `[d, d]`.
 ///
 /// The CPU and Metal kernels, and CUDA's for a float32 `x`, agree bit for
-/// bit. For a float16 or bfloat16 `x` CUDA sums the products by fma, so a
+/// bit. For a float16 or bfloat16 `x` CUDA sums the products by fma, or
+/// runs them on the tensor cores ([`prod_encode_tensor_core_parts`]), so a
 /// code or sign may differ from the CPU's at a near-tie (the parity rule of
-/// those types); the norms agree.
+/// those types); the norms agree, within one float16 step on the tensor
+/// cores.
 pub fn tq_prod_encode(
     x: &Array,
     rotation: Option<&Array>,
@@ -367,7 +385,7 @@ pub fn tq_prod_encode(
                         ("ROTATE", TemplateArg::Bool(rotate)),
                         ("HADAMARD", TemplateArg::Bool(hadamard)),
                     ],
-                    None,
+                    Some(prod_encode_tensor_core_parts(x.dtype(), d, rotate, mse_bits)),
                     &stream,
                 )?
             }
@@ -710,6 +728,17 @@ pub fn tq_rvq_decode(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn prod_encode_parts() {
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::F16, 128, true, 3), 2);
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::F16, 64, true, 8), 2);
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::BF16, 128, true, 1), 2);
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::F16, 128, true, 0), 0);
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::F16, 128, false, 3), 0);
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::F32, 128, true, 3), 0);
+        assert_eq!(prod_encode_tensor_core_parts(Dtype::F16, 256, true, 3), 0);
+    }
 
     #[test]
     fn rvq_decode_paths() {
