@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, TENSOR_CORE_BLOCKS, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -651,7 +651,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
             let (threads, group) = if tensor_cores {
                 // Blocks of 2m threads walk tiles of 64 keys, each loading
                 // the whole sketch once.
-                let blocks = n.div_ceil(64).min(TENSOR_CORE_BLOCKS);
+                let blocks = n.div_ceil(64).min(fragment_blocks());
                 (to_i32("k", blocks * 2 * m)?, 2 * m as i32)
             } else if imp == Implementation::Cuda {
                 // Blocks of 256 threads, one per tile of 64 keys x 64 sketch rows.

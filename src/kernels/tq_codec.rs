@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, encode_tensor_core_parts, launch_encoder};
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, TENSOR_CORE_BLOCKS};
+use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
 use crate::dtype::Dtype;
@@ -193,10 +193,11 @@ impl RotationKind {
     }
 }
 
-/// The grid of a decoder whose blocks of 256 threads walk the tiles
-/// (each loading its tables or split matrix once).
-fn walking_grid(n: usize) -> ((i32, i32, i32), (i32, i32, i32)) {
-    let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(TENSOR_CORE_BLOCKS);
+/// The grid of a decoder whose blocks of 256 threads walk the tiles, each
+/// loading its split matrices (tensor cores) or tables (warp rows) once.
+fn walking_grid(n: usize, path: CudaDecodePath) -> ((i32, i32, i32), (i32, i32, i32)) {
+    let cap = if path == CudaDecodePath::Rows { walking_blocks() } else { fragment_blocks() };
+    let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(cap);
     ((blocks as i32 * 256, 1, 1), (256, 1, 1))
 }
 
@@ -219,7 +220,7 @@ fn launch_decoder(
         template.push(("TC", TemplateArg::Bool(path == CudaDecodePath::TensorCores)));
         template.push(("ROWS", TemplateArg::Bool(path == CudaDecodePath::Rows)));
     }
-    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(n) };
+    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(n, path) };
     let launch = Launch { source, inputs, outputs, grid, threadgroup, template: &template };
     Ok(gpu::launch(&launch, s)?.remove(0))
 }

@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::kv_attention::times_transpose;
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source, TENSOR_CORE_BLOCKS};
+use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source, fragment_blocks};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
@@ -125,7 +125,7 @@ pub(crate) fn launch_encoder(
     }
     let (grid, threadgroup) = match parts {
         Some(p) if p > 0 => {
-            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(TENSOR_CORE_BLOCKS) as i32;
+            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(fragment_blocks()) as i32;
             let threads = 2 * d as i32;
             ((blocks * threads, 1, 1), (threads, 1, 1))
         }
