@@ -180,31 +180,39 @@ pub(crate) const THREADGROUP: i32 = 256;
 
 /// Streaming multiprocessors of the CUDA device, which size the grids of
 /// the kernels that walk their tiles grid-stride: 132 (an H100 or H200 SXM)
-/// unless `VELOXQUANT_CUDA_SMS` gives another count.
-fn cuda_sms() -> usize {
-    static SMS: OnceLock<usize> = OnceLock::new();
-    *SMS.get_or_init(|| {
-        std::env::var("VELOXQUANT_CUDA_SMS")
-            .ok()
-            .and_then(|v| v.parse::<usize>().ok())
-            .filter(|&n| n > 0)
-            .unwrap_or(132)
-    })
+/// unless `VELOXQUANT_CUDA_SMS` gives another count (1 to 1024; anything
+/// else is an error of every such launch, naming the variable).
+fn cuda_sms() -> Result<usize> {
+    static SMS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    SMS.get_or_init(|| parse_cuda_sms(std::env::var("VELOXQUANT_CUDA_SMS")))
+        .clone()
+        .map_err(|message| Error::invalid("VELOXQUANT_CUDA_SMS", message))
+}
+
+fn parse_cuda_sms(value: std::result::Result<String, std::env::VarError>) -> std::result::Result<usize, String> {
+    match value {
+        Err(std::env::VarError::NotPresent) => Ok(132),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{v:?} is not an SM count")),
+        Ok(v) => match v.trim().parse::<usize>() {
+            Ok(n) if (1..=1024).contains(&n) => Ok(n),
+            _ => Err(format!("{v:?} is not an SM count from 1 to 1024")),
+        },
+    }
 }
 
 /// At most this many blocks of a kernel that walks its tiles holding matrix
 /// fragments (each block loads them once, up to 128 KB): one per SM. On the
 /// H200 the tensor-core codecs and `qjl_encode` ran 2-10% faster at 1M
 /// vectors with one block per SM than with eight.
-pub(crate) fn fragment_blocks() -> usize {
+pub(crate) fn fragment_blocks() -> Result<usize> {
     cuda_sms()
 }
 
 /// At most this many blocks of a kernel that walks its tiles holding only
 /// small tables: eight per SM (`tq_rvq_decode`'s warp rows, which wait on
 /// memory, ran 0.245 ms with eight, 0.257 with two).
-pub(crate) fn walking_blocks() -> usize {
-    8 * cuda_sms()
+pub(crate) fn walking_blocks() -> Result<usize> {
+    Ok(8 * cuda_sms()?)
 }
 
 /// A 1-D launch over `items` threads.
@@ -221,4 +229,21 @@ pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> 
         .map(|&x| u32::try_from(x).map_err(|_| Error::invalid(argument, format!("size {x} exceeds 2^32"))))
         .collect::<Result<_>>()?;
     Array::from_slice(&v, &[v.len() as i32])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::parse_cuda_sms;
+    use std::env::VarError;
+
+    #[test]
+    fn sm_count_defaults_to_the_h200_and_rejects_what_is_not_a_count() {
+        assert_eq!(parse_cuda_sms(Err(VarError::NotPresent)), Ok(132));
+        assert_eq!(parse_cuda_sms(Ok("114".into())), Ok(114));
+        assert_eq!(parse_cuda_sms(Ok(" 80\n".into())), Ok(80));
+        for bad in ["0", "-1", "many", "", "1025", "1.5"] {
+            let err = parse_cuda_sms(Ok(bad.into())).unwrap_err();
+            assert!(err.contains(&format!("{bad:?}")) && err.contains("SM count"), "{bad}: {err}");
+        }
+    }
 }

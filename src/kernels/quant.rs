@@ -651,7 +651,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
             let (threads, group) = if tensor_cores {
                 // Blocks of 2m threads walk tiles of 64 keys, each loading
                 // the whole sketch once.
-                let blocks = n.div_ceil(64).min(fragment_blocks());
+                let blocks = n.div_ceil(64).min(fragment_blocks()?);
                 (to_i32("k", blocks * 2 * m)?, 2 * m as i32)
             } else if imp == Implementation::Cuda {
                 // Blocks of 256 threads, one per tile of 64 keys x 64 sketch rows.

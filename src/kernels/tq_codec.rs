@@ -195,10 +195,10 @@ impl RotationKind {
 
 /// The grid of a decoder whose blocks of 256 threads walk the tiles, each
 /// loading its split matrices (tensor cores) or tables (warp rows) once.
-fn walking_grid(n: usize, path: CudaDecodePath) -> ((i32, i32, i32), (i32, i32, i32)) {
-    let cap = if path == CudaDecodePath::Rows { walking_blocks() } else { fragment_blocks() };
+fn walking_grid(n: usize, path: CudaDecodePath) -> Result<((i32, i32, i32), (i32, i32, i32))> {
+    let cap = if path == CudaDecodePath::Rows { walking_blocks()? } else { fragment_blocks()? };
     let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(cap);
-    ((blocks as i32 * 256, 1, 1), (256, 1, 1))
+    Ok(((blocks as i32 * 256, 1, 1), (256, 1, 1)))
 }
 
 /// Launches a TurboQuant decoder on Metal or CUDA. On CUDA the body takes
@@ -220,7 +220,7 @@ fn launch_decoder(
         template.push(("TC", TemplateArg::Bool(path == CudaDecodePath::TensorCores)));
         template.push(("ROWS", TemplateArg::Bool(path == CudaDecodePath::Rows)));
     }
-    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(n, path) };
+    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(n, path)? };
     let launch = Launch { source, inputs, outputs, grid, threadgroup, template: &template };
     Ok(gpu::launch(&launch, s)?.remove(0))
 }

@@ -125,7 +125,7 @@ pub(crate) fn launch_encoder(
     }
     let (grid, threadgroup) = match parts {
         Some(p) if p > 0 => {
-            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(fragment_blocks()) as i32;
+            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(fragment_blocks()?) as i32;
             let threads = 2 * d as i32;
             ((blocks * threads, 1, 1), (threads, 1, 1))
         }
