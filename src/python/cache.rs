@@ -1,6 +1,6 @@
 //! `veloxquant._native.LayerCache`: one layer's compressed cache for Python.
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
