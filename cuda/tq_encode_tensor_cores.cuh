@@ -99,6 +99,27 @@ __device__ __forceinline__ void tq_tc_store_codes(uint8_t* dst, uint32_t pair) {
   }
 }
 
+// acc[nt] += the 16 rows of the float16 or bfloat16 tile at `rows` (pitch
+// PITCH elements, K = 16 KS columns) times this warp's B fragments of NT
+// n-tiles in NP parts, b(nt, p, ks) giving k-step ks's register pair; tag
+// picks the operand type (vq_mma).
+template <int KS, int NT, int NP, int PITCH, typename T, typename GetB>
+__device__ __forceinline__ void tq_tc_product(float (&acc)[NT][4], const __half* rows, const T* tag, GetB b) {
+#pragma unroll
+  for (int ks = 0; ks < KS; ++ks) {
+    uint32_t a[4];
+    vq_load_a(a, rows + ks * 16, PITCH);
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt) {
+#pragma unroll
+      for (int p = 0; p < NP; ++p) {
+        const uint2 f = b(nt, p, ks);
+        vq_mma(tag, acc[nt], a, f.x, f.y);
+      }
+    }
+  }
+}
+
 // B2_BITS = 0: tq_encode (centroids2 and codes2 unused). Else tq_rvq_encode:
 // codes of B_BITS against centroids, then of B2_BITS for the residual
 // against centroids2. PROD (B2_BITS = 0): tq_prod_encode's codes of B_BITS
@@ -262,18 +283,8 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
 #pragma unroll 1
     for (int mt = mt0; mt < mt0 + MTW; ++mt) {
       float acc[NT][4] = {};
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        uint32_t a[4];
-        vq_load_a(a, reinterpret_cast<const __half*>(xs) + mt * 16 * PITCH + ks * 16, PITCH);
-#pragma unroll
-        for (int nt = 0; nt < NT; ++nt) {
-#pragma unroll
-          for (int p = 0; p < NP; ++p) {
-            vq_mma(tag, acc[nt], a, b[nt][p][ks][0], b[nt][p][ks][1]);
-          }
-        }
-      }
+      tq_tc_product<KS, NT, NP, PITCH>(acc, reinterpret_cast<const __half*>(xs) + mt * 16 * PITCH, tag,
+                                       [&](int nt, int p, int ks) { return make_uint2(b[nt][p][ks][0], b[nt][p][ks][1]); });
       float rr[2] = {0.0f, 0.0f};  // PROD: this lane's share of ‖r‖² of rows g, g + 8
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
@@ -325,16 +336,8 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
 #pragma unroll 1
       for (int mt = mt0; mt < mt0 + MTW; ++mt) {
         float acc[NT][4] = {};
-#pragma unroll
-        for (int ks = 0; ks < KS; ++ks) {
-          uint32_t a[4];
-          vq_load_a(a, rs + mt * 16 * PITCH + ks * 16, PITCH);
-#pragma unroll
-          for (int nt = 0; nt < NT; ++nt) {
-            const uint2 bf = sfrag[((col0 / 8 + nt) * KS + ks) * 32 + tid % 32];
-            vq_mma(static_cast<const __half*>(nullptr), acc[nt], a, bf.x, bf.y);
-          }
-        }
+        tq_tc_product<KS, NT, 1, PITCH>(acc, rs + mt * 16 * PITCH, static_cast<const __half*>(nullptr),
+                                        [&](int nt, int, int ks) { return sfrag[((col0 / 8 + nt) * KS + ks) * 32 + tid % 32]; });
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
           const uint32_t r = mt * 16 + g + 8 * hr;
