@@ -215,8 +215,11 @@ pub(crate) fn walking_blocks() -> Result<usize> {
     Ok(8 * cuda_sms()?)
 }
 
+/// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
+pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));
+
 /// A 1-D launch over `items` threads.
-pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {
+pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<LaunchShape> {
     let n = i32::try_from(items)
         .map_err(|_| Error::invalid(argument, format!("{items} work items exceed the 2^31 a launch can hold")))?;
     Ok(((n, 1, 1), (THREADGROUP.min(n.max(1)), 1, 1)))

@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, encode_tensor_core_parts, launch_encoder};
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks};
+use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks, LaunchShape};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
 use crate::dtype::Dtype;
@@ -195,7 +195,7 @@ impl RotationKind {
 
 /// The grid of a decoder whose blocks of 256 threads walk the tiles, each
 /// loading its split matrices (tensor cores) or tables (warp rows) once.
-fn walking_grid(n: usize, path: CudaDecodePath) -> Result<((i32, i32, i32), (i32, i32, i32))> {
+fn walking_grid(n: usize, path: CudaDecodePath) -> Result<LaunchShape> {
     let cap = if path == CudaDecodePath::Rows { walking_blocks()? } else { fragment_blocks()? };
     let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(cap);
     Ok(((blocks as i32 * 256, 1, 1), (256, 1, 1)))
@@ -227,7 +227,7 @@ fn launch_decoder(
 
 /// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
 /// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
-pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<((i32, i32, i32), (i32, i32, i32))> {
+pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<LaunchShape> {
     let (threads, group) = if imp == Implementation::Cuda { (n.div_ceil(CUDA_TILE_VECTORS) * 256, 256) } else { (n * d, d) };
     let threads = i32::try_from(threads).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
     Ok(((threads, 1, 1), (group as i32, 1, 1)))
