@@ -74,6 +74,9 @@ fn count_differing(a: &[u8], b: &[u8]) -> usize {
     a.iter().zip(b).filter(|(x, y)| x != y).count() + a.len().abs_diff(b.len())
 }
 
+/// y = Π u in float64, as the parity checks take it.
+type RotateF64<'a> = dyn Fn(&[f64]) -> Vec<f64> + 'a;
+
 /// How CUDA's Prod encoder computes an encoding, against the CPU's.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum ProdParity {
@@ -121,7 +124,7 @@ fn prod_parity(dtype: Dtype, d: usize, rotate: bool, bits: u32) -> ProdParity {
 fn assert_prod_encodings_match(
     parity: ProdParity,
     x: &Array,
-    rotate: &dyn Fn(&[f64]) -> Vec<f64>,
+    rotate: &RotateF64<'_>,
     centroids: Option<&Array>,
     sketch: &[f32],
     bits: u32,
@@ -193,7 +196,7 @@ fn assert_prod_encodings_match(
         Some((gc, cc)) => {
             let (code_row, sign_row) = (d * mb as usize / 8, d / 8);
             let same: Vec<usize> = (0..n).filter(|&v| gc[v * code_row..(v + 1) * code_row] == cc[v * code_row..(v + 1) * code_row]).collect();
-            let rows = |s: &[u8]| same.iter().flat_map(|&v| s[v * sign_row..(v + 1) * sign_row].to_vec()).collect::<Vec<u8>>();
+            let rows = |s: &[u8]| same.iter().flat_map(|&v| &s[v * sign_row..(v + 1) * sign_row]).copied().collect::<Vec<u8>>();
             (rows(&signs.0), rows(&signs.1))
         }
         None => signs,
@@ -221,7 +224,7 @@ fn tensor_core_encode(dtype: Dtype, d: usize, rotate: bool, bits: (u32, u32)) ->
 fn assert_rvq_encodings_match(
     tensor_cores: bool,
     x: &Array,
-    rotate: &dyn Fn(&[f64]) -> Vec<f64>,
+    rotate: &RotateF64<'_>,
     centroids: (&Array, &Array),
     bits: (u32, u32),
     g: &RvqCodes,
@@ -298,7 +301,7 @@ fn gpu_prod_matches_cpu() {
                 let c = tq_prod_encode(&x, rotation, cb.as_ref(), &sk, bits, &on(&Stream::cpu())).unwrap();
                 let identity = |u: &[f64]| u.to_vec();
                 let dense = dense_rotate(&rot_m);
-                let rotate: &dyn Fn(&[f64]) -> Vec<f64> = if rotation.is_some() { &dense } else { &identity };
+                let rotate: &RotateF64<'_> = if rotation.is_some() { &dense } else { &identity };
                 let parity = prod_parity(dtype, d, rotation.is_some(), bits);
                 assert_prod_encodings_match(parity, &x, rotate, cb.as_ref(), &sk_m, bits, &g, &c, &tag);
                 let yg = tq_prod_decode(&c, rotation, cb.as_ref(), &sk, bits, dtype, &on(&gpu)).unwrap();
@@ -328,7 +331,7 @@ fn gpu_rvq_matches_cpu() {
                 let c = tq_rvq_encode(&x, rotation, &c1, &c2, bits, &on(&Stream::cpu())).unwrap();
                 let identity = |u: &[f64]| u.to_vec();
                 let dense = dense_rotate(&rot_m);
-                let rotate: &dyn Fn(&[f64]) -> Vec<f64> = if rotation.is_some() { &dense } else { &identity };
+                let rotate: &RotateF64<'_> = if rotation.is_some() { &dense } else { &identity };
                 let tc = tensor_core_encode(dtype, d, rotation.is_some(), bits);
                 assert_rvq_encodings_match(tc, &x, rotate, (&c1, &c2), bits, &g, &c, &tag);
                 let yg = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
@@ -582,7 +585,7 @@ fn gpu_tensor_core_prod_encode_matches_cpu_at_near_ties() {
             y.into_iter().map(f64::from).collect::<Vec<_>>()
         };
         let dense_y = dense_rotate(&rot_m);
-        let rotations: [(&Array, &dyn Fn(&[f64]) -> Vec<f64>, &str); 2] = [(&dense, &dense_y, "dense"), (&signs, &hadamard, "hadamard")];
+        let rotations: [(&Array, &RotateF64<'_>, &str); 2] = [(&dense, &dense_y, "dense"), (&signs, &hadamard, "hadamard")];
         for (rotation, rotate, name) in rotations {
             let tag = format!("d={d} {dtype} bits={bits} n={n} {name}");
             assert_eq!(prod_parity(dtype, d, true, bits), ProdParity::TensorCores, "{tag}");
