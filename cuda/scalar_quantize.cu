@@ -15,6 +15,18 @@
 // the step's two thresholds, which logic ops select from registers by the
 // earlier steps' masks. Float32 inputs and wider codes search each element
 // over the boundaries in shared memory.
+//
+// TABLE (16-bit T; the host sets it for inputs large enough to pay for the
+// table): the code of each of T's 65536 bit patterns, built once per block
+// into 64 KB of dynamic shared memory by the same search, then one byte load
+// per element and no search: the block walks chunks of ITEMS * blockDim
+// items grid-stride. (The paired search is bound by the integer pipe; the
+// loads are not.) The table is built by runs of 64 patterns: within a run of
+// one sign the value is monotone in the bits, so equal codes at its two ends
+// are the code of the whole run (NaN's 0 included: the run from +inf holds
+// NaNs, and its ends differ unless inf's code is 0 too); the runs whose ends
+// differ, one per boundary at most and the one from +inf, are then coded
+// pattern by pattern by every thread.
 __shared__ float bounds[256];
 __shared__ uint32_t pair_bounds[16];
 const uint32_t n = params[0];
@@ -28,6 +40,13 @@ const uint32_t groups = (d + 7) / 8;
 const uint64_t total = uint64_t(n) * groups;
 const uint64_t first = uint64_t(blockIdx.x) * ITEMS * blockDim.x + threadIdx.x;
 const bool fast = d % 8 == 0 && vq_aligned(x, 16) && vq_aligned(packed, vq_bytes_align<B_BITS>());
+static_assert(!TABLE || sizeof(T) == 2, "a code table is for 16-bit inputs");
+constexpr uint32_t RUNS = 1024;  // runs of 64 of the 65536 patterns
+__shared__ uint32_t mixed_runs[TABLE ? RUNS : 1];
+__shared__ uint32_t n_mixed;
+if (TABLE && threadIdx.x == 0) {
+  n_mixed = 0;
+}
 // The elements are requested before the block waits for its boundaries, so
 // that the two latencies overlap.
 uint4 raw[ITEMS][WORDS];
@@ -49,9 +68,6 @@ for (uint32_t i = threadIdx.x; i + 1 < K; i += blockDim.x) {
   }
 }
 __syncthreads();
-if (first >= total) {
-  return;
-}
 // The per-element search walks a shared-window byte address, so that each
 // step is a load at a constant offset, a compare and a predicated add.
 const uint32_t base = static_cast<uint32_t>(__cvta_generic_to_shared(bounds));
@@ -67,6 +83,82 @@ auto code_of = [&](float e) {
   }
   return (at - base) / 4;
 };
+if constexpr (TABLE) {
+  extern __shared__ __align__(16) uint8_t code_table[];
+  const T* tag = nullptr;
+  for (uint32_t run = threadIdx.x; run < RUNS; run += blockDim.x) {
+    const uint32_t c0 = code_of(vq_word_elem(tag, run * 64, 0));
+    const uint32_t c1 = code_of(vq_word_elem(tag, run * 64 + 63, 0));
+    if (c0 == c1) {
+      const uint4 splat = make_uint4(c0 * 0x01010101u, c0 * 0x01010101u, c0 * 0x01010101u, c0 * 0x01010101u);
+#pragma unroll
+      for (int w = 0; w < 4; ++w) {
+        reinterpret_cast<uint4*>(code_table + run * 64)[w] = splat;
+      }
+    } else {
+      mixed_runs[atomicAdd(&n_mixed, 1u)] = run;
+    }
+  }
+  __syncthreads();  // n_mixed and the uniform runs
+  for (uint32_t e = threadIdx.x; e < n_mixed * 64; e += blockDim.x) {
+    const uint32_t bits = mixed_runs[e / 64] * 64 + e % 64;
+    code_table[bits] = uint8_t(code_of(vq_word_elem(tag, bits, 0)));
+  }
+  __syncthreads();  // the whole table
+  const uint64_t chunk_items = uint64_t(ITEMS) * blockDim.x;
+  for (uint64_t chunk = blockIdx.x; chunk * chunk_items < total; chunk += gridDim.x) {
+    const uint64_t start = chunk * chunk_items + threadIdx.x;
+    if (fast) {
+      if (chunk != blockIdx.x) {  // the first chunk's were requested before the boundaries
+#pragma unroll
+        for (int k = 0; k < ITEMS; ++k) {
+          const uint64_t item = start + uint64_t(k) * blockDim.x;
+          if (item < total) {
+            vq_read_raw8(x + item * 8, raw[k], true);
+          }
+        }
+      }
+#pragma unroll
+      for (int k = 0; k < ITEMS; ++k) {
+        const uint64_t item = start + uint64_t(k) * blockDim.x;
+        if (item < total) {
+          const uint32_t v[4] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w};
+          uint64_t word = 0;
+#pragma unroll
+          for (int p = 0; p < 4; ++p) {
+            const uint32_t lo = code_table[v[p] & 0xFFFFu];
+            const uint32_t hi = code_table[v[p] >> 16];
+            word |= uint64_t(lo | (hi << B_BITS)) << (2 * B_BITS * p);
+          }
+          vq_store_bytes<B_BITS>(packed + item * B_BITS, word);
+        }
+      }
+    } else {
+      for (int k = 0; k < ITEMS; ++k) {
+        const uint64_t item = start + uint64_t(k) * blockDim.x;
+        if (item >= total) {
+          break;
+        }
+        const uint32_t row = uint32_t(item / groups);
+        const uint32_t g = uint32_t(item % groups);
+        const uint32_t count = min(8u, d - g * 8);
+        const uint64_t src = uint64_t(row) * d + g * 8;
+        uint64_t word = 0;
+        for (uint32_t j = 0; j < count; ++j) {
+          word |= uint64_t(code_table[*reinterpret_cast<const uint16_t*>(x + src + j)]) << (j * B_BITS);
+        }
+        const uint32_t b1 = min(g * B_BITS + B_BITS, nbytes);
+        for (uint32_t b = g * B_BITS; b < b1; ++b) {
+          packed[uint64_t(row) * nbytes + b] = uint8_t(word >> (8 * (b - g * B_BITS)));
+        }
+      }
+    }
+  }
+  return;
+}
+if (first >= total) {
+  return;
+}
 if (fast) {
   if constexpr (PAIRED) {
     uint32_t thr[K - 1];

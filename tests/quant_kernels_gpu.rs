@@ -110,6 +110,44 @@ fn gpu_scalar_codes_at_boundaries_match_cpu() {
     }
 }
 
+/// Every one of the 65536 values of a 16-bit type, eight times each in a
+/// scrambled order, in rows of `d`: enough elements for CUDA's code-table path
+/// (which codes by a table of all 65536 values, built per block by runs), so
+/// each entry of the table is checked against the CPU, NaNs, infinities,
+/// signed zeros and subnormals included.
+fn scalar_every_value<T: Float + Element>(from_bits: fn(u16) -> T, d: usize, bits: u32, cb: &[f32]) {
+    let n = (8 * 65536usize).div_ceil(d);
+    let x: Vec<T> = (0..n * d).map(|i| from_bits(((i as u64 * 40503) % 65536) as u16)).collect();
+    let x = &x[..];
+    let mut want = vec![0u8; n * cpu::packed_len(d, bits)];
+    cpu::scalar_quantize(x, n, d, cb, bits, &mut want);
+    let p = scalar_quantize(&arr(x, &[n, d]), &arr(cb, &[1 << bits]), bits, &gpu()).unwrap();
+    let got = p.to_vec::<u8>().unwrap();
+    let differ = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{} d={d} bits={bits}: {differ} of {} code bytes differ, codebook {cb:?}", T::DTYPE, want.len());
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_scalar_codes_every_16_bit_value_as_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        let k = 1usize << bits;
+        let exact: Vec<f32> = (0..k).map(|i| (i as f32 - (k as f32 - 1.0) / 2.0) / k as f32).collect();
+        let mut random: Vec<f32> = data(bits as u64 + 70, k, 0.5);
+        random.sort_by(f32::total_cmp);
+        // Centroids that reach float16's largest values and its infinities.
+        let mut wide: Vec<f32> = (0..k).map(|i| 70000.0 * (i as f32 / (k - 1).max(1) as f32 * 2.0 - 1.0)).collect();
+        wide[0] = f32::NEG_INFINITY;
+        for cb in [&exact, &random, &wide] {
+            // D = 128 takes the wide loads, D = 13 the element-by-element path.
+            for d in [128, 13] {
+                scalar_every_value::<f16>(f16::from_bits, d, bits, cb);
+                scalar_every_value::<bf16>(bf16::from_bits, d, bits, cb);
+            }
+        }
+    }
+}
+
 fn kivi<T: Float + Element>(mode: KiviMode, n: usize, d: usize, bits: u32, group: usize) {
     let x: Vec<T> = data(n as u64 + 3, n * d, 1.0);
     let per_channel = mode == KiviMode::Keys;

@@ -156,6 +156,14 @@ fn launch_gpu(
 /// Metal bodies take one): more bytes in flight per thread, and a block's
 /// set-up paid once per `ITEMS` items.
 const SCALAR_Q_ITEMS: usize = 4;
+/// From this many elements of a float16 or bfloat16 input, CUDA
+/// scalar_quantize codes by a table of the 65536 codes of the type's values
+/// (`cuda/scalar_quantize.cu`, `TABLE`), which each block builds once in
+/// about a thousand cycles: 8 elements per table entry at this size. Smaller
+/// inputs search the boundaries per element.
+const SCALAR_Q_TABLE_ELEMENTS: usize = 1 << 19;
+/// Threads of each block of that path, two blocks per SM.
+const SCALAR_Q_TABLE_THREADS: usize = 1024;
 const KIVI_DQ_ITEMS: usize = 4;
 /// CUDA pq_decode (`cuda/pq_decode.cu`) picks its layout by the codebook's
 /// size in the output type. Up to PQ_SMALL_TABLE_BYTES, each block of
@@ -251,14 +259,27 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, nbytes])?;
-            let (items, template) = strided(
+            let (items, mut template) = strided(
                 imp,
                 SCALAR_Q_ITEMS,
                 ("x", n * d.div_ceil(8)),
                 &[("T", TemplateArg::Dtype(x.dtype())), ("B_BITS", TemplateArg::Int(bits as i32))],
             );
-            launch_gpu(Source::ScalarQuantize, &[&flat, codebook, &p], &out, items, &template, &stream)?
-            .remove(0)
+            let table = imp == Implementation::Cuda && x.dtype().size() == 2 && n * d >= SCALAR_Q_TABLE_ELEMENTS;
+            if imp == Implementation::Cuda {
+                template.push(("TABLE", TemplateArg::Bool(table)));
+            }
+            let inputs = [&flat, codebook, &p];
+            if table {
+                // Blocks that each build the table once, then walk their chunks of items.
+                let blocks = items.1.div_ceil(SCALAR_Q_TABLE_THREADS).min(2 * fragment_blocks()?);
+                let grid = ((blocks * SCALAR_Q_TABLE_THREADS) as i32, 1, 1);
+                let threadgroup = (SCALAR_Q_TABLE_THREADS as i32, 1, 1);
+                let launch = Launch { source: Source::ScalarQuantize, inputs: &inputs, outputs: &out, grid, threadgroup, template: &template };
+                gpu::launch(&launch, &stream)?.remove(0)
+            } else {
+                launch_gpu(Source::ScalarQuantize, &inputs, &out, items, &template, &stream)?.remove(0)
+            }
         }
     };
     ops::reshape(&packed, &out_shape, &stream)

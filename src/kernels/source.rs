@@ -179,8 +179,9 @@ impl Source {
     /// split sketch's fragments there (4 bytes per entry of the `D x D`
     /// sketch; MLX raises the kernel's limit past 48 KB); `tq_prod_encode`'s
     /// tensor-core path the sketch's float16 fragments (2 bytes an entry)
-    /// and its residual tile of 64 rows (`tq_prod_tc_dynamic_bytes`); 0
-    /// elsewhere.
+    /// and its residual tile of 64 rows (`tq_prod_tc_dynamic_bytes`);
+    /// `scalar_quantize`'s table path the code of each of the 65536 values
+    /// of a 16-bit type (a byte each); 0 elsewhere.
     pub fn cuda_dynamic_shared_bytes(self, template: &[(&str, TemplateArg)]) -> i32 {
         let arg = |name: &str| template.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
         match self {
@@ -188,6 +189,7 @@ impl Source {
                 (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(tc))) if tc > 0 => 2 * d * d + 64 * (d + 8) * 2,
                 _ => 0,
             },
+            Source::ScalarQuantize if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
             Source::TqProdDecode => {
                 let on = |name: &str| arg(name) == Some(TemplateArg::Bool(true));
                 match arg("D") {
@@ -279,7 +281,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn dynamic_shared_memory_only_for_the_tensor_core_prod_codecs() {
+    fn dynamic_shared_memory_for_the_tensor_core_prod_codecs_and_the_code_table() {
         let args = |d: i32, tc: bool, rotate: bool, hadamard: bool| {
             vec![
                 ("D", TemplateArg::Int(d)),
@@ -299,6 +301,10 @@ mod tests {
         assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&encode(128, 1)), 32768 + 17408);
         assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&encode(64, 2)), 8192 + 9216);
         assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&encode(128, 0)), 0);
+        let table = |on: bool| vec![("B_BITS", TemplateArg::Int(4)), ("TABLE", TemplateArg::Bool(on))];
+        assert_eq!(Source::ScalarQuantize.cuda_dynamic_shared_bytes(&table(true)), 65536);
+        assert_eq!(Source::ScalarQuantize.cuda_dynamic_shared_bytes(&table(false)), 0);
+        assert_eq!(Source::ScalarQuantize.cuda_dynamic_shared_bytes(&[("B_BITS", TemplateArg::Int(4))]), 0);
     }
 
     #[test]
