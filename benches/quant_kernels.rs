@@ -157,14 +157,26 @@ fn main() {
     // writes as many bytes.
     let ceiling = || measure(&|_: &Options| vec![veloxquant::ops::add(&x, &x, &stream).unwrap()], &setup, &stream, repeat);
     let copy = ceiling();
-    let copy_bytes = 2.0 * (n * D * es) as f64;
-    println!(
-        "MLX x + x (reads and writes {:.0} MiB): {:.3} ms, {:.1} GB/s{}\n",
-        copy_bytes / 2.0 / (1 << 20) as f64,
-        copy.seconds * 1e3,
-        copy_bytes / copy.seconds / 1e9,
-        if gpu { format!(", {:.1}% of HBM", 100.0 * copy_bytes / copy.seconds / HBM_BYTES_PER_S) } else { String::new() },
-    );
+    let x_bytes = (n * D * es) as f64;
+    let rate = |what: &str, bytes: f64, seconds: f64| {
+        println!(
+            "{what}: {:.3} ms, {:.1} GB/s{}",
+            seconds * 1e3,
+            bytes / seconds / 1e9,
+            if gpu { format!(", {:.1}% of HBM", 100.0 * bytes / seconds / HBM_BYTES_PER_S) } else { String::new() },
+        )
+    };
+    let mib = x_bytes / (1 << 20) as f64;
+    rate(&format!("MLX x + x (reads and writes {mib:.0} MiB)"), 2.0 * x_bytes, copy.seconds);
+    // The ceilings of one direction alone: a kernel that mostly reads (a
+    // quantizer) or mostly writes (a dequantizer) against MLX's own.
+    let flat_x = veloxquant::ops::reshape(&x, &[-1], &stream).unwrap();
+    let read = measure(&|_: &Options| vec![veloxquant::ops::sum_axis(&flat_x, 0, false, &stream).unwrap()], &setup, &stream, repeat);
+    rate(&format!("MLX sum of x (reads {mib:.0} MiB)"), x_bytes, read.seconds);
+    let shape = [n as i32, D as i32];
+    let write = measure(&|_: &Options| vec![veloxquant::ops::zeros(&shape, dtype, &stream).unwrap()], &setup, &stream, repeat);
+    rate(&format!("MLX zeros like x (writes {mib:.0} MiB)"), x_bytes, write.seconds);
+    println!();
 
     // Each row's x + x is timed again just before its fused call, which
     // shows how fast the GPU was then.
