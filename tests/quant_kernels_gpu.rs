@@ -94,15 +94,21 @@ fn scalar_boundaries<T: Float + Element>(bits: u32, cb: &[f32]) {
     assert_eq!(p.to_vec::<u8>().unwrap(), want, "{} bits={bits} codebook {cb:?}", T::DTYPE);
 }
 
+/// Sorted codebooks of 2^bits entries: one whose boundaries float16 and
+/// bfloat16 hold exactly, and a random one (seeded by bits + seed).
+fn exact_and_random_codebooks(bits: u32, seed: u64) -> (Vec<f32>, Vec<f32>) {
+    let k = 1usize << bits;
+    let exact: Vec<f32> = (0..k).map(|i| (i as f32 - (k as f32 - 1.0) / 2.0) / k as f32).collect();
+    let mut random: Vec<f32> = data(bits as u64 + seed, k, 0.5);
+    random.sort_by(f32::total_cmp);
+    (exact, random)
+}
+
 #[test]
 #[ignore = "needs a GPU back-end"]
 fn gpu_scalar_codes_at_boundaries_match_cpu() {
     for &bits in &cpu::SUPPORTED_BITS {
-        let k = 1usize << bits;
-        // Boundaries that float16 and bfloat16 hold exactly, and random ones.
-        let exact: Vec<f32> = (0..k).map(|i| (i as f32 - (k as f32 - 1.0) / 2.0) / k as f32).collect();
-        let mut random: Vec<f32> = data(bits as u64 + 40, k, 0.5);
-        random.sort_by(f32::total_cmp);
+        let (exact, random) = exact_and_random_codebooks(bits, 40);
         for cb in [&exact, &random] {
             scalar_boundaries::<f16>(bits, cb);
             scalar_boundaries::<bf16>(bits, cb);
@@ -132,9 +138,7 @@ fn scalar_every_value<T: Float + Element>(from_bits: fn(u16) -> T, d: usize, bit
 fn gpu_scalar_codes_every_16_bit_value_as_cpu() {
     for &bits in &cpu::SUPPORTED_BITS {
         let k = 1usize << bits;
-        let exact: Vec<f32> = (0..k).map(|i| (i as f32 - (k as f32 - 1.0) / 2.0) / k as f32).collect();
-        let mut random: Vec<f32> = data(bits as u64 + 70, k, 0.5);
-        random.sort_by(f32::total_cmp);
+        let (exact, random) = exact_and_random_codebooks(bits, 70);
         // Centroids that reach float16's largest values and its infinities.
         let mut wide: Vec<f32> = (0..k).map(|i| 70000.0 * (i as f32 / (k - 1).max(1) as f32 * 2.0 - 1.0)).collect();
         wide[0] = f32::NEG_INFINITY;
