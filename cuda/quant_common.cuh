@@ -281,6 +281,30 @@ __device__ __forceinline__ uint32_t vq_pair_code(const T* tag, uint32_t v, const
   return (acc & 0xFFFFu) | ((acc >> 16) << B);
 }
 
+// Codes and stores a thread's ITEMS groups of 8 16-bit elements held raw
+// (vq_read_raw8; WORDS is 1 for them, 2 in the float bodies that name this
+// but never run it), groups start, start + blockDim.x, ... below total, two
+// elements at a time: pair(v) gives the codes of the pair v as
+// low | high << B. Each group's 8 codes gather in a Word (32 bits hold them
+// up to 4 bits) and leave as B bytes of packed.
+template <int B, typename Word, int ITEMS, int WORDS, typename PairCode>
+__device__ __forceinline__ void vq_store_pair_codes(uint8_t* packed, const uint4 (&raw)[ITEMS][WORDS], uint64_t start,
+                                                    uint64_t total, PairCode pair) {
+#pragma unroll
+  for (int k = 0; k < ITEMS; ++k) {
+    const uint64_t item = start + uint64_t(k) * blockDim.x;
+    if (item < total) {
+      const uint32_t v[4] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w};
+      Word word = 0;
+#pragma unroll
+      for (int p = 0; p < 4; ++p) {
+        word |= Word(pair(v[p])) << (2 * B * p);
+      }
+      vq_store_bytes<B>(packed + item * B, word);
+    }
+  }
+}
+
 // Code j of a word of 8 packed B-bit codes times 2^vq_code_pos<B>(j), as a
 // float, exactly: the code keeps its place in the word (less a byte-multiple
 // shift where it would pass float32's 23 mantissa bits), its bits or'ed into

@@ -118,21 +118,11 @@ if constexpr (TABLE) {
           }
         }
       }
-#pragma unroll
-      for (int k = 0; k < ITEMS; ++k) {
-        const uint64_t item = start + uint64_t(k) * blockDim.x;
-        if (item < total) {
-          const uint32_t v[4] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w};
-          uint64_t word = 0;
-#pragma unroll
-          for (int p = 0; p < 4; ++p) {
-            const uint32_t lo = code_table[v[p] & 0xFFFFu];
-            const uint32_t hi = code_table[v[p] >> 16];
-            word |= uint64_t(lo | (hi << B_BITS)) << (2 * B_BITS * p);
-          }
-          vq_store_bytes<B_BITS>(packed + item * B_BITS, word);
-        }
-      }
+      vq_store_pair_codes<B_BITS, uint64_t>(packed, raw, start, total, [&](uint32_t v) {
+        const uint32_t lo = code_table[v & 0xFFFFu];
+        const uint32_t hi = code_table[v >> 16];
+        return lo | (hi << B_BITS);
+      });
     } else {
       for (int k = 0; k < ITEMS; ++k) {
         const uint64_t item = start + uint64_t(k) * blockDim.x;
@@ -166,19 +156,9 @@ if (fast) {
     for (uint32_t i = 0; i + 1 < K; ++i) {
       thr[i] = pair_bounds[i];
     }
-#pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const uint64_t item = first + uint64_t(k) * blockDim.x;
-      if (item < total) {
-        const uint32_t v[4] = {raw[k][0].x, raw[k][0].y, raw[k][0].z, raw[k][0].w};
-        uint32_t word = 0;
-#pragma unroll
-        for (int p = 0; p < 4; ++p) {
-          word |= vq_pair_code<B_BITS>(static_cast<const T*>(nullptr), v[p], thr) << (2 * B_BITS * p);
-        }
-        vq_store_bytes<B_BITS>(packed + item * B_BITS, word);
-      }
-    }
+    vq_store_pair_codes<B_BITS, uint32_t>(packed, raw, first, total, [&](uint32_t v) {
+      return vq_pair_code<B_BITS>(static_cast<const T*>(nullptr), v, thr);
+    });
   } else {
 #pragma unroll
     for (int k = 0; k < ITEMS; ++k) {
