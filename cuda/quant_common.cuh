@@ -305,6 +305,39 @@ __device__ __forceinline__ void vq_store_pair_codes(uint8_t* packed, const uint4
   }
 }
 
+// Codes and stores a thread's ITEMS groups of x [n, d] (a group: 8
+// consecutive elements of a row, fewer at its end), groups start,
+// start + blockDim.x, ... below n ceil(d / 8), one element at a time:
+// code(i) gives the code of element i of x; each group's B bytes of the
+// packed rows (nbytes each) are stored byte by byte, the last cut at the
+// row's end.
+template <int B, int ITEMS, typename Code>
+__device__ __forceinline__ void vq_store_codes_by_element(uint8_t* packed, uint64_t start, uint64_t total, uint32_t d,
+                                                          uint32_t nbytes, Code code) {
+  const uint32_t groups = (d + 7) / 8;
+  for (int k = 0; k < ITEMS; ++k) {
+    const uint64_t item = start + uint64_t(k) * blockDim.x;
+    if (item >= total) {
+      return;
+    }
+    const uint32_t row = uint32_t(item / groups);
+    const uint32_t g = uint32_t(item % groups);
+    const uint32_t lead = g * 8;
+    const uint32_t count = min(8u, d - lead);
+    const uint64_t src = uint64_t(row) * d + lead;
+    uint64_t word = 0;
+    for (uint32_t j = 0; j < count; ++j) {
+      word |= uint64_t(code(src + j)) << (j * B);
+    }
+    const uint32_t b0 = g * B;
+    const uint32_t b1 = min(b0 + uint32_t(B), nbytes);
+    const uint64_t dst = uint64_t(row) * nbytes;
+    for (uint32_t b = b0; b < b1; ++b) {
+      packed[dst + b] = uint8_t(word >> (8 * (b - b0)));
+    }
+  }
+}
+
 // Code j of a word of 8 packed B-bit codes times 2^vq_code_pos<B>(j), as a
 // float, exactly: the code keeps its place in the word (less a byte-multiple
 // shift where it would pass float32's 23 mantissa bits), its bits or'ed into

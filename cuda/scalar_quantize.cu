@@ -50,14 +50,18 @@ if (TABLE && threadIdx.x == 0) {
 // The elements are requested before the block waits for its boundaries, so
 // that the two latencies overlap.
 uint4 raw[ITEMS][WORDS];
-if (fast) {
+// The wide path's requests: this thread's ITEMS groups from `start`, a block apart.
+auto request = [&](uint64_t start) {
 #pragma unroll
   for (int k = 0; k < ITEMS; ++k) {
-    const uint64_t item = first + uint64_t(k) * blockDim.x;
+    const uint64_t item = start + uint64_t(k) * blockDim.x;
     if (item < total) {
       vq_read_raw8(x + item * 8, raw[k], true);
     }
   }
+};
+if (fast) {
+  request(first);
 }
 for (uint32_t i = threadIdx.x; i + 1 < K; i += blockDim.x) {
   const float b = __fmul_rn(0.5f, __fadd_rn(codebook[i], codebook[i + 1]));
@@ -110,13 +114,7 @@ if constexpr (TABLE) {
     const uint64_t start = chunk * chunk_items + threadIdx.x;
     if (fast) {
       if (chunk != blockIdx.x) {  // the first chunk's were requested before the boundaries
-#pragma unroll
-        for (int k = 0; k < ITEMS; ++k) {
-          const uint64_t item = start + uint64_t(k) * blockDim.x;
-          if (item < total) {
-            vq_read_raw8(x + item * 8, raw[k], true);
-          }
-        }
+        request(start);
       }
       vq_store_pair_codes<B_BITS, uint64_t>(packed, raw, start, total, [&](uint32_t v) {
         const uint32_t lo = code_table[v & 0xFFFFu];
@@ -124,24 +122,9 @@ if constexpr (TABLE) {
         return lo | (hi << B_BITS);
       });
     } else {
-      for (int k = 0; k < ITEMS; ++k) {
-        const uint64_t item = start + uint64_t(k) * blockDim.x;
-        if (item >= total) {
-          break;
-        }
-        const uint32_t row = uint32_t(item / groups);
-        const uint32_t g = uint32_t(item % groups);
-        const uint32_t count = min(8u, d - g * 8);
-        const uint64_t src = uint64_t(row) * d + g * 8;
-        uint64_t word = 0;
-        for (uint32_t j = 0; j < count; ++j) {
-          word |= uint64_t(code_table[*reinterpret_cast<const uint16_t*>(x + src + j)]) << (j * B_BITS);
-        }
-        const uint32_t b1 = min(g * B_BITS + B_BITS, nbytes);
-        for (uint32_t b = g * B_BITS; b < b1; ++b) {
-          packed[uint64_t(row) * nbytes + b] = uint8_t(word >> (8 * (b - g * B_BITS)));
-        }
-      }
+      vq_store_codes_by_element<B_BITS, ITEMS>(packed, start, total, d, nbytes, [&](uint64_t i) {
+        return uint32_t(code_table[*reinterpret_cast<const uint16_t*>(x + i)]);
+      });
     }
   }
   return;
@@ -177,24 +160,5 @@ if (fast) {
   }
   return;
 }
-for (int k = 0; k < ITEMS; ++k) {
-  const uint64_t item = first + uint64_t(k) * blockDim.x;
-  if (item >= total) {
-    return;
-  }
-  const uint32_t row = uint32_t(item / groups);
-  const uint32_t g = uint32_t(item % groups);
-  const uint32_t lead = g * 8;
-  const uint32_t count = min(8u, d - lead);
-  const uint64_t src = uint64_t(row) * d + lead;
-  uint64_t word = 0;
-  for (uint32_t j = 0; j < count; ++j) {
-    word |= uint64_t(code_of(static_cast<float>(x[src + j]))) << (j * B_BITS);
-  }
-  const uint32_t b0 = g * B_BITS;
-  const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
-  const uint64_t dst = uint64_t(row) * nbytes;
-  for (uint32_t b = b0; b < b1; ++b) {
-    packed[dst + b] = uint8_t(word >> (8 * (b - b0)));
-  }
-}
+vq_store_codes_by_element<B_BITS, ITEMS>(packed, first, total, d, nbytes,
+                                          [&](uint64_t i) { return code_of(static_cast<float>(x[i])); });
