@@ -250,20 +250,14 @@ impl Source {
 
     /// The CUDA header of an instantiation with these template arguments:
     /// [`Source::cuda_header`], but `tq_prod_encode`'s tensor-core path
-    /// (`TC` > 0) adds two_blocks_per_sm.cuh's register bound, which its
-    /// exact path goes without (ptxas would give that path more registers,
-    /// and at D = 256 a spill). The template arguments differ, so MLX
-    /// compiles the two apart.
+    /// (`TC` > 0) takes `tq_encode`'s, which adds two_blocks_per_sm.cuh's
+    /// register bound that its exact path goes without (ptxas would give
+    /// that path more registers, and at D = 256 a spill). The template
+    /// arguments differ, so MLX compiles the two apart.
     pub fn cuda_header_for(self, template: &[(&str, TemplateArg)]) -> &'static str {
         let tensor_cores = template.iter().any(|(n, v)| *n == "TC" && matches!(v, TemplateArg::Int(p) if *p > 0));
         match self {
-            Source::TqProdEncode if tensor_cores => concat!(
-                include_str!("../../cuda/quant_common.cuh"),
-                include_str!("../../cuda/tq_common.cuh"),
-                include_str!("../../cuda/mma_common.cuh"),
-                include_str!("../../cuda/tq_encode_tensor_cores.cuh"),
-                include_str!("../../cuda/two_blocks_per_sm.cuh")
-            ),
+            Source::TqProdEncode if tensor_cores => Source::TqEncode.cuda_header(),
             _ => self.cuda_header(),
         }
     }
