@@ -25,11 +25,8 @@ if constexpr (TC > 0) {
   __shared__ float bounds2[K2];
   const uint32_t n = params[0];
   const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
-  const int tid = threadIdx.x;
   tq_stage_codebook<true>(cent1, bounds1, centroids1, K1);
-  for (int k = tid; k + 1 < K2; k += 256) {
-    bounds2[k] = __fmul_rn(0.5f, __fadd_rn(centroids2[k], centroids2[k + 1]));
-  }
+  tq_stage_codebook<false>(nullptr, bounds2, centroids2, K2);
   tq_stage_unit_rows<D, true>(V, s_norm, x, norms, v0, n);
   float acc[4][CH * 4];
   tq_rotate_tile<D, ROTATE, HADAMARD>(acc, V, rotation, Bs);
