@@ -281,6 +281,41 @@ __device__ __forceinline__ uint32_t vq_pair_code(const T* tag, uint32_t v, const
   return (acc & 0xFFFFu) | ((acc >> 16) << B);
 }
 
+// Fills table[bits] (65536 bytes of shared memory) with the B-bit code of
+// each 16-bit pattern, pair_code(v) giving the codes of the two patterns in
+// v as low | high << B. Within a run of 64 patterns of one sign the value is
+// monotone in the bits, so a run whose two ends have one code has it
+// throughout (a run of NaNs codes 0 at both ends; the run from +inf ends in
+// a NaN, so its ends differ unless +inf's code is 0 too). Each warp codes
+// 32 runs at once by their ends, splats the uniform ones and codes the
+// others (one per boundary at most, and +inf's) a pair of patterns per lane.
+// Every thread of the block calls it (blockDim a multiple of 32); a barrier
+// must follow before the table is read.
+template <int B, typename PairCode>
+__device__ __forceinline__ void vq_build_pair_code_table(uint8_t* table, PairCode pair_code) {
+  constexpr uint32_t RUNS = 1024;
+  constexpr uint32_t MASK = (1u << B) - 1u;
+  const uint32_t lane = threadIdx.x % 32;
+  for (uint32_t run0 = threadIdx.x - lane; run0 < RUNS; run0 += blockDim.x) {
+    const uint32_t run = run0 + lane;
+    const uint32_t ends = pair_code((run * 64) | ((run * 64 + 63) << 16));
+    const uint32_t code = ends & MASK;
+    const bool uniform = code == (ends >> B);
+    if (uniform) {
+      const uint32_t w = code * 0x01010101u;
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        reinterpret_cast<uint4*>(table + run * 64)[i] = make_uint4(w, w, w, w);
+      }
+    }
+    for (uint32_t mixed = __ballot_sync(0xffffffffu, !uniform); mixed != 0; mixed &= mixed - 1) {
+      const uint32_t bits = (run0 + __ffs(mixed) - 1) * 64 + 2 * lane;
+      const uint32_t codes = pair_code(bits | ((bits + 1) << 16));
+      *reinterpret_cast<uint16_t*>(table + bits) = uint16_t((codes & MASK) | ((codes >> B) << 8));
+    }
+  }
+}
+
 // Codes and stores a thread's ITEMS groups of 8 16-bit elements held raw
 // (vq_read_raw8; WORDS is 1 for them, 2 in the float bodies that name this
 // but never run it), groups start, start + blockDim.x, ... below total, two

@@ -9,10 +9,11 @@
 // intrinsics, sequential sums, no fma; the norm in float32).
 // With TC > 0 (float16 or bfloat16 x, a rotation, D = 64 or 128) the
 // rotation runs on the tensor cores instead (tq_encode_tensor_cores.cuh),
-// a dense Π in TC parts of x's type.
+// a dense Π in TC parts of x's type; TABLE (the host's choice for large N
+// at 3 or 4 bits) codes by a table of every float16 value's code.
 if constexpr (TC > 0) {
-  tq_encode_tensor_cores<T, D, B_BITS, 0, TC, HADAMARD>(x, rotation, centroids, nullptr, codes, nullptr, norms,
-                                                       x_shape[0]);
+  tq_encode_tensor_cores<T, D, B_BITS, 0, TC, HADAMARD, false, TABLE>(x, rotation, centroids, nullptr, codes,
+                                                                      nullptr, norms, x_shape[0]);
 } else {
   constexpr int CH = TQ_CHUNKS(D);
   constexpr int K = 1 << B_BITS;

@@ -35,13 +35,20 @@
 // (the midpoint c lies between centroids c and c + 1; above it is nearer
 // c + 1): for B <= 4 by vq_pair_code, y rounded to float16, two values at a
 // time against thresholds held in registers; else a binary search of the
-// float32 midpoints in shared memory.
-template <int B>
+// float32 midpoints in shared memory. TABLE (B <= 4): the code of each of
+// float16's 65536 bit patterns, built once by the block from the same
+// search into 64 KB of shared memory, so that a value costs one byte load
+// where the search costs about 20 integer instructions (Nsight: the search
+// held the integer pipe busy and was most of the tensor-core tq_encode's
+// instructions).
+template <int B, bool TABLE = false>
 struct TqTcNearest {
   static constexpr int K = 1 << B;
   static constexpr bool PAIRED = B <= 4;
+  static_assert(!TABLE || PAIRED, "a code table holds the codes of float16 values");
   uint32_t thr[PAIRED ? K - 1 : 1];
   const float* mids;
+  const uint8_t* table;
 
   // Every thread calls it; where !PAIRED, a barrier must follow before pair().
   __device__ __forceinline__ void init(const float* centroids, float* shared_mids) {
@@ -59,9 +66,24 @@ struct TqTcNearest {
     }
   }
 
+  // TABLE: fills the 65536 bytes at shared_table; every thread calls it
+  // after init(), and a barrier must follow before pair().
+  __device__ __forceinline__ void build(uint8_t* shared_table) {
+    if constexpr (TABLE) {
+      vq_build_pair_code_table<B>(shared_table, [&](uint32_t v) {
+        return vq_pair_code<B>(static_cast<const __half*>(nullptr), v, thr);
+      });
+      table = shared_table;
+    }
+  }
+
   // The codes of y0 and y1 as low | high << B; a NaN gets code 0.
   __device__ __forceinline__ uint32_t pair(float y0, float y1) const {
-    if constexpr (PAIRED) {
+    if constexpr (TABLE) {
+      const __half2 h = __floats2half2_rn(y0, y1);
+      const uint32_t v = *reinterpret_cast<const uint32_t*>(&h);
+      return uint32_t(table[v & 0xFFFFu]) | (uint32_t(table[v >> 16]) << B);
+    } else if constexpr (PAIRED) {
       const __half2 h = __floats2half2_rn(y0, y1);
       return vq_pair_code<B>(static_cast<const __half*>(nullptr), *reinterpret_cast<const uint32_t*>(&h), thr);
     } else {
@@ -89,6 +111,8 @@ __device__ __forceinline__ void tq_tc_store_codes(uint8_t* dst, uint32_t pair) {
   const uint32_t q = threadIdx.x % 4;
   if constexpr (B == 8) {
     *reinterpret_cast<uint16_t*>(dst + 2 * q) = uint16_t(pair);
+  } else if constexpr (B == 4) {
+    dst[q] = uint8_t(pair);  // the lane's two codes are byte q
   } else {
     uint32_t w = pair << (2 * B * q);
     w |= __shfl_xor_sync(0xffffffffu, w, 1);
@@ -127,8 +151,10 @@ __device__ __forceinline__ void tq_tc_product(float (&acc)[NT][4], const __half*
 // residual_norms and the signs of S r (sketch: float32 [D, D], row-major)
 // into codes2; it takes 2 D² + 128 (D + 8) bytes of dynamic shared memory
 // (S's fragments, a uint2 per lane, n-tile and k-step, then the float16
-// residual tile of 64 rows).
-template <typename T, int D, int B_BITS, int B2_BITS, int PARTS, bool HADAMARD, bool PROD = false>
+// residual tile of 64 rows). TABLE: the first stage's codes by a table
+// (TqTcNearest) in 64 KB of dynamic shared memory; not with PROD.
+template <typename T, int D, int B_BITS, int B2_BITS, int PARTS, bool HADAMARD, bool PROD = false,
+          bool TABLE = false>
 __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const float* centroids,
                                        const float* centroids2, uint8_t* codes, uint8_t* codes2, __half* norms,
                                        uint32_t n, const float* sketch = nullptr,
@@ -139,6 +165,7 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   constexpr int THREADS = 2 * D;          // D / 16 warps
   constexpr bool RVQ = B2_BITS > 0;
   static_assert(!(PROD && RVQ) && B_BITS >= 1, "one second stage");
+  static_assert(!(PROD && TABLE), "the code table and PROD's tiles share the dynamic shared memory");
   constexpr int RB = D * B_BITS / 8;      // code bytes per vector
   constexpr int RB2 = PROD ? D / 8 : D * B2_BITS / 8;  // second codes, or signs
   constexpr int PITCH = D + 8;            // elements per staged row: row r starts at bank 4r (mod 32)
@@ -164,8 +191,12 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   const uint32_t mt0 = MTW * (warp / COL_WARPS);      // and m-tile
   const T* tag = nullptr;
 
-  TqTcNearest<B_BITS> nearest;
+  // The dynamic shared memory: PROD's fragments and residual tile, or the
+  // code table.
+  extern __shared__ __align__(16) uint2 tq_encode_dynamic[];
+  TqTcNearest<B_BITS, TABLE> nearest;
   nearest.init(centroids, mids);
+  nearest.build(reinterpret_cast<uint8_t*>(tq_encode_dynamic));
   TqTcNearest<RVQ ? B2_BITS : 1> nearest2;
   if constexpr (RVQ) {
     nearest2.init(centroids2, mids2);
@@ -179,9 +210,8 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
   // n-tile t being S's row 8 t + g (scaled by a power of two: signs need no
   // unscale); the residual tile rs, rows PITCH apart. The first barrier of
   // the tile loop orders these writes before the reads.
-  extern __shared__ __align__(16) uint2 tq_prod_dynamic[];
-  uint2* sfrag = tq_prod_dynamic;
-  __half* rs = reinterpret_cast<__half*>(tq_prod_dynamic + (PROD ? D * D / 4 : 0));
+  uint2* sfrag = tq_encode_dynamic;
+  __half* rs = reinterpret_cast<__half*>(tq_encode_dynamic + (PROD ? D * D / 4 : 0));
   if constexpr (PROD) {
     if (warp < COL_WARPS) {
 #pragma unroll 1
@@ -286,27 +316,49 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
       tq_tc_product<KS, NT, NP, PITCH>(acc, reinterpret_cast<const __half*>(xs) + mt * 16 * PITCH, tag,
                                        [&](int nt, int p, int ks) { return make_uint2(b[nt][p][ks][0], b[nt][p][ks][1]); });
       float rr[2] = {0.0f, 0.0f};  // PROD: this lane's share of ‖r‖² of rows g, g + 8
+      // y of rows g + 8 hr and columns nt's 2q, 2q + 1, and their codes.
+      float y[2][NT][2];
+      uint32_t pairs[2][NT];
+      auto code = [&](int hr, int nt) {
+        const float inv = s_inv[mt * 16 + g + 8 * hr];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          y[hr][nt][e] = HADAMARD ? acc[nt][2 * hr + e] * inv : acc[nt][2 * hr + e] * unscale[nt][e] * inv;
+        }
+        pairs[hr][nt] = nearest.pair(y[hr][nt][0], y[hr][nt][1]);
+      };
+      // tq_encode codes the whole m-tile before it stores, so that the
+      // searches (or table loads) overlap; the second stages, which keep
+      // more registers live, code each pair just before its use.
+      constexpr bool CODES_FIRST = !RVQ && !PROD;
+      if constexpr (CODES_FIRST) {
+#pragma unroll
+        for (int hr = 0; hr < 2; ++hr) {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt) {
+            code(hr, nt);
+          }
+        }
+      }
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const uint32_t r = mt * 16 + g + 8 * hr;
-        const float inv = s_inv[r];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
-          float y[2];
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            y[e] = HADAMARD ? acc[nt][2 * hr + e] * inv : acc[nt][2 * hr + e] * unscale[nt][e] * inv;
+          if constexpr (!CODES_FIRST) {
+            code(hr, nt);
           }
-          const uint32_t pair = nearest.pair(y[0], y[1]);
+          const uint32_t pair = pairs[hr][nt];
           tq_tc_store_codes<B_BITS>(sc + r * RB + (col0 / 8 + nt) * B_BITS, pair);
           constexpr uint32_t MASK = (1u << B_BITS) - 1u;
           if constexpr (RVQ) {
-            const uint32_t pair2 = nearest2.pair(y[0] - cent[pair & MASK], y[1] - cent[pair >> B_BITS]);
+            const uint32_t pair2 =
+                nearest2.pair(y[hr][nt][0] - cent[pair & MASK], y[hr][nt][1] - cent[pair >> B_BITS]);
             tq_tc_store_codes<B2_BITS>(sc2 + r * RB2 + (col0 / 8 + nt) * B2_BITS, pair2);
           }
           if constexpr (PROD) {
-            const float r0 = y[0] - cent[pair & MASK];
-            const float r1 = y[1] - cent[pair >> B_BITS];
+            const float r0 = y[hr][nt][0] - cent[pair & MASK];
+            const float r1 = y[hr][nt][1] - cent[pair >> B_BITS];
             *reinterpret_cast<__half2*>(&rs[r * PITCH + col0 + 8 * nt + 2 * q]) = __floats2half2_rn(r0, r1);
             rr[hr] = __fmaf_rn(r0, r0, __fmaf_rn(r1, r1, rr[hr]));
           }

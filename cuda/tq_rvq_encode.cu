@@ -9,10 +9,12 @@
 // intrinsics, sums in order, the norm in float64).
 // With TC > 0 (float16 or bfloat16 x, a rotation, D = 64 or 128) the
 // rotation runs on the tensor cores instead (tq_encode_tensor_cores.cuh),
-// a dense Π in TC parts of x's type.
+// a dense Π in TC parts of x's type; TABLE (the host's choice for large N
+// at 3 or 4 first-stage bits) codes the first stage by a table of every
+// float16 value's code.
 if constexpr (TC > 0) {
-  tq_encode_tensor_cores<T, D, B1_BITS, B2_BITS, TC, HADAMARD>(x, rotation, centroids1, centroids2, codes1, codes2,
-                                                               norms, params[0]);
+  tq_encode_tensor_cores<T, D, B1_BITS, B2_BITS, TC, HADAMARD, false, TABLE>(x, rotation, centroids1, centroids2,
+                                                                             codes1, codes2, norms, params[0]);
 } else {
   constexpr int CH = TQ_CHUNKS(D);
   constexpr int K1 = 1 << B1_BITS;

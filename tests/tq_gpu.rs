@@ -266,3 +266,76 @@ fn gpu_tensor_core_encode_edges_match_cpu() {
     assert_eq!(c3.to_vec::<u8>().unwrap(), c2.to_vec::<u8>().unwrap(), "codes of [2, 5, d] against [10, d]");
     assert_eq!(n3.to_bytes().unwrap(), n2.to_bytes().unwrap(), "norms of [2, 5, d] against [10, d]");
 }
+
+/// CUDA's tensor-core encoders code large inputs by a table of every
+/// float16 value's code (`encode_code_table`), built from the paired search
+/// that codes smaller ones: the same rows give the same codes and norms both
+/// ways, bit for bit. 70,001 rows (rows 0-2 a zero, a NaN and an infinity)
+/// are encoded whole (the table) and in two halves (the search), for
+/// `tq_encode` at 3 and 4 bits and `tq_rvq_encode` at 4 + 2 and 3 + 1,
+/// float16 and bfloat16, a dense Π and Hadamard signs, d = 64 and 128; a
+/// codebook shifted off symmetry as well as the sphere's.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_tensor_core_code_table_matches_search() {
+    use veloxquant::kernels::{encode_code_table, encode_tensor_core_parts, tq_rvq_encode};
+    use veloxquant::quant::Rotation;
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let cuda = gpu.backend().unwrap() == Backend::Cuda;
+    let opts = Options::on(gpu.clone(), Policy::Require);
+    let n = 70_001usize;
+    let half = n / 2;
+    let bytes = |a: &Array| a.to_bytes().unwrap();
+    for d in [128usize, 64] {
+        for dtype in [Dtype::F16, Dtype::BF16] {
+            let mut rng = ChaCha8Rng::seed_from_u64(d as u64 + 3);
+            let mut xv = f32s(&normal(&mut rng, &[n as i32, d as i32], Dtype::F32));
+            xv[..d].fill(0.0);
+            xv[d + 3] = f32::NAN;
+            xv[2 * d + 5] = f32::INFINITY;
+            let x = ops::astype(&Array::from_slice(&xv, &[n as i32, d as i32]).unwrap(), dtype, &Stream::cpu()).unwrap();
+            let rows = |a: usize, b: usize| ops::slice(&x, &[a as i32, 0], &[b as i32, d as i32], &Stream::cpu()).unwrap();
+            let (first, second) = (rows(0, half), rows(half, n));
+            for hadamard in [false, true] {
+                let rotation = if hadamard { Rotation::hadamard(d, 8).unwrap() } else { Rotation::dense(d, 8).unwrap() };
+                let rot = if hadamard {
+                    Array::from_slice(rotation.signs(), &[d as i32]).unwrap()
+                } else {
+                    Array::from_slice(rotation.matrix(), &[d as i32, d as i32]).unwrap()
+                };
+                for bits in [4u32, 3] {
+                    for shift in [0.0f32, 0.013] {
+                        let tag = format!("tq_encode d={d} {dtype} hadamard={hadamard} bits={bits} shift={shift}");
+                        let parts = encode_tensor_core_parts(dtype, d, true, bits);
+                        if cuda {
+                            assert!(encode_code_table(parts, (bits, 0), n) && !encode_code_table(parts, (bits, 0), n - half), "{tag}: the paths");
+                        }
+                        let cent: Vec<f32> = ScalarCodebook::sphere(d, bits).unwrap().centroids().iter().map(|c| c + shift).collect();
+                        let cent = Array::from_slice(&cent, &[cent.len() as i32]).unwrap();
+                        let (whole_c, whole_n) = tq_encode(&x, Some(&rot), &cent, bits, &opts).unwrap();
+                        let (a_c, a_n) = tq_encode(&first, Some(&rot), &cent, bits, &opts).unwrap();
+                        let (b_c, b_n) = tq_encode(&second, Some(&rot), &cent, bits, &opts).unwrap();
+                        assert!(bytes(&whole_c) == [bytes(&a_c), bytes(&b_c)].concat(), "{tag}: codes");
+                        assert!(bytes(&whole_n) == [bytes(&a_n), bytes(&b_n)].concat(), "{tag}: norms");
+                    }
+                }
+                for bits in [(4u32, 2u32), (3, 1)] {
+                    let tag = format!("tq_rvq_encode d={d} {dtype} hadamard={hadamard} bits={bits:?}");
+                    if cuda {
+                        let parts = encode_tensor_core_parts(dtype, d, true, bits.0 + bits.1);
+                        assert!(encode_code_table(parts, bits, n) && !encode_code_table(parts, bits, n - half), "{tag}: the paths");
+                    }
+                    let c1 = ScalarCodebook::sphere(d, bits.0).unwrap().centroids().to_vec();
+                    let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
+                    let (c1, c2) = (Array::from_slice(&c1, &[c1.len() as i32]).unwrap(), Array::from_slice(&c2, &[c2.len() as i32]).unwrap());
+                    let whole = tq_rvq_encode(&x, Some(&rot), &c1, &c2, bits, &opts).unwrap();
+                    let a = tq_rvq_encode(&first, Some(&rot), &c1, &c2, bits, &opts).unwrap();
+                    let b = tq_rvq_encode(&second, Some(&rot), &c1, &c2, bits, &opts).unwrap();
+                    assert!(bytes(&whole.codes1) == [bytes(&a.codes1), bytes(&b.codes1)].concat(), "{tag}: first codes");
+                    assert!(bytes(&whole.codes2) == [bytes(&a.codes2), bytes(&b.codes2)].concat(), "{tag}: second codes");
+                    assert!(bytes(&whole.norms) == [bytes(&a.norms), bytes(&b.norms)].concat(), "{tag}: norms");
+                }
+            }
+        }
+    }
+}

@@ -181,7 +181,8 @@ impl Source {
     /// tensor-core path the sketch's float16 fragments (2 bytes an entry)
     /// and its residual tile of 64 rows (`tq_prod_tc_dynamic_bytes`);
     /// `scalar_quantize`'s table path the code of each of the 65536 values
-    /// of a 16-bit type (a byte each); 0 elsewhere.
+    /// of a 16-bit type (a byte each), and so `tq_encode`'s and
+    /// `tq_rvq_encode`'s for float16 values; 0 elsewhere.
     pub fn cuda_dynamic_shared_bytes(self, template: &[(&str, TemplateArg)]) -> i32 {
         let arg = |name: &str| template.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
         match self {
@@ -189,7 +190,7 @@ impl Source {
                 (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(tc))) if tc > 0 => 2 * d * d + 64 * (d + 8) * 2,
                 _ => 0,
             },
-            Source::ScalarQuantize if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
+            Source::ScalarQuantize | Source::TqEncode | Source::TqRvqEncode if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
             Source::TqProdDecode => {
                 let on = |name: &str| arg(name) == Some(TemplateArg::Bool(true));
                 match arg("D") {
@@ -299,6 +300,11 @@ mod tests {
         assert_eq!(Source::ScalarQuantize.cuda_dynamic_shared_bytes(&table(true)), 65536);
         assert_eq!(Source::ScalarQuantize.cuda_dynamic_shared_bytes(&table(false)), 0);
         assert_eq!(Source::ScalarQuantize.cuda_dynamic_shared_bytes(&[("B_BITS", TemplateArg::Int(4))]), 0);
+        for encoder in [Source::TqEncode, Source::TqRvqEncode] {
+            assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(true)), 65536);
+            assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(false)), 0);
+        }
+        assert_eq!(Source::TqProdEncode.cuda_dynamic_shared_bytes(&table(true)), 0);
     }
 
     #[test]

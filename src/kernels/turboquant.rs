@@ -102,11 +102,30 @@ pub fn encode_tensor_core_parts(dtype: Dtype, d: usize, rotate: bool, bits: u32)
     }
 }
 
+/// Vectors from which CUDA's tensor-core `tq_encode` and `tq_rvq_encode`
+/// code their first stage by a table of every float16 value's code
+/// (`TABLE` in cuda/tq_encode_tensor_cores.cuh): each block builds the 64 KB
+/// table once, worth it from several tiles of 64 vectors per block on.
+const ENCODE_TABLE_VECTORS: usize = 1 << 16;
+
+/// Whether CUDA's tensor-core `tq_encode` or `tq_rvq_encode` of `n` vectors
+/// with `parts` (`TC`) codes its first stage of `bits.0` by the table: at 3
+/// or 4 bits, where the paired search it replaces costs most (at 1 and 2
+/// bits it is a step or two), with RVQ's second stage (`bits.1`, 0 for
+/// `tq_encode`) at most 2 bits (a wider one's thresholds would not fit the
+/// registers beside the table's path), and for large `n`.
+pub fn encode_code_table(parts: i32, bits: (u32, u32), n: usize) -> bool {
+    parts > 0 && matches!(bits.0, 3 | 4) && bits.1 <= 2 && n >= ENCODE_TABLE_VECTORS
+}
+
 /// Launches a TurboQuant encoder on Metal or CUDA: the codecs' grid, or for
 /// a body with a tensor-core path (`parts`: [`encode_tensor_core_parts`] of
-/// its input; `tq_encode` and `tq_rvq_encode`) on CUDA the template argument
-/// `TC` = parts and, when that is not 0, blocks of `2d` threads that walk
-/// tiles of 64 vectors, each loading `Π`'s fragments once.
+/// its input; `tq_encode`, `tq_rvq_encode` and `tq_prod_encode`) on CUDA the
+/// template argument `TC` = parts and, when that is not 0, blocks of `2d`
+/// threads that walk tiles of 64 vectors, each loading `Π`'s fragments once.
+/// `tq_encode` and `tq_rvq_encode` on CUDA also take `TABLE`
+/// ([`encode_code_table`] of their first stage's bits, `B_BITS` or
+/// `B1_BITS`).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_encoder(
     imp: Implementation,
@@ -122,6 +141,17 @@ pub(crate) fn launch_encoder(
     let parts = if imp == Implementation::Cuda { parts } else { None };
     if let Some(p) = parts {
         template.push(("TC", TemplateArg::Int(p)));
+        if matches!(source, Source::TqEncode | Source::TqRvqEncode) {
+            let bits = |names: &[&str]| {
+                template.iter().find_map(|(name, v)| match v {
+                    TemplateArg::Int(b) if names.contains(name) => Some(*b as u32),
+                    _ => None,
+                })
+            };
+            let first = bits(&["B_BITS", "B1_BITS"]).expect("an encoder's template names its bits");
+            let table = encode_code_table(p, (first, bits(&["B2_BITS"]).unwrap_or(0)), n);
+            template.push(("TABLE", TemplateArg::Bool(table)));
+        }
     }
     let (grid, threadgroup) = match parts {
         Some(p) if p > 0 => {
