@@ -125,7 +125,7 @@ pub fn encode_code_table(parts: i32, bits: (u32, u32), n: usize) -> bool {
 /// threads that walk tiles of 64 vectors, each loading `Π`'s fragments once.
 /// `tq_encode` and `tq_rvq_encode` on CUDA also take `TABLE`
 /// ([`encode_code_table`] of their first stage's bits, `B_BITS` or
-/// `B1_BITS`).
+/// `B1_BITS`), and with it two blocks per SM.
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_encoder(
     imp: Implementation,
@@ -139,6 +139,7 @@ pub(crate) fn launch_encoder(
 ) -> Result<Vec<Array>> {
     let mut template = template.to_vec();
     let parts = if imp == Implementation::Cuda { parts } else { None };
+    let mut table = false;
     if let Some(p) = parts {
         template.push(("TC", TemplateArg::Int(p)));
         if matches!(source, Source::TqEncode | Source::TqRvqEncode) {
@@ -149,13 +150,17 @@ pub(crate) fn launch_encoder(
                 })
             };
             let first = bits(&["B_BITS", "B1_BITS"]).expect("an encoder's template names its bits");
-            let table = encode_code_table(p, (first, bits(&["B2_BITS"]).unwrap_or(0)), n);
+            table = encode_code_table(p, (first, bits(&["B2_BITS"]).unwrap_or(0)), n);
             template.push(("TABLE", TemplateArg::Bool(table)));
         }
     }
     let (grid, threadgroup) = match parts {
         Some(p) if p > 0 => {
-            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(fragment_blocks()?) as i32;
+            // With the table the search's integer work is gone and the
+            // blocks wait on dependent chains (products, loads, shuffles);
+            // two blocks per SM (86 KB of shared memory each) hide more.
+            let per_sm = if table { 2 } else { 1 };
+            let blocks = n.div_ceil(ENCODE_TILE_VECTORS).min(per_sm * fragment_blocks()?) as i32;
             let threads = 2 * d as i32;
             ((blocks * threads, 1, 1), (threads, 1, 1))
         }
