@@ -316,11 +316,12 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
       tq_tc_product<KS, NT, NP, PITCH>(acc, reinterpret_cast<const __half*>(xs) + mt * 16 * PITCH, tag,
                                        [&](int nt, int p, int ks) { return make_uint2(b[nt][p][ks][0], b[nt][p][ks][1]); });
       float rr[2] = {0.0f, 0.0f};  // PROD: this lane's share of ‖r‖² of rows g, g + 8
-      // y of rows g + 8 hr and columns nt's 2q, 2q + 1, and their codes.
+      // y of rows g + 8 hr and columns nt's 2q, 2q + 1 (inv: the row's
+      // 1/‖x‖, read once per row: the code stores between may alias it),
+      // and their codes.
       float y[2][NT][2];
       uint32_t pairs[2][NT];
-      auto code = [&](int hr, int nt) {
-        const float inv = s_inv[mt * 16 + g + 8 * hr];
+      auto code = [&](int hr, int nt, float inv) {
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           y[hr][nt][e] = HADAMARD ? acc[nt][2 * hr + e] * inv : acc[nt][2 * hr + e] * unscale[nt][e] * inv;
@@ -334,19 +335,21 @@ __device__ void tq_encode_tensor_cores(const T* x, const float* rotation, const 
       if constexpr (CODES_FIRST) {
 #pragma unroll
         for (int hr = 0; hr < 2; ++hr) {
+          const float inv = s_inv[mt * 16 + g + 8 * hr];
 #pragma unroll
           for (int nt = 0; nt < NT; ++nt) {
-            code(hr, nt);
+            code(hr, nt, inv);
           }
         }
       }
 #pragma unroll
       for (int hr = 0; hr < 2; ++hr) {
         const uint32_t r = mt * 16 + g + 8 * hr;
+        const float inv = CODES_FIRST ? 0.0f : s_inv[r];
 #pragma unroll
         for (int nt = 0; nt < NT; ++nt) {
           if constexpr (!CODES_FIRST) {
-            code(hr, nt);
+            code(hr, nt, inv);
           }
           const uint32_t pair = pairs[hr][nt];
           tq_tc_store_codes<B_BITS>(sc + r * RB + (col0 / 8 + nt) * B_BITS, pair);
