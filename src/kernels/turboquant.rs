@@ -625,4 +625,22 @@ mod tests {
             assert_eq!(encode_tensor_core_parts(Dtype::F16, d, true, 4), 0, "d = {d}");
         }
     }
+
+    #[test]
+    fn the_code_table_codes_large_3_and_4_bit_first_stages_on_the_tensor_cores() {
+        let n = ENCODE_TABLE_VECTORS;
+        assert!(encode_code_table(1, (4, 0), n));
+        assert!(encode_code_table(2, (3, 0), n));
+        assert!(encode_code_table(1, (4, 2), n));
+        assert!(encode_code_table(1, (3, 1), 10 * n));
+        // Too few vectors to pay for the build; the exact path; at 1, 2 and
+        // 8 bits the search is short or the table does not apply; an RVQ
+        // second stage past 2 bits.
+        assert!(!encode_code_table(1, (4, 0), n - 1));
+        assert!(!encode_code_table(0, (4, 0), n));
+        for bits in [1, 2, 8] {
+            assert!(!encode_code_table(1, (bits, 0), n), "{bits} bits");
+        }
+        assert!(!encode_code_table(1, (4, 3), n));
+    }
 }
