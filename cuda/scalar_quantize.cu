@@ -21,12 +21,9 @@
 // into 64 KB of dynamic shared memory by the same search, then one byte load
 // per element and no search: the block walks chunks of ITEMS * blockDim
 // items grid-stride. (The paired search is bound by the integer pipe; the
-// loads are not.) The table is built by runs of 64 patterns: within a run of
-// one sign the value is monotone in the bits, so equal codes at its two ends
-// are the code of the whole run (NaN's 0 included: the run from +inf holds
-// NaNs, and its ends differ unless inf's code is 0 too); the runs whose ends
-// differ, one per boundary at most and the one from +inf, are then coded
-// pattern by pattern by every thread.
+// loads are not.) The table is built by runs of 64 patterns, a run whose two
+// ends have one code taking it throughout (vq_build_pair_code_table, as
+// tq_encode's tensor-core path builds its own).
 __shared__ float bounds[256];
 __shared__ uint32_t pair_bounds[16];
 const uint32_t n = params[0];
@@ -41,12 +38,6 @@ const uint64_t total = uint64_t(n) * groups;
 const uint64_t first = uint64_t(blockIdx.x) * ITEMS * blockDim.x + threadIdx.x;
 const bool fast = d % 8 == 0 && vq_aligned(x, 16) && vq_aligned(packed, vq_bytes_align<B_BITS>());
 static_assert(!TABLE || sizeof(T) == 2, "a code table is for 16-bit inputs");
-constexpr uint32_t RUNS = 1024;  // runs of 64 of the 65536 patterns
-__shared__ uint32_t mixed_runs[TABLE ? RUNS : 1];
-__shared__ uint32_t n_mixed;
-if (TABLE && threadIdx.x == 0) {
-  n_mixed = 0;
-}
 // The elements are requested before the block waits for its boundaries, so
 // that the two latencies overlap.
 uint4 raw[ITEMS][WORDS];
@@ -90,24 +81,9 @@ auto code_of = [&](float e) {
 if constexpr (TABLE) {
   extern __shared__ __align__(16) uint8_t code_table[];
   const T* tag = nullptr;
-  for (uint32_t run = threadIdx.x; run < RUNS; run += blockDim.x) {
-    const uint32_t c0 = code_of(vq_word_elem(tag, run * 64, 0));
-    const uint32_t c1 = code_of(vq_word_elem(tag, run * 64 + 63, 0));
-    if (c0 == c1) {
-      const uint4 splat = make_uint4(c0 * 0x01010101u, c0 * 0x01010101u, c0 * 0x01010101u, c0 * 0x01010101u);
-#pragma unroll
-      for (int w = 0; w < 4; ++w) {
-        reinterpret_cast<uint4*>(code_table + run * 64)[w] = splat;
-      }
-    } else {
-      mixed_runs[atomicAdd(&n_mixed, 1u)] = run;
-    }
-  }
-  __syncthreads();  // n_mixed and the uniform runs
-  for (uint32_t e = threadIdx.x; e < n_mixed * 64; e += blockDim.x) {
-    const uint32_t bits = mixed_runs[e / 64] * 64 + e % 64;
-    code_table[bits] = uint8_t(code_of(vq_word_elem(tag, bits, 0)));
-  }
+  vq_build_pair_code_table<B_BITS>(code_table, [&](uint32_t v) {
+    return code_of(vq_word_elem(tag, v, 0)) | (code_of(vq_word_elem(tag, v, 1)) << B_BITS);
+  });
   __syncthreads();  // the whole table
   const uint64_t chunk_items = uint64_t(ITEMS) * blockDim.x;
   for (uint64_t chunk = blockIdx.x; chunk * chunk_items < total; chunk += gridDim.x) {
