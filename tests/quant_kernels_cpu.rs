@@ -6,8 +6,8 @@ use half::{bf16, f16};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::kernels::{
-    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, scalar_dequantize, scalar_quantize,
-    KiviMode, PqCodes,
+    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, scalar_dequantize,
+    scalar_quantize, KiviMode, PqCodes,
 };
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::{KiviKeys, KiviValues, PqConfig, ProductQuantizer, Qjl, Quantizer, ScalarCodebook};
@@ -327,6 +327,22 @@ fn pq_every_width_up_to_twelve_bits() {
     }
     pq_case(8, 12, 20, 32, 60);
     pq_case(4, 12, 1, 256, 61);
+}
+
+/// Which pq_encode calls CUDA searches on the tensor cores: 16-bit inputs,
+/// sub-vectors of 2, 4 or 8, rows of at most 512 sub-vectors, and codes of at
+/// most 10 bits (9 for sub-vectors of 8, whose entries take two k-steps).
+#[test]
+fn pq_tensor_core_search_takes_16_bit_inputs_and_small_codebooks() {
+    for dt in [Dtype::F16, Dtype::BF16] {
+        for (d, s, bits) in [(128, 4, 8), (128, 4, 10), (1024, 2, 10), (64, 8, 9), (8, 8, 1), (16, 2, 5), (4096, 8, 8)] {
+            assert!(pq_tensor_cores(dt, d, s, bits), "{dt} d={d} s={s} bits={bits}");
+        }
+        for (d, s, bits) in [(128, 4, 11), (64, 8, 10), (1026, 2, 6), (4104, 8, 8), (128, 4, 12)] {
+            assert!(!pq_tensor_cores(dt, d, s, bits), "{dt} d={d} s={s} bits={bits}");
+        }
+    }
+    assert!(!pq_tensor_cores(Dtype::F32, 128, 4, 8));
 }
 
 #[test]

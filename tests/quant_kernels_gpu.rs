@@ -11,7 +11,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::{self, Float};
 use veloxquant::kernels::{
-    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, qjl_encode, qjl_score, qjl_tensor_cores, scalar_dequantize,
+    kivi_dequantize, kivi_quantize, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores, scalar_dequantize,
     scalar_quantize, KiviMode,
 };
 use veloxquant::{ops, Array, Backend, Element, Options, Policy, Stream};
@@ -418,23 +418,85 @@ fn gpu_qjl_tensor_core_signs_at_ties() {
     assert_eq!(gn.to_vec::<f16>().unwrap(), nm);
 }
 
+/// The codes of `n` rows of `per` sub-vectors from both planes.
+fn pq_indices(codes: &[u8], codes_hi: &[u8], n: usize, per: usize, bits: u32) -> Vec<u32> {
+    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let mut low = vec![0u8; n * per];
+    cpu::bit_unpack(codes, n, per, lo, &mut low);
+    let mut high = vec![0u8; n * per];
+    if hi > 0 {
+        cpu::bit_unpack(codes_hi, n, per, hi, &mut high);
+    }
+    low.iter().zip(&high).map(|(&l, &h)| u32::from(l) | u32::from(h) << lo).collect()
+}
+
+/// Codes of the tensor-core search against the exact search's: where they
+/// differ, the entry chosen must be as near (in float64) as the exact one
+/// within the search's resolution (2^-16 of the distance, module comment of
+/// cuda/pq_encode_tensor_cores.cuh) and the products' rounding (float32
+/// sums of terms up to ‖v‖² + ‖c‖²). Returns how many differ.
+fn pq_near_ties<T: Float>(got: &[u32], want: &[u32], x: &[T], cb: &[f32], s: usize, tag: &str) -> usize {
+    let dist = |v: &[T], c: u32| -> f64 {
+        v.iter().zip(&cb[c as usize * s..(c as usize + 1) * s]).map(|(a, b)| (a.to_f32() as f64 - *b as f64).powi(2)).sum()
+    };
+    let norm = |v: &mut dyn Iterator<Item = f64>| v.map(|a| a * a).sum::<f64>();
+    let max_c = cb.chunks(s).map(|c| norm(&mut c.iter().map(|&a| a as f64))).fold(0.0, f64::max);
+    let mut differ = 0;
+    for (i, (&g, &w)) in got.iter().zip(want).enumerate() {
+        let v = &x[i * s..(i + 1) * s];
+        if g == w || !v.iter().all(|a| a.to_f32().is_finite()) {
+            assert_eq!(g, w, "{tag}: sub-vector {i} (not finite) has code {g}, the exact search {w}");
+            continue;
+        }
+        assert!((g as usize) < cb.len() / s, "{tag}: sub-vector {i} has code {g} past the codebook");
+        let (dg, dw) = (dist(v, g), dist(v, w));
+        let tol = 4e-5 * dw + 1e-6 * (norm(&mut v.iter().map(|a| a.to_f32() as f64)) + max_c);
+        assert!(dg <= dw + tol, "{tag}: sub-vector {i} has code {g} at {dg}, the exact search {w} at {dw}");
+        differ += 1;
+    }
+    differ
+}
+
 fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {
     let x: Vec<T> = data(n as u64 + 5, n * d, 1.0);
     let cb: Vec<f32> = data(k as u64, k * s, 1.0);
+    pq_with(&x, &arr(&x, &[n, d]), n, d, s, &cb, bits);
+}
+
+/// pq_encode of `xa` (`x` as an array, maybe a view) against the CPU's:
+/// codes equal, or (the tensor-core search) equal but at near-ties, fewer
+/// than 1% of them; then pq_decode of the codes equal to the CPU's.
+fn pq_with<T: Float + Element>(x: &[T], xa: &Array, n: usize, d: usize, s: usize, cb: &[f32], bits: u32) -> usize {
+    let k = cb.len() / s;
     let per = d / s;
     let (lo, hi) = veloxquant::quant::pq::planes(bits);
     let mut want = vec![0u8; n * cpu::packed_len(per, lo)];
     let mut want_hi = vec![0u8; if hi > 0 { n * cpu::packed_len(per, hi) } else { 0 }];
-    cpu::pq_encode(&x, n, d, &cb, s, bits, &mut want, &mut want_hi);
-    let c = arr(&cb, &[k, s]);
-    let p = pq_encode(&arr(&x, &[n, d]), &c, bits, &gpu()).unwrap();
+    cpu::pq_encode(x, n, d, cb, s, bits, &mut want, &mut want_hi);
+    let c = arr(cb, &[k, s]);
+    let p = pq_encode(xa, &c, bits, &gpu()).unwrap();
     let tag = format!("{} n={n} d={d} s={s} K={k} bits={bits}", T::DTYPE);
-    assert_eq!(p.codes.to_vec::<u8>().unwrap(), want, "{tag}");
-    assert_eq!(p.codes_hi.as_ref().map(|h| h.to_vec::<u8>().unwrap()), (hi > 0).then_some(want_hi.clone()), "high plane {tag}");
+    let codes = p.codes.to_vec::<u8>().unwrap();
+    let codes_hi = p.codes_hi.as_ref().map(|h| h.to_vec::<u8>().unwrap());
+    assert_eq!(codes_hi.is_some(), hi > 0, "high plane {tag}");
+    let codes_hi = codes_hi.unwrap_or_default();
+    let tensor_cores = Stream::gpu().unwrap().backend().unwrap() == Backend::Cuda && pq_tensor_cores(T::DTYPE, d, s, bits);
+    let differ = if tensor_cores {
+        let got = pq_indices(&codes, &codes_hi, n, per, bits);
+        let differ = pq_near_ties(&got, &pq_indices(&want, &want_hi, n, per, bits), x, cb, s, &tag);
+        assert!(differ * 100 <= n * per, "{tag}: {differ} of {} codes differ", n * per);
+        eprintln!("{tag}: tensor-core codes differing at near-ties: {differ} of {}", n * per);
+        differ
+    } else {
+        assert_eq!(codes, want, "{tag}");
+        assert_eq!(codes_hi, want_hi, "high plane {tag}");
+        0
+    };
     let mut y = vec![T::default(); n * d];
-    cpu::pq_decode(&want, &want_hi, n, d, &cb, s, bits, &mut y);
+    cpu::pq_decode(&codes, &codes_hi, n, d, cb, s, bits, &mut y);
     let got = pq_decode(&p, &c, bits, d, T::DTYPE, &gpu()).unwrap();
     assert_eq!(f32s::<T>(&got), y.iter().map(|v| v.to_f32()).collect::<Vec<_>>(), "decode {tag}");
+    differ
 }
 
 #[test]
@@ -457,6 +519,79 @@ fn gpu_pq_matches_cpu() {
     // bits as the benchmark's; 6 bits (4 + 2) with a small codebook.
     pq::<f16>(4_097, 128, 4, 1024, 10);
     pq::<bf16>(999, 64, 2, 64, 6);
+}
+
+/// The tensor-core search of float16 and bfloat16 inputs where it must keep
+/// the exact search's answer: entries repeated 128 entries on (equal
+/// distances: the lower index wins), sub-vectors holding NaN, infinities or
+/// values whose ‖v‖² leaves float32 (searched exactly), a codebook whose
+/// ‖c‖² is past 2^100 (every row searched exactly), codebooks far below and
+/// above 1 (one power-of-two scale), an input view off 4-byte alignment, K
+/// not a multiple of 16, and rows of 512 sub-vectors (one a chunk). Rows of
+/// 513 sub-vectors take the exact kernel.
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_pq_tensor_core_edges() {
+    let cuda = Stream::gpu().unwrap().backend().unwrap() == Backend::Cuda;
+    // Twins: entry c + 128 repeats entry c.
+    let (n, d, s, k) = (5_000usize, 128usize, 4usize, 256usize);
+    let mut cb: Vec<f32> = data(21, k * s, 1.0);
+    cb.copy_within(0..128 * s, 128 * s);
+    for t in [0u64, 1] {
+        let tag = format!("twins {t}");
+        let run = |x: &[f16], xb: &[bf16]| {
+            pq_with(x, &arr(x, &[n, d]), n, d, s, &cb, 8);
+            pq_with(xb, &arr(xb, &[n, d]), n, d, s, &cb, 8);
+            for (name, codes) in [
+                ("f16", pq_encode(&arr(x, &[n, d]), &arr(&cb, &[k, s]), 8, &gpu()).unwrap().codes),
+                ("bf16", pq_encode(&arr(xb, &[n, d]), &arr(&cb, &[k, s]), 8, &gpu()).unwrap().codes),
+            ] {
+                let high = codes.to_vec::<u8>().unwrap().iter().filter(|&&c| c >= 128).count();
+                assert_eq!(high, 0, "{tag} {name}: {high} codes chose the later of two equal entries");
+            }
+        };
+        let x: Vec<f16> = data(22 + t, n * d, 1.0);
+        let xb: Vec<bf16> = data(22 + t, n * d, 1.0);
+        run(&x, &xb);
+    }
+    // Sub-vectors that are not finite, or whose ‖v‖² is not (bfloat16).
+    let (n, d, s, k) = (2_000usize, 64usize, 8usize, 512usize);
+    let cb: Vec<f32> = data(31, k * s, 1.0);
+    let mut x: Vec<f16> = data(32, n * d, 1.0);
+    let mut xb: Vec<bf16> = data(32, n * d, 1.0);
+    for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY, 65504.0, -65504.0].iter().enumerate() {
+        x[i * 97 * s + 3] = f16::from_f32(*v);
+        xb[i * 97 * s + 3] = bf16::from_f32(*v);
+        xb[(i * 97 + 11) * s] = bf16::from_f32(3e38 * (1.0 - 2.0 * (i % 2) as f32));
+    }
+    pq_with(&x, &arr(&x, &[n, d]), n, d, s, &cb, 9);
+    pq_with(&xb, &arr(&xb, &[n, d]), n, d, s, &cb, 9);
+    // An entry at 1e30: ‖c‖² past 2^100 sends every row to the exact search.
+    let mut cb: Vec<f32> = data(41, 64 * 4, 1.0);
+    cb[7 * 4..8 * 4].fill(bf16::from_f32(1e30).to_f32());
+    let mut xb: Vec<bf16> = data(42, 1_000 * 32, 1.0);
+    for i in (0..1_000 * 8).step_by(37) {
+        xb[i * 4..(i + 1) * 4].fill(bf16::from_f32(1e30));
+    }
+    assert_eq!(pq_with(&xb, &arr(&xb, &[1_000, 32]), 1_000, 32, 4, &cb, 6), 0, "codebook past 2^100");
+    // Scales: codebooks and inputs near 1e-3 and near 1e3.
+    for scale in [1e-3f32, 1e3] {
+        let cb: Vec<f32> = data(51, 1024 * 2, scale);
+        let x: Vec<f16> = data(52, 3_000 * 96, scale);
+        pq_with(&x, &arr(&x, &[3_000, 96]), 3_000, 96, 2, &cb, 10);
+    }
+    // Off alignment (one element in), K = 13 of 4 bits, one row, a chunk a row.
+    let cb: Vec<f32> = data(61, 13 * 4, 1.0);
+    let x: Vec<f16> = data(62, 3_001 * 128, 1.0);
+    pq_with(&x, &offset_view(&x, &[3_001, 128], 1), 3_001, 128, 4, &cb, 4);
+    pq::<bf16>(1, 16, 4, 13, 4);
+    pq::<f16>(3, 1024, 2, 1024, 10);
+    pq::<bf16>(70_001, 128, 4, 256, 8);
+    assert!(!pq_tensor_cores(f16::DTYPE, 1026, 2, 6));
+    pq::<f16>(10, 1026, 2, 64, 6);
+    if cuda {
+        assert!(pq_tensor_cores(f16::DTYPE, 128, 4, 8) && pq_tensor_cores(bf16::DTYPE, 1024, 2, 10));
+    }
 }
 
 /// A codebook of 8 KiB in float16 is decoded in quads by a capped grid whose

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -893,22 +893,55 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
         }
         Implementation::Metal | Implementation::Cuda => {
             let p = params("x", &[n, d, k, nb_lo, nb_hi])?;
-            launch_gpu(
-                Source::PqEncode,
-                &[&flat, codebook, &p],
-                &out,
-                ("x", n * per.div_ceil(8)),
-                &[
-                    ("T", TemplateArg::Dtype(x.dtype())),
-                    ("S", TemplateArg::Int(s as i32)),
-                    ("C_BITS", TemplateArg::Int(bits as i32)),
-                    ("STAGED", TemplateArg::Bool(k * s <= PQ_STAGE_FLOATS)),
-                ],
+            let tensor_cores = imp == Implementation::Cuda && pq_tensor_cores(x.dtype(), d, s, bits);
+            let mut template = vec![
+                ("T", TemplateArg::Dtype(x.dtype())),
+                ("S", TemplateArg::Int(s as i32)),
+                ("C_BITS", TemplateArg::Int(bits as i32)),
+                ("STAGED", TemplateArg::Bool(!tensor_cores && k * s <= PQ_STAGE_FLOATS)),
+            ];
+            let (grid, threadgroup) = if tensor_cores {
+                // Blocks of 256 threads walk chunks of whole rows, at most
+                // PQ_TC_CHUNK sub-vectors each.
+                let rows = (PQ_TC_CHUNK / per).max(1);
+                let blocks = n.div_ceil(rows).min(walking_blocks()?);
+                ((to_i32("x", blocks * PQ_TC_THREADS)?, 1, 1), (PQ_TC_THREADS as i32, 1, 1))
+            } else {
+                grid_1d("x", n * per.div_ceil(8))?
+            };
+            if imp == Implementation::Cuda {
+                template.push(("TC", TemplateArg::Bool(tensor_cores)));
+            }
+            gpu::launch(
+                &Launch { source: Source::PqEncode, inputs: &[&flat, codebook, &p], outputs: &out, grid, threadgroup, template: &template },
                 &stream,
             )?
         }
     };
     finish(planes, &stream)
+}
+
+/// Threads of a block of CUDA pq_encode's tensor-core search, and the most
+/// sub-vectors whose codes it stages at once (`cuda/pq_encode_tensor_cores.cuh`).
+const PQ_TC_THREADS: usize = 256;
+const PQ_TC_CHUNK: usize = 512;
+
+/// Whether CUDA pq_encode searches on the tensor cores
+/// (`cuda/pq_encode_tensor_cores.cuh`): float16 or bfloat16 x, rows of at
+/// most `PQ_TC_CHUNK` sub-vectors, and the B fragments of `2^bits` entries
+/// in 32 KB of shared memory (up to 10 bits; 9 at `s` = 8, whose entries
+/// take two k-steps). Codes may then differ from the exact search's at
+/// near-ties (distances within about 2^-16 of each other, or the tensor
+/// cores' rounding).
+pub fn pq_tensor_cores(dtype: Dtype, d: usize, s: usize, bits: u32) -> bool {
+    let ksteps = (3 * s + 4).div_ceil(16);
+    let ntiles = (1usize << bits).div_ceil(16) * 2;
+    matches!(dtype, Dtype::F16 | Dtype::BF16)
+        && matches!(s, 2 | 4 | 8)
+        && d % s == 0
+        && d / s <= PQ_TC_CHUNK
+        && bits <= 12
+        && ntiles * ksteps <= 128
 }
 
 /// Inverse of [`pq_encode`]: the codebook entries of the `d/s` packed codes of

@@ -238,12 +238,16 @@ impl Source {
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/qjl_tensor_cores.cuh")
             ),
+            Source::PqEncode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/pq_encode_tensor_cores.cuh")
+            ),
             Source::ScalarQuantize
             | Source::ScalarDequantize
             | Source::KiviQuantize
             | Source::KiviDequantize
             | Source::QjlScore
-            | Source::PqEncode
             | Source::PqDecode => include_str!("../../cuda/quant_common.cuh"),
             _ => "",
         }
