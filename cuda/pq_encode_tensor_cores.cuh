@@ -91,6 +91,11 @@ constexpr int PQ_TC_NORM_PARTS = 4;
 // Sub-vectors whose codes a block stages in shared memory before packing
 // them, whole rows at a time (the host keeps D / S at most this).
 constexpr int PQ_TC_CHUNK = 512;
+// M-tiles of 16 sub-vectors a warp searches together, each B fragment
+// loaded once for them (independent products in flight).
+constexpr int PQ_TC_MTILES = 2;
+// Resident blocks per SM (the host's PQ_TC_BLOCKS_PER_SM).
+#define PQ_TC_BLOCKS_PER_SM 4
 // Larger ‖v‖² or ‖c‖² (scaled) go to the exact search: products and sums
 // then stay far inside float32's range.
 constexpr float PQ_TC_LIMIT = 1.2676506e30f;  // 2^100
@@ -169,6 +174,14 @@ __host__ __device__ constexpr int pq_index_bits(int n) {
   return n <= 2 ? 1 : 1 + pq_index_bits((n + 1) / 2);
 }
 
+// (bits(a) & b & c) | (b ^ c) as one LOP3 (the compiler would split it in
+// two, masking a first).
+__device__ __forceinline__ int pq_key(float a, int b, int c) {
+  int r;
+  asm("lop3.b32 %0, %1, %2, %3, 0xe6;" : "=r"(r) : "r"(__float_as_int(a)), "r"(b), "r"(c));
+  return r;
+}
+
 // The lower of two (key, index) candidates; equal keys go to the lower index.
 __device__ __forceinline__ long long pq_candidate(int key, uint32_t index) {
   return static_cast<long long>(key) * 4294967296LL + index;
@@ -178,6 +191,7 @@ template <typename T, int S, int C_BITS>
 __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* codebook, const uint32_t* params,
                                                        uint8_t* packed, uint8_t* packed_hi) {
   constexpr int KS = pq_tc_ksteps<S>();
+  constexpr int MT = PQ_TC_MTILES;
   // n-tiles of 8 entries, an even count (they go in pairs); entries past K
   // repeat entry 0, whose lower index wins their ties.
   constexpr int NT_MAX = ((1 << C_BITS) + 15) / 16 * 2;
@@ -198,7 +212,9 @@ __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* 
   const int lane = tid % 32;
   const int g = lane / 4;
   const int q = lane % 4;
-  const uint32_t nt = (kk + 15) / 16 * 2;
+  // n-tiles are searched in groups of U (unrolled), the last one padded.
+  constexpr int U = NT_MAX < 8 ? NT_MAX : 8;
+  const uint32_t nt = (kk + 8 * U - 1) / (8 * U) * U;
 
   // The codebook's scale: the largest |2 c_j| and ‖c‖²; a ‖c‖² past the
   // limit (or not finite) sends every row to the exact search.
@@ -249,68 +265,105 @@ __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* 
     const uint32_t rows = min(rows_per_chunk, n - r0);
     const uint32_t subs = rows * per;
     const T* xc = x + uint64_t(r0) * d;
-    for (uint32_t m0 = warp * 16; m0 < subs; m0 += PQ_TC_THREADS / 2) {
-      // This lane's pair of coordinates (2q mod S) of sub-vectors m0 + g and
-      // m0 + g + 8; sub-vectors past the chunk read as zeros.
-      uint32_t word[2];
-      float norm[2];
+    for (uint32_t m0 = warp * 16 * MT; m0 < subs; m0 += PQ_TC_THREADS / 2 * MT) {
+      // This lane's pair of coordinates (2q mod S) of sub-vectors
+      // m0 + 16i + g + 8h (m-tile i, row half h); past the chunk, zeros.
+      uint32_t word[MT][2];
+      float norm[MT][2];
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t m = m0 + g + 8 * h;
-        word[h] = m < subs ? pq_load_pair(xc + uint64_t(m) * S + (2 * q) % S, wide) : 0u;
-        const float lo = pq_f32(tag, word[h]);
-        const float hi = pq_f32(tag, word[h] >> 16);
-        norm[h] = lo * lo + hi * hi;
-        if (S >= 4) norm[h] += __shfl_xor_sync(0xffffffffu, norm[h], 1);
-        if (S >= 8) norm[h] += __shfl_xor_sync(0xffffffffu, norm[h], 2);
-        norm[h] *= scale;
-      }
-      uint32_t a[KS][4];
+      for (int i = 0; i < MT; ++i) {
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          const int k = ks * 16 + (r / 2) * 8 + 2 * q;
-          const uint32_t v = word[r % 2];
-          a[ks][r] = k < S * PQ_TC_PARTS ? v : (k < S * PQ_TC_PARTS + PQ_TC_NORM_PARTS ? one : 0u);
+        for (int h = 0; h < 2; ++h) {
+          const uint32_t m = m0 + 16 * i + g + 8 * h;
+          word[i][h] = m < subs ? pq_load_pair(xc + uint64_t(m) * S + (2 * q) % S, wide) : 0u;
         }
       }
-      // best[h][e]: row g + 8h, columns 2q + e of the n-tiles.
-      int best[2][2] = {{INT_MAX, INT_MAX}, {INT_MAX, INT_MAX}};
-      const uint2* bq = bfrag + lane;
-      for (uint32_t t = 0; t < nt; t += 2) {
-        int key[2][4];
 #pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          float acc[4] = {norm[0], norm[0], norm[1], norm[1]};
+      for (int i = 0; i < MT; ++i) {
 #pragma unroll
-          for (int ks = 0; ks < KS; ++ks) {
-            const uint2 b = bq[((t + u) * KS + ks) * 32];
-            vq_mma(tag, acc, a[ks], b.x, b.y);
-          }
+        for (int h = 0; h < 2; ++h) {
+          const float lo = pq_f32(tag, word[i][h]);
+          const float hi = pq_f32(tag, word[i][h] >> 16);
+          norm[i][h] = lo * lo + hi * hi;
+          if (S >= 4) norm[i][h] += __shfl_xor_sync(0xffffffffu, norm[i][h], 1);
+          if (S >= 8) norm[i][h] += __shfl_xor_sync(0xffffffffu, norm[i][h], 2);
+          norm[i][h] *= scale;
+        }
+      }
+      uint32_t a[MT][KS][4];
+#pragma unroll
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
 #pragma unroll
           for (int r = 0; r < 4; ++r) {
-            key[u][r] = (__float_as_int(acc[r]) & ~TMASK) | int(t + u);
+            const int k = ks * 16 + (r / 2) * 8 + 2 * q;
+            const uint32_t v = word[i][r % 2];
+            a[i][ks][r] = k < S * PQ_TC_PARTS ? v : (k < S * PQ_TC_PARTS + PQ_TC_NORM_PARTS ? one : 0u);
           }
         }
+      }
+      // best[i][h][e]: m-tile i, row g + 8h, columns 2q + e of the n-tiles.
+      int best[MT][2][2];
 #pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          best[r / 2][r % 2] = __vimin3_s32(best[r / 2][r % 2], key[0][r], key[1][r]);
+      for (int i = 0; i < MT; ++i) {
+        best[i][0][0] = best[i][0][1] = best[i][1][0] = best[i][1][1] = INT_MAX;
+      }
+      const uint2* bq = bfrag + lane;
+      for (uint32_t t0 = 0; t0 < nt; t0 += U) {
+        // A key's bits above TBITS are the distance's, below them the
+        // n-tile t0 + u (t0 a multiple of U, u < U): with b = ~TMASK | u
+        // (an immediate) and c = ~TMASK | t0, (bits & b & c) | (b ^ c) is
+        // one LOP3 and no per-tile index arithmetic.
+        const int c = int(t0) | ~TMASK;
+#pragma unroll
+        for (int u = 0; u < U; u += 2) {
+          uint2 b[2][KS];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+#pragma unroll
+            for (int ks = 0; ks < KS; ++ks) {
+              b[h][ks] = bq[((t0 + u + h) * KS + ks) * 32];
+            }
+          }
+#pragma unroll
+          for (int i = 0; i < MT; ++i) {
+            int key[2][4];
+#pragma unroll
+            for (int h = 0; h < 2; ++h) {
+              float acc[4] = {norm[i][0], norm[i][0], norm[i][1], norm[i][1]};
+#pragma unroll
+              for (int ks = 0; ks < KS; ++ks) {
+                vq_mma(tag, acc, a[i][ks], b[h][ks].x, b[h][ks].y);
+              }
+#pragma unroll
+              for (int r = 0; r < 4; ++r) {
+                key[h][r] = pq_key(acc[r], ~TMASK | (u + h), c);
+              }
+            }
+#pragma unroll
+            for (int r = 0; r < 4; ++r) {
+              best[i][r / 2][r % 2] = __vimin3_s32(best[i][r / 2][r % 2], key[0][r], key[1][r]);
+            }
+          }
         }
       }
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        long long c = min(pq_candidate(best[h][0], uint32_t(best[h][0] & TMASK) * 8 + 2 * q),
-                          pq_candidate(best[h][1], uint32_t(best[h][1] & TMASK) * 8 + 2 * q + 1));
-        c = min(c, __shfl_xor_sync(0xffffffffu, c, 1));
-        c = min(c, __shfl_xor_sync(0xffffffffu, c, 2));
-        const uint32_t m = m0 + g + 8 * h;
-        if (q == 0 && m < subs) {
-          uint32_t code = uint32_t(c) < kk ? uint32_t(c) : 0u;
-          if (exact_only || !(norm[h] <= PQ_TC_LIMIT)) {
-            code = pq_nearest_exact<S>(xc + uint64_t(m) * S, kk, [&](uint32_t i) { return codebook[i]; });
+      for (int i = 0; i < MT; ++i) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          long long c = min(pq_candidate(best[i][h][0], uint32_t(best[i][h][0] & TMASK) * 8 + 2 * q),
+                            pq_candidate(best[i][h][1], uint32_t(best[i][h][1] & TMASK) * 8 + 2 * q + 1));
+          c = min(c, __shfl_xor_sync(0xffffffffu, c, 1));
+          c = min(c, __shfl_xor_sync(0xffffffffu, c, 2));
+          const uint32_t m = m0 + 16 * i + g + 8 * h;
+          if (q == 0 && m < subs) {
+            uint32_t code = uint32_t(c) < kk ? uint32_t(c) : 0u;
+            if (exact_only || !(norm[i][h] <= PQ_TC_LIMIT)) {
+              code = pq_nearest_exact<S>(xc + uint64_t(m) * S, kk, [&](uint32_t j) { return codebook[j]; });
+            }
+            codes[m] = uint16_t(code);
           }
-          codes[m] = uint16_t(code);
         }
       }
     }
@@ -325,3 +378,10 @@ __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* 
     __syncthreads();
   }
 }
+
+// Four resident blocks of 256 threads per SM (at most 64 registers a
+// thread), as the host sizes the grid, for the kernel MLX declares after
+// this header: MLX writes `__global__ void NAME(` itself, so the bound
+// rides on the keyword. The exact path's blocks are 256 threads too.
+#undef __global__
+#define __global__ __attribute__((global)) __launch_bounds__(256, PQ_TC_BLOCKS_PER_SM)

@@ -7,7 +7,7 @@
 # median over the first build's. Output goes to $OUT.
 #
 #   device-ab.sh BENCH_A BENCH_B [BENCH_C ...] [bench arguments, e.g. --only tq_prod]
-#   ROUNDS  runs of each build (default 3)
+#   ROUNDS  runs of each build (default 3); pass --fused-only to skip the references
 #
 # The benches are the arguments before the first one that starts with "--".
 # Build each on its branch with scripts/build-cuda.sh and copy its

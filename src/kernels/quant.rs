@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -902,9 +902,10 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
             ];
             let (grid, threadgroup) = if tensor_cores {
                 // Blocks of 256 threads walk chunks of whole rows, at most
-                // PQ_TC_CHUNK sub-vectors each.
+                // PQ_TC_CHUNK sub-vectors each; all of them resident at once
+                // (a second, partial wave of blocks left SMs idle).
                 let rows = (PQ_TC_CHUNK / per).max(1);
-                let blocks = n.div_ceil(rows).min(walking_blocks()?);
+                let blocks = n.div_ceil(rows).min(PQ_TC_BLOCKS_PER_SM * fragment_blocks()?);
                 ((to_i32("x", blocks * PQ_TC_THREADS)?, 1, 1), (PQ_TC_THREADS as i32, 1, 1))
             } else {
                 grid_1d("x", n * per.div_ceil(8))?
@@ -925,6 +926,9 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
 /// sub-vectors whose codes it stages at once (`cuda/pq_encode_tensor_cores.cuh`).
 const PQ_TC_THREADS: usize = 256;
 const PQ_TC_CHUNK: usize = 512;
+/// Blocks of that search per SM: four fit by their registers (at most 64 a
+/// thread) and shared memory (at most 34 KB a block).
+const PQ_TC_BLOCKS_PER_SM: usize = 4;
 
 /// Whether CUDA pq_encode searches on the tensor cores
 /// (`cuda/pq_encode_tensor_cores.cuh`): float16 or bfloat16 x, rows of at
