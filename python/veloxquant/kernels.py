@@ -167,7 +167,10 @@ def pq_encode(
     the D/s sub-vectors, in ``ProductQuantizer``'s layout: ``(codes, codes_hi)``,
     ``codes`` uint8 ``[..., ceil(D/s*lo/8)]`` holding the low ``lo`` bits and
     ``codes_hi`` the remaining ``hi`` bits (``None`` for 1, 2, 3, 4 and 8 bits;
-    ``lo, hi = 4, bits-4`` for 5..7 and ``8, bits-8`` for 9..12)."""
+    ``lo, hi = 4, bits-4`` for 5..7 and ``8, bits-8`` for 9..12). On CUDA,
+    float16 and bfloat16 inputs (up to 10 bits, 9 at s = 8) are searched on
+    the tensor cores, whose codes may differ from the exact search's at
+    near-ties."""
     return _native.pq_encode(x, codebook, bits, policy=policy, device=_device(device))
 
 

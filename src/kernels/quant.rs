@@ -825,6 +825,9 @@ fn check_pq_codebook(codebook: &Array, bits: u32) -> Result<(usize, usize)> {
 /// `K ≤ 2^bits`), packed in `ProductQuantizer`'s planes: `codes` uint8
 /// `[..., ceil(D/s · lo / 8)]` and, when `hi > 0`, `codes_hi` uint8
 /// `[..., ceil(D/s · hi / 8)]`, `(lo, hi) = crate::quant::pq::planes(bits)`.
+/// On CUDA, float16 and bfloat16 inputs within [`pq_tensor_cores`] are
+/// searched on the tensor cores: codes then equal the exact search's but at
+/// near-ties.
 pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Result<PqCodes> {
     check_float("x", x)?;
     let (lo, hi) = check_pq_bits(bits)?;
