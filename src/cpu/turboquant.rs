@@ -107,7 +107,7 @@ impl<'a> KernelRotation<'a> {
 }
 
 /// Encodes `n = x.len() / d` vectors: `codes` gets `d * bits / 8` bytes per
-/// vector, `norms` one float16 each. `rotation` is `Π` as [`KernelRotation`]
+/// vector, `norms` one float16 each. `rotation` is `Π` as `KernelRotation`
 /// reads it (`[d, d]`, or Hadamard signs `[d]`); `None` for vectors that are
 /// rotated already.
 pub fn tq_encode<T: VqElement>(
