@@ -39,7 +39,8 @@ if constexpr (TC) {
   const T* xr = x + uint64_t(row) * d + uint64_t(first) * S;
   pq_store_group<C_BITS>(
       [&](uint32_t j) {
-        return pq_nearest_exact<S>(xr + j * S, kk, [&](uint32_t i) { return STAGED ? cb[i] : codebook[i]; });
+        return vq_nearest_exact<S>(xr + j * S, kk,
+                                   [&](uint32_t e, int c) { return STAGED ? cb[e * S + c] : codebook[e * S + c]; });
       },
       min(8u, per - first), row, g, nbytes, nbytes_hi, packed, packed_hi);
 }

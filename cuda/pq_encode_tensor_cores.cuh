@@ -40,33 +40,6 @@ __device__ __forceinline__ void pq_store_group(Code code, uint32_t count, uint32
   }
 }
 
-// The exact search (crate::cpu's arithmetic): float32, acc += diff * diff
-// in order, a strictly smaller distance wins; NaN and infinite distances
-// never do, leaving entry 0.
-template <int S, typename T, typename Entry>
-__device__ __forceinline__ uint32_t pq_nearest_exact(const T* v, uint32_t kk, Entry entry) {
-  float e[S];
-#pragma unroll
-  for (int j = 0; j < S; ++j) {
-    e[j] = static_cast<float>(v[j]);
-  }
-  float best = __int_as_float(0x7f800000);
-  uint32_t best_i = 0;
-  for (uint32_t c = 0; c < kk; ++c) {
-    float acc = 0.0f;
-#pragma unroll
-    for (int j = 0; j < S; ++j) {
-      const float diff = __fsub_rn(e[j], entry(c * S + j));
-      acc = __fadd_rn(acc, __fmul_rn(diff, diff));
-    }
-    if (acc < best) {
-      best = acc;
-      best_i = c;
-    }
-  }
-  return best_i;
-}
-
 // ---------------------------------------------------------------- tensor cores
 //
 // For float16 and bfloat16 x. ‖v − c‖² = ‖v‖² − 2 v·c + ‖c‖² for 16
@@ -161,13 +134,6 @@ __device__ __forceinline__ uint32_t pq_load_pair(const T* p, bool wide) {
 
 __device__ __forceinline__ uint32_t pq_one_pair(const __half*) { return 0x3c003c00u; }
 __device__ __forceinline__ uint32_t pq_one_pair(const __nv_bfloat16*) { return 0x3f803f80u; }
-// The value of a 16-bit element's bits (the low 16 of b).
-__device__ __forceinline__ float pq_f32(const __half*, uint32_t b) {
-  return __half2float(__ushort_as_half(static_cast<unsigned short>(b)));
-}
-__device__ __forceinline__ float pq_f32(const __nv_bfloat16*, uint32_t b) {
-  return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(b)));
-}
 
 // Bits that hold 0..n - 1 (at least 1).
 __host__ __device__ constexpr int pq_index_bits(int n) {
@@ -282,8 +248,8 @@ __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* 
       for (int i = 0; i < MT; ++i) {
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const float lo = pq_f32(tag, word[i][h]);
-          const float hi = pq_f32(tag, word[i][h] >> 16);
+          const float lo = vq_word_elem(tag, word[i][h], 0);
+          const float hi = vq_word_elem(tag, word[i][h], 1);
           norm[i][h] = lo * lo + hi * hi;
           if (S >= 4) norm[i][h] += __shfl_xor_sync(0xffffffffu, norm[i][h], 1);
           if (S >= 8) norm[i][h] += __shfl_xor_sync(0xffffffffu, norm[i][h], 2);
@@ -360,7 +326,8 @@ __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* 
           if (q == 0 && m < subs) {
             uint32_t code = uint32_t(c) < kk ? uint32_t(c) : 0u;
             if (exact_only || !(norm[i][h] <= PQ_TC_LIMIT)) {
-              code = pq_nearest_exact<S>(xc + uint64_t(m) * S, kk, [&](uint32_t j) { return codebook[j]; });
+              code = vq_nearest_exact<S>(xc + uint64_t(m) * S, kk,
+                                         [&](uint32_t e, int j) { return codebook[e * S + j]; });
             }
             codes[m] = uint16_t(code);
           }

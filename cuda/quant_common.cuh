@@ -709,3 +709,32 @@ __device__ __forceinline__ void vq_copy_to_shared(uint8_t* dst, const uint8_t* s
 __device__ __forceinline__ void vq_copy_wait() {
   asm volatile("cp.async.wait_all;\n" ::: "memory");
 }
+
+// The nearest of kk codebook entries to the D values at v (crate::cpu's
+// arithmetic: float32, acc += diff * diff per coordinate in order with
+// round-to-nearest intrinsics, which NVRTC never contracts into an fma; a
+// strictly smaller distance wins, so ties go to the lowest index and NaN or
+// infinite distances leave entry 0). entry(c, j) is coordinate j of entry c.
+template <int D, typename T, typename Entry>
+__device__ __forceinline__ uint32_t vq_nearest_exact(const T* v, uint32_t kk, Entry entry) {
+  float e[D];
+#pragma unroll
+  for (int j = 0; j < D; ++j) {
+    e[j] = static_cast<float>(v[j]);
+  }
+  float best = __int_as_float(0x7f800000);
+  uint32_t best_i = 0;
+  for (uint32_t c = 0; c < kk; ++c) {
+    float acc = 0.0f;
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      const float diff = __fsub_rn(e[j], entry(c, j));
+      acc = __fadd_rn(acc, __fmul_rn(diff, diff));
+    }
+    if (acc < best) {
+      best = acc;
+      best_i = c;
+    }
+  }
+  return best_i;
+}

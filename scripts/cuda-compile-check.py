@@ -72,6 +72,8 @@ KERNELS = {
     "qjl_score": ("qjl_score.cu", ["quant_common.cuh"],
                   [("q", "T"), ("sketch", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
                   [("scores", "float")], {"T": ELEMENT}),
+    "vq_quantize": ("vq_quantize.cu", ["quant_common.cuh"], [("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
+                    [("indices", "uint32_t")], {"T": ELEMENT, "D": [2, 4, 8]}),
     "pq_encode": ("pq_encode.cu", ["quant_common.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],
                   [("x", "T"), ("codebook", "float"), ("params", "uint32_t")],
                   [("packed", "uint8_t"), ("packed_hi", "uint8_t")],
