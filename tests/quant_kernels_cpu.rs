@@ -343,6 +343,10 @@ fn pq_tensor_core_search_takes_16_bit_inputs_and_small_codebooks() {
         }
     }
     assert!(!pq_tensor_cores(Dtype::F32, 128, 4, 8));
+    // Out-of-range arguments answer false instead of dividing by zero or
+    // shifting past the word.
+    assert!(!pq_tensor_cores(Dtype::F16, 128, 0, 8));
+    assert!(!pq_tensor_cores(Dtype::F16, 128, 4, 64));
 }
 
 #[test]

@@ -941,14 +941,15 @@ const PQ_TC_BLOCKS_PER_SM: usize = 4;
 /// near-ties (distances within about 2^-16 of each other, or the tensor
 /// cores' rounding).
 pub fn pq_tensor_cores(dtype: Dtype, d: usize, s: usize, bits: u32) -> bool {
-    let ksteps = (3 * s + 4).div_ceil(16);
-    let ntiles = (1usize << bits).div_ceil(16) * 2;
+    // Checked in order: `s` before it divides, `bits` before it shifts.
+    let ksteps = || (3 * s + 4).div_ceil(16);
+    let ntiles = || (1usize << bits).div_ceil(16) * 2;
     matches!(dtype, Dtype::F16 | Dtype::BF16)
         && matches!(s, 2 | 4 | 8)
         && d % s == 0
         && d / s <= PQ_TC_CHUNK
         && bits <= 12
-        && ntiles * ksteps <= 128
+        && ntiles() * ksteps() <= 128
 }
 
 /// Inverse of [`pq_encode`]: the codebook entries of the `d/s` packed codes of
