@@ -941,7 +941,7 @@ const PQ_TC_BLOCKS_PER_SM: usize = 4;
 /// near-ties (distances within about 2^-16 of each other, or the tensor
 /// cores' rounding).
 pub fn pq_tensor_cores(dtype: Dtype, d: usize, s: usize, bits: u32) -> bool {
-    // Checked in order: `s` before it divides, `bits` before it shifts.
+    // Checked in order: `bits` before it shifts.
     let ksteps = || (3 * s + 4).div_ceil(16);
     let ntiles = || (1usize << bits).div_ceil(16) * 2;
     matches!(dtype, Dtype::F16 | Dtype::BF16)
