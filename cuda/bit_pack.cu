@@ -19,9 +19,4 @@ uint64_t word = 0;
 for (uint32_t j = 0; j < count; ++j) {
   word |= uint64_t(uint32_t(codes[src + j]) & mask) << (j * B_BITS);
 }
-const uint32_t b0 = g * B_BITS;
-const uint32_t b1 = min(b0 + uint32_t(B_BITS), nbytes);
-const uint64_t dst = uint64_t(row) * nbytes;
-for (uint32_t k = b0; k < b1; ++k) {
-  packed[dst + k] = uint8_t(word >> (8 * (k - b0)));
-}
+vq_store_group<B_BITS>(word, g, row, nbytes, packed);

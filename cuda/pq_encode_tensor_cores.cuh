@@ -24,19 +24,9 @@ __device__ __forceinline__ void pq_store_group(Code code, uint32_t count, uint32
     word |= uint64_t(c & ((1u << LO) - 1u)) << (j * LO);
     word_hi |= uint64_t(c >> LO) << (j * (HI > 0 ? HI : 1));
   }
-  const uint32_t b0 = g * LO;
-  const uint32_t b1 = min(b0 + uint32_t(LO), nbytes);
-  const uint64_t dst = uint64_t(row) * nbytes;
-  for (uint32_t k = b0; k < b1; ++k) {
-    packed[dst + k] = uint8_t(word >> (8 * (k - b0)));
-  }
-  if (HI > 0) {
-    const uint32_t h0 = g * HI;
-    const uint32_t h1 = min(h0 + uint32_t(HI), nbytes_hi);
-    const uint64_t dst_hi = uint64_t(row) * nbytes_hi;
-    for (uint32_t k = h0; k < h1; ++k) {
-      packed_hi[dst_hi + k] = uint8_t(word_hi >> (8 * (k - h0)));
-    }
+  vq_store_group<LO>(word, g, row, nbytes, packed);
+  if constexpr (HI > 0) {
+    vq_store_group<HI>(word_hi, g, row, nbytes_hi, packed_hi);
   }
 }
 

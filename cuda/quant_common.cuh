@@ -738,3 +738,16 @@ __device__ __forceinline__ uint32_t vq_nearest_exact(const T* v, uint32_t kk, En
   }
   return best_i;
 }
+
+// Stores the BITS bytes that a group of 8 BITS-bit codes fills (word, low
+// bits first) as bytes g * BITS.. of `row` of out [rows, nbytes], bit_pack's
+// layout; the last group of a row stops at nbytes.
+template <int BITS>
+__device__ __forceinline__ void vq_store_group(uint64_t word, uint32_t g, uint32_t row, uint32_t nbytes, uint8_t* out) {
+  const uint32_t b0 = g * BITS;
+  const uint32_t b1 = min(b0 + uint32_t(BITS), nbytes);
+  const uint64_t dst = uint64_t(row) * nbytes;
+  for (uint32_t k = b0; k < b1; ++k) {
+    out[dst + k] = uint8_t(word >> (8 * (k - b0)));
+  }
+}

@@ -48,7 +48,7 @@ TQ = ["quant_common.cuh", "tq_common.cuh"]
 # output typed "T" takes the instantiation's element type; the header files
 # may be a function of the instantiation's arguments.
 KERNELS = {
-    "bit_pack": ("bit_pack.cu", [], [("codes", "uint8_t"), ("params", "uint32_t")],
+    "bit_pack": ("bit_pack.cu", ["quant_common.cuh"], [("codes", "uint8_t"), ("params", "uint32_t")],
                  [("packed", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
     "bit_unpack": ("bit_unpack.cu", [], [("packed", "uint8_t"), ("params", "uint32_t")],
                    [("codes", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),

@@ -243,7 +243,8 @@ impl Source {
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/pq_encode_tensor_cores.cuh")
             ),
-            Source::VqQuantize
+            Source::BitPack
+            | Source::VqQuantize
             | Source::ScalarQuantize
             | Source::ScalarDequantize
             | Source::KiviQuantize
