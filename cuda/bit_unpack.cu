@@ -1,9 +1,9 @@
 // bit_unpack: packed uint8 [rows, nbytes] -> codes uint8 [rows, n].
-// params = {rows, n, nbytes}; template B_BITS. One thread per (row, group of 8
+// sizes = {rows, n, nbytes}; template B_BITS. One thread per (row, group of 8
 // codes), reading the B_BITS bytes (fewer at the end of a row) that hold them.
-const uint32_t rows = params[0];
-const uint32_t n = params[1];
-const uint32_t nbytes = params[2];
+const uint32_t rows = vq_size(params_shape, 0);
+const uint32_t n = vq_size(params_shape, 1);
+const uint32_t nbytes = vq_size(params_shape, 2);
 const uint32_t groups = (n + 7) / 8;
 const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
 if (t >= uint64_t(rows) * groups) {

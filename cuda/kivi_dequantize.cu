@@ -1,5 +1,5 @@
 // kivi_dequantize: packed uint8 [N, nbytes], scales, zeros half -> y T
-// [N, D] = zero + scale * code (float32, no fma). params = {N, D, nbytes, G};
+// [N, D] = zero + scale * code (float32, no fma). sizes = {N, D, nbytes, G};
 // template T, B_BITS, PER_CHANNEL (scales [ceil(N/G), D], else [N, D/G]),
 // ITEMS.
 //
@@ -14,10 +14,10 @@
 // scale is far from float32's subnormals), gives the same product, so a code
 // costs one logic op and one add before its multiply-add.
 // Otherwise one thread per (row, group of 8 codes), ITEMS rows apart.
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t nbytes = params[2];
-const uint32_t gsize = params[3];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t nbytes = vq_size(params_shape, 2);
+const uint32_t gsize = vq_size(params_shape, 3);
 const uint32_t groups = (d + 7) / 8;
 // Grids hold fewer than 2^31 threads.
 const uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;

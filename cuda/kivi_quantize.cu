@@ -1,5 +1,5 @@
 // kivi_quantize: x T [N, D] -> packed uint8 [N, nbytes], scales and zeros
-// half. params = {N, D, nbytes, G}; template T, B_BITS, PER_CHANNEL.
+// half. sizes = {N, D, nbytes, G}; template T, B_BITS, PER_CHANNEL.
 // scale = half((max - min) / (2^B - 1)), zero = half(min); code =
 // round((x - zero) / scale) (half away from zero) clamped to [0, 2^B - 1],
 // 0 where scale is not positive, with the rounded scale and zero: the CPU
@@ -31,10 +31,10 @@
 // divides. Rounding half up of the clamped quotient c is floor(c + 0.5):
 // two adds rounding down, the second onto 2^23's integer grid, which leaves
 // 2^23 + code, whose bits the packing adds in place.
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t nbytes = params[2];
-const uint32_t gsize = params[3];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t nbytes = vq_size(params_shape, 2);
+const uint32_t gsize = vq_size(params_shape, 3);
 const float levels = float((1u << B_BITS) - 1u);
 const float inf = __int_as_float(0x7f800000);
 // Grids hold fewer than 2^31 threads.

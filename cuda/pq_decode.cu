@@ -1,7 +1,7 @@
 // pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (a
 // 1-element placeholder when C_BITS has one plane), codebook float [K, S] ->
 // y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
-// pq_encode's planes. params = {N, D, K, nbytes, nbytes_hi}; template T, S,
+// pq_encode's planes. sizes = {N, D, K, nbytes, nbytes_hi}; template T, S,
 // C_BITS (1..12), TABLE_BYTES, ITEMS, QUADS (the host picks the layout by
 // the codebook's size in T). A code past the codebook (corrupt input) reads
 // entry 0.
@@ -31,11 +31,11 @@ constexpr int HI_BITS = C_BITS - LO_BITS;
 constexpr int HI_W = HI_BITS > 0 ? HI_BITS : 1;
 __shared__ __align__(16) uint8_t table_bytes[TABLE_BYTES > 0 ? TABLE_BYTES : 16];
 T* table = reinterpret_cast<T*>(table_bytes);
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t kk = params[2];
-const uint32_t nbytes = params[3];
-const uint32_t nbytes_hi = params[4];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t kk = vq_size(params_shape, 2);
+const uint32_t nbytes = vq_size(params_shape, 3);
+const uint32_t nbytes_hi = vq_size(params_shape, 4);
 const uint32_t per = d / S;
 const uint64_t total = uint64_t(n) * per;
 auto stage = [&]() {

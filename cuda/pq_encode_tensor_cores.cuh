@@ -143,8 +143,8 @@ __device__ __forceinline__ long long pq_candidate(int key, uint32_t index) {
   return static_cast<long long>(key) * 4294967296LL + index;
 }
 
-template <typename T, int S, int C_BITS>
-__device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* codebook, const uint32_t* params,
+template <typename T, int S, int C_BITS, typename Sizes>
+__device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* codebook, const Sizes& sizes,
                                                        uint8_t* packed, uint8_t* packed_hi) {
   constexpr int KS = pq_tc_ksteps<S>();
   constexpr int MT = PQ_TC_MTILES;
@@ -159,11 +159,11 @@ __device__ __forceinline__ void pq_encode_tensor_cores(const T* x, const float* 
   __shared__ int s_amax;
   __shared__ int s_bad;
   const T* tag = nullptr;
-  const uint32_t n = params[0];
-  const uint32_t d = params[1];
-  const uint32_t kk = params[2];
-  const uint32_t nbytes = params[3];
-  const uint32_t nbytes_hi = params[4];
+  const uint32_t n = vq_size(sizes, 0);
+  const uint32_t d = vq_size(sizes, 1);
+  const uint32_t kk = vq_size(sizes, 2);
+  const uint32_t nbytes = vq_size(sizes, 3);
+  const uint32_t nbytes_hi = vq_size(sizes, 4);
   const uint32_t tid = threadIdx.x;
   const int lane = tid % 32;
   const int g = lane / 4;

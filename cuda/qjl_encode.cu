@@ -1,6 +1,6 @@
 // qjl_encode: k T [N, D], sketch float [m, D] -> signs uint8 [N, ceil(m/8)]
 // (bit r of a row = (S k)_r >= 0, bit_pack's 1-bit layout), norms half [N].
-// params = {N, D, m, nbytes}; template T, TC_D, TC_M.
+// sizes = {N, D, m, nbytes}; template T, TC_D, TC_M.
 // With TC_M > 0 (float16 keys, D = TC_D, m = TC_M) the projections run on
 // the tensor cores (qjl_tensor_cores.cuh); what follows is the exact path.
 // The projections are a matrix product K Sᵀ, computed as a tiled SGEMM whose
@@ -12,7 +12,7 @@
 // lane's 4 make one byte. The row-tile-0 blocks also sum each key's squares
 // (in order, from the staged slices) for the norm.
 if constexpr (TC_M > 0) {
-  qjl_encode_tensor_cores<TC_D, TC_M>(reinterpret_cast<const __half*>(k), sketch, signs, norms, params[0]);
+  qjl_encode_tensor_cores<TC_D, TC_M>(reinterpret_cast<const __half*>(k), sketch, signs, norms, vq_size(params_shape, 0));
   return;
 }
 constexpr int TK = 64;
@@ -21,10 +21,10 @@ constexpr int KC = 16;
 constexpr int PAD = TK + 4;
 __shared__ __align__(16) float ks[KC][PAD];
 __shared__ __align__(16) float ss[KC][PAD];
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t m = params[2];
-const uint32_t nbytes = params[3];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t m = vq_size(params_shape, 2);
+const uint32_t nbytes = vq_size(params_shape, 3);
 const uint32_t rtiles = (m + TR - 1) / TR;
 const uint32_t key0 = (blockIdx.x / rtiles) * TK;
 const uint32_t row0 = (blockIdx.x % rtiles) * TR;

@@ -1,6 +1,6 @@
 // qjl_score: q T [Q, D], sketch float [m, D], signs uint8 [N, nbytes], norms
 // half [N] -> scores float [Q, N] = (sqrt(pi/2)/m * norm) * sum_r +-(S q)_r,
-// the sign from bit r of the key. params = {N, D, m, nbytes, Q}; template
+// the sign from bit r of the key. sizes = {N, D, m, nbytes, Q}; template
 // T. Each block first computes S q (Q * m <= 4096 floats), a thread per
 // sketch row and 8 queries at a time; its threads then stride over the
 // keys. The host caps the grid at about one resident wave, so that few
@@ -22,11 +22,11 @@ __shared__ float sq[1024];
 constexpr uint32_t QS_J = 8;
 __shared__ float st[QS_J][257];
 __shared__ float qt[8][QS_J];
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t m = params[2];
-const uint32_t nbytes = params[3];
-const uint32_t nq = params[4];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t m = vq_size(params_shape, 2);
+const uint32_t nbytes = vq_size(params_shape, 3);
+const uint32_t nq = vq_size(params_shape, 4);
 const uint32_t tid = threadIdx.x;
 constexpr uint32_t QS_WORDS = 8;
 const uint32_t slots = nq <= 4 ? 4u : 8u;

@@ -6,6 +6,16 @@
 // thread that owns 8 elements moves B bytes one way and 8 elements the other;
 // these helpers make each of those one or two wide memory operations.
 
+// Size i of a kernel's sizes. The host hands them over as the shape [0, v0,
+// v1, ...] of an empty array named params (kernels::sizes), which MLX passes
+// by value among the launch's arguments as params_shape: an array of values
+// would live in managed memory, migrated to the GPU at its first read in
+// every call.
+template <typename Shape>
+__device__ __forceinline__ uint32_t vq_size(const Shape& shape, int i) {
+  return static_cast<uint32_t>(shape[i + 1]);
+}
+
 // The NB bytes at p, little-endian. Callers pass offsets that are multiples
 // of NB, so the 1-, 2-, 4- and 8-byte cases are single aligned loads.
 template <int NB>

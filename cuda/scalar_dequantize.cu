@@ -1,5 +1,5 @@
 // scalar_dequantize: packed uint8 [N, nbytes], codebook float [2^B_BITS] ->
-// y T [N, D] = codebook[code]. params = {N, D, nbytes}; template T, B_BITS.
+// y T [N, D] = codebook[code]. sizes = {N, D, nbytes}; template T, B_BITS.
 // One thread per (row, group of 8 codes); the block stages the codebook in
 // shared memory. When D is a multiple of 8 the groups tile the arrays with no
 // gaps, so a thread reads its B_BITS bytes and writes its 8 elements with one
@@ -7,9 +7,9 @@
 constexpr uint32_t K = 1u << B_BITS;
 constexpr uint64_t mask = (uint64_t(1) << B_BITS) - 1;
 __shared__ float cb[K];
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t nbytes = params[2];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t nbytes = vq_size(params_shape, 2);
 const uint32_t groups = (d + 7) / 8;
 const uint64_t t = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
 const bool live = t < uint64_t(n) * groups;

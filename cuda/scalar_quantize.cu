@@ -1,5 +1,5 @@
 // scalar_quantize: x T [N, D], codebook float [2^B_BITS] (sorted) -> packed
-// uint8 [N, nbytes], bit_pack's layout. params = {N, D, nbytes}; template T,
+// uint8 [N, nbytes], bit_pack's layout. sizes = {N, D, nbytes}; template T,
 // B_BITS, ITEMS. A work item is a (row, group of 8 codes), as in bit_pack;
 // each thread takes ITEMS of them, blockDim apart (each request coalesced),
 // and requests all its elements before it computes, so that more bytes are
@@ -26,9 +26,9 @@
 // tq_encode's tensor-core path builds its own).
 __shared__ float bounds[256];
 __shared__ uint32_t pair_bounds[16];
-const uint32_t n = params[0];
-const uint32_t d = params[1];
-const uint32_t nbytes = params[2];
+const uint32_t n = vq_size(params_shape, 0);
+const uint32_t d = vq_size(params_shape, 1);
+const uint32_t nbytes = vq_size(params_shape, 2);
 constexpr uint32_t K = 1u << B_BITS;
 constexpr bool PAIRED = sizeof(T) == 2 && B_BITS <= 4;
 // Raw 16-byte words per group of 8 elements.

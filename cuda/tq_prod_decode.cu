@@ -1,7 +1,7 @@
 // tq_prod_decode: inverse of tq_prod_encode, -> y T [N, D] =
 // ‖x‖ Πᵀ (c[code] + scale · ‖r‖ · Sᵀ z), z the ±1 signs (‖r‖ = 1 and no
 // codes when B_BITS = 1: codes, residual_norms and centroids are placeholders).
-// params = {N, float bits of scale = √(π/2)/D}. A block of 256 threads
+// sizes = {N, float bits of scale = √(π/2)/D}. A block of 256 threads
 // decodes TQ_TV vectors (tq_common.cuh's tiles): the sketch product starts
 // from the centroid, its result goes back to shared memory for the rotation
 // product (with HADAMARD, rotation is the signs: butterflies instead). Sums
@@ -12,8 +12,8 @@
 // registers, the butterflies by shuffles; a dense rotation's product runs
 // on the tensor cores too.
 constexpr int MSE_BITS = B_BITS - 1;
-const uint32_t n = params[0];
-const float scale = __uint_as_float(params[1]);
+const uint32_t n = vq_size(params_shape, 0);
+const float scale = __uint_as_float(vq_size(params_shape, 1));
 if constexpr (TC && ROTATE && !HADAMARD) {
   tq_prod_decode_tensor_cores_dense<D, MSE_BITS>(codes, signs, norms, residual_norms, rotation, centroids, sketch, y, n,
                                                  scale);

@@ -2,7 +2,7 @@
 // signs uint8 [N, D/8], norms float16 [N], residual_norms float16 [N].
 // rotation float32 [D, D] (row-major Π), or [D] (HADAMARD: the signs of a
 // Hadamard rotation, by butterflies); not read unless ROTATE, centroids
-// float32 [2^(B_BITS-1)] sorted, sketch float32 [D, D], params = {N}. With
+// float32 [2^(B_BITS-1)] sorted, sketch float32 [D, D], sizes = {N}. With
 // B_BITS = 1 codes and residual_norms are 1-element placeholders, never
 // written. A block of 256 threads encodes TQ_TV vectors (tq_common.cuh's
 // tiles): norms, u = x/‖x‖, y = Π u, codes, the residual r (kept in shared
@@ -20,7 +20,7 @@
 constexpr int MSE_BITS = B_BITS - 1;
 if constexpr (TC > 0) {
   tq_encode_tensor_cores<T, D, MSE_BITS, 0, TC, HADAMARD, true>(x, rotation, centroids, nullptr, codes, signs, norms,
-                                                                params[0], sketch, residual_norms);
+                                                                vq_size(params_shape, 0), sketch, residual_norms);
 } else {
   constexpr bool FUSED = sizeof(T) == 2;
   constexpr int K = 1 << MSE_BITS;
@@ -30,7 +30,7 @@ if constexpr (TC > 0) {
   __shared__ float s_norm[TQ_TV];
   __shared__ float cent[K];
   __shared__ float bounds[K];
-  const uint32_t n = params[0];
+  const uint32_t n = vq_size(params_shape, 0);
   const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
   const int tid = threadIdx.x;
   tq_stage_codebook<true>(cent, bounds, centroids, K);

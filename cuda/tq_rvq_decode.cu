@@ -1,6 +1,6 @@
 // tq_rvq_decode: inverse of tq_rvq_encode, -> y T [N, D] =
 // ‖x‖ Πᵀ (centroids1[a] + centroids2[b]); rotation [D, D], or [D] with
-// HADAMARD (the signs: Πᵀ y = s ⊙ (H y / √D) by butterflies). params =
+// HADAMARD (the signs: Πᵀ y = s ⊙ (H y / √D) by butterflies). sizes =
 // {N}. A block of 256 threads decodes TQ_TV vectors (tq_common.cuh's
 // tiles); sums in order with round-to-nearest intrinsics, as
 // crate::cpu::turboquant. With TC (float16 or bfloat16 output, D = 64 or 128,
@@ -9,7 +9,7 @@
 // signs or no rotation, D a multiple of 32 up to 128) each warp decodes
 // whole vectors in registers (tq_common.cuh's warp rows), the same
 // arithmetic as the tiles'.
-const uint32_t n = params[0];
+const uint32_t n = vq_size(params_shape, 0);
 static_assert(!TC || (ROTATE && !HADAMARD), "the tensor-core decode takes a dense rotation");
 static_assert(!ROWS || !TC, "one path");
 static_assert(!ROWS || !ROTATE || HADAMARD, "warp rows take Hadamard signs or no rotation");

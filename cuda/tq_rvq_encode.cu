@@ -2,7 +2,7 @@
 // codes2 uint8 [N, D*B2_BITS/8], norms float16 [N]. rotation float32 [D, D]
 // (row-major Π), or [D] (HADAMARD: the signs of a Hadamard rotation,
 // by butterflies); not read unless ROTATE, centroids1 float32 [2^B1_BITS] and
-// centroids2 float32 [2^B2_BITS] sorted, params = {N}. A block of 256 threads
+// centroids2 float32 [2^B2_BITS] sorted, sizes = {N}. A block of 256 threads
 // encodes TQ_TV vectors (tq_common.cuh's tiles): norms, u = x/‖x‖, y = Π u,
 // the first code, the residual's code, both packed. Arithmetic matches
 // crate::cpu::turboquant::tq_rvq_encode bit for bit (round-to-nearest
@@ -14,7 +14,7 @@
 // float16 value's code.
 if constexpr (TC > 0) {
   tq_encode_tensor_cores<T, D, B1_BITS, B2_BITS, TC, HADAMARD, false, TABLE>(x, rotation, centroids1, centroids2,
-                                                                             codes1, codes2, norms, params[0]);
+                                                                             codes1, codes2, norms, vq_size(params_shape, 0));
 } else {
   constexpr int CH = TQ_CHUNKS(D);
   constexpr int K1 = 1 << B1_BITS;
@@ -25,7 +25,7 @@ if constexpr (TC > 0) {
   __shared__ float cent1[K1];
   __shared__ float bounds1[K1];
   __shared__ float bounds2[K2];
-  const uint32_t n = params[0];
+  const uint32_t n = vq_size(params_shape, 0);
   const uint64_t v0 = uint64_t(blockIdx.x) * TQ_TV;
   tq_stage_codebook<true>(cent1, bounds1, centroids1, K1);
   tq_stage_codebook<false>(nullptr, bounds2, centroids2, K2);

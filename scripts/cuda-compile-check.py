@@ -50,7 +50,7 @@ TQ = ["quant_common.cuh", "tq_common.cuh"]
 KERNELS = {
     "bit_pack": ("bit_pack.cu", ["quant_common.cuh"], [("codes", "uint8_t"), ("params", "uint32_t")],
                  [("packed", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
-    "bit_unpack": ("bit_unpack.cu", [], [("packed", "uint8_t"), ("params", "uint32_t")],
+    "bit_unpack": ("bit_unpack.cu", ["quant_common.cuh"], [("packed", "uint8_t"), ("params", "uint32_t")],
                    [("codes", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
     "scalar_quantize": ("scalar_quantize.cu", ["quant_common.cuh"],
                         [("x", "T"), ("codebook", "float"), ("params", "uint32_t")], [("packed", "uint8_t")],

@@ -1,7 +1,7 @@
 //! `bit_pack` / `bit_unpack`: dense b-bit codes along the last axis.
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Source};
+use super::{check_bits, cpu_primitive, grid_1d, sizes, select, Implementation, KernelSpec, Options, Source};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -60,7 +60,7 @@ pub fn bit_pack(codes: &Array, bits: u32, opts: &Options) -> Result<Array> {
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("codes", &[rows, n, nbytes])?;
+            let p = sizes(imp, "codes", &[rows, n, nbytes])?;
             let (grid, threadgroup) = grid_1d("codes", rows * n.div_ceil(8))?;
             gpu::launch(
                 &Launch {
@@ -118,7 +118,7 @@ pub fn bit_unpack(packed: &Array, bits: u32, n: usize, opts: &Options) -> Result
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("packed", &[rows, n, nbytes])?;
+            let p = sizes(imp, "packed", &[rows, n, nbytes])?;
             let (grid, threadgroup) = grid_1d("packed", rows * n.div_ceil(8))?;
             gpu::launch(
                 &Launch {

@@ -225,7 +225,30 @@ pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<LaunchShap
     Ok(((n, 1, 1), (THREADGROUP.min(n.max(1)), 1, 1)))
 }
 
-/// Sizes that travel to the GPU bodies (`params`, uint32).
+/// The sizes a kernel body reads from its input `params`. Metal takes them
+/// as uint32 data ([`params`]). CUDA takes them as the shape `[0, v0, v1,
+/// ...]` of an empty uint32 array, which MLX passes by value among the
+/// launch's arguments (the body's `params_shape`, read by quant_common.cuh's
+/// `vq_size`): data the host writes lives in managed memory, which the GPU
+/// migrates at its first read in every call, about 9 us of a 0.11 ms
+/// `scalar_dequantize` on the H200 (`scripts/kernel_variants.py`). At most 9
+/// sizes (MLX's 10 dimensions), each below 2^31 (the shape's int32).
+pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize]) -> Result<Array> {
+    if imp != Implementation::Cuda {
+        return params(argument, values);
+    }
+    if values.len() > 9 {
+        return Err(Error::invalid(argument, format!("{} sizes exceed the 9 a CUDA launch carries", values.len())));
+    }
+    let mut shape = vec![0i32];
+    for &v in values {
+        shape.push(i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31 - 1")))?);
+    }
+    Array::from_slice::<u32>(&[], &shape)
+}
+
+/// Sizes that travel to the GPU bodies as data (`params`, uint32): Metal's
+/// bodies and the CUDA attention kernels, whose 15 sizes exceed a shape.
 pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> {
     let v: Vec<u32> = values
         .iter()
@@ -236,8 +259,27 @@ pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> 
 
 #[cfg(test)]
 mod tests {
-    use super::parse_cuda_sms;
+    use super::{parse_cuda_sms, sizes, Implementation};
+    use crate::{Dtype, Error};
     use std::env::VarError;
+
+    #[test]
+    fn cuda_sizes_ride_in_an_empty_arrays_shape_and_metal_sizes_in_data() {
+        let cuda = sizes(Implementation::Cuda, "x", &[1 << 20, 128, 64]).unwrap();
+        assert_eq!(cuda.shape(), vec![0, 1 << 20, 128, 64]);
+        assert_eq!((cuda.size(), cuda.dtype()), (0, Dtype::U32));
+        let metal = sizes(Implementation::Metal, "x", &[1 << 20, 128, 64]).unwrap();
+        assert_eq!(metal.shape(), vec![3]);
+        assert_eq!(metal.to_vec::<u32>().unwrap(), vec![1 << 20, 128, 64]);
+        // Past int32 or past 9 sizes: an error naming the argument, not a wrapped size.
+        for bad in [sizes(Implementation::Cuda, "codes", &[1 << 31]), sizes(Implementation::Cuda, "codes", &[1; 10])] {
+            match bad {
+                Err(Error::InvalidArgument { argument, .. }) => assert_eq!(argument, "codes"),
+                other => panic!("expected an invalid-argument error, got {:?}", other.map(|a| a.shape())),
+            }
+        }
+        assert!(sizes(Implementation::Metal, "codes", &[1 << 31]).is_ok());
+    }
 
     #[test]
     fn sm_count_defaults_to_the_h200_and_rejects_what_is_not_a_count() {

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, sizes, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -258,7 +258,7 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
             .remove(0)
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n, d, nbytes])?;
+            let p = sizes(imp, "x", &[n, d, nbytes])?;
             let (items, mut template) = strided(
                 imp,
                 SCALAR_Q_ITEMS,
@@ -333,7 +333,7 @@ pub fn scalar_dequantize(
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("packed", &[n, d, nbytes])?;
+            let p = sizes(imp, "packed", &[n, d, nbytes])?;
             launch_gpu(
                 Source::ScalarDequantize,
                 &[&flat, codebook, &p],
@@ -412,7 +412,7 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n, d, nbytes, group])?;
+            let p = sizes(imp, "x", &[n, d, nbytes, group])?;
             let items = match mode {
                 // The CUDA body's fast layouts, in whole warps for their
                 // shuffles: a thread per (row group, 4 bytes of a row) where
@@ -578,7 +578,7 @@ pub fn kivi_dequantize(
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("packed", &[n, d, nbytes, group])?;
+            let p = sizes(imp, "packed", &[n, d, nbytes, group])?;
             let (items, template) = strided(
                 imp,
                 KIVI_DQ_ITEMS,
@@ -667,7 +667,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("k", &[n, d, m, nbytes])?;
+            let p = sizes(imp, "k", &[n, d, m, nbytes])?;
             let tensor_cores = imp == Implementation::Cuda && qjl_tensor_cores(k.dtype(), d, m);
             let (threads, group) = if tensor_cores {
                 // Blocks of 2m threads walk tiles of 64 keys, each loading
@@ -766,7 +766,7 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
             .remove(0)
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("signs", &[n, d, m, nbytes, nq])?;
+            let p = sizes(imp, "signs", &[n, d, m, nbytes, nq])?;
             // The CUDA body strides over the keys: a capped grid computes S q
             // in fewer blocks.
             let threads = if imp == Implementation::Cuda { n.min(QJL_SCORE_CUDA_THREADS) } else { n };
@@ -895,7 +895,7 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n, d, k, nb_lo, nb_hi])?;
+            let p = sizes(imp, "x", &[n, d, k, nb_lo, nb_hi])?;
             let tensor_cores = imp == Implementation::Cuda && pq_tensor_cores(x.dtype(), d, s, bits);
             let mut template = vec![
                 ("T", TemplateArg::Dtype(x.dtype())),
@@ -1024,7 +1024,7 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("codes", &[n, d, k, nb_lo, nb_hi])?;
+            let p = sizes(imp, "codes", &[n, d, k, nb_lo, nb_hi])?;
             let mut template =
                 vec![("T", TemplateArg::Dtype(dtype)), ("S", TemplateArg::Int(s as i32)), ("C_BITS", TemplateArg::Int(bits as i32))];
             let threads = if imp == Implementation::Cuda {

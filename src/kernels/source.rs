@@ -244,6 +244,7 @@ impl Source {
                 include_str!("../../cuda/pq_encode_tensor_cores.cuh")
             ),
             Source::BitPack
+            | Source::BitUnpack
             | Source::VqQuantize
             | Source::ScalarQuantize
             | Source::ScalarDequantize

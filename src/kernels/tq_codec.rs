@@ -13,7 +13,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, encode_tensor_core_parts, launch_encoder};
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks, LaunchShape};
+use super::{check_bits, check_float, cpu_primitive, sizes, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks, LaunchShape};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
 use crate::dtype::Dtype;
@@ -372,7 +372,7 @@ pub fn tq_prod_encode(
                     }),
                 )?
             } else {
-                let p = params("x", &[n])?;
+                let p = sizes(imp, "x", &[n])?;
                 launch_encoder(
                     imp,
                     Source::TqProdEncode,
@@ -527,7 +527,7 @@ pub fn tq_prod_decode(
                 )?
                 .remove(0)
             } else {
-                let p = params("norms", &[n, scale.to_bits() as usize])?;
+                let p = sizes(imp, "norms", &[n, scale.to_bits() as usize])?;
                 let template = vec![
                     ("T", TemplateArg::Dtype(dtype)),
                     ("D", TemplateArg::Int(d as i32)),
@@ -616,7 +616,7 @@ pub fn tq_rvq_encode(
             )?
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n])?;
+            let p = sizes(imp, "x", &[n])?;
             launch_encoder(
                 imp,
                 Source::TqRvqEncode,
@@ -709,7 +709,7 @@ pub fn tq_rvq_decode(
         )?
         .remove(0),
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("norms", &[n])?;
+            let p = sizes(imp, "norms", &[n])?;
             let template = vec![
                 ("T", TemplateArg::Dtype(dtype)),
                 ("D", TemplateArg::Int(d as i32)),

@@ -3,7 +3,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::{cpu_primitive, grid_1d, params, select, Implementation, KernelSpec, Options, Source};
+use super::{cpu_primitive, grid_1d, sizes, select, Implementation, KernelSpec, Options, Source};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -89,7 +89,7 @@ pub fn vq_quantize(x: &Array, codebook: &Array, opts: &Options) -> Result<Array>
             .remove(0)
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = params("x", &[n, k])?;
+            let p = sizes(imp, "x", &[n, k])?;
             let (grid, threadgroup) = grid_1d("x", n)?;
             gpu::launch(
                 &Launch {

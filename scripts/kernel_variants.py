@@ -1,0 +1,279 @@
+"""Times CUDA kernel bodies side by side on the GPU, in one run: the library's
+memory-bound quantizer kernels (through ``veloxquant.kernels``), the same
+bodies launched by hand through ``mx.fast.cuda_kernel`` with other template
+arguments, grids or stores, and kernels that only move bytes (the ceiling a
+body can reach in this harness). Each variant's output is checked equal to
+the library's before it is timed.
+
+    PYTHONPATH=<mlx cuda + veloxquant> python3 scripts/kernel_variants.py [--n N] [--only TEXT]
+
+Each figure is the median of 5 samples of 20 back-to-back calls, per call,
+timed two ways: "built" times building the 20 lazy graphs and evaluating
+them (as ``quant_kernels_bench`` does), "eval" builds them first and times
+the evaluation alone. GB/s counts the bytes the variant's row reads and
+writes (its inputs and outputs).
+"""
+
+import argparse
+import re
+import pathlib
+import statistics
+import time
+
+import mlx.core as mx
+import numpy as np
+
+import veloxquant.kernels as K
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+COMMON = (ROOT / "cuda" / "quant_common.cuh").read_text()
+HBM = 4.8e12
+D = 128
+
+# Streaming (evict-first) stores of 16 and 8 bytes, for the variants that
+# write their output with them.
+STREAMING = r"""
+__device__ __forceinline__ void vq_store8_cs(__half* p, const float* v) {
+  uint4 raw;
+  __half2* h = reinterpret_cast<__half2*>(&raw);
+#pragma unroll
+  for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
+  __stcs(reinterpret_cast<uint4*>(p), raw);
+}
+template <int S, typename T>
+__device__ __forceinline__ void vq_copy_n_cs(const T* src, T* dst) {
+  constexpr int BYTES = S * int(sizeof(T));
+  if constexpr (BYTES % 16 == 0) {
+#pragma unroll
+    for (int i = 0; i < BYTES / 16; ++i) __stcs(reinterpret_cast<uint4*>(dst) + i, reinterpret_cast<const uint4*>(src)[i]);
+  } else if constexpr (BYTES == 8) {
+    __stcs(reinterpret_cast<uint2*>(dst), *reinterpret_cast<const uint2*>(src));
+  } else {
+    vq_copy_n<S>(src, dst);
+  }
+}
+"""
+
+
+def body(name):
+    return (ROOT / "cuda" / f"{name}.cu").read_text()
+
+
+def edit(text, old, new):
+    """`text` with `old` (which must occur) replaced by `new`."""
+    assert old in text, f"variant edit: {old!r} not in the body"
+    return text.replace(old, new)
+
+
+def timed(make, repeat=20, samples=5):
+    """(built, eval) median seconds per call."""
+
+    def sample(prebuilt):
+        if prebuilt:
+            outs = [make() for _ in range(repeat)]
+            t = time.perf_counter()
+        else:
+            t = time.perf_counter()
+            outs = [make() for _ in range(repeat)]
+        mx.eval(outs)
+        mx.synchronize()
+        return (time.perf_counter() - t) / repeat
+
+    mx.eval(make())
+    mx.synchronize()
+    built = statistics.median(sample(False) for _ in range(samples))
+    evaluated = statistics.median(sample(True) for _ in range(samples))
+    return built, evaluated
+
+
+def params(*values):
+    return mx.array(np.array(values, dtype=np.uint32))
+
+
+class Raw:
+    """A body launched by hand: `mx.fast.cuda_kernel` with the library's header."""
+
+    def __init__(self, name, source, inputs, outputs, extra_header=""):
+        self.make = lambda: mx.fast.cuda_kernel(
+            name=name, input_names=inputs, output_names=outputs, source=source, header=COMMON + extra_header
+        )
+        self.kernel = None
+
+    def __call__(self, inputs, template, threads, block, shape, dtype):
+        # Made at first use, so that a failure is the row's.
+        self.kernel = self.kernel or self.make()
+        return self.kernel(
+            inputs=inputs,
+            template=template,
+            grid=(threads, 1, 1),
+            threadgroup=(block, 1, 1),
+            output_shapes=[shape],
+            output_dtypes=[dtype],
+        )[0]
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--n", type=int, default=1 << 20)
+    ap.add_argument("--only", action="append", default=[])
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    n = args.n
+    mx.random.seed(7)
+    x = (mx.random.uniform(shape=(n, D)) * 2 - 1).astype(mx.float16)
+    mx.eval(x)
+    rows = []
+
+    def row(name, make, nbytes, expect=None):
+        if args.only and not any(o in name for o in args.only):
+            return
+        try:
+            if expect is not None and not mx.array_equal(make(), expect).item():
+                print(f"{name}: output differs from the library's; left out", flush=True)
+                return
+            mx.eval(make())
+        except Exception as e:  # a variant that does not compile or launch
+            print(f"{name}: failed ({str(e).splitlines()[0][:200]}); left out", flush=True)
+            return
+        rows.append((name, make, nbytes))
+
+    xb = x.nbytes
+    row("mlx x + x", lambda: x + x, 2 * xb)
+    row("mlx zeros_like(x)", lambda: mx.zeros_like(x), xb)
+    row("mlx sum(x)", lambda: mx.sum(x, axis=-1), xb)
+
+    # Byte movers: 16-byte stores of zeros, one per thread or four.
+    n16 = xb // 16
+    fill = Raw("vx_fill", "const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;\n"
+               "if (i < N16) reinterpret_cast<uint4*>(y)[i] = make_uint4(0, 0, 0, 0);", ["x"], ["y"])
+    fill_cs = Raw("vx_fill_cs", "const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;\n"
+                  "if (i < N16) __stcs(reinterpret_cast<uint4*>(y) + i, make_uint4(0, 0, 0, 0));", ["x"], ["y"])
+    fill4 = Raw("vx_fill4", "const uint64_t b = uint64_t(blockIdx.x) * blockDim.x * 4 + threadIdx.x;\n"
+                "#pragma unroll\nfor (int k = 0; k < 4; ++k) { const uint64_t i = b + k * blockDim.x;\n"
+                "if (i < N16) reinterpret_cast<uint4*>(y)[i] = make_uint4(0, 0, 0, 0); }", ["x"], ["y"])
+    one = mx.zeros((1,), dtype=mx.float16)
+    for blk in (256, 1024):
+        row(f"fill 16 B/thread, blocks of {blk}", lambda b=blk: fill([one], [("N16", n16)], n16, b, x.shape, mx.float16), xb)
+    row("fill 16 B/thread streaming", lambda: fill_cs([one], [("N16", n16)], n16, 256, x.shape, mx.float16), xb)
+    row("fill 4 x 16 B/thread", lambda: fill4([one], [("N16", n16)], n16 // 4, 256, x.shape, mx.float16), xb)
+    copy = Raw("vx_copy", "const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;\n"
+               "if (i < N16) reinterpret_cast<uint4*>(y)[i] = reinterpret_cast<const uint4*>(x)[i];", ["x"], ["y"])
+    row("copy 16 B/thread", lambda: copy([x], [("N16", n16)], n16, 256, x.shape, mx.float16), 2 * xb, expect=x)
+    # 4 bytes in, 16 out: the traffic of scalar_dequantize at 4 bits, no table.
+    words = mx.zeros((n16,), dtype=mx.uint32)
+    expand = Raw("vx_expand", "const uint64_t i = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;\n"
+                 "if (i < N16) { const uint32_t w = x[i]; reinterpret_cast<uint4*>(y)[i] = make_uint4(w, w, w, w); }",
+                 ["x"], ["y"])
+    row("expand 4 B to 16 B/thread", lambda: expand([words], [("N16", n16)], n16, 256, x.shape, mx.float16),
+        words.nbytes + xb)
+
+    # scalar_dequantize b = 4: 4 bytes of codes in, 16 bytes out per thread.
+    cb = mx.array(sorted((i - 7.5) / 8 for i in range(16)), dtype=mx.float32)
+    packed = K.scalar_quantize(x, cb, 4)
+    mx.eval(packed)
+    want = K.scalar_dequantize(packed, cb, 4, D, mx.float16)
+    mx.eval(want)
+    sdq_bytes = packed.nbytes + want.nbytes
+    row("scalar_dequantize (library)", lambda: K.scalar_dequantize(packed, cb, 4, D, mx.float16), sdq_bytes)
+    src = body("scalar_dequantize")
+    sdq = Raw("vx_sdq", src, ["packed", "codebook", "params"], ["y"])
+    sdq_cs = Raw("vx_sdq_cs", edit(src, "vq_store8(y + t * 8, v);", "vq_store8_cs(y + t * 8, v);"),
+                 ["packed", "codebook", "params"], ["y"], STREAMING)
+    groups = n * D // 8
+    p_fixed = params(n, D, packed.shape[1])
+    tmpl = [("T", mx.float16), ("B_BITS", 4)]
+    row("scalar_dequantize body, params made per call",
+        lambda: sdq([packed, cb, params(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
+    row("scalar_dequantize body, params made once",
+        lambda: sdq([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
+    # The sizes as the shape [0, N, D, nbytes] of an empty array: MLX passes an
+    # input's shape in the launch's arguments, and the array holds no data.
+    sdq_shape = Raw("vx_sdq_shape", re.sub(r"params\[(\d)\]", r"uint32_t(params_shape[\1 + 1])", src), ["packed", "codebook", "params"], ["y"])
+    carrier = lambda *v: mx.array(np.zeros((0, *v), dtype=np.uint32))
+    row("scalar_dequantize body, sizes in an empty array's shape, made per call",
+        lambda: sdq_shape([packed, cb, carrier(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16),
+        sdq_bytes, want)
+    row("scalar_dequantize body, streaming stores",
+        lambda: sdq_cs([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
+    for blk in (128, 512, 1024):
+        row(f"scalar_dequantize body, blocks of {blk}",
+            lambda b=blk: sdq([packed, cb, p_fixed], tmpl, groups, b, want.shape, mx.float16), sdq_bytes, want)
+
+    # KIVI b = 2, G = 32: keys per channel, values per token.
+    for mode in ("keys", "values"):
+        kc, ks, kz = K.kivi_quantize(x, 2, 32, mode)
+        mx.eval(kc, ks, kz)
+        kq_bytes = xb + kc.nbytes + ks.nbytes + kz.nbytes
+        row(f"kivi_quantize {mode} (library)", lambda m=mode: K.kivi_quantize(x, 2, 32, m), kq_bytes)
+        want = K.kivi_dequantize(kc, ks, kz, 2, 32, mode, D, mx.float16)
+        mx.eval(want)
+        row(f"kivi_dequantize {mode} (library)",
+            lambda m=mode, a=(kc, ks, kz): K.kivi_dequantize(*a, 2, 32, m, D, mx.float16), kq_bytes, want)
+        src = body("kivi_dequantize")
+        kd = Raw("vx_kd", src, ["packed", "scales", "zeros", "params"], ["y"])
+        kd_cs = Raw("vx_kd_cs", edit(src, "vq_store8(y + (uint64_t(row) * groups + g) * 8, v);",
+                                     "vq_store8_cs(y + (uint64_t(row) * groups + g) * 8, v);"),
+                    ["packed", "scales", "zeros", "params"], ["y"], STREAMING)
+        kp = params(n, D, kc.shape[1], 32)
+        for label, kern in (("", kd), (", streaming", kd_cs)):
+            for items in (1, 2, 4, 8):
+                threads = -(-n // items) * (D // 8)
+                tm = [("T", mx.float16), ("B_BITS", 2), ("PER_CHANNEL", mode == "keys"), ("ITEMS", items)]
+                row(f"kivi_dequantize {mode} body, {items} rows/thread{label}",
+                    lambda tm=tm, th=threads, kn=kern, a=(kc, ks, kz): kn([*a, kp], tm, th, 256, want.shape, mx.float16),
+                    kq_bytes, want)
+    sq_bytes = xb + packed.nbytes
+    row("scalar_quantize (library)", lambda: K.scalar_quantize(x, cb, 4), sq_bytes)
+
+    # pq_decode s = 4, K = 256 (a 2 KB table) and K = 1024 (8 KB).
+    for kk, bits in ((256, 8), (1024, 10)):
+        pcb = mx.random.uniform(shape=(kk, 4)) * 2 - 1
+        codes, codes_hi = K.pq_encode(x, pcb, bits)
+        mx.eval(codes, codes_hi) if codes_hi is not None else mx.eval(codes)
+        want = K.pq_decode(codes, pcb, bits, D, mx.float16, codes_hi=codes_hi)
+        mx.eval(want)
+        hi = codes_hi if codes_hi is not None else mx.zeros((1,), dtype=mx.uint8)
+        nb_hi = codes_hi.shape[1] if codes_hi is not None else 0
+        pq_bytes = codes.nbytes + (codes_hi.nbytes if codes_hi is not None else 0) + want.nbytes
+        row(f"pq_decode K={kk} (library)",
+            lambda: K.pq_decode(codes, pcb, bits, D, mx.float16, codes_hi=codes_hi), pq_bytes)
+        src = body("pq_decode")
+        pq = Raw("vx_pq", src, ["packed", "packed_hi", "codebook", "params"], ["y"])
+        pq_cs = Raw("vx_pq_cs", edit(edit(src, "vq_copy_n<QUAD>(e[k], dst);", "vq_copy_n_cs<QUAD>(e[k], dst);"),
+                                      "vq_copy_n<S>(e[k], dst);", "vq_copy_n_cs<S>(e[k], dst);"),
+                    ["packed", "packed_hi", "codebook", "params"], ["y"], STREAMING)
+        pp = params(n, D, kk, codes.shape[1], nb_hi)
+        items_total = n * (D // 4)
+        quads = items_total // 4
+        base = [("T", mx.float16), ("S", 4), ("C_BITS", bits)]
+        staged = 4096 if kk * 4 * 2 <= 4096 else 16384
+        for label, kern in (("", pq), (", streaming", pq_cs)):
+            for items in (4, 8, 16, 32):
+                row(f"pq_decode K={kk} body, staged, {items} items/thread{label}",
+                    lambda it=items, kn=kern: kn([codes, hi, pcb, pp], base + [("TABLE_BYTES", staged), ("ITEMS", it), ("QUADS", 0)],
+                                                 -(-items_total // it), 256, want.shape, mx.float16), pq_bytes, want)
+            for qd, blocks in ((4, 1024), (4, 2048), (2, 2048), (8, 1024)):
+                threads = min(-(-quads // qd), blocks * 256)
+                row(f"pq_decode K={kk} body, quads {qd}/thread, {blocks} blocks{label}",
+                    lambda q=qd, th=threads, kn=kern: kn([codes, hi, pcb, pp], base + [("TABLE_BYTES", 16384), ("ITEMS", 1), ("QUADS", q)],
+                                                         th, 256, want.shape, mx.float16), pq_bytes, want)
+
+    # Every variant once per round, in turn, so that the GPU's drift falls on all alike.
+    times = {name: [] for name, _, _ in rows}
+    for _ in range(args.rounds):
+        for name, make, _ in rows:
+            times[name].append(timed(make))
+    print(f"N = {n}, d = {D}, float16; ms per call: each round the median of 5 samples of 20 calls; "
+          f"{args.rounds} rounds, their median")
+    print("| variant | built ms | eval ms (each round) | eval ms | eval GB/s | eval % of HBM |")
+    print("|---|---|---|---|---|---|")
+    for name, _, nbytes in rows:
+        built = statistics.median(b for b, _ in times[name])
+        each = [e for _, e in times[name]]
+        ev = statistics.median(each)
+        print(f"| {name} | {built * 1e3:.4f} | {', '.join(f'{e * 1e3:.4f}' for e in each)} | {ev * 1e3:.4f} | "
+              f"{nbytes / ev / 1e9:.1f} | {100 * nbytes / ev / HBM:.1f}% |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
