@@ -193,6 +193,9 @@ def main():
     row("scalar_dequantize body, sizes in an empty array's shape, made per call",
         lambda: sdq_shape([packed, cb, carrier(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16),
         sdq_bytes, want)
+    carrier_once = carrier(n, D, packed.shape[1])
+    row("scalar_dequantize body, sizes in an empty array's shape, made once",
+        lambda: sdq_shape([packed, cb, carrier_once], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     row("scalar_dequantize body, streaming stores",
         lambda: sdq_cs([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     for blk in (128, 512, 1024):

@@ -16,6 +16,8 @@ pub mod tq_codec;
 pub mod turboquant;
 mod vq;
 
+use std::cell::RefCell;
+use std::collections::HashMap;
 use std::fmt;
 use std::str::FromStr;
 use std::sync::OnceLock;
@@ -229,10 +231,14 @@ pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<LaunchShap
 /// as uint32 data ([`params`]). CUDA takes them as the shape `[0, v0, v1,
 /// ...]` of an empty uint32 array, which MLX passes by value among the
 /// launch's arguments (the body's `params_shape`, read by quant_common.cuh's
-/// `vq_size`): data the host writes lives in managed memory, which the GPU
-/// migrates at its first read in every call, about 9 us of a 0.11 ms
-/// `scalar_dequantize` on the H200 (`scripts/kernel_variants.py`). At most 9
+/// `vq_size`), so that the GPU never reads memory the host wrote. At most 9
 /// sizes (MLX's 10 dimensions), each below 2^31 (the shape's int32).
+///
+/// A CUDA call whose sizes match an earlier call's on this thread (every
+/// append of a decoding step does) gets that call's array back: a new input
+/// array per launch cost about 9 us of a 0.1 ms `scalar_dequantize` on the
+/// H200, whether it held the sizes as data or in its shape
+/// (`scripts/kernel_variants.py`, docs/results/cuda_quant_kernels.md).
 pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize]) -> Result<Array> {
     if imp != Implementation::Cuda {
         return params(argument, values);
@@ -244,7 +250,27 @@ pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize
     for &v in values {
         shape.push(i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31 - 1")))?);
     }
-    Array::from_slice::<u32>(&[], &shape)
+    SIZE_CARRIERS.with(|cache| {
+        let mut cache = cache.borrow_mut();
+        if let Some(carrier) = cache.get(&shape) {
+            return Ok(carrier.clone());
+        }
+        let carrier = Array::from_slice::<u32>(&[], &shape)?;
+        if cache.len() >= SIZE_CARRIERS_MAX {
+            cache.clear();
+        }
+        cache.insert(shape, carrier.clone());
+        Ok(carrier)
+    })
+}
+
+/// Size carriers kept per thread; past this many, the cache starts over.
+const SIZE_CARRIERS_MAX: usize = 256;
+
+thread_local! {
+    /// [`sizes`]'s CUDA carriers by shape. MLX arrays are immutable once
+    /// made, so one carrier serves any number of launches.
+    static SIZE_CARRIERS: RefCell<HashMap<Vec<i32>, Array>> = RefCell::new(HashMap::new());
 }
 
 /// Sizes that travel to the GPU bodies as data (`params`, uint32): Metal's
@@ -259,7 +285,7 @@ pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> 
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_cuda_sms, sizes, Implementation};
+    use super::{parse_cuda_sms, sizes, Implementation, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
     use crate::{Dtype, Error};
     use std::env::VarError;
 
@@ -279,6 +305,20 @@ mod tests {
             }
         }
         assert!(sizes(Implementation::Metal, "codes", &[1 << 31]).is_ok());
+    }
+
+    #[test]
+    fn cuda_size_carriers_are_kept_per_shape_and_bounded() {
+        let kept = || SIZE_CARRIERS.with(|c| c.borrow().len());
+        let before = kept();
+        let a = sizes(Implementation::Cuda, "x", &[7, 11]).unwrap();
+        let b = sizes(Implementation::Cuda, "x", &[7, 11]).unwrap();
+        assert_eq!(kept(), before + 1, "equal sizes share one carrier");
+        assert_eq!((a.shape(), b.shape()), (vec![0, 7, 11], vec![0, 7, 11]));
+        for v in 0..2 * SIZE_CARRIERS_MAX {
+            assert_eq!(sizes(Implementation::Cuda, "x", &[v, 3]).unwrap().shape(), vec![0, v as i32, 3]);
+            assert!(kept() <= SIZE_CARRIERS_MAX);
+        }
     }
 
     #[test]
