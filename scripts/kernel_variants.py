@@ -5,18 +5,20 @@ arguments, grids or stores, and kernels that only move bytes (the ceiling a
 body can reach in this harness). Each variant's output is checked equal to
 the library's before it is timed.
 
-    PYTHONPATH=<mlx cuda + veloxquant> python3 scripts/kernel_variants.py [--n N] [--only TEXT]
+    PYTHONPATH=<mlx cuda + veloxquant> python3 scripts/kernel_variants.py [--n N] [--rounds R] [--only TEXT]
 
-Each figure is the median of 5 samples of 20 back-to-back calls, per call,
-timed two ways: "built" times building the 20 lazy graphs and evaluating
-them (as ``quant_kernels_bench`` does), "eval" builds them first and times
-the evaluation alone. GB/s counts the bytes the variant's row reads and
-writes (its inputs and outputs).
+Every variant is timed once per round, in turn, so that the GPU's drift falls
+on all alike; a round's figure is the median of 5 samples of 20 back-to-back
+calls, per call, timed two ways: "built" times building the 20 lazy graphs
+and evaluating them (as ``quant_kernels_bench`` does), "eval" builds them
+first and times the evaluation alone. The table gives the median over the
+rounds. GB/s counts the bytes the variant's row reads and writes (its inputs
+and outputs). ``--only`` keeps the variants whose name contains TEXT.
 """
 
 import argparse
-import re
 import pathlib
+import re
 import statistics
 import time
 
