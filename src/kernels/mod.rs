@@ -248,7 +248,7 @@ pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize
     }
     let mut shape = vec![0i32];
     for &v in values {
-        shape.push(i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31 - 1")))?);
+        shape.push(to_i32(argument, v)?);
     }
     SIZE_CARRIERS.with(|cache| {
         let mut cache = cache.borrow_mut();
@@ -262,6 +262,11 @@ pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize
         cache.insert(shape, carrier.clone());
         Ok(carrier)
     })
+}
+
+/// `v` as an MLX dimension, or an error naming `argument`.
+pub(crate) fn to_i32(argument: &'static str, v: usize) -> Result<i32> {
+    i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31")))
 }
 
 /// Size carriers kept per thread; past this many, the cache starts over.

@@ -10,7 +10,7 @@ use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, sizes, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, sizes, select, to_i32, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
@@ -81,10 +81,6 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
     } else {
         Err(Error::Dtype { argument: "dtype", found: dtype.to_string(), expected: super::FLOAT_TYPES.into() })
     }
-}
-
-fn to_i32(argument: &'static str, v: usize) -> Result<i32> {
-    i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31")))
 }
 
 /// `(rows, last)` of an array of at least one dimension.
