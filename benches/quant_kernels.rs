@@ -52,33 +52,56 @@ fn random(dtype: Dtype, shape: &[usize], scale: f32, rng: &mut ChaCha8Rng) -> Ar
 
 struct Measure {
     seconds: f64,
+    /// The same calls' graphs built first, then evaluated: the GPU's time
+    /// (kernels and MLX's launches), without the host building the graphs.
+    eval_seconds: f64,
+    /// Building one call's graph on the host (argument checks, the kernel
+    /// object's lookup, MLX's source assembly), which `seconds` includes.
+    build_seconds: f64,
     peak_above_inputs: usize,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
 }
 
 /// Median seconds per call over 5 samples, each `repeat` calls evaluated
 /// together (on the GPU, back-to-back launches: one synchronisation no longer
-/// hides a sub-millisecond kernel), and the MLX peak of one call.
+/// hides a sub-millisecond kernel), the same with the graphs built before
+/// the clock starts, and the MLX peak of one call.
 fn measure(f: &dyn Fn(&Options) -> Vec<Array>, opts: &Options, stream: &Stream, repeat: usize) -> Measure {
-    let run = |calls: usize| {
-        let outs: Vec<Array> = (0..calls).flat_map(|_| f(opts)).collect();
+    let build = |calls: usize| -> Vec<Array> { (0..calls).flat_map(|_| f(opts)).collect() };
+    let eval = |outs: Vec<Array>| {
         veloxquant::eval(&outs.iter().collect::<Vec<_>>()).unwrap();
         stream.synchronize().unwrap();
     };
-    run(1); // warm-up: GPU kernels compile on first evaluation
+    eval(build(1)); // warm-up: GPU kernels compile on first evaluation
     clear_cache().unwrap();
     let base = active_memory().unwrap();
     reset_peak_memory().unwrap();
-    run(1);
+    eval(build(1));
     let peak = peak_memory().unwrap();
-    let mut times: Vec<f64> = (0..5)
-        .map(|_| {
-            let t = Instant::now();
-            run(repeat);
-            t.elapsed().as_secs_f64() / repeat as f64
-        })
-        .collect();
-    times.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    Measure { seconds: times[2], peak_above_inputs: peak.saturating_sub(base) }
+    let per_call = |t: Instant| t.elapsed().as_secs_f64() / repeat as f64;
+    let seconds = median(
+        (0..5)
+            .map(|_| {
+                let t = Instant::now();
+                eval(build(repeat));
+                per_call(t)
+            })
+            .collect(),
+    );
+    let (mut evals, mut builds) = (Vec::new(), Vec::new());
+    for _ in 0..5 {
+        let t = Instant::now();
+        let outs = build(repeat);
+        builds.push(per_call(t));
+        let t = Instant::now();
+        eval(outs);
+        evals.push(per_call(t));
+    }
+    Measure { seconds, eval_seconds: median(evals), build_seconds: median(builds), peak_above_inputs: peak.saturating_sub(base) }
 }
 
 fn main() {
@@ -163,30 +186,38 @@ fn main() {
     let ceiling = || measure(&|_: &Options| vec![veloxquant::ops::add(&x, &x, &stream).unwrap()], &setup, &stream, repeat);
     let copy = ceiling();
     let x_bytes = (n * D * es) as f64;
-    let rate = |what: &str, bytes: f64, seconds: f64| {
+    let rate = |what: &str, bytes: f64, m: &Measure| {
+        let share = |seconds: f64| {
+            if gpu { format!(", {:.1}% of HBM", 100.0 * bytes / seconds / HBM_BYTES_PER_S) } else { String::new() }
+        };
         println!(
-            "{what}: {:.3} ms, {:.1} GB/s{}",
-            seconds * 1e3,
-            bytes / seconds / 1e9,
-            if gpu { format!(", {:.1}% of HBM", 100.0 * bytes / seconds / HBM_BYTES_PER_S) } else { String::new() },
+            "{what}: {:.3} ms, {:.1} GB/s{}; graphs built first: {:.3} ms{}",
+            m.seconds * 1e3,
+            bytes / m.seconds / 1e9,
+            share(m.seconds),
+            m.eval_seconds * 1e3,
+            share(m.eval_seconds),
         )
     };
     let mib = x_bytes / (1 << 20) as f64;
-    rate(&format!("MLX x + x (reads and writes {mib:.0} MiB)"), 2.0 * x_bytes, copy.seconds);
+    rate(&format!("MLX x + x (reads and writes {mib:.0} MiB)"), 2.0 * x_bytes, &copy);
     // The ceilings of one direction alone: a kernel that mostly reads (a
     // quantizer) or mostly writes (a dequantizer) against MLX's own.
     let flat_x = veloxquant::ops::reshape(&x, &[-1], &stream).unwrap();
     let read = measure(&|_: &Options| vec![veloxquant::ops::sum_axis(&flat_x, 0, false, &stream).unwrap()], &setup, &stream, repeat);
-    rate(&format!("MLX sum of x (reads {mib:.0} MiB)"), x_bytes, read.seconds);
+    rate(&format!("MLX sum of x (reads {mib:.0} MiB)"), x_bytes, &read);
     let shape = [n as i32, D as i32];
     let write = measure(&|_: &Options| vec![veloxquant::ops::zeros(&shape, dtype, &stream).unwrap()], &setup, &stream, repeat);
-    rate(&format!("MLX zeros like x (writes {mib:.0} MiB)"), x_bytes, write.seconds);
+    rate(&format!("MLX zeros like x (writes {mib:.0} MiB)"), x_bytes, &write);
     println!();
 
     // Each row's x + x is timed again just before its fused call, which
     // shows how fast the GPU was then.
-    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | % of HBM | x + x ms before | f32 floor ms | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|");
+    // "graphs built first": the same calls' graphs built before the clock
+    // starts, so that the time is the GPU's; "build us": the host's part of
+    // one call, which "fused ms" includes.
+    println!("| kernel | fused ms | reference ms | speed-up | fused GB/s | % of HBM | graphs built first ms | its % of HBM | build us | x + x ms before | f32 floor ms | fused peak MiB | reference peak MiB | outputs MiB | fused launches/append |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
 
     type Case<'a> = (&'static str, Box<dyn Fn(&Options) -> Vec<Array> + 'a>, usize, usize);
     let xb = n * D * es;
@@ -371,20 +402,19 @@ fn main() {
             ),
             None => ("-".into(), "-".into(), "-".into()),
         };
-        let bytes_per_s = (read + written) as f64 / fused.seconds;
-        let (hbm, floor) = if gpu {
-            let ops = f32_ops(name);
-            (
-                format!("{:.1}%", 100.0 * bytes_per_s / HBM_BYTES_PER_S),
-                if ops > 0.0 { format!("{:.3}", ops / FP32_OPS_PER_S * 1e3) } else { "-".into() },
-            )
-        } else {
-            ("-".into(), "-".into())
-        };
+        let bytes = (read + written) as f64;
+        let bytes_per_s = bytes / fused.seconds;
+        let share = |seconds: f64| if gpu { format!("{:.1}%", 100.0 * bytes / seconds / HBM_BYTES_PER_S) } else { "-".into() };
+        let ops = f32_ops(name);
+        let floor = if gpu && ops > 0.0 { format!("{:.3}", ops / FP32_OPS_PER_S * 1e3) } else { "-".into() };
         println!(
-            "| {name} | {:.3} | {reference_ms} | {speed_up} | {:.1} | {hbm} | {:.3} | {floor} | {:.2} | {reference_mib} | {:.2} | {launches} |",
+            "| {name} | {:.3} | {reference_ms} | {speed_up} | {:.1} | {} | {:.3} | {} | {:.1} | {:.3} | {floor} | {:.2} | {reference_mib} | {:.2} | {launches} |",
             fused.seconds * 1e3,
             bytes_per_s / 1e9,
+            share(fused.seconds),
+            fused.eval_seconds * 1e3,
+            share(fused.eval_seconds),
+            fused.build_seconds * 1e6,
             before.seconds * 1e3,
             mib(fused.peak_above_inputs),
             mib(*written),

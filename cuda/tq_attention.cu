@@ -4,8 +4,8 @@
 // bits), QN. Block: 128 threads (4 warps), tokens in tiles of 128.
 // Inputs: qr float32 [B, Hq, L, D] (queries rotated and scaled once by the
 // host), the compressed stores and the rotated float16 windows.
-// params = {B, Hq, Hkv, L, n_sink, n_comp, n_recent, CAP, WCAP, split_tokens,
-//           num_splits, q_tiles, causal, comp_splits}.
+// Sizes: {B, Hq, Hkv, L, n_sink, n_comp, n_recent, CAP, WCAP, split_tokens,
+//         num_splits, q_tiles, causal, comp_splits}.
 // Splits [0, comp_splits) cover compressed tokens (position n_sink + index),
 // the rest cover window slots 128 at a time (sinks at positions 0.., recent
 // at n_sink + n_comp..). A tile's codes and norms are staged in shared memory
@@ -27,11 +27,14 @@ __shared__ __align__(16) float p_s[TG * QN];
 __shared__ float red[QN * WARPS];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
-const uint32_t Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
-const uint32_t n_sink = params[4], n_comp = params[5], n_recent = params[6];
-const uint32_t CAP = params[7], WCAP = params[8], split_tokens = params[9];
-const uint32_t num_splits = params[10], q_tiles = params[11], causal = params[12];
-const uint32_t comp_splits = params[13];
+// The sizes ride in the shapes [0, s0..s8] and [0, s9..] of two empty
+// arrays (kernels::split_sizes): MLX passes an input's shape by value, where
+// an array of values would be migrated to the GPU at every call.
+const uint32_t Bn = params_shape[1], Hq = params_shape[2], Hkv = params_shape[3], L = params_shape[4];
+const uint32_t n_sink = params_shape[5], n_comp = params_shape[6], n_recent = params_shape[7];
+const uint32_t CAP = params_shape[8], WCAP = params_shape[9], split_tokens = params_hi_shape[1];
+const uint32_t num_splits = params_hi_shape[2], q_tiles = params_hi_shape[3], causal = params_hi_shape[4];
+const uint32_t comp_splits = params_hi_shape[5];
 const uint32_t G = Hq / Hkv;
 const uint32_t QT = QN / G;
 const uint32_t total = n_sink + n_comp + n_recent;

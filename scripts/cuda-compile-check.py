@@ -97,6 +97,21 @@ KERNELS = {
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
                   {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]}),
+    # The attention kernels: sizes in two carriers (kernels::split_sizes).
+    "tq_attention": ("tq_attention.cu", [],
+                     [("qr", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
+                      ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"),
+                      ("win_v", "T"), ("params", "uint32_t"), ("params_hi", "uint32_t")],
+                     [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
+                     {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 1, 8], "VB": [3, 2], "QN": [4, 1, 16]}),
+    "kv_attention": ("kv_attention.cu", ["kv_common.cuh"],
+                     [("qf", "float"), ("k_codes", "uint8_t"), ("k_scales", "__half"), ("k_zeros", "__half"),
+                      ("k_table", "float"), ("v_codes", "uint8_t"), ("v_scales", "__half"), ("v_zeros", "__half"),
+                      ("v_table", "float"), ("win_k", "T"), ("win_v", "T"), ("mask", "float"),
+                      ("params", "uint32_t"), ("params_hi", "uint32_t")],
+                     [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
+                     {"T": ELEMENT, "D": [128, 64], "KM,KB,KG,QF": [(2, 2, 32, 128), (0, 16, 1, 128), (5, 1, 256, 256)],
+                      "VM,VB,VG": [(3, 2, 32), (4, 8, 4), (1, 4, 1)], "QN": [4, 1]}),
     # The tensor-core path alone takes the two-blocks register bound (Source::cuda_header_for).
     "tq_prod_encode": ("tq_prod_encode.cu",
                        lambda a: TQ + ["mma_common.cuh", "tq_encode_tensor_cores.cuh"]

@@ -11,7 +11,8 @@ Every variant is timed once per round, in turn, so that the GPU's drift falls
 on all alike; a round's figure is the median of 5 samples of 20 back-to-back
 calls, per call, timed two ways: "built" times building the 20 lazy graphs
 and evaluating them (as ``quant_kernels_bench`` does), "eval" builds them
-first and times the evaluation alone. The table gives the median over the
+first and times the evaluation alone; "build" is the host's time to build one
+call's graph. The table gives the median over the
 rounds. GB/s counts the bytes the variant's row reads and writes (its inputs
 and outputs). ``--only`` keeps the variants whose name contains TEXT.
 """
@@ -68,27 +69,38 @@ def edit(text, old, new):
 
 
 def timed(make, repeat=20, samples=5):
-    """(built, eval) median seconds per call."""
+    """(built, eval, build) median seconds per call: the graphs built and
+    evaluated, built first and evaluated, and building one alone."""
 
-    def sample(prebuilt):
-        if prebuilt:
-            outs = [make() for _ in range(repeat)]
-            t = time.perf_counter()
-        else:
-            t = time.perf_counter()
-            outs = [make() for _ in range(repeat)]
+    def sample():
+        t0 = time.perf_counter()
+        outs = [make() for _ in range(repeat)]
+        t1 = time.perf_counter()
         mx.eval(outs)
+        mx.synchronize()
+        return (t1 - t0) / repeat, (time.perf_counter() - t1) / repeat
+
+    def together():
+        t = time.perf_counter()
+        mx.eval([make() for _ in range(repeat)])
         mx.synchronize()
         return (time.perf_counter() - t) / repeat
 
     mx.eval(make())
     mx.synchronize()
-    built = statistics.median(sample(False) for _ in range(samples))
-    evaluated = statistics.median(sample(True) for _ in range(samples))
-    return built, evaluated
+    built = statistics.median(together() for _ in range(samples))
+    parts = [sample() for _ in range(samples)]
+    return built, statistics.median(e for _, e in parts), statistics.median(b for b, _ in parts)
 
 
 def params(*values):
+    """Sizes as the library's CUDA bodies take them: the shape [0, v0, v1, ...]
+    of an empty uint32 array (``kernels::sizes``)."""
+    return mx.array(np.zeros((0, *values), dtype=np.uint32))
+
+
+def params_data(*values):
+    """Sizes as uint32 data, which the bodies read before 0b6a975."""
     return mx.array(np.array(values, dtype=np.uint32))
 
 
@@ -184,20 +196,20 @@ def main():
     groups = n * D // 8
     p_fixed = params(n, D, packed.shape[1])
     tmpl = [("T", mx.float16), ("B_BITS", 4)]
-    row("scalar_dequantize body, params made per call",
-        lambda: sdq([packed, cb, params(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
-    row("scalar_dequantize body, params made once",
-        lambda: sdq([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
-    # The sizes as the shape [0, N, D, nbytes] of an empty array: MLX passes an
-    # input's shape in the launch's arguments, and the array holds no data.
-    sdq_shape = Raw("vx_sdq_shape", re.sub(r"params\[(\d)\]", r"uint32_t(params_shape[\1 + 1])", src), ["packed", "codebook", "params"], ["y"])
-    carrier = lambda *v: mx.array(np.zeros((0, *v), dtype=np.uint32))
-    row("scalar_dequantize body, sizes in an empty array's shape, made per call",
-        lambda: sdq_shape([packed, cb, carrier(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16),
+    # The body reading its sizes from data, as before 0b6a975, given them in
+    # an array made for every call or once.
+    sdq_data = Raw("vx_sdq_data", re.sub(r"vq_size\(params_shape, (\d)\)", r"params[\1]", src),
+                   ["packed", "codebook", "params"], ["y"])
+    data_once = params_data(n, D, packed.shape[1])
+    row("scalar_dequantize body, sizes as data made per call",
+        lambda: sdq_data([packed, cb, params_data(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16),
         sdq_bytes, want)
-    carrier_once = carrier(n, D, packed.shape[1])
+    row("scalar_dequantize body, sizes as data made once",
+        lambda: sdq_data([packed, cb, data_once], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
+    row("scalar_dequantize body, sizes in an empty array's shape, made per call",
+        lambda: sdq([packed, cb, params(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     row("scalar_dequantize body, sizes in an empty array's shape, made once",
-        lambda: sdq_shape([packed, cb, carrier_once], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
+        lambda: sdq([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     row("scalar_dequantize body, streaming stores",
         lambda: sdq_cs([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     for blk in (128, 512, 1024):
@@ -270,13 +282,15 @@ def main():
             times[name].append(timed(make))
     print(f"N = {n}, d = {D}, float16; ms per call: each round the median of 5 samples of 20 calls; "
           f"{args.rounds} rounds, their median")
-    print("| variant | built ms | eval ms (each round) | eval ms | eval GB/s | eval % of HBM |")
-    print("|---|---|---|---|---|---|")
+    print("| variant | built ms | built % of HBM | build us | eval ms (each round) | eval ms | eval GB/s | eval % of HBM |")
+    print("|---|---|---|---|---|---|---|---|")
     for name, _, nbytes in rows:
-        built = statistics.median(b for b, _ in times[name])
-        each = [e for _, e in times[name]]
+        built = statistics.median(b for b, _, _ in times[name])
+        build = statistics.median(b for _, _, b in times[name])
+        each = [e for _, e, _ in times[name]]
         ev = statistics.median(each)
-        print(f"| {name} | {built * 1e3:.4f} | {', '.join(f'{e * 1e3:.4f}' for e in each)} | {ev * 1e3:.4f} | "
+        print(f"| {name} | {built * 1e3:.4f} | {100 * nbytes / built / HBM:.1f}% | {build * 1e6:.1f} | "
+              f"{', '.join(f'{e * 1e3:.4f}' for e in each)} | {ev * 1e3:.4f} | "
               f"{nbytes / ev / 1e9:.1f} | {100 * nbytes / ev / HBM:.1f}% |", flush=True)
 
 

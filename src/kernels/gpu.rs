@@ -1,13 +1,11 @@
 //! GPU kernels through MLX's `fast::metal_kernel` / `fast::cuda_kernel`.
 //!
-//! A kernel object is created once per (back-end, kernel, template arguments,
-//! source hash) and kept in one process-wide cache. Template arguments travel
-//! through MLX's template-argument API, which writes them into the source.
+//! A kernel object is created once per (back-end, kernel, template arguments)
+//! and kept in one process-wide cache. Template arguments travel through
+//! MLX's template-argument API, which writes them into the source.
 
-use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
 use std::ffi::CString;
-use std::hash::{Hash, Hasher};
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::source::Source;
@@ -36,12 +34,14 @@ pub(crate) struct Launch<'a> {
     pub template: &'a [(&'static str, TemplateArg)],
 }
 
+/// A kernel's body and header are compiled into the crate and chosen by its
+/// source and template arguments alone, so those name it; hashing the text
+/// (tens of KB) on every launch cost about 10 µs of host time a call.
 #[derive(PartialEq, Eq, Hash)]
 struct Key {
     backend: Backend,
-    name: &'static str,
+    source: Source,
     template: Vec<(&'static str, TemplateArg)>,
-    source_hash: u64,
 }
 
 enum Handle {
@@ -96,7 +96,11 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
     let body = CString::new(body).map_err(|_| Error::invalid("source", "contains NUL"))?;
     let header = if backend == Backend::Metal { source.metal_header() } else { source.cuda_header_for(template) };
     let header = CString::new(header).map_err(|_| Error::invalid("header", "contains NUL"))?;
-    let inputs = strings(source.input_names())?;
+    let mut input_names = source.input_names().to_vec();
+    if backend == Backend::Cuda {
+        input_names.extend_from_slice(source.cuda_extra_input_names());
+    }
+    let inputs = strings(&input_names)?;
     let outputs = strings(source.output_names())?;
     // SAFETY: all pointers are valid for the call; MLX copies the strings.
     let handle = unsafe {
@@ -135,20 +139,7 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
 }
 
 fn kernel(backend: Backend, launch: &Launch<'_>) -> Result<Arc<Handle>> {
-    let (body, header) = if backend == Backend::Metal {
-        (launch.source.metal(), launch.source.metal_header())
-    } else {
-        (launch.source.cuda(), launch.source.cuda_header_for(launch.template))
-    };
-    let mut h = DefaultHasher::new();
-    body.hash(&mut h);
-    header.hash(&mut h);
-    let key = Key {
-        backend,
-        name: launch.source.name(),
-        template: launch.template.to_vec(),
-        source_hash: h.finish(),
-    };
+    let key = Key { backend, source: launch.source, template: launch.template.to_vec() };
     let mut cache = cache().lock().map_err(|_| Error::Unsupported("kernel cache poisoned".into()))?;
     if let Some(k) = cache.get(&key) {
         return Ok(k.clone());

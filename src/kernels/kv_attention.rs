@@ -9,7 +9,7 @@
 use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
-use super::{check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Policy, Source};
+use super::{check_float, cpu_primitive, select, split_sizes, Implementation, KernelSpec, Options, Policy, Source};
 use crate::array::Array;
 use crate::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
 use crate::dtype::Dtype;
@@ -338,19 +338,22 @@ fn attention_gpu(
     let units = sh.batch * sh.kv_heads * q_tiles;
     let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units);
     let rows = sh.batch * sh.q_heads * sh.queries;
-    let p = params(
+    let p = split_sizes(
+        s.backend()?,
         "queries",
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits, sh.mask_heads],
     )?;
+    let mut inputs = vec![qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
+                          layer.values.window, mask];
+    inputs.extend(&p);
     let threads = i32::try_from(units * num_splits * TILE).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
     let int = |v: usize| TemplateArg::Int(v as i32);
     let parts = gpu::launch(
         &Launch {
             source: Source::KvAttention,
-            inputs: &[qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
-                      layer.values.window, mask, &p],
+            inputs: &inputs,
             outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
             threadgroup: (TILE as i32, 1, 1),

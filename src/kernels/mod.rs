@@ -264,6 +264,17 @@ pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize
     })
 }
 
+/// More sizes than one CUDA carrier holds (the attention kernels' 14–15):
+/// Metal's single data array, or for CUDA the first 9 in `params` and the
+/// rest in `params_hi`, both carriers of [`sizes`].
+pub(crate) fn split_sizes(backend: Backend, argument: &'static str, values: &[usize]) -> Result<Vec<Array>> {
+    if backend != Backend::Cuda {
+        return Ok(vec![params(argument, values)?]);
+    }
+    let (lo, hi) = values.split_at(values.len().min(9));
+    Ok(vec![sizes(Implementation::Cuda, argument, lo)?, sizes(Implementation::Cuda, argument, hi)?])
+}
+
 /// `v` as an MLX dimension, or an error naming `argument`.
 pub(crate) fn to_i32(argument: &'static str, v: usize) -> Result<i32> {
     i32::try_from(v).map_err(|_| Error::invalid(argument, format!("size {v} exceeds 2^31")))
@@ -279,7 +290,7 @@ thread_local! {
 }
 
 /// Sizes that travel to the GPU bodies as data (`params`, uint32): Metal's
-/// bodies and the CUDA attention kernels, whose 15 sizes exceed a shape.
+/// bodies.
 pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> {
     let v: Vec<u32> = values
         .iter()
@@ -290,7 +301,8 @@ pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> 
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_cuda_sms, sizes, Implementation, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
+    use super::{parse_cuda_sms, sizes, split_sizes, Implementation, Source, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
+    use crate::stream::Backend;
     use crate::{Dtype, Error};
     use std::env::VarError;
 
@@ -310,6 +322,29 @@ mod tests {
             }
         }
         assert!(sizes(Implementation::Metal, "codes", &[1 << 31]).is_ok());
+    }
+
+    #[test]
+    fn attention_sizes_ride_in_two_cuda_carriers_and_one_metal_array() {
+        let values: Vec<usize> = (1..=15).collect();
+        let cuda = split_sizes(Backend::Cuda, "queries", &values).unwrap();
+        let shapes: Vec<Vec<i32>> = cuda.iter().map(|a| a.shape()).collect();
+        assert_eq!(shapes, vec![vec![0, 1, 2, 3, 4, 5, 6, 7, 8, 9], vec![0, 10, 11, 12, 13, 14, 15]]);
+        assert!(cuda.iter().all(|a| a.size() == 0 && a.dtype() == Dtype::U32));
+        let metal = split_sizes(Backend::Metal, "queries", &values).unwrap();
+        assert_eq!(metal.len(), 1);
+        assert_eq!(metal[0].to_vec::<u32>().unwrap(), (1..=15).collect::<Vec<u32>>());
+        // The CUDA bodies name the second carrier; every other body takes one.
+        for source in [Source::KvAttention, Source::TqAttention] {
+            assert_eq!(source.cuda_extra_input_names(), ["params_hi"]);
+            assert!(source.cuda().contains("params_hi_shape") && !source.cuda().contains("params["));
+            assert!(source.input_names().ends_with(&["params"]));
+        }
+        assert!(Source::KiviQuantize.cuda_extra_input_names().is_empty());
+        match split_sizes(Backend::Cuda, "queries", &[1 << 31; 15]) {
+            Err(Error::InvalidArgument { argument, .. }) => assert_eq!(argument, "queries"),
+            other => panic!("expected an invalid-argument error, got {:?}", other.map(|v| v.len())),
+        }
     }
 
     #[test]

@@ -104,6 +104,15 @@ impl Source {
         }
     }
 
+    /// Inputs the CUDA body takes after [`Source::input_names`]: the
+    /// attention kernels' second size carrier (`kernels::split_sizes`).
+    pub fn cuda_extra_input_names(self) -> &'static [&'static str] {
+        match self {
+            Source::TqAttention | Source::KvAttention => &["params_hi"],
+            _ => &[],
+        }
+    }
+
     pub fn input_names(self) -> &'static [&'static str] {
         match self {
             Source::BitPack => &["codes", "params"],

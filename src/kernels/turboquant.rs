@@ -7,7 +7,7 @@ use half::{bf16, f16};
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::kv_attention::times_transpose;
-use super::{check_bits, check_float, cpu_primitive, params, select, Implementation, KernelSpec, Options, Source, fragment_blocks};
+use super::{check_bits, check_float, cpu_primitive, select, split_sizes, Implementation, KernelSpec, Options, Source, fragment_blocks};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
@@ -512,7 +512,8 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let units = sh.batch * sh.kv_heads * q_tiles;
     let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units);
     let rows = sh.batch * sh.q_heads * sh.queries;
-    let p = params(
+    let p = split_sizes(
+        s.backend()?,
         "queries",
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
@@ -521,14 +522,19 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     // scaled once for every threadgroup.
     let qf = ops::astype(q, Dtype::F32, s)?;
     let qr = ops::multiply(&times_transpose(&qf, layer.rot_k, s)?, &Array::scalar_f32(scale)?, s)?;
+    let mut inputs = vec![&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
+                          layer.v_centroids, layer.win_k, layer.win_v];
+    inputs.extend(&p);
+    let mut inputs = vec![&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
+                          layer.v_centroids, layer.win_k, layer.win_v];
+    inputs.extend(&p);
     let blocks = units * num_splits;
     let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
     gpu::launch(
         &Launch {
             source: Source::TqAttention,
-            inputs: &[&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
-                      layer.v_centroids, layer.win_k, layer.win_v, &p],
+            inputs: &inputs,
             outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
             threadgroup: (ATTENTION_THREADS as i32, 1, 1),
