@@ -1,5 +1,5 @@
-// pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (a
-// 1-element placeholder when C_BITS has one plane), codebook float [K, S] ->
+// pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (not
+// read when C_BITS has one plane: the host passes `packed` again), codebook float [K, S] ->
 // y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
 // pq_encode's planes. sizes = {N, D, K, nbytes, nbytes_hi}; template T, S,
 // C_BITS (1..12), TABLE_BYTES, ITEMS, QUADS (the host picks the layout by
@@ -193,68 +193,58 @@ if constexpr (QUADS > 0) {
     }
   }
 } else {
-  // Blocks stride over rounds of ITEMS * blockDim items. The host gives a
-  // small codebook's blocks one round each (a block then requests its codes
-  // before it copies the codebook) and caps a larger one's grid, so that
-  // each block copies it once for several rounds.
-  const uint64_t round = uint64_t(ITEMS) * blockDim.x;
+  const uint64_t first = uint64_t(blockIdx.x) * ITEMS * blockDim.x + threadIdx.x;
+  // The first item's (row, sub-vector) by one division; the next ones step by
+  // blockDim = step_rows * per + step_p.
+  uint32_t row = first < total ? uint32_t(first / per) : 0u;
+  uint32_t p = uint32_t(first - uint64_t(row) * per);
   const uint32_t step_rows = vq_div(blockDim.x, per);
   const uint32_t step_p = blockDim.x - step_rows * per;
-  bool staged = TABLE_BYTES == 0;
-  for (uint64_t base = uint64_t(blockIdx.x) * round; base < total; base += uint64_t(gridDim.x) * round) {
-    const uint64_t first = base + threadIdx.x;
-    // The first item's (row, sub-vector) by one division; the next ones step
-    // by blockDim = step_rows * per + step_p.
-    uint32_t row = first < total ? uint32_t(first / per) : 0u;
-    uint32_t p = uint32_t(first - uint64_t(row) * per);
-    uint32_t c[ITEMS];
+  uint32_t c[ITEMS];
 #pragma unroll
-    for (int k = 0; k < ITEMS; ++k) {
-      const uint64_t item = first + uint64_t(k) * blockDim.x;
-      c[k] = 0;
+  for (int k = 0; k < ITEMS; ++k) {
+    const uint64_t item = first + uint64_t(k) * blockDim.x;
+    c[k] = 0;
+    if (item < total) {
+      c[k] = vq_code_at(packed + uint64_t(row) * nbytes, p, LO_BITS);
+      if (HI_BITS > 0) {
+        c[k] |= vq_code_at(packed_hi + uint64_t(row) * nbytes_hi, p, HI_BITS > 0 ? HI_BITS : 1) << LO_BITS;
+      }
+    }
+    row += step_rows;
+    p += step_p;
+    if (p >= per) {
+      p -= per;
+      ++row;
+    }
+  }
+  if (TABLE_BYTES > 0) {
+    stage();
+  }
+  if (first >= total) {
+    return;
+  }
+  // Entries and stores in batches of up to 4 items, so that the entries in
+  // flight stay within registers for every S and T.
+  constexpr int BATCH = ITEMS < 4 ? ITEMS : 4;
+#pragma unroll
+  for (int k0 = 0; k0 < ITEMS; k0 += BATCH) {
+    __align__(16) T e[BATCH][S];
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      entry(c[k0 + k], e[k]);
+    }
+#pragma unroll
+    for (int k = 0; k < BATCH; ++k) {
+      const uint64_t item = first + uint64_t(k0 + k) * blockDim.x;
       if (item < total) {
-        c[k] = vq_code_at(packed + uint64_t(row) * nbytes, p, LO_BITS);
-        if (HI_BITS > 0) {
-          c[k] |= vq_code_at(packed_hi + uint64_t(row) * nbytes_hi, p, HI_BITS > 0 ? HI_BITS : 1) << LO_BITS;
-        }
-      }
-      row += step_rows;
-      p += step_p;
-      if (p >= per) {
-        p -= per;
-        ++row;
-      }
-    }
-    // Every thread of the block reaches this (base is the block's).
-    if (!staged) {
-      stage();
-      staged = true;
-    }
-    if (first >= total) {
-      continue;
-    }
-    // Entries and stores in batches of up to 4 items, so that the entries in
-    // flight stay within registers for every S and T.
-    constexpr int BATCH = ITEMS < 4 ? ITEMS : 4;
+        T* dst = y + item * S;
+        if (vq_aligned(dst, S * sizeof(T))) {
+          vq_copy_n<S>(e[k], dst);
+        } else {
 #pragma unroll
-    for (int k0 = 0; k0 < ITEMS; k0 += BATCH) {
-      __align__(16) T e[BATCH][S];
-#pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
-        entry(c[k0 + k], e[k]);
-      }
-#pragma unroll
-      for (int k = 0; k < BATCH; ++k) {
-        const uint64_t item = first + uint64_t(k0 + k) * blockDim.x;
-        if (item < total) {
-          T* dst = y + item * S;
-          if (vq_aligned(dst, S * sizeof(T))) {
-            vq_copy_n<S>(e[k], dst);
-          } else {
-#pragma unroll
-            for (int h = 0; h < S; ++h) {
-              dst[h] = e[k][h];
-            }
+          for (int h = 0; h < S; ++h) {
+            dst[h] = e[k][h];
           }
         }
       }

@@ -1,5 +1,5 @@
-// pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (a
-// 1-element placeholder when C_BITS has one plane), codebook float [K, S] ->
+// pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (not
+// read when C_BITS has one plane: the host passes `packed` again), codebook float [K, S] ->
 // y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
 // pq_encode's planes. params = {N, D, K, nbytes, nbytes_hi}; template T, S,
 // C_BITS (1..12). One thread per (row, group of 8 sub-vectors). A code past
