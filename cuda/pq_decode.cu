@@ -1,10 +1,10 @@
 // pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (not
-// read when C_BITS has one plane: the host passes `packed` again), codebook float [K, S] ->
-// y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
-// pq_encode's planes. sizes = {N, D, K, nbytes, nbytes_hi}; template T, S,
-// C_BITS (1..12), TABLE_BYTES, ITEMS, QUADS (the host picks the layout by
-// the codebook's size in T). A code past the codebook (corrupt input) reads
-// entry 0.
+// read when C_BITS has one plane: the host passes `packed` again), codebook
+// float [K, S] -> y T [N, D], sub-vector p of a row = codebook[code p],
+// the code rebuilt from pq_encode's planes. sizes = {N, D, K, nbytes,
+// nbytes_hi}; template T, S, C_BITS (1..12), TABLE_BYTES, ITEMS, QUADS (the
+// host picks the layout by the codebook's size in T). A code past the
+// codebook (corrupt input) reads entry 0.
 //
 // TABLE_BYTES > 0: each block copies the codebook to shared memory,
 // converted to T (the rounding the store would do), and reads each entry

@@ -1,9 +1,9 @@
 // pq_decode: packed uint8 [N, nbytes], packed_hi uint8 [N, nbytes_hi] (not
-// read when C_BITS has one plane: the host passes `packed` again), codebook float [K, S] ->
-// y T [N, D], sub-vector p of a row = codebook[code p], the code rebuilt from
-// pq_encode's planes. params = {N, D, K, nbytes, nbytes_hi}; template T, S,
-// C_BITS (1..12). One thread per (row, group of 8 sub-vectors). A code past
-// the codebook (corrupt input) reads entry 0.
+// read when C_BITS has one plane: the host passes `packed` again), codebook
+// float [K, S] -> y T [N, D], sub-vector p of a row = codebook[code p],
+// the code rebuilt from pq_encode's planes. params = {N, D, K, nbytes,
+// nbytes_hi}; template T, S, C_BITS (1..12). One thread per (row, group of 8
+// sub-vectors). A code past the codebook (corrupt input) reads entry 0.
 constexpr int LO_BITS = (C_BITS <= 4 || C_BITS == 8) ? C_BITS : (C_BITS < 8 ? 4 : 8);
 constexpr int HI_BITS = C_BITS - LO_BITS;
 const uint n = params[0];

@@ -69,9 +69,9 @@ KERNELS = {
                    [("signs", "uint8_t"), ("norms", "__half")],
                    {"T,TC_D,TC_M": [(t, 0, 0) for t in ELEMENT]
                     + [("__half", dd, mm) for dd, mm in [(128, 256), (128, 128), (64, 64), (96, 160), (16, 64)]]}),
-    "qjl_score": ("qjl_score.cu", ["quant_common.cuh", "mma_common.cuh"],
+    "qjl_score": ("qjl_score.cu", ["quant_common.cuh"],
                   [("q", "T"), ("sketch", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
-                  [("scores", "float")], {"T": ELEMENT, "TC": [True, False]}),
+                  [("scores", "float")], {"T": ELEMENT}),
     "vq_quantize": ("vq_quantize.cu", ["quant_common.cuh"], [("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
                     [("indices", "uint32_t")], {"T": ELEMENT, "D": [2, 4, 8]}),
     "pq_encode": ("pq_encode.cu", ["quant_common.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],

@@ -289,7 +289,7 @@ def main():
                     lambda q=qd, th=threads, kn=kern: kn([codes, hi, pcb, pp], base + [("TABLE_BYTES", 16384), ("ITEMS", 1), ("QUADS", q)],
                                                          th, 256, want.shape, mx.float16), pq_bytes, want)
 
-    # qjl_score m = 256, Q = 4: the nibble tables against the tensor cores.
+    # qjl_score m = 256, Q = 4.
     sketch = mx.random.normal(shape=(256, D))
     signs, norms = K.qjl_encode(x, sketch)
     q4 = (mx.random.uniform(shape=(4, D)) * 2 - 1).astype(mx.float16)
@@ -298,14 +298,6 @@ def main():
     mx.eval(want)
     qjl_bytes = signs.nbytes + norms.nbytes + want.nbytes
     row("qjl_score m=256 Q=4 (library)", lambda: K.qjl_score(q4, sketch, signs, norms), qjl_bytes)
-    qs = Raw("vx_qjl", body("qjl_score"), ["q", "sketch", "signs", "norms", "params"], ["scores"],
-             (ROOT / "cuda" / "mma_common.cuh").read_text())
-    qp = params(n, D, 256, 32, 4)
-    for tc in (False, True):
-        for blocks in (512, 1024):
-            row(f"qjl_score body, {'tensor cores' if tc else 'tables'}, {blocks} blocks",
-                lambda tc=tc, b=blocks: qs([q4, sketch, signs, norms, qp], [("T", mx.float16), ("TC", tc)], b * 256, 256,
-                                           want.shape, mx.float32), qjl_bytes, want, close=True)
 
     # Every variant once per round, in turn, so that the GPU's drift falls on all alike.
     times = {name: [] for name, _, _ in rows}

@@ -32,14 +32,6 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
-/// Whether CUDA `qjl_score` sums on the tensor cores (`cuda/qjl_score.cu`):
-/// m a multiple of 128 up to 512, at most 8 queries and `Q * m <= 1024`.
-/// Sums of about 22 bits of S q, in another order than the CPU's: scores
-/// agree to float32 rounding of the largest.
-pub fn qjl_score_tensor_cores(nq: usize, m: usize) -> bool {
-    m % 128 == 0 && m <= 512 && (1..=8).contains(&nq) && nq * m <= 1024
-}
-
 /// Threads of a CUDA `qjl_score` launch at most: 512 blocks of 256, one
 /// resident wave on an H200 (132 SMs of 4 such blocks, as registers allow).
 /// Every block computes S q and its tables first, so more blocks would
@@ -774,12 +766,15 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
             // The CUDA body strides over the keys: a capped grid computes S q
             // in fewer blocks.
             let threads = if imp == Implementation::Cuda { n.min(QJL_SCORE_CUDA_THREADS) } else { n };
-            let mut template = vec![("T", TemplateArg::Dtype(q.dtype()))];
-            if imp == Implementation::Cuda {
-                template.push(("TC", TemplateArg::Bool(qjl_score_tensor_cores(nq, m))));
-            }
-            launch_gpu(Source::QjlScore, &[q, sketch, signs, norms, &p], &out, ("signs", threads), &template, &stream)?
-                .remove(0)
+            launch_gpu(
+                Source::QjlScore,
+                &[q, sketch, signs, norms, &p],
+                &out,
+                ("signs", threads),
+                &[("T", TemplateArg::Dtype(q.dtype()))],
+                &stream,
+            )?
+            .remove(0)
         }
     })
 }

@@ -259,8 +259,8 @@ impl Source {
             | Source::ScalarDequantize
             | Source::KiviQuantize
             | Source::KiviDequantize
+            | Source::QjlScore
             | Source::PqDecode => include_str!("../../cuda/quant_common.cuh"),
-            Source::QjlScore => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/mma_common.cuh")),
             _ => "",
         }
     }
