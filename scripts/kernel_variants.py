@@ -275,14 +275,6 @@ def main():
                 row(f"pq_decode K={kk} body, staged, {items} items/thread{label}",
                     lambda it=items, kn=kern: kn([codes, hi, pcb, pp], base + [("TABLE_BYTES", staged), ("ITEMS", it), ("QUADS", 0)],
                                                  -(-items_total // it), 256, want.shape, mx.float16), pq_bytes, want)
-            # The items' layout with the grid capped: each block copies the
-            # codebook once and strides over rounds of items.
-            for items in (4, 8, 16):
-                for blocks in (528, 1056, 2112):
-                    threads = min(-(-items_total // items), blocks * 256)
-                    row(f"pq_decode K={kk} body, staged, {items} items/thread, {blocks} blocks{label}",
-                        lambda it=items, th=threads, kn=kern: kn([codes, hi, pcb, pp], base + [("TABLE_BYTES", staged), ("ITEMS", it), ("QUADS", 0)],
-                                                                 th, 256, want.shape, mx.float16), pq_bytes, want)
             for qd, blocks in ((4, 1024), (4, 2048), (2, 2048), (8, 1024)):
                 threads = min(-(-quads // qd), blocks * 256)
                 row(f"pq_decode K={kk} body, quads {qd}/thread, {blocks} blocks{label}",
