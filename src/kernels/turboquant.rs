@@ -525,9 +525,6 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let mut inputs = vec![&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
                           layer.v_centroids, layer.win_k, layer.win_v];
     inputs.extend(&p);
-    let mut inputs = vec![&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
-                          layer.v_centroids, layer.win_k, layer.win_v];
-    inputs.extend(&p);
     let blocks = units * num_splits;
     let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
