@@ -634,12 +634,12 @@ __device__ __forceinline__ unsigned long long vq_pack_big8(const float (&big)[8]
   }
 }
 
-// Four floats from shared memory at a 16-byte aligned shared-window address
+// Two floats from shared memory at an 8-byte aligned shared-window address
 // (from __cvta_generic_to_shared), so that a hot loop keeps one base
 // register rather than rebuilding the address of a __shared__ array.
-__device__ __forceinline__ float4 vq_lds4(uint32_t addr) {
-  float4 v;
-  asm volatile("ld.shared.v4.f32 {%0, %1, %2, %3}, [%4];" : "=f"(v.x), "=f"(v.y), "=f"(v.z), "=f"(v.w) : "r"(addr));
+__device__ __forceinline__ float2 vq_lds2(uint32_t addr) {
+  float2 v;
+  asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y) : "r"(addr));
   return v;
 }
 
@@ -655,11 +655,12 @@ __device__ __forceinline__ uint32_t vq_code(unsigned long long word, int j) {
   }
 }
 
-// qjl_score's sums for one key over nibble tables: acc[i] += tab[g][c_g][i]
-// for the key's nibbles c_g = bits 4g..4g+3, g < m/4, in order, for NQ query
-// slots (4 or 8; tab at tab_base, entry (g * 16 + c) * NQ + i, floats). The
-// loops unroll fully, so each nibble is a shift, a mask, an address and one
-// 16-byte read per 4 slots at a constant offset.
+// qjl_score's sums for one key over nibble tables: acc[i] += the table
+// entry of group g, query i and the key's nibble c_g = bits 4g..4g+3, for
+// g < m/4 in order and NQ query slots (4 or 8). The table at tab_base holds
+// the pair of queries 2p, 2p + 1 at float offset ((g * NQ/2 + p) * 16 + c) * 2.
+// The loops unroll fully, so each nibble is a shift, a mask, an address and
+// one 8-byte read per 2 slots at a constant offset.
 template <uint32_t NQ, uint32_t WORDS>
 __device__ __forceinline__ void qjl_table_sums(float (&acc)[8], const uint32_t (&bits)[WORDS], uint32_t m,
                                                uint32_t tab_base) {
@@ -672,14 +673,11 @@ __device__ __forceinline__ void qjl_table_sums(float (&acc)[8], const uint32_t (
         return;
       }
       const uint32_t c = (bits[w] >> (4 * k)) & 15u;
-      const uint32_t at = tab_base + (g * 16 * NQ + c * NQ) * 4;
 #pragma unroll
-      for (uint32_t s = 0; s < NQ; s += 4) {
-        const float4 v = vq_lds4(at + s * 4);
-        acc[s] = __fadd_rn(acc[s], v.x);
-        acc[s + 1] = __fadd_rn(acc[s + 1], v.y);
-        acc[s + 2] = __fadd_rn(acc[s + 2], v.z);
-        acc[s + 3] = __fadd_rn(acc[s + 3], v.w);
+      for (uint32_t p = 0; p < NQ / 2; ++p) {
+        const float2 v = vq_lds2(tab_base + (((g * (NQ / 2) + p) * 16 + c) * 2) * 4);
+        acc[2 * p] = __fadd_rn(acc[2 * p], v.x);
+        acc[2 * p + 1] = __fadd_rn(acc[2 * p + 1], v.y);
       }
     }
   }

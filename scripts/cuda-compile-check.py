@@ -69,9 +69,11 @@ KERNELS = {
                    [("signs", "uint8_t"), ("norms", "__half")],
                    {"T,TC_D,TC_M": [(t, 0, 0) for t in ELEMENT]
                     + [("__half", dd, mm) for dd, mm in [(128, 256), (128, 128), (64, 64), (96, 160), (16, 64)]]}),
-    "qjl_score": ("qjl_score.cu", ["quant_common.cuh"],
-                  [("q", "T"), ("sketch", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
-                  [("scores", "float")], {"T": ELEMENT}),
+    "qjl_sketch_query": ("qjl_sketch_query.cu", ["quant_common.cuh"], [("q", "T"), ("sketch", "float"), ("params", "uint32_t")],
+                         [("sq", "float")], {"T": ELEMENT}),
+    "qjl_score": ("qjl_score.cu", ["quant_common.cuh", "mma_common.cuh"],
+                  [("sq", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
+                  [("scores", "float")], {"TC": [True, False]}),
     "vq_quantize": ("vq_quantize.cu", ["quant_common.cuh"], [("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
                     [("indices", "uint32_t")], {"T": ELEMENT, "D": [2, 4, 8]}),
     "pq_encode": ("pq_encode.cu", ["quant_common.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],
@@ -159,6 +161,8 @@ KERNELS = {
 def instantiations(axes, every):
     """Every combination of the axes, or (the default) each value of each
     axis once, the other axes at their first value."""
+    if not axes:  # a body without template arguments: one instantiation
+        return [{}]
     if every:
         return [dict(zip(axes, combo)) for combo in itertools.product(*axes.values())]
     first = {k: v[0] for k, v in axes.items()}

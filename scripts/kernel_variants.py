@@ -29,7 +29,7 @@ import numpy as np
 import veloxquant.kernels as K
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMON = (ROOT / "cuda" / "quant_common.cuh").read_text()
+COMMON = (ROOT / "cuda" / "quant_common.cuh").read_text() + (ROOT / "cuda" / "mma_common.cuh").read_text()
 HBM = 4.8e12
 D = 128
 
@@ -58,123 +58,59 @@ __device__ __forceinline__ void vq_copy_n_cs(const T* src, T* dst) {
 """
 
 
-# qjl_score's nibble tables with 8-byte entries, two queries each: a (group,
-# pair) row of 16 entries spans the 32 banks once, so the lanes' lookups never
-# conflict (16-byte entries put c and c + 8 in the same banks).
-QJL_PAIRS = r"""
-template <uint32_t NQ, uint32_t WORDS>
-__device__ __forceinline__ void qjl_table_sums2(float (&acc)[8], const uint32_t (&bits)[WORDS], uint32_t m,
-                                                uint32_t tab_base) {
+# qjl_score's loop over keys with the next key's words requested before
+# this key's sums (rows of whole 16-byte words).
+QJL_PREFETCH = r"""if (wide) {
+  uint4 next[QS_WORDS / 4] = {};
+  __half next_norm = __float2half(0.0f);
+  auto fetch = [&](uint32_t key) {
+    if (key < n) {
+      const uint4* src = reinterpret_cast<const uint4*>(signs + uint64_t(key) * nbytes);
 #pragma unroll
-  for (uint32_t w = 0; w < WORDS; ++w) {
-#pragma unroll
-    for (uint32_t k = 0; k < 8; ++k) {
-      const uint32_t g = w * 8 + k;
-      if (g * 4 >= m) return;
-      const uint32_t c = (bits[w] >> (4 * k)) & 15u;
-#pragma unroll
-      for (uint32_t p = 0; p < NQ / 2; ++p) {
-        float2 v;
-        asm volatile("ld.shared.v2.f32 {%0, %1}, [%2];" : "=f"(v.x), "=f"(v.y)
-                     : "r"(tab_base + (((g * (NQ / 2) + p) * 16 + c) * 2) * 4));
-        acc[2 * p] = __fadd_rn(acc[2 * p], v.x);
-        acc[2 * p + 1] = __fadd_rn(acc[2 * p + 1], v.y);
+      for (uint32_t w = 0; w < QS_WORDS / 4; ++w) {
+        if (w * 16 < nbytes) {
+          next[w] = src[w];
+        }
       }
+      next_norm = norms[key];
     }
-  }
-}
-"""
-
-# The prologue of qjl_score's S q: each thread reads its sketch row from
-# global memory in 16-byte loads, against the queries staged once in shared
-# memory (the library's body stages 8 columns of 256 rows at a time, two
-# barriers each). The same sums in the same order.
-QJL_FAST_SQ = r"""constexpr uint32_t QS_J = 128;
-__shared__ __align__(16) float qt[8][QS_J];
-const uint32_t n = vq_size(params_shape, 0);
-const uint32_t d = vq_size(params_shape, 1);
-const uint32_t m = vq_size(params_shape, 2);
-const uint32_t nbytes = vq_size(params_shape, 3);
-const uint32_t nq = vq_size(params_shape, 4);
-const uint32_t tid = threadIdx.x;
-constexpr uint32_t QS_WORDS = 8;
-const uint32_t slots = nq <= 4 ? 4u : 8u;
-const bool tables = nq <= 8 && m % 4 == 0 && 4 * m * slots <= 4096 && nq * m <= 1024;
-float* out_sq = tables ? sq : tab;
-const bool vec = d % 4 == 0 && vq_aligned(sketch, 16);
-for (uint32_t r0 = 0; r0 < m; r0 += blockDim.x) {
-  const uint32_t r = r0 + tid;
-  const float* srow = sketch + uint64_t(min(r, m - 1)) * d;
-  for (uint32_t q0 = 0; q0 < nq; q0 += 8) {
+  };
+  uint32_t t = blockIdx.x * blockDim.x + threadIdx.x;
+  fetch(t);
+  for (; t < n; t += stride) {
+    uint32_t bits[QS_WORDS];
+#pragma unroll
+    for (uint32_t w = 0; w < QS_WORDS / 4; ++w) {
+      bits[4 * w] = next[w].x;
+      bits[4 * w + 1] = next[w].y;
+      bits[4 * w + 2] = next[w].z;
+      bits[4 * w + 3] = next[w].w;
+    }
+    const float scale = __fmul_rn(base, __half2float(next_norm));
+    fetch(t + stride);
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) {
       acc[i] = 0.0f;
     }
-    for (uint32_t j0 = 0; j0 < d; j0 += QS_J) {
-      __syncthreads();
-      for (uint32_t e = tid; e < 8 * QS_J; e += blockDim.x) {
-        const uint32_t i = q0 + e / QS_J;
-        const uint32_t j = j0 + e % QS_J;
-        qt[e / QS_J][e % QS_J] = (i < nq && j < d) ? static_cast<float>(q[uint64_t(i) * d + j]) : 0.0f;
-      }
-      __syncthreads();
-      const uint32_t jn = min(QS_J, d - j0);
-      if (vec) {
-#pragma unroll 8
-        for (uint32_t jj = 0; jj < jn; jj += 4) {
-          const float4 sv = *reinterpret_cast<const float4*>(srow + j0 + jj);
-#pragma unroll
-          for (uint32_t i = 0; i < 8; ++i) {
-            if (q0 + i < nq) {
-              const float4 qv = *reinterpret_cast<const float4*>(&qt[i][jj]);
-              acc[i] = __fadd_rn(acc[i], __fmul_rn(sv.x, qv.x));
-              acc[i] = __fadd_rn(acc[i], __fmul_rn(sv.y, qv.y));
-              acc[i] = __fadd_rn(acc[i], __fmul_rn(sv.z, qv.z));
-              acc[i] = __fadd_rn(acc[i], __fmul_rn(sv.w, qv.w));
-            }
-          }
-        }
-      } else {
-        for (uint32_t jj = 0; jj < jn; ++jj) {
-          const float sv = srow[j0 + jj];
-#pragma unroll
-          for (uint32_t i = 0; i < 8; ++i) {
-            if (q0 + i < nq) {
-              acc[i] = __fadd_rn(acc[i], __fmul_rn(sv, qt[i][jj]));
-            }
-          }
-        }
-      }
+    if (slots == 4) {
+      qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);
+    } else {
+      qjl_table_sums<8, QS_WORDS>(acc, bits, m, tab_base);
     }
-    if (r < m) {
 #pragma unroll
-      for (uint32_t i = 0; i < 8; ++i) {
-        if (q0 + i < nq) {
-          out_sq[(q0 + i) * m + r] = acc[i];
-        }
+    for (uint32_t i = 0; i < 8; ++i) {
+      if (i < nq) {
+        scores[uint64_t(i) * n + t] = __fmul_rn(scale, acc[i]);
       }
     }
   }
+  return;
 }
-__syncthreads();
-if (tables) {"""
-
-
-def qjl_fast_sq(src):
-    start = src.index("constexpr uint32_t QS_J = 8;")
-    end = src.index("__syncthreads();\nif (tables) {") + len("__syncthreads();\nif (tables) {")
-    return src[:start] + QJL_FAST_SQ + src[end:]
-
-
-def qjl_pair_tables(src):
-    src = edit(src, """    const uint32_t i = e % slots;
-    const uint32_t c = (e / slots) % 16;
-    const uint32_t g = e / (slots * 16);""", """    const uint32_t i = 2 * ((e / 32) % (slots / 2)) + e % 2;
-    const uint32_t c = (e / 2) % 16;
-    const uint32_t g = e / (slots * 16);""")
-    src = edit(src, "qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);", "qjl_table_sums2<4, QS_WORDS>(acc, bits, m, tab_base);")
-    return edit(src, "qjl_table_sums<8, QS_WORDS>(acc, bits, m, tab_base);", "qjl_table_sums2<8, QS_WORDS>(acc, bits, m, tab_base);")
+for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {"""
+QJL_LOOP = "for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {"
+QJL_NO_SUMS = ("qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);",
+               "for (uint32_t w = 0; w < QS_WORDS; ++w) acc[0] += float(__popc(bits[w]));")
 
 
 def body(name):
@@ -398,30 +334,37 @@ def main():
     mx.eval(want)
     qjl_bytes = signs.nbytes + norms.nbytes + want.nbytes
     row("qjl_score m=256 Q=4 (library)", lambda: K.qjl_score(q4, sketch, signs, norms), qjl_bytes)
+    # The library's two kernels by hand: S q alone, and both with the score
+    # kernel's grid capped at other sizes.
+    sq_kernel = Raw("vx_qjl_sq", body("qjl_sketch_query"), ["q", "sketch", "params"], ["sq"])
+    score_kernel = Raw("vx_qjl_score", body("qjl_score"), ["sq", "signs", "norms", "params"], ["scores"])
+    sq_params = params(4, D, 256)
+    sq_out = sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32)
+    mx.eval(sq_out)
+    row("qjl_sketch_query alone (Q=4, m=256)",
+        lambda: sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32),
+        q4.nbytes + sketch.nbytes + sq_out.nbytes)
+    score_params = params(n, 256, signs.shape[1], 4)
     src = body("qjl_score")
-    qjl_in = ["q", "sketch", "signs", "norms", "params"]
-    qp = params(n, D, 256, signs.shape[1], 4)
-    qt = [("T", mx.float16)]
-    variants = {
-        "body": src,
-        # Diagnostics (outputs differ): S q left at zero, or the keys' table sums left out.
-        "diagnostic: no S q": edit(src, "for (uint32_t r0 = 0; r0 < m; r0 += blockDim.x) {",
-                                   "for (uint32_t e = tid; e < 1024; e += blockDim.x) sq[e] = 0.0f;\n"
-                                   "for (uint32_t r0 = 0; r0 < (tables ? 0u : m); r0 += blockDim.x) {"),
-        "diagnostic: no table sums": edit(src, "qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);",
-                                          "for (uint32_t w = 0; w < QS_WORDS; ++w) acc[0] += float(__popc(bits[w]));"),
-        "fast S q": qjl_fast_sq(src),
-        "fast S q, 8-byte table entries": qjl_pair_tables(qjl_fast_sq(src)),
+    prefetch = edit(src, QJL_LOOP, QJL_PREFETCH)
+    scorers = {
+        "": score_kernel,
+        ", next key prefetched": Raw("vx_qjl_prefetch", prefetch, ["sq", "signs", "norms", "params"], ["scores"]),
+        ", diagnostic: no table sums": Raw("vx_qjl_nosums", edit(src, *QJL_NO_SUMS), ["sq", "signs", "norms", "params"], ["scores"]),
+        ", next key prefetched, diagnostic: no table sums":
+            Raw("vx_qjl_prefetch_nosums", edit(prefetch, *QJL_NO_SUMS), ["sq", "signs", "norms", "params"], ["scores"]),
     }
-    for label, text in variants.items():
-        kern = Raw("vx_qjl_" + re.sub(r"[^a-z0-9]+", "_", label), text, qjl_in, ["scores"], QJL_PAIRS)
-        exact = None if label.startswith("diagnostic") else want
-        for blocks in ((512, 1024, 264) if label != "body" else (512,)):
-            if label.startswith("diagnostic") and blocks != 512:
-                continue
-            row(f"qjl_score {label}, {blocks} blocks of 256",
-                lambda k=kern, b=blocks: k([q4, sketch, signs, norms, qp], qt, min(n, b * 256), 256, want.shape, mx.float32),
-                qjl_bytes, exact)
+    for label, kern in scorers.items():
+        for tc in (False, True):
+            if tc and label:
+                continue  # the edits above are to the tables' loop
+            for blocks, threads in ((264, 256), (528, 256), (1056, 256), (132, 1024)):
+                # The tensor cores' sums differ from the tables' in rounding.
+                row(f"qjl_score both kernels{label}{', tensor cores' if tc else ', tables'}, {blocks} blocks of {threads}",
+                    lambda b=blocks, th=threads, k=kern, tc=tc: k(
+                        [sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32),
+                         signs, norms, score_params], [("TC", tc)], min(n, b * th), th, want.shape, mx.float32),
+                    qjl_bytes, want if tc and not label else None)
 
     # Every variant once per round, in turn, so that the GPU's drift falls on all alike.
     times = {name: [] for name, _, _ in rows}

@@ -181,16 +181,34 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     assert_eq!(out[1].to_vec::<f16>(), norms, "norms {tag}");
     let mut want = vec![0.0f32; nq * n];
     cpu::qjl_score(&q, nq, d, &s, m, &signs, &norms, n, &mut want);
+    let sq = kernel("qjl_sketch_query", &["q", "sketch", "params"], &["sq"])
+        .launch()
+        .input(HostArray::new(&[nq, d], &q))
+        .input(HostArray::new(&[m, d], &s))
+        .input(HostArray::new(&[3], &[nq as u32, d as u32, m as u32]))
+        .output(&[nq, m], Dtype::F32)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .grid(grid(nq * m, 32, false), 1, 1)
+        .threadgroup(32, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("qjl_sketch_query {tag}: {e}"))
+        .remove(0)
+        .to_vec::<f32>();
+    // S q row by row, each sum over the columns in order: crate::cpu's.
+    for i in 0..nq {
+        for r in 0..m {
+            let dot = (0..d).fold(0.0f32, |acc, j| acc + s[r * d + j] * q[i * d + j].to_f32());
+            assert_eq!(sq[i * m + r], dot, "S q {tag} query {i} row {r}");
+        }
+    }
     for (tg, round_up) in [(64u32, false), (32, true)] {
-        let out = kernel("qjl_score", &["q", "sketch", "signs", "norms", "params"], &["scores"])
+        let out = kernel("qjl_score", &["sq", "signs", "norms", "params"], &["scores"])
             .launch()
-            .input(HostArray::new(&[nq, d], &q))
-            .input(HostArray::new(&[m, d], &s))
+            .input(HostArray::new(&[nq, m], &sq))
             .input(HostArray::new(&[n, nb], &signs))
             .input(HostArray::new(&[n], &norms))
-            .input(HostArray::new(&[5], &[n as u32, d as u32, m as u32, nb as u32, nq as u32]))
+            .input(HostArray::new(&[4], &[n as u32, m as u32, nb as u32, nq as u32]))
             .output(&[nq, n], Dtype::F32)
-            .template("T", TemplateArg::Dtype(T::DTYPE))
             .grid(grid(n, tg, round_up), 1, 1)
             .threadgroup(tg, 1, 1)
             .run()

@@ -32,10 +32,19 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
+/// Whether CUDA `qjl_score` sums on the tensor cores (`cuda/qjl_score.cu`):
+/// m a multiple of 128 up to 512, at most 8 queries and `Q * m <= 1024`.
+/// Sums of about 22 bits of S q, in another order than the CPU's: scores
+/// agree to float32 rounding of the largest.
+pub fn qjl_score_tensor_cores(nq: usize, m: usize) -> bool {
+    m % 128 == 0 && m <= 512 && (1..=8).contains(&nq) && nq * m <= 1024
+}
+
 /// Threads of a CUDA `qjl_score` launch at most: 512 blocks of 256, one
 /// resident wave on an H200 (132 SMs of 4 such blocks, as registers allow).
-/// Every block computes S q and its tables first, so more blocks would
-/// repeat that work.
+/// Every block copies S q and builds its tables first, so more blocks would
+/// repeat that work (with S q from its own kernel, 132 to 528 blocks ran
+/// within 3% of each other at N = 1M).
 const QJL_SCORE_CUDA_THREADS: usize = 1 << 17;
 
 /// How KIVI groups elements for one (scale, zero) pair.
@@ -762,19 +771,29 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
             .remove(0)
         }
         Implementation::Metal | Implementation::Cuda => {
-            let p = sizes(imp, "signs", &[n, d, m, nbytes, nq])?;
-            // The CUDA body strides over the keys: a capped grid computes S q
-            // in fewer blocks.
-            let threads = if imp == Implementation::Cuda { n.min(QJL_SCORE_CUDA_THREADS) } else { n };
-            launch_gpu(
-                Source::QjlScore,
-                &[q, sketch, signs, norms, &p],
-                &out,
-                ("signs", threads),
+            // S q by its own kernel, once: the score kernel's blocks copy
+            // its Q m floats rather than each reading the whole sketch.
+            let ps = sizes(imp, "q", &[nq, d, m])?;
+            let sq = launch_gpu(
+                Source::QjlSketchQuery,
+                &[q, sketch, &ps],
+                &[(vec![nqi, to_i32("sketch", m)?], Dtype::F32)],
+                ("q", nq * m),
                 &[("T", TemplateArg::Dtype(q.dtype()))],
                 &stream,
             )?
-            .remove(0)
+            .remove(0);
+            let p = sizes(imp, "signs", &[n, m, nbytes, nq])?;
+            // The CUDA body strides over the keys: a capped grid builds the
+            // tables in fewer blocks; whole warps, which the tensor cores'
+            // products need (a block of 17 threads has no warp to run them).
+            let threads = if imp == Implementation::Cuda { n.next_multiple_of(32).min(QJL_SCORE_CUDA_THREADS) } else { n };
+            let template: &[(&str, TemplateArg)] = if imp == Implementation::Cuda {
+                &[("TC", TemplateArg::Bool(qjl_score_tensor_cores(nq, m)))]
+            } else {
+                &[]
+            };
+            launch_gpu(Source::QjlScore, &[&sq, signs, norms, &p], &out, ("signs", threads), template, &stream)?.remove(0)
         }
     })
 }

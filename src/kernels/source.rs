@@ -22,6 +22,7 @@ pub enum Source {
     KiviQuantize,
     KiviDequantize,
     QjlEncode,
+    QjlSketchQuery,
     QjlScore,
     PqEncode,
     PqDecode,
@@ -48,6 +49,7 @@ impl Source {
             Source::KiviQuantize => "veloxquant_kivi_quantize",
             Source::KiviDequantize => "veloxquant_kivi_dequantize",
             Source::QjlEncode => "veloxquant_qjl_encode",
+            Source::QjlSketchQuery => "veloxquant_qjl_sketch_query",
             Source::QjlScore => "veloxquant_qjl_score",
             Source::PqEncode => "veloxquant_pq_encode",
             Source::PqDecode => "veloxquant_pq_decode",
@@ -73,6 +75,7 @@ impl Source {
             Source::KiviQuantize => include_str!("../../metal/kivi_quantize.metal"),
             Source::KiviDequantize => include_str!("../../metal/kivi_dequantize.metal"),
             Source::QjlEncode => include_str!("../../metal/qjl_encode.metal"),
+            Source::QjlSketchQuery => include_str!("../../metal/qjl_sketch_query.metal"),
             Source::QjlScore => include_str!("../../metal/qjl_score.metal"),
             Source::PqEncode => include_str!("../../metal/pq_encode.metal"),
             Source::PqDecode => include_str!("../../metal/pq_decode.metal"),
@@ -98,6 +101,7 @@ impl Source {
             Source::KiviQuantize => include_str!("../../cuda/kivi_quantize.cu"),
             Source::KiviDequantize => include_str!("../../cuda/kivi_dequantize.cu"),
             Source::QjlEncode => include_str!("../../cuda/qjl_encode.cu"),
+            Source::QjlSketchQuery => include_str!("../../cuda/qjl_sketch_query.cu"),
             Source::QjlScore => include_str!("../../cuda/qjl_score.cu"),
             Source::PqEncode => include_str!("../../cuda/pq_encode.cu"),
             Source::PqDecode => include_str!("../../cuda/pq_decode.cu"),
@@ -141,7 +145,8 @@ impl Source {
             Source::KiviQuantize => &["x", "params"],
             Source::KiviDequantize => &["packed", "scales", "zeros", "params"],
             Source::QjlEncode => &["k", "sketch", "params"],
-            Source::QjlScore => &["q", "sketch", "signs", "norms", "params"],
+            Source::QjlSketchQuery => &["q", "sketch", "params"],
+            Source::QjlScore => &["sq", "signs", "norms", "params"],
             Source::PqEncode => &["x", "codebook", "params"],
             Source::PqDecode => &["packed", "packed_hi", "codebook", "params"],
         }
@@ -164,6 +169,7 @@ impl Source {
             Source::KiviQuantize => &["packed", "scales", "zeros"],
             Source::KiviDequantize => &["y"],
             Source::QjlEncode => &["signs", "norms"],
+            Source::QjlSketchQuery => &["sq"],
             Source::QjlScore => &["scores"],
             Source::PqEncode => &["packed", "packed_hi"],
             Source::PqDecode => &["y"],
@@ -259,8 +265,9 @@ impl Source {
             | Source::ScalarDequantize
             | Source::KiviQuantize
             | Source::KiviDequantize
-            | Source::QjlScore
+            | Source::QjlSketchQuery
             | Source::PqDecode => include_str!("../../cuda/quant_common.cuh"),
+            Source::QjlScore => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/mma_common.cuh")),
             _ => "",
         }
     }
