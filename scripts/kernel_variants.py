@@ -29,7 +29,7 @@ import numpy as np
 import veloxquant.kernels as K
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-COMMON = (ROOT / "cuda" / "quant_common.cuh").read_text() + (ROOT / "cuda" / "mma_common.cuh").read_text()
+COMMON = (ROOT / "cuda" / "quant_common.cuh").read_text()
 HBM = 4.8e12
 D = 128
 
@@ -355,16 +355,12 @@ def main():
             Raw("vx_qjl_prefetch_nosums", edit(prefetch, *QJL_NO_SUMS), ["sq", "signs", "norms", "params"], ["scores"]),
     }
     for label, kern in scorers.items():
-        for tc in (False, True):
-            if tc and label:
-                continue  # the edits above are to the tables' loop
-            for blocks, threads in ((264, 256), (528, 256), (1056, 256), (132, 1024)):
-                # The tensor cores' sums differ from the tables' in rounding.
-                row(f"qjl_score both kernels{label}{', tensor cores' if tc else ', tables'}, {blocks} blocks of {threads}",
-                    lambda b=blocks, th=threads, k=kern, tc=tc: k(
-                        [sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32),
-                         signs, norms, score_params], [("TC", tc)], min(n, b * th), th, want.shape, mx.float32),
-                    qjl_bytes, want if tc and not label else None)
+        for blocks, threads in ((264, 256), (528, 256), (1056, 256), (132, 1024)):
+            row(f"qjl_score both kernels{label}, {blocks} blocks of {threads}",
+                lambda b=blocks, th=threads, k=kern: k(
+                    [sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32),
+                     signs, norms, score_params], [], min(n, b * th), th, want.shape, mx.float32),
+                qjl_bytes, None if "diagnostic" in label else want)
 
     # Every variant once per round, in turn, so that the GPU's drift falls on all alike.
     times = {name: [] for name, _, _ in rows}

@@ -32,14 +32,6 @@ pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
 /// `Q * m` limit of the fused `qjl_score` (S q lives in threadgroup memory);
 /// larger requests run the reference graph under `auto`.
 pub const QJL_SCORE_MAX_QM: usize = 4096;
-/// Whether CUDA `qjl_score` sums on the tensor cores (`cuda/qjl_score.cu`):
-/// m a multiple of 128 up to 512, at most 8 queries and `Q * m <= 1024`.
-/// Sums of about 22 bits of S q, in another order than the CPU's: scores
-/// agree to float32 rounding of the largest.
-pub fn qjl_score_tensor_cores(nq: usize, m: usize) -> bool {
-    m % 128 == 0 && m <= 512 && (1..=8).contains(&nq) && nq * m <= 1024
-}
-
 /// Threads of a CUDA `qjl_score` launch at most: 512 blocks of 256, one
 /// resident wave on an H200 (132 SMs of 4 such blocks, as registers allow).
 /// Every block copies S q and builds its tables first, so more blocks would
@@ -785,15 +777,9 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
             .remove(0);
             let p = sizes(imp, "signs", &[n, m, nbytes, nq])?;
             // The CUDA body strides over the keys: a capped grid builds the
-            // tables in fewer blocks; whole warps, which the tensor cores'
-            // products need (a block of 17 threads has no warp to run them).
-            let threads = if imp == Implementation::Cuda { n.next_multiple_of(32).min(QJL_SCORE_CUDA_THREADS) } else { n };
-            let template: &[(&str, TemplateArg)] = if imp == Implementation::Cuda {
-                &[("TC", TemplateArg::Bool(qjl_score_tensor_cores(nq, m)))]
-            } else {
-                &[]
-            };
-            launch_gpu(Source::QjlScore, &[&sq, signs, norms, &p], &out, ("signs", threads), template, &stream)?.remove(0)
+            // tables in fewer blocks.
+            let threads = if imp == Implementation::Cuda { n.min(QJL_SCORE_CUDA_THREADS) } else { n };
+            launch_gpu(Source::QjlScore, &[&sq, signs, norms, &p], &out, ("signs", threads), &[], &stream)?.remove(0)
         }
     })
 }

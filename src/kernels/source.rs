@@ -266,8 +266,8 @@ impl Source {
             | Source::KiviQuantize
             | Source::KiviDequantize
             | Source::QjlSketchQuery
+            | Source::QjlScore
             | Source::PqDecode => include_str!("../../cuda/quant_common.cuh"),
-            Source::QjlScore => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/mma_common.cuh")),
             _ => "",
         }
     }
