@@ -59,8 +59,9 @@ __device__ __forceinline__ void vq_copy_n_cs(const T* src, T* dst) {
 
 
 # qjl_score's loop over keys with the next key's words requested before
-# this key's sums (rows of whole 16-byte words).
-QJL_PREFETCH = r"""if (wide) {
+# this key's sums (rows of whole 16-byte words); the sums and stores are the
+# body's own.
+QJL_PREFETCH_HEAD = r"""if (wide) {
   uint4 next[QS_WORDS / 4] = {};
   __half next_norm = __float2half(0.0f);
   auto fetch = [&](uint32_t key) {
@@ -88,26 +89,15 @@ QJL_PREFETCH = r"""if (wide) {
     }
     const float scale = __fmul_rn(base, __half2float(next_norm));
     fetch(t + stride);
-    float acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) {
-      acc[i] = 0.0f;
-    }
-    if (slots == 4) {
-      qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);
-    } else {
-      qjl_table_sums<8, QS_WORDS>(acc, bits, m, tab_base);
-    }
-#pragma unroll
-    for (uint32_t i = 0; i < 8; ++i) {
-      if (i < nq) {
-        scores[uint64_t(i) * n + t] = __fmul_rn(scale, acc[i]);
-      }
-    }
-  }
-  return;
-}
-for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {"""
+"""
+
+
+def qjl_prefetch(src):
+    """qjl_score's body with QJL_PREFETCH_HEAD's loop before its own."""
+    sums = src[src.index("    float acc[8];\n"):src.index("    continue;\n")]
+    return edit(src, QJL_LOOP, QJL_PREFETCH_HEAD + sums + "  }\n  return;\n}\n" + QJL_LOOP)
+
+
 QJL_LOOP = "for (uint32_t t = blockIdx.x * blockDim.x + threadIdx.x; t < n; t += stride) {"
 QJL_NO_SUMS = ("qjl_table_sums<4, QS_WORDS>(acc, bits, m, tab_base);",
                "for (uint32_t w = 0; w < QS_WORDS; ++w) acc[0] += float(__popc(bits[w]));")
@@ -346,7 +336,7 @@ def main():
         q4.nbytes + sketch.nbytes + sq_out.nbytes)
     score_params = params(n, 256, signs.shape[1], 4)
     src = body("qjl_score")
-    prefetch = edit(src, QJL_LOOP, QJL_PREFETCH)
+    prefetch = qjl_prefetch(src)
     scorers = {
         "": score_kernel,
         ", next key prefetched": Raw("vx_qjl_prefetch", prefetch, ["sq", "signs", "norms", "params"], ["scores"]),
