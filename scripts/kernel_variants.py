@@ -255,6 +255,14 @@ def main():
     for blk in (128, 512, 1024):
         row(f"scalar_dequantize body, blocks of {blk}",
             lambda b=blk: sdq([packed, cb, p_fixed], tmpl, groups, b, want.shape, mx.float16), sdq_bytes, want)
+    # MLX copies the header and body into a new source string on every call:
+    # the same body with 32 and 96 KB of comment lines added to its header
+    # prices that copy in the "build us" column.
+    for kb in (32, 96):
+        padding = ("// " + "x" * 60 + "\n") * (kb * 1024 // 64)
+        sdq_pad = Raw(f"vx_sdq_pad{kb}", src, ["packed", "codebook", "params"], ["y"], padding)
+        row(f"scalar_dequantize body, header + {kb} KB of comments",
+            lambda k=sdq_pad: k([packed, cb, p_fixed], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
 
     # KIVI b = 2, G = 32: keys per channel, values per token.
     for mode in ("keys", "values"):
