@@ -335,29 +335,30 @@ def main():
     # The library's two kernels by hand: S q alone, and both with the score
     # kernel's grid capped at other sizes.
     sq_kernel = Raw("vx_qjl_sq", body("qjl_sketch_query"), ["q", "sketch", "params"], ["sq"])
-    score_kernel = Raw("vx_qjl_score", body("qjl_score"), ["sq", "signs", "norms", "params"], ["scores"])
     sq_params = params(4, D, 256)
-    sq_out = sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32)
+
+    def make_sq():
+        return sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32)
+
+    sq_out = make_sq()
     mx.eval(sq_out)
-    row("qjl_sketch_query alone (Q=4, m=256)",
-        lambda: sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32),
-        q4.nbytes + sketch.nbytes + sq_out.nbytes)
+    row("qjl_sketch_query alone (Q=4, m=256)", make_sq, q4.nbytes + sketch.nbytes + sq_out.nbytes)
     score_params = params(n, 256, signs.shape[1], 4)
     src = body("qjl_score")
     prefetch = qjl_prefetch(src)
+    score_in = ["sq", "signs", "norms", "params"]
     scorers = {
-        "": score_kernel,
-        ", next key prefetched": Raw("vx_qjl_prefetch", prefetch, ["sq", "signs", "norms", "params"], ["scores"]),
-        ", diagnostic: no table sums": Raw("vx_qjl_nosums", edit(src, *QJL_NO_SUMS), ["sq", "signs", "norms", "params"], ["scores"]),
+        "": Raw("vx_qjl_score", src, score_in, ["scores"]),
+        ", next key prefetched": Raw("vx_qjl_prefetch", prefetch, score_in, ["scores"]),
+        ", diagnostic: no table sums": Raw("vx_qjl_nosums", edit(src, *QJL_NO_SUMS), score_in, ["scores"]),
         ", next key prefetched, diagnostic: no table sums":
-            Raw("vx_qjl_prefetch_nosums", edit(prefetch, *QJL_NO_SUMS), ["sq", "signs", "norms", "params"], ["scores"]),
+            Raw("vx_qjl_prefetch_nosums", edit(prefetch, *QJL_NO_SUMS), score_in, ["scores"]),
     }
     for label, kern in scorers.items():
         for blocks, threads in ((264, 256), (528, 256), (1056, 256), (132, 1024)):
             row(f"qjl_score both kernels{label}, {blocks} blocks of {threads}",
                 lambda b=blocks, th=threads, k=kern: k(
-                    [sq_kernel([q4, sketch, sq_params], [("T", mx.float16)], 4 * 256, 256, (4, 256), mx.float32),
-                     signs, norms, score_params], [], min(n, b * th), th, want.shape, mx.float32),
+                    [make_sq(), signs, norms, score_params], [], min(n, b * th), th, want.shape, mx.float32),
                 qjl_bytes, None if "diagnostic" in label else want)
 
     # Every variant once per round, in turn, so that the GPU's drift falls on all alike.
