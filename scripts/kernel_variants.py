@@ -365,7 +365,10 @@ def main():
     times = {name: [] for name, _, _ in rows}
     for _ in range(args.rounds):
         for name, make, _ in rows:
-            times[name].append(timed(make))
+            try:
+                times[name].append(timed(make))
+            except RuntimeError as e:
+                raise RuntimeError(f"{name}: {e}") from e
     print(f"N = {n}, d = {D}, float16; ms per call: each round the median of 5 samples of 20 calls; "
           f"{args.rounds} rounds, their median")
     print("| variant | built ms | built % of HBM | build us | eval ms (each round) | eval ms | eval GB/s | eval % of HBM |")
