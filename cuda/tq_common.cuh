@@ -412,13 +412,14 @@ __device__ __forceinline__ unsigned tq_lane_code_bits(unsigned word, int lane) {
   }
 }
 
-// u <- H u (unnormalised) for the warp's vector, as quant::rotation::fwht:
-// for h = 1, 2, 4, ... each pair (j, j + h) becomes (u_j + u_{j+h},
-// u_j - u_{j+h}); the first log2 E stages within the lane, the 5 others
-// across lanes by shuffles.
-template <int E>
+// u <- H u (unnormalised) for a vector held by LANES consecutive lanes, E
+// coordinates each, as quant::rotation::fwht: for h = 1, 2, 4, ... each
+// pair (j, j + h) becomes (u_j + u_{j+h}, u_j - u_{j+h}); the first log2 E
+// stages within the lane, the log2 LANES others across lanes by shuffles
+// (every lane of the warp must call).
+template <int E, int LANES = 32>
 __device__ __forceinline__ void tq_warp_fwht(float (&u)[E], int lane) {
-  static_assert((E & (E - 1)) == 0, "a power of two");
+  static_assert((E & (E - 1)) == 0 && (LANES & (LANES - 1)) == 0 && LANES <= 32, "powers of two");
 #pragma unroll
   for (int h = 1; h < E; h *= 2) {
 #pragma unroll
@@ -432,7 +433,7 @@ __device__ __forceinline__ void tq_warp_fwht(float (&u)[E], int lane) {
     }
   }
 #pragma unroll
-  for (int hl = 1; hl < 32; hl *= 2) {
+  for (int hl = 1; hl < LANES; hl *= 2) {
     // The pair's lower coordinate gets lower + upper, the upper one
     // lower - upper: o ± u, with ±u exact, so one rounding as fwht's.
     const float pm = (lane & hl) != 0 ? -1.0f : 1.0f;
@@ -444,15 +445,15 @@ __device__ __forceinline__ void tq_warp_fwht(float (&u)[E], int lane) {
   }
 }
 
-// The end of a warp-rows decode, this lane's E values of the vector:
-// o = ‖x‖ s ⊙ (H u) / √D with ROTATE (s the lane's signs, rscale = 1/√D),
-// else ‖x‖ u, in the tiles' float32 operations and order. Every lane must
-// call (the butterflies shuffle).
-template <int E, bool ROTATE>
+// The end of a warp-rows decode, this lane's E values of the vector (held
+// by LANES lanes): o = ‖x‖ s ⊙ (H u) / √D with ROTATE (s the lane's signs,
+// rscale = 1/√D), else ‖x‖ u, in the tiles' float32 operations and order.
+// Every lane must call (the butterflies shuffle).
+template <int E, bool ROTATE, int LANES = 32>
 __device__ __forceinline__ void tq_warp_finish(float (&u)[E], const float (&sgn)[E], float rscale, float norm,
                                                float (&o)[E], int lane) {
   if constexpr (ROTATE) {
-    tq_warp_fwht<E>(u, lane);
+    tq_warp_fwht<E, LANES>(u, lane);
   }
 #pragma unroll
   for (int b = 0; b < E; ++b) {
@@ -461,82 +462,92 @@ __device__ __forceinline__ void tq_warp_finish(float (&u)[E], const float (&sgn)
   }
 }
 
-// RVQ decode in warp rows, without a rotation or with Hadamard signs (D a
+// Code b of BITS-bit codes packed from bit 0 of w (b a constant once
+// unrolled, so w stays in registers; a code may cross a word boundary where
+// BITS does not divide 32).
+template <int BITS, int WORDS>
+__device__ __forceinline__ unsigned tq_word_code(const unsigned (&w)[WORDS], int b) {
+  const int bit = BITS * b;
+  const int k = bit / 32;
+  const unsigned v = (bit % 32) + BITS > 32 ? __funnelshift_r(w[k], w[k + 1 < WORDS ? k + 1 : k], bit % 32)
+                                            : w[k] >> (bit % 32);
+  return v & ((1u << BITS) - 1u);
+}
+
+// RVQ decode in lane rows, without a rotation or with Hadamard signs (D a
 // multiple of 32 up to 128): y = ‖x‖ s ⊙ (H u) / √D, u = c1[a] + c2[b], the
 // exact tiles' float32 operations in their order (so bit for bit the same),
-// without their shared-memory round trips and barriers. Blocks of 256
-// threads walk tiles of TQ_TV vectors, grid-stride, warp w taking 4 of each;
-// a tile's code words and norms are requested a tile ahead.
+// without their shared-memory round trips and barriers. A lane holds 32
+// consecutive coordinates of a vector and L = D / 32 consecutive lanes a
+// vector, so the butterflies' first five stages stay in the lane and only
+// log2 L cross lanes (a warp holding one vector, as tq_prod_decode's rows
+// do, spends five stages of shuffles on it: the bound of that layout). A
+// lane reads its B words of each code row directly. Blocks of 256 threads
+// walk passes of 8 (32 / L) vectors, grid-stride; a pass's code words and
+// norms are requested a pass ahead.
 template <int D, int B1_BITS, int B2_BITS, bool ROTATE, typename T>
 __device__ void tq_rvq_decode_rows(const uint8_t* codes1, const uint8_t* codes2, const __half* norms,
                                    const float* signs, const float* centroids1, const float* centroids2, T* y,
                                    uint32_t n) {
-  constexpr int E = D / 32;
+  constexpr int L = D / 32;
+  constexpr int VW = 32 / L;  // vectors a warp holds; at L = 3 lanes 30 and 31 idle
+  constexpr int VB = 8 * VW;  // vectors a block pass decodes
   constexpr int N1 = 1 << B1_BITS;
   constexpr int N2 = 1 << B2_BITS;
-  constexpr int W1 = D * B1_BITS / 32;  // words of a code row: at most 32
-  constexpr int W2 = D * B2_BITS / 32;
-  constexpr int PER_WARP = TQ_TV / 8;
-  static_assert(D % 32 == 0 && D <= 128, "warp rows: D a multiple of 32 up to 128");
+  static_assert(D % 32 == 0 && D <= 128, "lane rows: D a multiple of 32 up to 128");
+  static_assert(!ROTATE || (L & (L - 1)) == 0, "butterflies across a power of two of lanes");
   __shared__ float C1[N1];
   __shared__ float C2[N2];
   tq_stage_table(C1, centroids1, N1);
   tq_stage_table(C2, centroids2, N2);
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  float sgn[E];
+  const int part = lane % L;  // coordinates 32 part .. 32 part + 31
+  const int slot = lane / L;  // the warp's vector
+  float sgn[32];
 #pragma unroll
-  for (int b = 0; b < E; ++b) {
-    sgn[b] = ROTATE ? signs[E * lane + b] : 1.0f;
+  for (int b = 0; b < 32; ++b) {
+    sgn[b] = ROTATE ? signs[32 * part + b] : 1.0f;
   }
   const float rscale = ROTATE ? __fdiv_rn(1.0f, __fsqrt_rn(float(D))) : 1.0f;
-  // Code rows are 4 (D / 32) bits bytes: whole words once the start is.
+  // A code row is 4 B L bytes, a lane's part B words of it.
   const bool wide = vq_aligned(codes1, 4) && vq_aligned(codes2, 4);
-  unsigned word1[PER_WARP];
-  unsigned word2[PER_WARP];
-  float norm[PER_WARP];
-  // Rows past n read row n - 1 and are not stored.
-  auto request = [&](uint32_t tile) {
+  unsigned word1[B1_BITS];
+  unsigned word2[B2_BITS];
+  float norm;
+  // Rows past n (and idle lanes) read row n - 1 and are not stored.
+  auto request = [&](uint32_t pass) {
+    const uint64_t v = min(uint64_t(pass) * VB + VW * warp + min(slot, VW - 1), uint64_t(n) - 1);
+    const uint8_t* r1 = codes1 + (v * L + part) * (4 * B1_BITS);
+    const uint8_t* r2 = codes2 + (v * L + part) * (4 * B2_BITS);
 #pragma unroll
-    for (int i = 0; i < PER_WARP; ++i) {
-      const uint64_t v = min(uint64_t(tile) * TQ_TV + PER_WARP * warp + i, uint64_t(n) - 1);
-      word1[i] = lane < W1 ? unsigned(vq_read_bytes<4>(codes1 + v * (4 * W1) + 4 * lane, wide)) : 0u;
-      word2[i] = lane < W2 ? unsigned(vq_read_bytes<4>(codes2 + v * (4 * W2) + 4 * lane, wide)) : 0u;
-      norm[i] = __half2float(norms[v]);
-    }
+    for (int k = 0; k < B1_BITS; ++k) word1[k] = unsigned(vq_read_bytes<4>(r1 + 4 * k, wide));
+#pragma unroll
+    for (int k = 0; k < B2_BITS; ++k) word2[k] = unsigned(vq_read_bytes<4>(r2 + 4 * k, wide));
+    norm = __half2float(norms[v]);
   };
-  const uint32_t tiles = (n + TQ_TV - 1) / TQ_TV;
-  if (blockIdx.x < tiles) {
+  const uint32_t passes = (n + VB - 1) / VB;
+  if (blockIdx.x < passes) {
     request(blockIdx.x);
   }
   __syncthreads();  // C1 and C2 are written
-  for (uint32_t tile = blockIdx.x; tile < tiles; tile += gridDim.x) {
-    unsigned bits1[PER_WARP];
-    unsigned bits2[PER_WARP];
-    float nrm[PER_WARP];
+  for (uint32_t pass = blockIdx.x; pass < passes; pass += gridDim.x) {
+    float u[32];
 #pragma unroll
-    for (int i = 0; i < PER_WARP; ++i) {
-      bits1[i] = tq_lane_code_bits<E, B1_BITS>(word1[i], lane);
-      bits2[i] = tq_lane_code_bits<E, B2_BITS>(word2[i], lane);
-      nrm[i] = norm[i];
+    for (int b = 0; b < 32; ++b) {
+      u[b] = __fadd_rn(C1[tq_word_code<B1_BITS>(word1, b)], C2[tq_word_code<B2_BITS>(word2, b)]);
     }
-    if (tile + gridDim.x < tiles) {
-      request(tile + gridDim.x);
+    const float nrm = norm;
+    if (pass + gridDim.x < passes) {
+      request(pass + gridDim.x);
     }
+    float o[32];
+    tq_warp_finish<32, ROTATE, ROTATE ? L : 1>(u, sgn, rscale, nrm, o, lane);
+    const uint64_t v = uint64_t(pass) * VB + VW * warp + slot;
+    if (slot < VW && v < n) {
 #pragma unroll
-    for (int i = 0; i < PER_WARP; ++i) {
-      float u[E];
-#pragma unroll
-      for (int b = 0; b < E; ++b) {
-        const unsigned a = (bits1[i] >> (b * B1_BITS)) & unsigned(N1 - 1);
-        const unsigned c = (bits2[i] >> (b * B2_BITS)) & unsigned(N2 - 1);
-        u[b] = __fadd_rn(C1[a], C2[c]);
-      }
-      float o[E];
-      tq_warp_finish<E, ROTATE>(u, sgn, rscale, nrm[i], o, lane);
-      const uint64_t v = uint64_t(tile) * TQ_TV + PER_WARP * warp + i;
-      if (v < n) {
-        vq_store_n<E>(y + v * D + E * lane, o);
+      for (int k = 0; k < 4; ++k) {
+        vq_store_n<8>(y + v * D + 32 * part + 8 * k, o + 8 * k);
       }
     }
   }

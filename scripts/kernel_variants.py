@@ -19,7 +19,6 @@ and outputs). ``--only`` keeps the variants whose name contains TEXT.
 
 import argparse
 import pathlib
-import re
 import statistics
 import time
 
@@ -139,11 +138,6 @@ def params(*values):
     return mx.array(np.zeros((0, *values), dtype=np.uint32))
 
 
-def params_data(*values):
-    """Sizes as uint32 data, which the bodies read before 0b6a975."""
-    return mx.array(np.array(values, dtype=np.uint32))
-
-
 class Raw:
     """A body launched by hand: `mx.fast.cuda_kernel` with the library's header."""
 
@@ -236,16 +230,6 @@ def main():
     groups = n * D // 8
     p_fixed = params(n, D, packed.shape[1])
     tmpl = [("T", mx.float16), ("B_BITS", 4)]
-    # The body reading its sizes from data, as before 0b6a975, given them in
-    # an array made for every call or once.
-    sdq_data = Raw("vx_sdq_data", re.sub(r"vq_size\(params_shape, (\d)\)", r"params[\1]", src),
-                   ["packed", "codebook", "params"], ["y"])
-    data_once = params_data(n, D, packed.shape[1])
-    row("scalar_dequantize body, sizes as data made per call",
-        lambda: sdq_data([packed, cb, params_data(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16),
-        sdq_bytes, want)
-    row("scalar_dequantize body, sizes as data made once",
-        lambda: sdq_data([packed, cb, data_once], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     row("scalar_dequantize body, sizes in an empty array's shape, made per call",
         lambda: sdq([packed, cb, params(n, D, packed.shape[1])], tmpl, groups, 256, want.shape, mx.float16), sdq_bytes, want)
     row("scalar_dequantize body, sizes in an empty array's shape, made once",

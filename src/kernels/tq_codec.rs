@@ -161,9 +161,9 @@ pub enum CudaDecodePath {
 
 /// How CUDA's `tq_rvq_decode` runs: a dense `[d, d]` rotation on the tensor
 /// cores for a float16 or bfloat16 output at `d` = 64 or 128, as
-/// [`prod_decode_tensor_cores`]; Hadamard signs or no rotation in warp rows
-/// for `d` a multiple of 32 up to 128 (a lane's codes fit a 32-bit word);
-/// the tiles otherwise.
+/// [`prod_decode_tensor_cores`]; Hadamard signs or no rotation in lane rows
+/// for `d` a multiple of 32 up to 128 (a lane holds 32 coordinates, a
+/// vector `d / 32` lanes); the tiles otherwise.
 pub fn rvq_decode_path(dtype: Dtype, d: usize, rotation: RotationKind) -> CudaDecodePath {
     match rotation {
         RotationKind::Dense if prod_decode_tensor_cores(dtype, d) => CudaDecodePath::TensorCores,
@@ -193,11 +193,21 @@ impl RotationKind {
     }
 }
 
-/// The grid of a decoder whose blocks of 256 threads walk the tiles, each
-/// loading its split matrices (tensor cores) or tables (warp rows) once.
-fn walking_grid(n: usize, path: CudaDecodePath) -> Result<LaunchShape> {
+/// Vectors one pass of a block of 256 threads decodes in `tq_rvq_decode`'s
+/// lane rows: 8 warps of `32 / (d / 32)` vectors (a lane holds 32
+/// coordinates).
+fn rvq_rows_vectors_per_block(d: usize) -> usize {
+    8 * (32 / (d / 32))
+}
+
+/// The grid of a decoder whose blocks of 256 threads walk the tiles (or
+/// `tq_rvq_decode`'s passes of lane rows), each loading its split matrices
+/// (tensor cores) or tables (rows) once.
+fn walking_grid(source: Source, (n, d): (usize, usize), path: CudaDecodePath) -> Result<LaunchShape> {
     let cap = if path == CudaDecodePath::Rows { walking_blocks()? } else { fragment_blocks()? };
-    let blocks = n.div_ceil(CUDA_TILE_VECTORS).min(cap);
+    let per_block =
+        if source == Source::TqRvqDecode && path == CudaDecodePath::Rows { rvq_rows_vectors_per_block(d) } else { CUDA_TILE_VECTORS };
+    let blocks = n.div_ceil(per_block).min(cap);
     Ok(((blocks as i32 * 256, 1, 1), (256, 1, 1)))
 }
 
@@ -220,7 +230,7 @@ fn launch_decoder(
         template.push(("TC", TemplateArg::Bool(path == CudaDecodePath::TensorCores)));
         template.push(("ROWS", TemplateArg::Bool(path == CudaDecodePath::Rows)));
     }
-    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(n, path)? };
+    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(source, (n, d), path)? };
     let launch = Launch { source, inputs, outputs, grid, threadgroup, template: &template };
     Ok(gpu::launch(&launch, s)?.remove(0))
 }
@@ -757,5 +767,14 @@ mod tests {
             assert_eq!(rvq_decode_path(dtype, 72, RotationKind::None), Tiles);
             assert_eq!(rvq_decode_path(dtype, 16, Hadamard), Tiles);
         }
+    }
+
+    #[test]
+    fn rvq_rows_passes() {
+        // 8 warps of 32 / (d / 32) vectors; at d = 96 two lanes of each warp idle.
+        assert_eq!(rvq_rows_vectors_per_block(128), 64);
+        assert_eq!(rvq_rows_vectors_per_block(96), 80);
+        assert_eq!(rvq_rows_vectors_per_block(64), 128);
+        assert_eq!(rvq_rows_vectors_per_block(32), 256);
     }
 }
