@@ -5,6 +5,7 @@
 //! last threadgroup partial) and, where noted, rounded up to whole
 //! threadgroups.
 
+mod common;
 mod metal_emulator;
 
 use half::{bf16, f16};
@@ -213,12 +214,8 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
             .threadgroup(tg, 1, 1)
             .run()
             .unwrap_or_else(|e| panic!("qjl_score {tag}: {e}"));
-        // The CPU kernel sums through per-byte tables, the body row by row:
-        // equal up to float32 rounding of the sums.
-        let largest = want.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
-        for (a, b) in out[0].to_vec::<f32>().iter().zip(&want) {
-            assert!((a - b).abs() <= 1e-5 * largest, "score {tag}: {a} vs {b}");
-        }
+        // The body sums row by row.
+        common::assert_scores_close(&out[0].to_vec::<f32>(), &want, &tag);
     }
 }
 

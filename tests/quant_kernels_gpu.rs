@@ -5,7 +5,7 @@
 
 mod common;
 
-use common::offset_view;
+use common::{assert_scores_close, offset_view};
 use half::{bf16, f16};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
@@ -324,14 +324,6 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     assert_scores_close(&got, &want, &tag);
 }
 
-/// QJL scores against the CPU kernel's, which sums through per-byte tables:
-/// equal up to float32 rounding of the sums, relative to the largest score.
-fn assert_scores_close(got: &[f32], want: &[f32], tag: &str) {
-    let largest = want.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
-    for (a, b) in got.iter().zip(want) {
-        assert!((a - b).abs() <= 1e-5 * largest, "score {tag}: {a} vs {b}");
-    }
-}
 
 /// The tensor-core signs against the exact ones: a bit may differ only where
 /// `(S k)_r`, in float64, is within 1e-5 of `‖S_r‖ ‖k‖` of zero (the parity

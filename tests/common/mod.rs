@@ -30,6 +30,15 @@ pub fn offset_view<T: Element + Default + Copy>(v: &[T], shape: &[usize], offset
     ops::reshape(&view, &shape.iter().map(|&d| d as i32).collect::<Vec<_>>(), &s).unwrap()
 }
 
+/// QJL scores against the CPU kernel's, which sums through per-byte tables:
+/// equal up to float32 rounding of the sums, relative to the largest score.
+pub fn assert_scores_close(got: &[f32], want: &[f32], tag: &str) {
+    let largest = want.iter().fold(0.0f32, |acc, v| acc.max(v.abs()));
+    for (a, b) in got.iter().zip(want) {
+        assert!((a - b).abs() <= 1e-5 * largest, "score {tag}: {a} vs {b}");
+    }
+}
+
 /// ‖a − b‖ / ‖b‖.
 pub fn rel_err(a: &[f32], b: &[f32]) -> f64 {
     let num: f64 = a.iter().zip(b).map(|(x, y)| (f64::from(*x) - f64::from(*y)).powi(2)).sum();
