@@ -439,12 +439,19 @@ def cmd_eval(argv: Sequence[str]) -> int:
     return ev.main(argv)
 
 
+def cmd_bench(argv: Sequence[str]) -> int:
+    from . import bench
+
+    return bench.main(list(argv))
+
+
 COMMANDS = {
     "generate": (cmd_generate, "generate text (every mlx_lm.generate option, plus --kv-*)"),
     "serve": (cmd_serve, "mlx_lm's HTTP server with veloxquant caches"),
     "compare": (cmd_compare, "one prompt through fp16 and compressed caches, side by side"),
     "eval": (cmd_eval, "perplexity, top-1 agreement, KL and needle retrieval per method and bit width"),
     "convert": (cmd_convert, "convert the default model (or a GGUF) for mlx_lm"),
+    "bench": (cmd_bench, "end-to-end prefill and decode speed, KV bytes and peak memory per cache"),
 }
 
 

@@ -1,0 +1,134 @@
+"""`veloxquant bench`: a real run at the tiny shape (every configuration in its
+own worker), the report files, argument errors and failing configurations."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from veloxquant import bench
+
+REQUIRED = ("device", "device_name", "mlx", "shape", "context", "batch", "cache", "recipe", "prefill_s",
+            "decode_tok_s", "decode_tok_s_per_seq", "kv_bytes", "peak_bytes", "error", "command")
+VQ = "veloxquant:k4v3:w32"  # a 32-token float16 window: most of a 300-token prompt is compressed
+
+
+def run(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "veloxquant", "bench", *args], capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def rows_of(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.fixture(scope="module")
+def tiny_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    proc = run("--shape", "tiny", "--contexts", "96,300", "--batch", "1,2", "--caches", f"fp16,{VQ}",
+               "--decode-tokens", "4", "--warmup", "1", "--prefill-step-size", "128",
+               "--out-jsonl", str(out / "e2e.jsonl"), "--out-md", str(out / "e2e.md"), "--plot", str(out / "e2e.png"))
+    return proc, out
+
+
+def test_rows_have_every_field_and_sane_numbers(tiny_run):
+    proc, out = tiny_run
+    assert proc.returncode == 0, proc.stderr
+    rows = rows_of(out / "e2e.jsonl")
+    assert [(r["context"], r["batch"], r["cache"]) for r in rows] == [
+        (c, b, k) for c in (96, 300) for b in (1, 2) for k in ("fp16", VQ)
+    ]
+    for r in rows:
+        assert not set(REQUIRED) - set(r), r
+        assert r["error"] is None, r
+        assert r["device"] == "cpu" and r["shape"] == "tiny" and r["command"].startswith("veloxquant bench ")
+        assert r["prefill_s"] > 0 and r["decode_tok_s"] > 0 and r["kv_bytes"] > 0 and r["peak_bytes"] > 0
+        assert r["decode_tok_s"] == pytest.approx(r["batch"] * r["decode_tok_s_per_seq"])
+    vq = [r for r in rows if r["cache"] == VQ]
+    assert all(r["recipe"]["key_bits"] == 4 and r["recipe"]["value_bits"] == 3 and r["recipe"]["window"] == 32
+               for r in vq)
+    assert all(r["recipe"] is None for r in rows if r["cache"] == "fp16")
+
+
+def test_veloxquant_holds_fewer_bytes_at_the_longer_context(tiny_run):
+    rows = rows_of(tiny_run[1] / "e2e.jsonl")
+    for batch in (1, 2):
+        fp16, vq = (next(r for r in rows if (r["context"], r["batch"], r["cache"]) == (300, batch, k))
+                    for k in ("fp16", VQ))
+        assert vq["compressed_tokens"] > 200
+        assert vq["kv_bytes"] < fp16["kv_bytes"]
+
+
+def test_table_and_plot(tiny_run):
+    proc, out = tiny_run
+    md = (out / "e2e.md").read_text()
+    for text in (md, proc.stdout):
+        assert "prefill speed vs fp16" in text and "decode speed vs fp16" in text
+        assert text.count("| tiny |") == 8
+    assert "| tiny | 300 | 2 | fp16 | " in md and "1.00x" in md
+    assert (out / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_mlx_cache_and_default_recipe(tmp_path):
+    out = tmp_path / "e2e.jsonl"
+    proc = run("--shape", "tiny", "--contexts", "64", "--batch", "1", "--caches", "mlx-q4,veloxquant",
+               "--recipe", "kivi:k4:w16", "--decode-tokens", "2", "--warmup", "0", "--out-jsonl", str(out))
+    assert proc.returncode == 0, proc.stderr
+    q4, vq = rows_of(out)
+    assert q4["error"] is None and q4["recipe"] == {"bits": 4, "group_size": 64}
+    assert vq["error"] is None and vq["cache"] == "veloxquant"
+    assert vq["recipe"]["key_method"] == vq["recipe"]["value_method"] == "kivi"
+    assert (vq["recipe"]["value_bits"], vq["recipe"]["window"]) == (4, 16)
+
+
+def test_unknown_cache_exits_2_naming_the_option():
+    proc = run("--shape", "tiny", "--caches", "fp16,bogus")
+    assert proc.returncode == 2
+    assert "--caches" in proc.stderr and "'bogus'" in proc.stderr and "fp16, mlx-q{" in proc.stderr
+
+
+@pytest.mark.parametrize(
+    "args, option",
+    [
+        (["--caches", "veloxquant:k4v3:zz"], "--caches"),
+        (["--caches", "mlx-q7"], "--caches"),
+        (["--recipe", "pq:k3"], "--recipe"),  # PQ has 1, 2 or 4 bits
+        (["--contexts", "4k"], "--contexts"),
+        (["--batch", "0"], "--batch"),
+        (["--decode-tokens", "0"], "--decode-tokens"),
+    ],
+)
+def test_bad_arguments_exit_2(args, option, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main(["--shape", "tiny", *args])
+    assert e.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+def test_recipe_syntax():
+    assert bench.parse_recipe("kivi:k4v2:w32:s0:off") == dict(
+        key_method="kivi", value_method=None, key_bits=4, value_bits=2, window=32, sinks=0, policy="off")
+    cfg = bench.recipe_config("k4v3", ":qjl/mse:k3")  # variant parts replace the base's; values follow keys
+    assert (cfg.key_method, cfg.value_method, cfg.key_bits, cfg.value_bits) == ("qjl", "turboquant-mse", 3, 3)
+    assert bench.recipe_config("k4v3:w64", "kivi").window == 64
+
+
+def test_failing_configurations_are_rows(tmp_path):
+    # A worker killed at the time limit, and one whose model's weights file is empty (MLX
+    # cannot read it): rows with errors, exit 0.
+    (tmp_path / "broken").mkdir()
+    (tmp_path / "broken" / "config.json").write_text('{"model_type": "llama"}')
+    (tmp_path / "broken" / "model.safetensors").write_bytes(b"")
+    out = tmp_path / "e.jsonl"
+    proc = run("--shape", "tiny", "--contexts", "64", "--batch", "1", "--caches", "fp16", "--timeout", "0.01",
+               "--out-jsonl", str(out))
+    assert proc.returncode == 0, proc.stderr
+    (row,) = rows_of(out)
+    assert row["error"] == "timeout" and row["prefill_s"] is None and "timeout" in proc.stdout
+    proc = run("--model", str(tmp_path / "broken"), "--contexts", "64", "--batch", "1", "--caches", "fp16",
+               "--out-jsonl", str(out))
+    assert proc.returncode == 0, proc.stderr
+    (row,) = rows_of(out)
+    assert row["shape"] == "broken" and row["device"] == "cpu"
+    assert row["error"].startswith("RuntimeError: ") and "\n" not in row["error"]

@@ -1,0 +1,490 @@
+"""End-to-end generation speed with each KV cache: prefill time, decode
+tokens/s, KV bytes and peak memory of an mlx_lm model.
+
+    veloxquant bench [--shape tiny|llama-1b|llama-8b | --model PATH|default]
+        [--contexts 4096,32768] [--batch 1,8] [--caches fp16,mlx-q4,mlx-q8,veloxquant]
+        [--recipe k4v3] [--out-jsonl F] [--out-md F] [--plot F.png]
+
+Named shapes are Llama models with random float16 weights (the speed does not
+depend on the values). Every configuration (model, context, batch, cache)
+runs in a fresh subprocess, so that one running out of memory, crashing or
+passing ``--timeout`` becomes a row with an error instead of ending the run.
+
+Caches: ``fp16`` (mlx_lm's own), ``mlx-qB`` (mlx_lm's affine
+QuantizedKVCache, B = 2, 3, 4, 5, 6, 8 bits, group 64), ``veloxquant`` (the
+``--recipe``) and ``veloxquant:RECIPE`` (``--recipe`` with RECIPE's parts
+replacing its own). A recipe is parts joined by ``:``: a method for keys and
+values (``mse``, ``kivi``, ``pq``, ``qjl``, ``prod``, ``rvq``, ``fp16``, or
+``KEYS/VALUES``), ``kKvV`` bits (``k4`` alone: values as keys), ``wN`` float16
+window, ``sN`` sinks, and ``auto``/``require``/``off`` (the kernel policy).
+Example: ``veloxquant:kivi:k4v4:w32``.
+
+A worker warms up (a short prefill and ``--warmup`` decode steps with a
+throwaway cache), then times the prompt as mlx_lm's ``generate_step``
+processes it (chunks of ``--prefill-step-size`` tokens, each evaluated; the
+last token through the whole model) and ``--decode-tokens`` greedy steps, the
+next step's graph built while the current one runs, as mlx_lm does.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+import time
+from typing import Any, Dict, List, Optional
+
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
+                "rope_type": "llama3"}
+SHAPES: Dict[str, Dict[str, Any]] = {
+    "tiny": dict(hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                 intermediate_size=512, vocab_size=1024),
+    "llama-1b": dict(hidden_size=2048, num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=64, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                     rope_theta=500000.0, max_position_embeddings=131072,
+                     rope_scaling={"factor": 32.0, **_LLAMA3_ROPE}),
+    "llama-8b": dict(hidden_size=4096, num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
+                     head_dim=128, intermediate_size=14336, vocab_size=128256, tie_word_embeddings=False,
+                     rope_theta=500000.0, max_position_embeddings=131072,
+                     rope_scaling={"factor": 8.0, **_LLAMA3_ROPE}),
+}
+DEFAULT_CACHES = "fp16,mlx-q4,mlx-q8,veloxquant"
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUP_SIZE = 64
+METHODS = {"mse": "turboquant-mse", "kivi": "kivi", "pq": "pq", "qjl": "qjl", "prod": "turboquant-prod",
+           "rvq": "turboquant-rvq", "fp16": "fp16"}
+POLICIES = ("auto", "require", "off")
+RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, or KEYS/VALUES), kKvV bits, wN window, "
+               f"sN sinks, {'/'.join(POLICIES)}")
+CACHE_HELP = f"fp16, mlx-q{{{','.join(map(str, MLX_BITS))}}}, veloxquant, veloxquant:RECIPE (RECIPE: {RECIPE_HELP})"
+SEED = 0
+RESULT_MARK = "VELOXQUANT_BENCH_ROW "  # prefixes the worker's result line on stdout
+
+
+# --- cache names and recipes ---------------------------------------------------
+
+
+def parse_recipe(text: str) -> Dict[str, Any]:
+    """``'kivi:k4v4:w32'`` -> KVConfig keyword arguments (only those the text sets)."""
+    out: Dict[str, Any] = {}
+    for part in filter(None, text.split(":")):
+        bits = re.fullmatch(r"k(\d+)(?:v(\d+))?", part)
+        count = re.fullmatch(r"([ws])(\d+)", part)
+        if bits:
+            out["key_bits"] = int(bits[1])
+            out["value_bits"] = int(bits[2]) if bits[2] else None
+        elif count:
+            out["window" if count[1] == "w" else "sinks"] = int(count[2])
+        elif part in POLICIES:
+            out["policy"] = part
+        elif all(m in METHODS or m in METHODS.values() for m in part.split("/")) and part.count("/") <= 1:
+            keys, _, values = part.partition("/")
+            out["key_method"] = METHODS.get(keys, keys)
+            out["value_method"] = METHODS.get(values, values) if values else None
+        else:
+            raise ValueError(f"unknown recipe part {part!r}")
+    return out
+
+
+def recipe_config(base: str, variant: str):
+    """The KVConfig of ``--recipe`` with ``variant``'s parts replacing its own, checked."""
+    from .cache import KVConfig
+
+    settings = parse_recipe(base)
+    settings.update(parse_recipe(variant))
+    return KVConfig(**settings).check()
+
+
+def parse_cache(name: str, recipe: str) -> Dict[str, Any]:
+    """One ``--caches`` entry -> what a worker needs to build that cache."""
+    if name == "fp16":
+        return {"name": name, "kind": "fp16", "recipe": None}
+    mlx_q = re.fullmatch(r"mlx-q(\d+)", name)
+    if mlx_q and int(mlx_q[1]) in MLX_BITS:
+        return {"name": name, "kind": "mlx-quantized",
+                "recipe": {"bits": int(mlx_q[1]), "group_size": MLX_GROUP_SIZE}}
+    if name == "veloxquant" or name.startswith("veloxquant:"):
+        cfg = recipe_config(recipe, name[len("veloxquant"):])
+        return {"name": name, "kind": "veloxquant", "recipe": cfg.settings(), "config": cfg.to_json()}
+    raise ValueError(f"unknown cache {name!r}")
+
+
+# --- the worker: one configuration ---------------------------------------------
+
+
+def build_model(job: Dict[str, Any]):
+    """The named shape with random float16 weights (norms one), or the model at job['model']."""
+    import mlx.core as mx
+
+    if job.get("model"):
+        from . import models
+
+        model, _ = models.load(job["model"])
+        return model
+    from mlx.utils import tree_map_with_path
+    from mlx_lm.models.llama import Model, ModelArgs
+
+    model = Model(ModelArgs(model_type="llama", rms_norm_eps=1e-5, **SHAPES[job["shape"]]))
+    mx.random.seed(SEED)
+
+    # The constructor's float32 initialisation is lazy and replaced here before
+    # anything is evaluated, so an 8B model never materialises in float32.
+    def init(path, p):
+        if path.endswith("norm.weight"):
+            return mx.ones(p.shape, dtype=mx.float16)
+        return mx.random.normal(p.shape, dtype=mx.float16) * 0.02
+
+    model.update(tree_map_with_path(init, model.parameters()))
+    mx.eval(model.parameters())
+    return model
+
+
+def make_cache(model, spec: Dict[str, Any]) -> List[Any]:
+    from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
+
+    from .cache import KVConfig, make_mlx_quantized_cache, make_prompt_cache
+
+    if spec["kind"] == "fp16":
+        return mlx_prompt_cache(model)
+    if spec["kind"] == "mlx-quantized":
+        return make_mlx_quantized_cache(model, spec["recipe"]["bits"], spec["recipe"]["group_size"])
+    return make_prompt_cache(model, KVConfig.from_json(spec["config"]))
+
+
+def prefill(model, cache, tokens, step: int):
+    """Run the prompt as mlx_lm's generate_step does; returns the first generated token, evaluated.
+
+    Every chunk but the last token goes through the model body only (mlx_lm
+    never evaluates those chunks' logits). Evaluating the body's output runs
+    every layer, and with it every cache update, since each layer's attention
+    reads its cache. The state of veloxquant caches is not evaluated: it is a
+    serialisation of the compressed store, not the arrays attention uses.
+    """
+    import mlx.core as mx
+
+    from .cache import VeloxQuantCache
+
+    body = getattr(model, "model", None) or model
+    mlx_caches = [c for c in cache if not isinstance(c, VeloxQuantCache)]
+    n, done = tokens.shape[1], 0
+    while n - done > 1:
+        k = min(step, n - 1 - done)
+        hidden = body(tokens[:, done:done + k], cache=cache)
+        mx.eval(hidden, [c.state for c in mlx_caches])
+        done += k
+        mx.clear_cache()
+    y = mx.argmax(model(tokens[:, done:], cache=cache)[:, -1], axis=-1)
+    mx.eval(y)
+    return y
+
+
+def decode(model, cache, y, steps: int):
+    """``steps`` greedy tokens; each step's graph is built while the previous one runs."""
+    import mlx.core as mx
+
+    for _ in range(steps):
+        next_y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+        mx.async_eval(next_y)
+        y.tolist()  # a generation loop reads every token
+        y = next_y
+    mx.eval(y)
+    return y
+
+
+def device_fields() -> Dict[str, Any]:
+    import mlx.core as mx
+    import mlx_lm
+
+    from . import __version__
+
+    dev = mx.default_device()
+    try:
+        name = mx.device_info(dev).get("device_name")
+    except Exception:  # a back-end without device information
+        name = None
+    return {"device": "gpu" if dev.type == mx.gpu else "cpu", "device_name": name, "mlx": mx.__version__,
+            "mlx_lm": mlx_lm.__version__, "veloxquant": __version__}
+
+
+def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
+    import mlx.core as mx
+    from mlx.utils import tree_flatten
+
+    from .cache import VeloxQuantCache, cache_nbytes
+
+    if job.get("device"):
+        mx.set_default_device(mx.gpu if job["device"] == "gpu" else mx.cpu)
+    row = device_fields()
+    try:
+        model = build_model(job)
+        vocab = model.args.vocab_size
+        tokens = mx.random.randint(0, vocab, (job["batch"], job["context"]), key=mx.random.key(SEED))
+        step = job["prefill_step_size"]
+        if job["warmup"] > 0:  # compile kernels and fill MLX's buffer cache before timing
+            warm = make_cache(model, job["cache"])
+            decode(model, warm, prefill(model, warm, tokens[:, : min(job["context"], step + 1)], step), job["warmup"])
+            del warm
+        mx.clear_cache()
+        mx.reset_peak_memory()
+        cache = make_cache(model, job["cache"])
+        mx.synchronize()
+        t0 = time.perf_counter()
+        y = prefill(model, cache, tokens, step)
+        mx.synchronize()
+        t1 = time.perf_counter()
+        decode(model, cache, y, job["decode_tokens"])
+        mx.synchronize()
+        t2 = time.perf_counter()
+    except Exception as e:
+        return {**row, "error": describe_failure(f"{type(e).__name__}: {e}")}
+    compressed = [c.layer.compressed_tokens for c in cache if isinstance(c, VeloxQuantCache) and c.layer]
+    tokens_done = job["batch"] * job["decode_tokens"]
+    return {
+        **row,
+        "prefill_s": t1 - t0,
+        "prefill_tok_s": job["batch"] * job["context"] / (t1 - t0),
+        "decode_s": t2 - t1,
+        "decode_tok_s": tokens_done / (t2 - t1),
+        "decode_tok_s_per_seq": job["decode_tokens"] / (t2 - t1),
+        "kv_bytes": cache_nbytes(cache),
+        "compressed_tokens": compressed[0] if compressed else None,
+        "peak_bytes": mx.get_peak_memory(),
+        "model_bytes": sum(p.nbytes for _, p in tree_flatten(model.parameters())),
+        "error": None,
+    }
+
+
+def describe_failure(text: str) -> str:
+    """An error's first line, or "out of memory" when that is what the text says."""
+    if "MemoryError" in text or "out of memory" in text.lower():
+        return "out of memory"
+    lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
+    return lines[0] if lines else "failed without a message"
+
+
+# --- the parent: plan, run, report -----------------------------------------------
+
+
+def run_job(job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
+    cmd = [sys.executable, "-m", "veloxquant.bench", "--worker", json.dumps(job)]
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return {"error": "timeout"}
+    for line in reversed(proc.stdout.splitlines()):
+        if line.startswith(RESULT_MARK):
+            return json.loads(line[len(RESULT_MARK):])
+    if proc.returncode < 0:
+        sig = -proc.returncode
+        return {"error": f"killed by signal {sig}" + (" (out of memory?)" if sig == 9 else "")}
+    if "MemoryError" in proc.stderr or "out of memory" in proc.stderr.lower():
+        return {"error": "out of memory"}
+    tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
+    return {"error": f"exit code {proc.returncode}: {tail[-1].strip() if tail else 'no message'}"}
+
+
+def _int_list(parser, option: str, text: str) -> List[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        parser.error(f"{option}: expected comma-separated integers, got {text!r}")
+    if not values or min(values) < 1:
+        parser.error(f"{option}: expected positive integers, got {text!r}")
+    return values
+
+
+def plan(args, parser) -> List[Dict[str, Any]]:
+    """The configurations to run, in order; bad arguments exit with status 2."""
+    contexts = _int_list(parser, "--contexts", args.contexts)
+    batches = _int_list(parser, "--batch", args.batch)
+    for option, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--prefill-step-size",
+                                 args.prefill_step_size, 1), ("--warmup", args.warmup, 0)):
+        if value < least:
+            parser.error(f"{option} must be >= {least}, got {value}")
+    if args.timeout <= 0:
+        parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
+    try:
+        recipe_config(args.recipe, "")
+    except ValueError as e:
+        parser.error(f"--recipe {args.recipe!r}: {e}; a recipe is {RECIPE_HELP}")
+    caches = []
+    for name in [c.strip() for c in args.caches.split(",") if c.strip()] or [""]:
+        try:
+            caches.append(parse_cache(name, args.recipe))
+        except ValueError as e:
+            parser.error(f"--caches: {e}; allowed: {CACHE_HELP}")
+    if args.device == "gpu":
+        import mlx.core as mx
+
+        if not mx.is_available(mx.gpu):
+            parser.error("--device gpu: this MLX build has no GPU back-end")
+    model = None
+    if args.model is not None:
+        from . import models
+
+        try:
+            model = models.resolve_model(args.model)  # converts the default model once, not per worker
+        except ValueError as e:
+            parser.error(f"--model: {e}")
+        if os.path.isabs(model) or os.path.exists(model):
+            model = os.path.abspath(model)
+    shape = args.shape if model is None else os.path.basename(model.rstrip("/"))
+    common = {"shape": shape, "model": model, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
+              "prefill_step_size": args.prefill_step_size, "device": args.device}
+    return [{**common, "context": ctx, "batch": b, "cache": c} for ctx in contexts for b in batches for c in caches]
+
+
+def _ratio(value, base) -> str:
+    return f"{value / base:.2f}x" if value and base else "—"
+
+
+def markdown_table(rows: List[Dict[str, Any]]) -> str:
+    """One line per configuration; speed ratios to the fp16 row of the same shape, context and batch."""
+    fp16 = {(r["shape"], r["context"], r["batch"]): r for r in rows if r["cache"] == "fp16" and not r["error"]}
+    head = ["shape", "context", "batch", "cache", "prefill s", "prefill speed vs fp16", "decode tok/s",
+            "decode speed vs fp16", "KV MiB", "peak GiB", "error"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for r in rows:
+        base = fp16.get((r["shape"], r["context"], r["batch"]), {})
+        if r["error"]:
+            cells = ["—"] * 6 + [r["error"]]
+        else:
+            cells = [f"{r['prefill_s']:.3f}", _ratio(base.get("prefill_s"), r["prefill_s"]),
+                     f"{r['decode_tok_s']:.1f}", _ratio(r["decode_tok_s"], base.get("decode_tok_s")),
+                     f"{r['kv_bytes'] / 2**20:.2f}", f"{r['peak_bytes'] / 2**30:.3f}", ""]
+        out.append("| " + " | ".join([r["shape"], str(r["context"]), str(r["batch"]), r["cache"]] + cells) + " |")
+    return "\n".join(out)
+
+
+def plot(rows: List[Dict[str, Any]], path: str) -> None:
+    """Decode tok/s and peak memory against context, one line per cache, a row of panels per shape and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = list(dict.fromkeys((r["shape"], r["batch"]) for r in rows))
+    fig, axes = plt.subplots(len(groups), 2, figsize=(12, 4.2 * len(groups)), squeeze=False)
+    device = next((f"{r['device_name']} ({r['device']})" for r in rows if r.get("device_name")), "unknown device")
+    for (shape, batch), (ax_speed, ax_mem) in zip(groups, axes):
+        for cache in dict.fromkeys(r["cache"] for r in rows):
+            ok = sorted((r["context"], r) for r in rows if (r["shape"], r["batch"], r["cache"]) == (shape, batch, cache)
+                        and not r["error"])
+            if ok:
+                ctx = [c for c, _ in ok]
+                ax_speed.plot(ctx, [r["decode_tok_s"] for _, r in ok], marker="o", label=cache)
+                ax_mem.plot(ctx, [r["peak_bytes"] / 2**30 for _, r in ok], marker="o", label=cache)
+        contexts = sorted({r["context"] for r in rows})
+        for ax, what, unit in ((ax_speed, "decode", "decode tokens/s (all sequences)"),
+                               (ax_mem, "peak memory", "peak memory (GiB)")):
+            ax.set_xscale("log", base=2)
+            ax.set_xticks(contexts, [f"{c // 1024}K" if c % 1024 == 0 else str(c) for c in contexts])
+            ax.minorticks_off()
+            ax.set_xlabel("context (tokens)")
+            ax.set_ylabel(unit)
+            ax.set_title(f"{shape}, batch {batch}: {what}", fontsize=10)
+            ax.grid(True, alpha=0.3)
+            if ax.lines:
+                ax.legend(fontsize=8)
+    fig.suptitle(f"veloxquant bench on {device}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def _progress_bar(total: int):
+    """A tqdm bar on stderr when tqdm is installed, else None (a plain line per configuration)."""
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None
+    return tqdm(total=total, unit="config", file=sys.stderr, dynamic_ncols=True)
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="veloxquant bench", description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b",
+                       help="Llama shape with random float16 weights (default: llama-8b)")
+    which.add_argument("--model", default=None, help="an mlx_lm model path instead, or 'default' (SmolLM2-135M)")
+    p.add_argument("--contexts", default="4096,32768", help="prompt lengths, comma-separated (default: 4096,32768)")
+    p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (default: 1,8)")
+    p.add_argument("--caches", default=DEFAULT_CACHES, help=f"comma-separated, from {CACHE_HELP} (default: {DEFAULT_CACHES})")
+    p.add_argument("--recipe", default="k4v3", help="the veloxquant recipe (default: k4v3, TurboQuant-MSE keys 4 bits, "
+                   "values 3 bits, window 128, sinks 4)")
+    p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens timed after the prompt (default: 64)")
+    p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk (default: 2048, as mlx_lm)")
+    p.add_argument("--warmup", type=int, default=4, help="decode steps of the warm-up, 0 for none (default: 4)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration (default: 1800)")
+    p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="MLX device (default: MLX's default)")
+    p.add_argument("--out-jsonl", default=None, help="write one JSON object per configuration")
+    p.add_argument("--out-md", default=None, help="write the markdown table")
+    p.add_argument("--plot", default=None, help="write a PNG: decode tok/s and peak memory against context")
+    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    if args.worker is not None:
+        print(RESULT_MARK + json.dumps(run_worker(json.loads(args.worker))), flush=True)
+        return 0
+    jobs = plan(args, parser)
+    command = "veloxquant bench " + shlex.join(argv)
+    rows: List[Dict[str, Any]] = []
+    jsonl = open(args.out_jsonl, "w") if args.out_jsonl else None
+    bar = _progress_bar(len(jobs))
+    try:
+        for i, job in enumerate(jobs):
+            label = f"{job['shape']} ctx {job['context']} batch {job['batch']} {job['cache']['name']}"
+            if bar is not None:
+                bar.set_description(label)
+            else:
+                print(f"[bench {i + 1}/{len(jobs)}] {label}", file=sys.stderr, flush=True)
+            last = rows[-1] if rows else {}  # device fields for a worker that died before reporting them
+            row = {"device": last.get("device", args.device), "device_name": last.get("device_name"),
+                   "mlx": last.get("mlx"), "shape": job["shape"], "model": job["model"], "context": job["context"],
+                   "batch": job["batch"], "cache": job["cache"]["name"], "recipe": job["cache"]["recipe"],
+                   "decode_tokens": job["decode_tokens"], "prefill_step_size": job["prefill_step_size"],
+                   "prefill_s": None, "decode_tok_s": None, "kv_bytes": None, "peak_bytes": None}
+            row.update(run_job(job, args.timeout), command=command)
+            rows.append(row)
+            if jsonl:
+                jsonl.write(json.dumps(row) + "\n")
+                jsonl.flush()
+            summary = f"{label}: " + (f"error: {row['error']}" if row["error"] else
+                                      f"prefill {row['prefill_s']:.2f} s, decode {row['decode_tok_s']:.1f} tok/s")
+            if bar is not None:
+                bar.write(summary, file=sys.stderr)
+                bar.update(1)
+            else:
+                print(f"[bench] {summary}", file=sys.stderr, flush=True)
+    finally:
+        if bar is not None:
+            bar.close()
+        if jsonl:
+            jsonl.close()
+    table = markdown_table(rows)
+    print(table)
+    if args.out_md:
+        device = next((f"{r['device_name']} ({r['device']})" for r in rows if r.get("device_name")), "unknown")
+        mlx_version = next((r["mlx"] for r in rows if r.get("mlx")), "unknown")
+        with open(args.out_md, "w") as f:
+            f.write(f"# End-to-end generation speed\n\n`{command}`\n\nDevice: {device}; MLX {mlx_version}. "
+                    f"Prompt of random token ids, then {args.decode_tokens} greedy tokens; speed ratios are "
+                    "against fp16 (above 1: faster). KV MiB: bytes the caches hold after decoding; peak: MLX's "
+                    "peak memory over prefill and decode, weights included.\n\n" + table + "\n")
+    if args.plot:
+        plot(rows, args.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
