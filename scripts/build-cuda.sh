@@ -2,7 +2,8 @@
 # Builds, on this machine, what the NVIDIA GPU machine runs: the GPU test and
 # benchmark binaries and a CPython 3.12 wheel, all against MLX's CUDA wheel
 # (mlx-cuda-13, the same version). Output: .device/build/ (git-ignored), to be
-# carried by scripts/device-run.sh's commands.
+# carried to the GPU machine as docs/results/README.md says.
+#   ONLY=wheel  builds the wheel alone (the Python benchmarks need nothing else)
 set -euo pipefail
 root="$(git rev-parse --show-toplevel)"
 cd "$root"
@@ -29,6 +30,7 @@ copy_exe() {  # copy the executables cargo reports for one target
     strip ".device/build/$1"
   done
 }
+if [ "${ONLY:-}" != wheel ]; then
 cargo test --release --no-run --test kernels_gpu --message-format=json 2>/dev/null | copy_exe kernels_gpu
 cargo test --release --no-run --test kernel_cache_gpu --message-format=json 2>/dev/null | copy_exe kernel_cache_gpu
 cargo test --release --no-run --test quant_kernels_gpu --message-format=json 2>/dev/null | copy_exe quant_kernels_gpu
@@ -37,5 +39,6 @@ cargo test --release --no-run --test kv_attention_gpu --message-format=json 2>/d
 cargo test --release --no-run --test tq_codec_gpu --message-format=json 2>/dev/null | copy_exe tq_codec_gpu
 cargo bench --no-run --bench quant_kernels --message-format=json 2>/dev/null | copy_exe quant_kernels_bench
 cargo bench --no-run --bench vq_quantize --message-format=json 2>/dev/null | copy_exe vq_quantize_bench
+fi
 PYO3_PYTHON="$VELOXQUANT_PYTHON" .device/venv312/bin/maturin build --release -i "$VELOXQUANT_PYTHON" -o .device/build >/dev/null
 ls -la .device/build

@@ -230,3 +230,54 @@ def test_cache_errors():
         c.update_and_fetch(mx.zeros((2, 3, 4)), mx.zeros((2, 3, 4)))
     with pytest.raises(RuntimeError, match="before any keys"):
         c.attention(mx.zeros((1, 1, 1, 64)), 1.0)
+
+
+# --- prefill, decode and state --------------------------------------------------
+
+
+def _chunks(shapes, seed=0):
+    mx.random.seed(seed)
+    for t in shapes:
+        k, v = (mx.random.normal((1, 2, t, 64)).astype(mx.float16) for _ in range(2))
+        yield k, v, mx.random.normal((1, 4, t, 64)).astype(mx.float16)
+
+
+@pytest.mark.parametrize("method", ["turboquant-mse", "kivi", "fp16"])
+def test_prefill_chunk_attends_its_own_tokens_exactly_and_the_history_as_stored(method):
+    cache = VeloxQuantCache(KVConfig(key_method=method, key_bits=4, value_bits=3, window=16, sinks=2))
+    for keys, values, q in _chunks([40, 30, 24]):
+        k_all, v_all = cache.update_and_fetch(keys, values)
+        got = cache.attention(q, 0.125, "causal")
+        # What the cache reconstructs of the history, then the chunk as given.
+        assert mx.array_equal(k_all[:, :, -keys.shape[2] :], keys).item()
+        want = mx.fast.scaled_dot_product_attention(q, k_all, v_all, scale=0.125, mask="causal")
+        assert mx.abs(got.astype(mx.float32) - want.astype(mx.float32)).max().item() < 1e-2
+    assert cache.offset == 94
+
+
+def test_a_model_that_skips_the_dispatch_is_stopped_at_its_next_call():
+    cache = VeloxQuantCache(KVConfig(window=16, sinks=2))
+    (keys, values, q), (k1, v1, _) = _chunks([20, 1])
+    cache.update_and_fetch(keys, values)
+    with pytest.raises(RuntimeError, match="bypassed"):
+        cache.update_and_fetch(k1, v1)
+
+
+def test_state_is_lazy_arrays_and_round_trips_through_mlx_lm_files(tmp_path):
+    cache = VeloxQuantCache(KVConfig(key_bits=4, value_bits=3, window=16, sinks=2))
+    for keys, values, q in _chunks([40, 1]):
+        cache.update_and_fetch(keys, values)
+        cache.attention(q, 0.125, "causal")
+    state = cache.state
+    arrays = state["arrays"]
+    # Only the used slots: 40 + 1 tokens, 2 sinks and 16 recent in float16.
+    assert arrays["k_codes"].shape[2] + arrays["win_k"].shape[2] == 41
+    assert all(isinstance(a, mx.array) for a in arrays.values())
+    path = str(tmp_path / "prompt.safetensors")
+    save_prompt_cache(path, [cache])
+    (loaded,) = load_prompt_cache(path)
+    q = mx.random.normal((1, 4, 1, 64)).astype(mx.float16)
+    assert loaded.offset == cache.offset and loaded.config == cache.config
+    assert mx.array_equal(loaded.attention(q, 0.125), cache.attention(q, 0.125)).item()
+    with pytest.raises(ValueError, match="config"):
+        VeloxQuantCache.from_state((mx.zeros((3,), mx.uint8), "{}"))

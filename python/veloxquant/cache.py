@@ -13,11 +13,9 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import warnings
 from typing import Any, Dict, List, Mapping, Optional
 
 import mlx.core as mx
-import numpy as np
 from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.cache import (
     KVCache,
@@ -28,6 +26,10 @@ from mlx_lm.models.cache import (
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy")
 POLICIES = ("auto", "require", "off")
+# Chunks longer than this attend through MLX's SDPA over a transient
+# dequantized buffer (prefill); shorter ones (decode, speculative
+# verification) through the fused kernels reading the codes.
+FUSED_MAX_QUERIES = 8
 # Methods that store keys only (attention-score estimators).
 KEY_ONLY_METHODS = ("qjl", "turboquant-prod")
 
@@ -171,7 +173,7 @@ class VeloxQuantCache(_BaseCache):
         self.config = config.for_layer(-1) if config.layers else config
         self.layer = None
         self._attended = True
-        self._warned_bypass = False
+        self._framed = None
 
     # --- mlx_lm cache interface -------------------------------------------
     @property
@@ -193,21 +195,32 @@ class VeloxQuantCache(_BaseCache):
         if self.layer is None:
             _, n_kv, _, head_dim = keys.shape
             self.layer = _layer_cache_class()(head_dim, n_kv, **self.config.settings())
-        elif not self._attended and not self._warned_bypass:
-            self._warned_bypass = True
-            warnings.warn(
-                "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention: "
-                "it runs on dequantized keys/values (the cache stays compressed, attention is not "
-                "fused); call veloxquant.attention.install() before the model runs",
-                RuntimeWarning,
-                stacklevel=2,
+        elif not self._attended:
+            raise RuntimeError(
+                "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention, so it "
+                "did not read the compressed cache; call veloxquant.attention.install() before the model "
+                "runs (make_prompt_cache and install do), or use --kv-cache fp16 for this model"
             )
-        self.layer.append(keys, values)
         self._attended = False
-        # The fused attention reads the compressed store and ignores these; a
-        # model computing attention itself gets correct keys and values. MLX is
-        # lazy, so nothing is dequantized unless something reads them.
-        return self.layer.dequantize()
+        if keys.shape[2] <= FUSED_MAX_QUERIES:
+            # Decode: the fused attention reads the codes; the chunk itself is
+            # returned only to satisfy the protocol (building the full
+            # dequantized history here would cost more host time per token
+            # than the attention). A model that used it would be caught by
+            # the check above at its next call.
+            self._framed = None
+            self.layer.append(keys, values)
+            return keys, values
+        # Prefill: MLX's SDPA over a transient buffer of the history and the
+        # chunk in the cache's frame, taken before the chunk is compressed.
+        # The returned arrays are that history and chunk in the model's frame,
+        # lazy: nothing computes them unless a model reads them.
+        held = self.layer.dequantize() if self.layer.offset else None
+        self._framed = self.layer.framed_with(keys, values)
+        self.layer.append(keys, values)
+        if held is None:
+            return keys, values
+        return mx.concatenate([held[0], keys], axis=2), mx.concatenate([held[1], values], axis=2)
 
     def attention(self, queries: mx.array, scale: float, mask=None) -> mx.array:
         if self.layer is None:
@@ -215,20 +228,37 @@ class VeloxQuantCache(_BaseCache):
         self._attended = True
         if isinstance(mask, str) and mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an mx.array, got {mask!r}")
+        framed, self._framed = self._framed, None
+        if framed is not None:
+            return self.layer.attend_framed(queries, framed[0], framed[1], scale, mask)
         return self.layer.attention(queries, scale, mask)
 
     @property
     def state(self):
-        data = b"" if self.layer is None else self.layer.to_bytes()
-        return mx.array(np.frombuffer(data, dtype=np.uint8)), self.config.to_json()
+        # Arrays are lazy views of the used slots: mlx_lm evaluates the state
+        # after every prefill chunk, which must copy nothing.
+        state = {"config": self.config.to_json()}
+        if self.layer is not None:
+            arrays, layout = self.layer.state_parts()
+            state["layout"] = json.dumps(layout, sort_keys=True)
+            if arrays:
+                state["arrays"] = arrays
+        return state
 
     @state.setter
     def state(self, v):
-        data, cfg = v
-        self.config = KVConfig.from_json(cfg)
-        self._attended, self._warned_bypass = True, False
-        raw = bytes(np.array(data, dtype=np.uint8)) if data.size else b""
-        self.layer = _layer_cache_class().from_bytes(raw) if raw else None
+        if not isinstance(v, Mapping) or not isinstance(v.get("config"), str):
+            raise ValueError(
+                "VeloxQuantCache.state: expected a dict with a 'config' JSON string "
+                f"(written by this version of veloxquant), got {type(v).__name__}"
+            )
+        try:
+            self.config = KVConfig.from_json(v["config"])
+            layout = json.loads(v["layout"]) if "layout" in v else None
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"VeloxQuantCache.state: the config or layout is not valid: {e}") from None
+        self._attended, self._framed = True, None
+        self.layer = None if layout is None else _layer_cache_class().from_state_parts(v.get("arrays", {}), layout)
 
     def is_trimmable(self) -> bool:
         return True
@@ -252,8 +282,9 @@ class VeloxQuantCache(_BaseCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.config = self.config  # frozen
-        new._attended, new._warned_bypass = True, self._warned_bypass
-        new.layer = None if self.layer is None else type(self.layer).from_bytes(self.layer.to_bytes())
+        new._attended, new._framed = True, None
+        # MLX arrays are immutable: the copy takes the same arrays, no bytes move.
+        new.layer = None if self.layer is None else type(self.layer).from_state_parts(*self.layer.state_parts())
         return new
 
     def __getattr__(self, name):

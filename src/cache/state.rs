@@ -1,6 +1,6 @@
 //! `LayerCache`: the stored arrays of one layer and the operations on them.
 
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Mutex, OnceLock};
 
 use super::{AttentionMask, CacheConfig};
@@ -333,6 +333,24 @@ impl Compressed {
     }
 }
 
+/// New tokens in each side's frame (the windows hold them so, and attention
+/// works in those frames): keys rotated when their codec rotates and shifted
+/// by `−mean` once the mean is known, in one matmul or one add; values
+/// rotated when theirs does.
+fn into_frames(shared: &Shared, c: &Compressed, keys: &Array, values: &Array, s: &Stream) -> Result<(Array, Array)> {
+    let rk = match (&shared.rotation_t, c.keys.codec.codec.rotated(), &c.k_offset) {
+        (Some(r), true, Some(offset)) => ops::addmm(offset, keys, r, s)?,
+        (Some(r), true, None) => ops::matmul(keys, r, s)?,
+        (_, _, Some(offset)) => ops::add(keys, offset, s)?,
+        _ => keys.clone(),
+    };
+    let rv = match (&shared.rotation_t, c.values.codec.codec.rotated()) {
+        (Some(r), true) => ops::matmul(values, r, s)?,
+        _ => values.clone(),
+    };
+    Ok((rk, rv))
+}
+
 enum Store {
     Dense(Dense),
     Compressed(Compressed),
@@ -459,6 +477,16 @@ impl LayerCache {
         Ok(s)
     }
 
+    /// Checks a chunk of keys and values `[B, Hkv, T, D]`; returns its shape.
+    fn check_pair(&self, keys: &Array, values: &Array) -> Result<Vec<i32>> {
+        let ks = self.check_input("keys", keys)?;
+        let vs = self.check_input("values", values)?;
+        if ks != vs || keys.dtype() != values.dtype() {
+            return Err(Error::invalid("values", format!("shape {vs:?} / {} must match keys {ks:?} / {}", values.dtype(), keys.dtype())));
+        }
+        Ok(ks)
+    }
+
     fn table(&self, sc: &SideCodec) -> Result<Option<Array>> {
         codec_table(sc, self.cfg.head_dim, self.cfg.seed)?.map(|t| Array::from_slice(&t, &[t.len() as i32])).transpose()
     }
@@ -521,11 +549,7 @@ impl LayerCache {
 
     /// Appends `keys` and `values` `[B, Hkv, T, D]` (a prefill chunk or one token).
     pub fn append(&mut self, keys: &Array, values: &Array) -> Result<()> {
-        let ks = self.check_input("keys", keys)?;
-        let vs = self.check_input("values", values)?;
-        if ks != vs || keys.dtype() != values.dtype() {
-            return Err(Error::invalid("values", format!("shape {vs:?} / {} must match keys {ks:?} / {}", values.dtype(), keys.dtype())));
-        }
+        let ks = self.check_pair(keys, values)?;
         let t = ks[2] as usize;
         if self.store.is_none() {
             self.init(ks[0] as usize, keys.dtype())?;
@@ -575,19 +599,7 @@ impl LayerCache {
             let mean = c.k_mean.as_ref().expect("set above");
             c.k_offset = Some(key_offset(mean, shared.rotation.as_ref().filter(|_| key_rotated), dtype, &s)?);
         }
-        // Bring the new tokens into each side's frame once (the windows hold
-        // them so, and attention works in those frames): one matmul (keys:
-        // with the mean's offset added in the same kernel), or one add, or
-        // nothing.
-        let offset = c.k_offset.as_ref().expect("set above");
-        let rk = match (&shared.rotation_t, key_rotated) {
-            (Some(r), true) => ops::addmm(offset, keys, r, &s)?,
-            _ => ops::add(keys, offset, &s)?,
-        };
-        let rv = match (&shared.rotation_t, c.values.codec.codec.rotated()) {
-            (Some(r), true) => ops::matmul(values, r, &s)?,
-            _ => values.clone(),
-        };
+        let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);
@@ -751,6 +763,90 @@ impl LayerCache {
         }
     }
 
+    /// The cache's keys and values followed by a chunk `keys`/`values`
+    /// `[B, Hkv, T, D]` about to be appended, `[B, Hkv, offset + T, D]` in
+    /// each side's attention frame (rotated for the rotating codecs, keys less
+    /// their channel mean) and the cache's dtype: a transient buffer that
+    /// [`attend_framed`](Self::attend_framed) reads with MLX's SDPA, so that a
+    /// prefill chunk attends at float16 speed, its own tokens exactly. Call
+    /// it before appending the chunk.
+    pub fn framed_with(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let shape = self.check_pair(keys, values)?;
+        if self.store.is_none() {
+            self.init(shape[0] as usize, keys.dtype())?;
+        }
+        let s = self.stream.clone();
+        let (b, h, d) = (shape[0], shape[1], shape[3]);
+        let join = |mut parts: Vec<Array>, chunk: &Array| -> Result<Array> {
+            if parts.is_empty() {
+                return Ok(chunk.clone());
+            }
+            parts.push(chunk.clone());
+            ops::concatenate(&parts, 2, &s)
+        };
+        match self.store.as_ref().expect("initialised above") {
+            Store::Dense(x) => {
+                let held = |a: &Array| -> Result<Vec<Array>> {
+                    Ok(if x.len == 0 { Vec::new() } else { vec![ops::slice(a, &[0, 0, 0, 0], &[b, h, x.len as i32, d], &s)?] })
+                };
+                Ok((join(held(&x.keys)?, keys)?, join(held(&x.values)?, values)?))
+            }
+            Store::Compressed(c) => {
+                let shared = self.shared.as_ref().expect("initialised with the store");
+                let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
+                let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
+                let opts = self.opts();
+                let sh = &layer.shape;
+                let framed_k = kv_attention::framed_parts(&layer.keys, &sh.key, sh, self.dtype, &opts)?;
+                let framed_v = kv_attention::framed_parts(&layer.values, &sh.value, sh, self.dtype, &opts)?;
+                Ok((join(framed_k, &rk)?, join(framed_v, &rv)?))
+            }
+        }
+    }
+
+    /// Attention of `queries` `[B, Hq, L, D]` over `keys`/`values` from
+    /// [`framed_with`](Self::framed_with), with MLX's SDPA: the queries enter
+    /// the keys' frame and the output leaves the values' frame, one matmul of
+    /// `L` rows each. Query `l` sits at position `total - L + l` (`Causal`).
+    pub fn attend_framed(&self, queries: &Array, keys: &Array, values: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
+        let qs = queries.shape();
+        let ks = keys.shape();
+        if qs.len() != 4 || qs[0] as usize != self.batch || qs[3] as usize != self.cfg.head_dim || qs[1] as usize % self.cfg.kv_heads != 0 {
+            return Err(Error::invalid(
+                "queries",
+                format!("shape {qs:?}, expected [{}, a multiple of {} heads, queries, {}]", self.batch, self.cfg.kv_heads, self.cfg.head_dim),
+            ));
+        }
+        if queries.dtype() != self.dtype {
+            return Err(Error::Dtype { argument: "queries", found: queries.dtype().to_string(), expected: format!("{} (the cache's dtype)", self.dtype) });
+        }
+        if ks.len() != 4 || ks != values.shape() || ks[0] != qs[0] || ks[1] as usize != self.cfg.kv_heads || ks[3] != qs[3] || ks[2] < qs[2] {
+            return Err(Error::invalid("keys", format!("shape {ks:?} (values {:?}) is not the buffer framed_with returns for {} queries", values.shape(), qs[2])));
+        }
+        let s = &self.stream;
+        let (key_rotated, value_rotated) = match &self.store {
+            Some(Store::Compressed(c)) => (c.keys.codec.codec.rotated(), c.values.codec.codec.rotated()),
+            _ => (false, false),
+        };
+        let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref());
+        let q = match rotation_t.filter(|_| key_rotated) {
+            Some(r) => ops::matmul(queries, r, s)?,
+            None => queries.clone(),
+        };
+        let out = match mask {
+            AttentionMask::None => ops::scaled_dot_product_attention(&q, keys, values, scale, false, s)?,
+            AttentionMask::Causal => ops::scaled_dot_product_attention(&q, keys, values, scale, qs[2] > 1, s)?,
+            AttentionMask::Array(m) => {
+                let (m, _) = kv_attention::prepare_mask(m, self.batch, qs[1] as usize, qs[2] as usize, ks[2] as usize, s)?;
+                ops::scaled_dot_product_attention_masked(&q, keys, values, scale, &ops::astype(&m, self.dtype, s)?, s)?
+            }
+        };
+        match rotation_t.filter(|_| value_rotated) {
+            Some(r) => ops::matmul(&out, &ops::transpose(r, &[1, 0], s)?, s),
+            None => Ok(out),
+        }
+    }
+
     fn tq_layer(&self, q_heads: usize, queries: usize, causal: bool) -> Result<TqLayer<'_>> {
         let Some(Store::Compressed(c)) = &self.store else {
             return Err(Error::invalid("method", "not a compressed cache"));
@@ -874,6 +970,18 @@ impl LayerCache {
     pub fn from_bytes(bytes: &[u8], stream: Option<Stream>) -> Result<Self> {
         state_io::load(bytes, stream)
     }
+
+    /// The state [`to_bytes`](Self::to_bytes) writes, as named arrays (lazy
+    /// views of the used slots: evaluating them copies nothing to the host)
+    /// and string metadata.
+    pub fn state_parts(&self) -> Result<(Vec<(String, Array)>, BTreeMap<String, String>)> {
+        state_io::parts(self)
+    }
+
+    /// A cache rebuilt from [`state_parts`](Self::state_parts) on `stream`.
+    pub fn from_state_parts(tensors: &HashMap<String, Array>, meta: &HashMap<String, String>, stream: Option<Stream>) -> Result<Self> {
+        state_io::from_parts(tensors, meta, stream)
+    }
 }
 
 /// Grows the token axis (2) of `arrays` to at least `needed` slots, doubling.
@@ -897,21 +1005,10 @@ fn grow(arrays: &mut [&mut Array], capacity: &mut usize, needed: usize, s: &Stre
 
 mod state_io {
     //! The versioned byte form of a layer cache.
-    use std::collections::{BTreeMap, HashMap};
-
     use safetensors::tensor::Dtype as StDtype;
     use safetensors::SafeTensors;
 
     use super::*;
-
-    fn st_dtype(d: Dtype) -> StDtype {
-        match d {
-            Dtype::U8 => StDtype::U8,
-            Dtype::F16 => StDtype::F16,
-            Dtype::BF16 => StDtype::BF16,
-            _ => StDtype::F32,
-        }
-    }
 
     fn st_name(d: Dtype) -> &'static str {
         match d {
@@ -946,7 +1043,9 @@ mod state_io {
         Ok(out)
     }
 
-    pub(super) fn save(cache: &LayerCache) -> Result<Vec<u8>> {
+    /// The state as named arrays (lazy views of the used slots, nothing
+    /// copied to the host) and string metadata.
+    pub(super) fn parts(cache: &LayerCache) -> Result<(Vec<(String, Array)>, BTreeMap<String, String>)> {
         let c = &cache.cfg;
         let mut meta: BTreeMap<String, String> = BTreeMap::new();
         for (k, v) in [
@@ -996,6 +1095,11 @@ mod state_io {
                 meta.insert("compressed".into(), x.len.to_string());
             }
         }
+        Ok((tensors, meta))
+    }
+
+    pub(super) fn save(cache: &LayerCache) -> Result<Vec<u8>> {
+        let (tensors, meta) = parts(cache)?;
         let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
             .into_iter()
             .map(|(name, a)| {
@@ -1017,16 +1121,44 @@ mod state_io {
             .map_err(|_| corrupt(format!("field {key:?} is not valid")))
     }
 
+    fn dtype_of(d: StDtype) -> Option<Dtype> {
+        match d {
+            StDtype::U8 => Some(Dtype::U8),
+            StDtype::F16 => Some(Dtype::F16),
+            StDtype::BF16 => Some(Dtype::BF16),
+            StDtype::F32 => Some(Dtype::F32),
+            _ => None,
+        }
+    }
+
     pub(super) fn load(bytes: &[u8], stream: Option<Stream>) -> Result<LayerCache> {
         let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| corrupt(format!("not a cache state: {e}")))?;
         let meta = header.metadata().clone().ok_or_else(|| corrupt("no metadata"))?;
+        check_format(&meta)?;
+        let st = SafeTensors::deserialize(bytes).map_err(|e| corrupt(format!("not a cache state: {e}")))?;
+        let mut tensors = HashMap::new();
+        for (name, t) in st.tensors() {
+            let dt = dtype_of(t.dtype()).ok_or_else(|| corrupt(format!("{name}: dtype {:?} is not a cache dtype", t.dtype())))?;
+            let shape = t.shape().iter().map(|&v| i32::try_from(v).map_err(|_| corrupt(format!("{name}: shape {:?}", t.shape())))).collect::<Result<Vec<_>>>()?;
+            tensors.insert(name, Array::from_bytes(t.data(), &shape, dt)?);
+        }
+        from_parts(&tensors, &meta, stream)
+    }
+
+    fn check_format(meta: &HashMap<String, String>) -> Result<()> {
         if meta.get("format").map(String::as_str) != Some(STATE_FORMAT) {
             return Err(corrupt(format!("format is {:?}, expected {STATE_FORMAT:?}", meta.get("format"))));
         }
         if meta.get("version").map(String::as_str) != Some(STATE_VERSION) {
             return Err(corrupt(format!("version {:?} is not supported (expected {STATE_VERSION})", meta.get("version"))));
         }
-        let st = SafeTensors::deserialize(bytes).map_err(|e| corrupt(format!("not a cache state: {e}")))?;
+        Ok(())
+    }
+
+    /// A cache rebuilt from [`parts`]' arrays and metadata (each array's dtype
+    /// and shape checked against the metadata).
+    pub(super) fn from_parts(tensors: &HashMap<String, Array>, meta: &HashMap<String, String>, stream: Option<Stream>) -> Result<LayerCache> {
+        check_format(meta)?;
         let mut cfg = CacheConfig::new(field(&meta, "head_dim")?, field(&meta, "kv_heads")?);
         let method = |key: &str| -> Result<super::super::Method> {
             meta.get(key).ok_or_else(|| corrupt(format!("missing field {key:?}")))?.parse().map_err(|e: Error| corrupt(e.to_string()))
@@ -1039,8 +1171,8 @@ mod state_io {
         cfg.sinks = field(&meta, "sinks")?;
         cfg.seed = field(&meta, "seed")?;
         let mut cache = LayerCache::new(cfg, stream).map_err(|e| corrupt(e.to_string()))?;
-        let batch: usize = field(&meta, "batch")?;
-        if st.names().is_empty() {
+        let batch: usize = field(meta, "batch")?;
+        if tensors.is_empty() {
             return Ok(cache);
         }
         let dtype = match meta.get("dtype").map(String::as_str) {
@@ -1051,17 +1183,16 @@ mod state_io {
         };
         let (b, h, d) = (batch as i32, cache.cfg.kv_heads as i32, cache.cfg.head_dim as i32);
         let tensor = |name: &str, dt: Dtype, shape: &[i32]| -> Result<Array> {
-            let t = st.tensor(name).map_err(|e| corrupt(format!("{name}: {e}")))?;
-            let want: Vec<usize> = shape.iter().map(|&v| v as usize).collect();
-            if t.dtype() != st_dtype(dt) || t.shape() != want.as_slice() {
-                return Err(corrupt(format!("{name}: {:?} {:?}, expected {:?} {want:?}", t.dtype(), t.shape(), st_dtype(dt))));
+            let t = tensors.get(name).ok_or_else(|| corrupt(format!("{name}: missing")))?;
+            if t.dtype() != dt || t.shape() != shape {
+                return Err(corrupt(format!("{name}: {} {:?}, expected {dt} {shape:?}", t.dtype(), t.shape())));
             }
-            Array::from_bytes(t.data(), shape, dt)
+            Ok(t.clone())
         };
         cache.init(batch, dtype)?;
         let s = cache.stream.clone();
         if !cache.cfg.compressed() {
-            let n = st.tensor("keys").map_err(|e| corrupt(format!("keys: {e}")))?.shape().get(2).copied().unwrap_or(0);
+            let n = tensors.get("keys").ok_or_else(|| corrupt("keys: missing"))?.shape().get(2).copied().unwrap_or(0);
             let k = tensor("keys", dtype, &[b, h, n as i32, d])?;
             let v = tensor("values", dtype, &[b, h, n as i32, d])?;
             cache.append(&k, &v)?;
@@ -1075,10 +1206,10 @@ mod state_io {
         }
         let wk = tensor("win_k", dtype, &[b, h, (ns + nr) as i32, d])?;
         let wv = tensor("win_v", dtype, &[b, h, (ns + nr) as i32, d])?;
-        let mean = match st.tensor("k_mean") {
-            Ok(_) => Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
-            Err(_) if n + ns + nr == 0 => None,
-            Err(_) => return Err(corrupt("k_mean: missing")),
+        let mean = match tensors.get("k_mean") {
+            Some(_) => Some(tensor("k_mean", Dtype::F32, &[b, h, 1, d])?),
+            None if n + ns + nr == 0 => None,
+            None => return Err(corrupt("k_mean: missing")),
         };
         let key_rotation = cache.shared.as_ref().and_then(|sh| sh.rotation.clone());
         let Some(Store::Compressed(c)) = &mut cache.store else { unreachable!() };

@@ -494,6 +494,36 @@ pub fn decode_framed(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, s: &
     ops::concatenate(&parts, 2, s)
 }
 
+/// One side's tokens in its frame and `dtype`, as the parts of position
+/// order (sinks, compressed, recent) for a caller to concatenate with more:
+/// TurboQuant-MSE codes through the fused `scalar_dequantize` (one pass,
+/// no float32 intermediate), other codecs through the reference decode.
+pub fn framed_parts(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, dtype: Dtype, opts: &Options) -> Result<Vec<Array>> {
+    let s = &opts.resolve_stream()?;
+    let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
+    let mut parts = Vec::new();
+    if sh.sinks > 0 {
+        parts.push(ops::slice(side.window, &[0, 0, 0, 0], &[b, h, sh.sinks as i32, d], s)?);
+    }
+    if sh.compressed > 0 {
+        let n = sh.compressed as i32;
+        parts.push(match (sc.codec, side.table, side.scales) {
+            (Codec::TurboQuantMse, Some(table), Some(norms)) => {
+                let codes = ops::slice(side.codes, &[0, 0, 0, 0], &[b, h, n, sc.row_len(sh.dim) as i32], s)?;
+                let unit = super::scalar_dequantize(&codes, table, sc.bits, sh.dim, dtype, opts)?;
+                let norms = ops::astype(&ops::slice(norms, &[0, 0, 0], &[b, h, n], s)?, dtype, s)?;
+                ops::multiply(&unit, &ops::expand_dims(&norms, -1, s)?, s)?
+            }
+            _ => ops::astype(&decode_compressed(side, sc, sh, s)?, dtype, s)?,
+        });
+    }
+    if sh.recent > 0 {
+        let w0 = sh.sinks as i32;
+        parts.push(ops::slice(side.window, &[0, 0, w0, 0], &[b, h, w0 + sh.recent as i32, d], s)?);
+    }
+    Ok(parts)
+}
+
 /// One side's tokens back in the model's frame, float32 `[B, Hkv, total, D]`.
 pub fn decode(layer: &KvLayer<'_>, values: bool, s: &Stream) -> Result<Array> {
     let sh = &layer.shape;

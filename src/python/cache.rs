@@ -1,6 +1,8 @@
 //! `veloxquant._native.LayerCache`: one layer's compressed cache for Python.
 
-use pyo3::exceptions::PyValueError;
+use std::collections::HashMap;
+
+use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
@@ -58,21 +60,74 @@ impl PyLayerCache {
     #[pyo3(signature = (queries, scale, mask = None))]
     fn attention(&self, py: Python<'_>, queries: &Bound<'_, PyAny>, scale: f32, mask: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
         let q = array_arg(queries, "queries")?;
-        let arr;
-        let mask = match mask {
-            None => AttentionMask::None,
-            Some(m) if m.is_none() => AttentionMask::None,
-            Some(m) => match m.extract::<String>() {
-                Ok(s) if s == "causal" => AttentionMask::Causal,
-                Ok(s) => return Err(PyValueError::new_err(format!("mask: {s:?} is not supported; use None, \"causal\" or an mx.array"))),
-                Err(_) => {
-                    arr = array_arg(m, "mask")?;
-                    AttentionMask::Array(&arr)
-                }
-            },
-        };
-        let out = self.inner.attention_with_mask(&q, scale, mask).map_err(to_py_err)?;
+        let mask = MaskArg::parse(mask)?;
+        let out = self.inner.attention_with_mask(&q, scale, mask.get()).map_err(to_py_err)?;
         array_out(py, out)
+    }
+
+    /// The cache's keys and values followed by the chunk `keys`/`values`
+    /// about to be appended, in the cache's attention frame (a transient
+    /// buffer for `attend_framed`). Call before `append`.
+    fn framed_with(&mut self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+        let k = array_arg(keys, "keys")?;
+        let v = array_arg(values, "values")?;
+        let (fk, fv) = self.inner.framed_with(&k, &v).map_err(to_py_err)?;
+        Ok((array_out(py, fk)?, array_out(py, fv)?))
+    }
+
+    /// Attention of `queries` over `framed_with`'s buffer with MLX's SDPA;
+    /// `mask` as for `attention`.
+    #[pyo3(signature = (queries, keys, values, scale, mask = None))]
+    fn attend_framed(
+        &self,
+        py: Python<'_>,
+        queries: &Bound<'_, PyAny>,
+        keys: &Bound<'_, PyAny>,
+        values: &Bound<'_, PyAny>,
+        scale: f32,
+        mask: Option<&Bound<'_, PyAny>>,
+    ) -> PyResult<Py<PyAny>> {
+        let q = array_arg(queries, "queries")?;
+        let k = array_arg(keys, "keys")?;
+        let v = array_arg(values, "values")?;
+        let mask = MaskArg::parse(mask)?;
+        let out = self.inner.attend_framed(&q, &k, &v, scale, mask.get()).map_err(to_py_err)?;
+        array_out(py, out)
+    }
+
+    /// The state as (arrays by name, metadata by name): lazy views of the
+    /// used slots, so evaluating them copies nothing.
+    fn state_parts<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
+        let (tensors, meta) = self.inner.state_parts().map_err(to_py_err)?;
+        let arrays = PyDict::new(py);
+        for (name, a) in tensors {
+            arrays.set_item(name, array_out(py, a)?)?;
+        }
+        let m = PyDict::new(py);
+        for (k, v) in meta {
+            m.set_item(k, v)?;
+        }
+        Ok((arrays, m))
+    }
+
+    /// A cache rebuilt from `state_parts`' two dicts.
+    #[staticmethod]
+    #[pyo3(signature = (arrays, meta, device = None))]
+    fn from_state_parts(arrays: &Bound<'_, PyDict>, meta: &Bound<'_, PyDict>, device: Option<&str>) -> PyResult<Self> {
+        let mut tensors = HashMap::new();
+        for (k, v) in arrays.iter() {
+            let name: String = k.extract().map_err(|_| PyTypeError::new_err("arrays: keys must be str"))?;
+            let a = array_arg(&v, "arrays")?;
+            tensors.insert(name, a);
+        }
+        let mut m = HashMap::new();
+        for (k, v) in meta.iter() {
+            let kv: PyResult<(String, String)> = (|| Ok((k.extract()?, v.extract()?)))();
+            let (k, v) = kv.map_err(|_| PyTypeError::new_err("meta: keys and values must be str"))?;
+            m.insert(k, v);
+        }
+        let inner = LayerCache::from_state_parts(&tensors, &m, stream_for(device)?).map_err(to_py_err)?;
+        Ok(PyLayerCache { inner })
     }
 
     /// Tokens held.
@@ -153,5 +208,31 @@ impl PyLayerCache {
             self.inner.offset(),
             self.inner.nbytes()
         )
+    }
+}
+
+/// A mask argument as Python gives it: None, "causal" or an mx.array.
+enum MaskArg {
+    None,
+    Causal,
+    Array(crate::array::Array),
+}
+
+impl MaskArg {
+    fn parse(mask: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let Some(m) = mask.filter(|m| !m.is_none()) else { return Ok(MaskArg::None) };
+        match m.extract::<String>() {
+            Ok(s) if s == "causal" => Ok(MaskArg::Causal),
+            Ok(s) => Err(PyValueError::new_err(format!("mask: {s:?} is not supported; use None, \"causal\" or an mx.array"))),
+            Err(_) => Ok(MaskArg::Array(array_arg(m, "mask")?)),
+        }
+    }
+
+    fn get(&self) -> AttentionMask<'_> {
+        match self {
+            MaskArg::None => AttentionMask::None,
+            MaskArg::Causal => AttentionMask::Causal,
+            MaskArg::Array(a) => AttentionMask::Array(a),
+        }
     }
 }
