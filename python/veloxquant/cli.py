@@ -457,8 +457,14 @@ COMMANDS = {
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-V", "--version"):
+        from . import __version__
+
+        print(f"veloxquant {__version__}")
+        return 0
     if not argv or argv[0] in ("-h", "--help"):
-        print("usage: veloxquant {" + ",".join(COMMANDS) + "} [options]\n")
+        print("usage: veloxquant {" + ",".join(COMMANDS) + "} [options]")
+        print("       veloxquant --version\n")
         for name, (_, help_) in COMMANDS.items():
             print(f"  {name:<10} {help_}")
         return 0 if argv else 2
