@@ -91,3 +91,23 @@ def test_version(flag):
     pyproject = (ROOT / "pyproject.toml").read_text()
     assert f'version = "{veloxquant.__version__}"' in pyproject
     assert "--version" in run("--help", timeout=60).stdout
+
+
+# --- 19: eval --methods ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("methods", ["bogus", "turboquant-mse,bogus"])
+def test_eval_unknown_method_is_an_error(methods):
+    r = run("eval", "--methods", methods, timeout=60)
+    assert r.returncode == 2, (r.stdout, r.stderr)
+    assert "--methods: unknown bogus" in r.stderr and "turboquant-mse, kivi, pq" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_eval_methods_are_the_cache_methods():
+    from veloxquant import LayerCache, eval as ev
+
+    for m in ev.METHODS:
+        LayerCache(64, 1, key_method=m, key_bits=4)
+    with pytest.raises(ValueError, match='is not one of "fp16", "turboquant-mse"'):
+        LayerCache(64, 1, key_method="bogus")

@@ -139,6 +139,11 @@ def needle_run(model, tokenizer, spec: CacheSpec, prompt: List[int], key: str, m
     return key in tokenizer.decode(out).replace(" ", "")
 
 
+# The veloxquant methods (veloxquant.LayerCache's key_method/value_method);
+# qjl and turboquant-prod store keys only and pair with turboquant-mse values.
+METHODS = ("fp16", "turboquant-mse", "kivi", "pq", "qjl", "turboquant-prod", "turboquant-rvq")
+
+
 def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sinks: int, mlx_bits: Sequence[int]):
     specs = [CacheSpec("fp16", "fp16")]
     specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
@@ -349,7 +354,9 @@ def _float_list(s: str, name: str) -> List[float]:
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="veloxquant eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--methods", default="turboquant-mse", help="veloxquant methods, comma-separated")
+    p.add_argument(
+        "--methods", default="turboquant-mse", help=f"veloxquant methods, comma-separated, from {', '.join(METHODS)}"
+    )
     p.add_argument(
         "--bits", default="2,3/2,3,4/3,4", help="veloxquant bits, comma-separated, key/value pairs allowed (default: 2,3/2,3,4/3,4)"
     )
@@ -368,6 +375,9 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lengths = _int_list(args.needle_lengths, "--needle-lengths")
     depths = _float_list(args.needle_depths, "--needle-depths")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if not 0 < args.prefix < args.tokens:
         raise SystemExit(f"--prefix must be between 1 and --tokens - 1, got {args.prefix}")
     if args.chunk < 1:
