@@ -111,3 +111,26 @@ def test_eval_methods_are_the_cache_methods():
         LayerCache(64, 1, key_method=m, key_bits=4)
     with pytest.raises(ValueError, match='is not one of "fp16", "turboquant-mse"'):
         LayerCache(64, 1, key_method="bogus")
+
+
+# --- 14: every README snippet runs ------------------------------------------------
+
+
+def readme_snippets():
+    text = (ROOT / "README.md").read_text()
+    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
+
+
+def test_readme_has_python_snippets():
+    assert len(readme_snippets()) >= 2
+
+
+@pytest.mark.parametrize("index", range(len(readme_snippets())))
+def test_readme_snippet_runs(index, capsys):
+    code = readme_snippets()[index]
+    ns = {"__name__": f"readme_snippet_{index}"}
+    with mx.stream(mx.cpu):
+        exec(compile(code, f"README.md python block {index}", "exec"), ns)
+        arrays = [v for v in ns.values() if isinstance(v, mx.array)]
+        mx.eval(*arrays)  # MLX is lazy: run what the snippet built
+    assert arrays
