@@ -93,6 +93,80 @@ def test_version(flag):
     assert "--version" in run("--help", timeout=60).stdout
 
 
+# --- 7: veloxquant-only options imply --kv-cache veloxquant ---------------------
+
+
+def kv_args(*argv):
+    p = argparse.ArgumentParser()
+    p.add_argument("--quantized-kv-start", type=int, default=5000)
+    cli.add_kv_options(p, with_kv_bits=True)
+    args = p.parse_args(list(argv))
+    cli.validate_kv_args(args)
+    return args
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--kv-method", "kivi"],
+        ["--kv-value-method", "kivi"],
+        ["--kv-value-bits", "3"],
+        ["--kv-window", "8"],
+        ["--kv-sinks", "0"],
+        ["--kv-seed", "3"],
+        ["--kv-policy", "off"],
+        ["--kv-layers", '{"0": null}'],
+        ["--kv-bits", "3", "--kv-window", "8"],
+    ],
+)
+def test_veloxquant_options_imply_the_veloxquant_cache(argv):
+    args = kv_args(*argv)
+    assert args.kv_cache == "veloxquant" and args.mlx_kv_bits is None
+    assert cli.describe_kv(args).startswith("veloxquant keys ")
+    if "--kv-bits" in argv:
+        assert cli.kv_config_from_args(args).key_bits == 3
+
+
+def test_kv_defaults_unchanged():
+    args = kv_args("--kv-cache", "veloxquant")
+    c = cli.kv_config_from_args(args)
+    assert (c.key_method, c.key_bits, c.window, c.sinks, c.seed, c.policy) == ("turboquant-mse", 4, 128, 4, 0, "auto")
+    # --kv-bits alone keeps mlx_lm's meaning: the float16 cache, quantized later
+    args = kv_args("--kv-bits", "4")
+    assert args.kv_cache == "fp16" and args.mlx_kv_bits == 4
+    assert cli.describe_kv(args) == "fp16, then mlx-quantized 4b from token 5000"
+    assert kv_args().kv_cache == "fp16"
+
+
+@pytest.mark.parametrize("kind", ["fp16", "mlx-quantized"])
+@pytest.mark.parametrize("opt, value", [("--kv-method", "kivi"), ("--kv-window", "8"), ("--kv-layers", "{}"), ("--kv-value-bits", "3")])
+def test_veloxquant_options_with_another_cache_are_named(kind, opt, value, capsys):
+    with pytest.raises(SystemExit) as e:
+        kv_args("--kv-cache", kind, opt, value)
+    assert e.value.code == 2
+    assert f"{opt} applies only to --kv-cache veloxquant" in capsys.readouterr().err
+
+
+def test_help_keeps_the_displayed_defaults():
+    r = run("generate", "--help", timeout=60)
+    text = flat(r.stdout)
+    for shown in ("(default: turboquant-mse)", "(default: 128)", "(default: 4)", "(default: 0)", "(default: auto)"):
+        assert shown in text
+
+
+def test_generate_kv_window_alone_is_veloxquant(tiny_model):
+    r = run("generate", "--model", tiny_model, "--prompt", "hi", "--max-tokens", "2", "--kv-window", "8")
+    assert r.returncode == 0, r.stderr
+    assert "(veloxquant keys turboquant-mse/4b, values turboquant-mse/4b, window 8, sinks 4)" in r.stdout
+
+
+def test_compare_checks_veloxquant_options_against_caches():
+    r = run("compare", "--caches", "fp16,mlx-quantized", "--kv-method", "kivi", timeout=60)
+    one_line_error(r, "--kv-method", "--caches")
+    r = run("compare", "--kv-cache", "veloxquant", timeout=60)
+    one_line_error(r, "--kv-cache", "--caches")
+
+
 # --- 19: eval --methods ---------------------------------------------------------
 
 

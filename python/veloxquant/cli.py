@@ -19,7 +19,40 @@ def _say(msg: str) -> None:
     print(f"[veloxquant] {msg}", file=sys.stderr, flush=True)
 
 
+def _usage_error(msg: str):
+    """One line on stderr and exit status 2, as argparse does for a bad option."""
+    print(msg, file=sys.stderr, flush=True)
+    raise SystemExit(2)
+
+
 # --- KV-cache options shared by the subcommands -----------------------------
+
+# Options only a veloxquant cache reads, and their defaults. argparse leaves
+# them None, so that an option given explicitly is known (validate_kv_args).
+VELOXQUANT_DEFAULTS = {
+    "kv_method": "turboquant-mse",
+    "kv_value_method": None,
+    "kv_value_bits": None,
+    "kv_window": 128,
+    "kv_sinks": 4,
+    "kv_seed": 0,
+    "kv_policy": "auto",
+    "kv_layers": None,
+}
+
+
+def _flag(dest: str) -> str:
+    return "--" + dest.replace("_", "-")
+
+
+def veloxquant_options_given(args) -> List[str]:
+    """The veloxquant-only options given on the command line, as flags."""
+    return [_flag(d) for d in VELOXQUANT_DEFAULTS if getattr(args, d, None) is not None]
+
+
+def _kv(args, dest: str):
+    v = getattr(args, dest, None)
+    return VELOXQUANT_DEFAULTS[dest] if v is None else v
 
 
 def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
@@ -30,11 +63,13 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
         default=None,
         help="fp16: the model's own cache; mlx-quantized: mlx_lm's affine QuantizedKVCache from the "
         "first token (--kv-bits, --kv-group-size); veloxquant: compressed with --kv-method. Default: "
-        "fp16, or mlx_lm's own behaviour when only --kv-bits is given",
+        "veloxquant when a veloxquant-only option (--kv-method, --kv-value-method, --kv-value-bits, "
+        "--kv-window, --kv-sinks, --kv-seed, --kv-policy, --kv-layers) is given, else fp16, or mlx_lm's "
+        "own behaviour when only --kv-bits is given",
     )
     g.add_argument(
         "--kv-method",
-        default="turboquant-mse",
+        default=None,
         help="veloxquant method for keys: fp16, turboquant-mse, kivi, pq, qjl, turboquant-prod, turboquant-rvq "
         "(default: turboquant-mse)",
     )
@@ -48,10 +83,10 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
         g.add_argument("--kv-bits", type=int, default=None, help="bits per key element (veloxquant) or per element (mlx-quantized)")
         g.add_argument("--kv-group-size", type=int, default=64, help="group size for mlx-quantized (default: 64)")
     g.add_argument("--kv-value-bits", type=int, default=None, help="veloxquant bits per value element (default: --kv-bits)")
-    g.add_argument("--kv-window", type=int, default=128, help="recent tokens kept in float16 (default: 128)")
-    g.add_argument("--kv-sinks", type=int, default=4, help="first tokens kept in float16 (default: 4)")
-    g.add_argument("--kv-seed", type=int, default=0, help="seed of veloxquant's rotations (default: 0)")
-    g.add_argument("--kv-policy", choices=("auto", "require", "off"), default="auto", help="fused kernel policy (default: auto)")
+    g.add_argument("--kv-window", type=int, default=None, help="recent tokens kept in float16 (default: 128)")
+    g.add_argument("--kv-sinks", type=int, default=None, help="first tokens kept in float16 (default: 4)")
+    g.add_argument("--kv-seed", type=int, default=None, help="seed of veloxquant's rotations (default: 0)")
+    g.add_argument("--kv-policy", choices=("auto", "require", "off"), default=None, help="fused kernel policy (default: auto)")
     g.add_argument(
         "--kv-layers",
         type=json.loads,
@@ -71,14 +106,14 @@ def kv_config_from_args(args):
             raise SystemExit(f"--kv-layers: keys must be layer indices, got {k!r}")
     try:
         cfg = KVConfig(
-            key_method=args.kv_method,
+            key_method=_kv(args, "kv_method"),
             key_bits=args.kv_bits if args.kv_bits is not None else 4,
             value_method=args.kv_value_method,
             value_bits=args.kv_value_bits,
-            window=args.kv_window,
-            sinks=args.kv_sinks,
-            seed=args.kv_seed,
-            policy=args.kv_policy,
+            window=_kv(args, "kv_window"),
+            sinks=_kv(args, "kv_sinks"),
+            seed=_kv(args, "kv_seed"),
+            policy=_kv(args, "kv_policy"),
             layers=layers,
         )
     except ValueError as e:
@@ -90,12 +125,26 @@ def kv_config_from_args(args):
 
 
 def validate_kv_args(args) -> None:
-    """Resolve --kv-cache's default and reject combinations that would be ignored."""
+    """Resolve --kv-cache's default and reject combinations that would be ignored.
+
+    A veloxquant-only option (--kv-method, --kv-window, ...) given without
+    --kv-cache implies --kv-cache veloxquant; with another --kv-cache it is an
+    error. --kv-bits alone keeps mlx_lm's meaning (quantize the float16 cache
+    after --quantized-kv-start). The veloxquant defaults are then filled in.
+    """
+    given = veloxquant_options_given(args)
+    if args.kv_cache is None and given:
+        args.kv_cache = "veloxquant"
     if args.kv_cache is None:
         args.kv_cache = "fp16"
         args.mlx_kv_bits = args.kv_bits  # plain mlx_lm semantics (after --quantized-kv-start)
     else:
         args.mlx_kv_bits = None
+    if given and args.kv_cache != "veloxquant":
+        _usage_error(f"{given[0]} applies only to --kv-cache veloxquant (it would be ignored with --kv-cache {args.kv_cache})")
+    for dest, default in VELOXQUANT_DEFAULTS.items():
+        if getattr(args, dest, None) is None:
+            setattr(args, dest, default)
     if args.kv_cache == "veloxquant":
         if getattr(args, "max_kv_size", None) is not None:
             raise SystemExit("--max-kv-size cannot be combined with --kv-cache veloxquant")
@@ -105,8 +154,6 @@ def validate_kv_args(args) -> None:
             args.kv_bits = 4
         if args.kv_bits not in (2, 3, 4, 5, 6, 8):
             raise SystemExit(f"--kv-bits for mlx-quantized must be 2, 3, 4, 5, 6 or 8, got {args.kv_bits}")
-    if args.kv_value_bits is not None and args.kv_cache != "veloxquant":
-        raise SystemExit("--kv-value-bits applies only to --kv-cache veloxquant")
 
 
 def install_kv_cache(model, args) -> None:
@@ -324,6 +371,11 @@ def cmd_compare(argv: Sequence[str]) -> int:
     bad = [k for k in kinds if k not in KV_CACHES]
     if bad or not kinds:
         raise SystemExit(f"--caches: unknown {bad or 'empty list'}; choose from {', '.join(KV_CACHES)}")
+    if args.kv_cache is not None:
+        _usage_error("--kv-cache: compare runs the caches listed in --caches; leave --kv-cache out")
+    given = veloxquant_options_given(args)
+    if given and "veloxquant" not in kinds:
+        _usage_error(f"{given[0]} applies only to the veloxquant cache, which --caches {args.caches} leaves out")
     if args.max_tokens < 1:
         raise SystemExit(f"--max-tokens must be >= 1, got {args.max_tokens}")
 
@@ -345,6 +397,9 @@ def cmd_compare(argv: Sequence[str]) -> int:
     for kind in kinds:
         ns = argparse.Namespace(**vars(args))
         ns.kv_cache = kind
+        if kind != "veloxquant":
+            for dest in VELOXQUANT_DEFAULTS:  # they configure the veloxquant row only
+                setattr(ns, dest, None)
         validate_kv_args(ns)
         if kind == "veloxquant":
             cache = make_prompt_cache(model, kv_config_from_args(ns))
