@@ -167,6 +167,46 @@ def test_compare_checks_veloxquant_options_against_caches():
     one_line_error(r, "--kv-cache", "--caches")
 
 
+# --- 9: a wrong model path is one line --------------------------------------------
+
+
+@pytest.mark.parametrize("command", ["generate", "serve", "compare", "eval"])
+def test_missing_model_path_is_one_line(command, tmp_path):
+    missing = str(tmp_path / "no-such-model")
+    r = run(command, "--model", missing, timeout=60)
+    one_line_error(r, f"--model: {missing}: no such directory")
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_missing_draft_model_is_one_line(tmp_path, tiny_model):
+    missing = str(tmp_path / "no-such-draft")
+    r = run("generate", "--model", tiny_model, "--draft-model", missing, timeout=60)
+    one_line_error(r, f"--draft-model: {missing}: no such directory")
+
+
+def test_model_path_errors(tmp_path):
+    from veloxquant import models
+
+    with pytest.raises(models.ModelPathError, match="no config.json"):
+        models.resolve_model(str(tmp_path))
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(models.ModelPathError, match="no .safetensors"):
+        models.load(str(tmp_path))
+    with pytest.raises(models.ModelPathError, match="is a file"):
+        models.resolve_model(str(tmp_path / "config.json"))
+    with pytest.raises(models.ModelPathError, match="no such directory"):
+        models.resolve_model("./not/a/model")
+    assert issubclass(models.ModelPathError, ValueError)
+
+
+def test_unknown_hub_model_offline_is_one_line(tmp_path):
+    import os
+
+    env = dict(os.environ, HF_HUB_OFFLINE="1", HF_HUB_CACHE=str(tmp_path / "hub"))
+    r = run("generate", "--model", "nobody-veloxquant/no-such-model", timeout=60, env=env)
+    one_line_error(r, "--model: nobody-veloxquant/no-such-model: no such directory", "Hugging Face cache")
+
+
 # --- 19: eval --methods ---------------------------------------------------------
 
 

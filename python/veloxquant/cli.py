@@ -261,8 +261,13 @@ def cmd_generate(argv: Sequence[str]) -> int:
 
     args = make_parser().parse_args(list(argv))
     validate_kv_args(args)
-    if args.model is None and args.prompt_cache_file is None:
-        args.model = models.resolve_model(None)
+    if args.model is not None or args.prompt_cache_file is None:
+        args.model = models.resolve_model(args.model)
+    if args.draft_model is not None:
+        try:
+            models.check_model(args.draft_model)
+        except models.ModelPathError as e:
+            _usage_error(f"--draft-model: {e}")
 
     class _Parser:
         # mlx_lm's main parses sys.argv itself; hand it the arguments resolved here.
@@ -527,7 +532,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if name not in COMMANDS:
         print(f"veloxquant: unknown command {name!r}; choose from {', '.join(COMMANDS)}", file=sys.stderr)
         return 2
-    return COMMANDS[name][0](rest) or 0
+    try:
+        return COMMANDS[name][0](rest) or 0
+    except ValueError as e:
+        # Every command finds its model through veloxquant.models: a wrong
+        # --model is one line, not the Hugging Face hub's traceback.
+        models = sys.modules.get(__package__ + ".models")
+        if models is None or not isinstance(e, models.ModelPathError):
+            raise
+        print(f"veloxquant {name}: --model: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

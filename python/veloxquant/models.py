@@ -260,9 +260,56 @@ def default_model_path(progress: Callable[[str], None] = _say) -> Path:
     return path
 
 
+class ModelPathError(ValueError):
+    """``--model`` names no loadable model: a missing or incomplete directory,
+    or a hub name that cannot be fetched. The message is one line."""
+
+
+def check_model(model: str) -> str:
+    """Raise :class:`ModelPathError` unless ``model`` is an mlx_lm model.
+
+    A path that exists must be a directory with ``config.json`` and
+    ``.safetensors`` weights. Anything else is taken as a Hugging Face repo id
+    and fetched the way ``mlx_lm.load`` does (from the local hub cache when
+    it is there); a name that is not a repo id, or a repo that cannot be
+    fetched, is an error. Returns ``model`` unchanged.
+    """
+    path = Path(model).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise ModelPathError(f"{model} is a file, not a model directory")
+        if not (path / "config.json").is_file():
+            raise ModelPathError(f"{model} has no config.json: not an mlx_lm model directory")
+        if not any(path.glob("*.safetensors")):
+            raise ModelPathError(f"{model} has no .safetensors weights: not an mlx_lm model directory")
+        return model
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
+
+    try:
+        validate_repo_id(model)
+    except HFValidationError:
+        raise ModelPathError(f"{model}: no such directory") from None
+    from mlx_lm.utils import _download
+
+    try:
+        _download(model)
+    except Exception as e:  # the hub's errors: not found, offline, no network, ...
+        from huggingface_hub.errors import LocalEntryNotFoundError, RepositoryNotFoundError
+
+        if isinstance(e, RepositoryNotFoundError):
+            why = "the Hugging Face Hub has no such model, or it is private"
+        elif isinstance(e, LocalEntryNotFoundError):
+            why = "it is not in the local Hugging Face cache and could not be downloaded"
+        else:
+            why = f"{type(e).__name__}: " + (str(e).strip().splitlines() or [""])[0]
+        raise ModelPathError(f"{model}: no such directory, and {why}") from None
+    return model
+
+
 def resolve_model(model: Optional[str]) -> str:
-    """``--model`` as given, or the default model's directory (converted if needed)."""
-    return str(default_model_path()) if model in (None, "", "default") else model
+    """``--model`` as given (checked by :func:`check_model`), or the default
+    model's directory (converted if needed)."""
+    return str(default_model_path()) if model in (None, "", "default") else check_model(model)
 
 
 def load(model: Optional[str] = None, **kwargs):
