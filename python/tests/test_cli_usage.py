@@ -227,6 +227,70 @@ def test_eval_methods_are_the_cache_methods():
         LayerCache(64, 1, key_method="bogus")
 
 
+# --- 12 and 22: the server --------------------------------------------------------
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_serve_lists_its_model_without_a_hub_cache(tiny_model, tmp_path):
+    import os
+
+    port = _free_port()
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "no-hub-cache"), HF_HUB_OFFLINE="1")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "veloxquant", "serve", "--model", tiny_model, "--host", "127.0.0.1", "--port", str(port)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=env,
+    )
+    try:
+        deadline = time.time() + 120
+        while True:
+            try:
+                body = urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/models", timeout=5).read()
+                break
+            except OSError:
+                if proc.poll() is not None or time.time() > deadline:
+                    raise AssertionError("server did not start: " + (proc.stdout.read() if proc.poll() is not None else ""))
+                time.sleep(0.5)
+        models = json.loads(body)
+        assert models["object"] == "list"
+        assert [m["id"] for m in models["data"]] == [str(Path(tiny_model).resolve())]
+        health = json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=5).read())
+        assert health == {"status": "ok"}
+    finally:
+        proc.terminate()
+        try:
+            out = proc.communicate(timeout=20)[0]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out = proc.communicate()[0]
+    assert "CacheNotFound" not in out and "Traceback" not in out, out
+
+
+def test_serve_exits_when_the_model_cannot_load(tmp_path):
+    # Passes the path checks (config.json, .safetensors) but mlx_lm cannot load it.
+    bad = tmp_path / "broken-model"
+    bad.mkdir()
+    (bad / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    (bad / "model.safetensors").write_bytes(b"not weights")
+    port = _free_port()
+    r = subprocess.run(
+        [sys.executable, "-m", "veloxquant", "serve", "--model", str(bad), "--port", str(port)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0
+    assert f"--model {bad}: the model could not be loaded" in r.stderr, r.stderr
+    assert "Traceback" not in r.stderr and "generation thread died" not in r.stderr, r.stderr
+
+
 # --- 14: every README snippet runs ------------------------------------------------
 
 

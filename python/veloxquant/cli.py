@@ -293,6 +293,11 @@ def cmd_generate(argv: Sequence[str]) -> int:
     return 0
 
 
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 # --- serve -------------------------------------------------------------------
 
 
@@ -304,7 +309,11 @@ def cmd_serve(argv: Sequence[str]) -> int:
     from . import models
 
     p = argparse.ArgumentParser(prog="veloxquant serve", add_help=False)
-    p.add_argument("--model", default=None)
+    p.add_argument(
+        "--model",
+        default=None,
+        help=f"model directory or Hugging Face repo (default: {models.DEFAULT_MODEL_NAME}, converted offline on first use)",
+    )
     p.add_argument("--quantized-kv-start", type=int, default=None)
     add_kv_options(p, with_kv_bits=True)
     if "-h" in argv or "--help" in argv:
@@ -322,7 +331,14 @@ def cmd_serve(argv: Sequence[str]) -> int:
         rest += ["--kv-bits", str(args.mlx_kv_bits), "--kv-group-size", str(args.kv_group_size)]
         if args.quantized_kv_start is not None:
             rest += ["--quantized-kv-start", str(args.quantized_kv_start)]
-    orig_load = S.load
+    import threading
+    import types
+
+    from huggingface_hub.errors import CacheNotFound, CorruptedCacheException
+
+    orig_load, orig_provider, orig_http, orig_scan = S.load, S.ModelProvider, S._run_http_server, S.scan_cache_dir
+    loaded = threading.Event()
+    failed: List[BaseException] = []
 
     def load(*a, **k):
         out = orig_load(*a, **k)
@@ -330,12 +346,42 @@ def cmd_serve(argv: Sequence[str]) -> int:
         _say(f"serving {a[0] if a else model} with KV cache: {describe_kv(args)}")
         return out
 
-    S.load = load
+    class ModelProvider(orig_provider):
+        # mlx_lm loads the model in its generation thread, and a failure there
+        # left a server whose every request failed: report it to the main thread.
+        def load_default(self):
+            try:
+                super().load_default()
+            except Exception as e:
+                failed.append(e)
+                raise SystemExit(1) from None  # ends the generation thread without a traceback
+            finally:
+                loaded.set()
+
+    def run_http_server(host, port, response_generator, *a, **k):
+        # Listen only once the model is loaded; a model that fails to load ends the command.
+        while not loaded.wait(0.2) and response_generator.generation_available():
+            pass
+        if failed or not loaded.is_set():
+            response_generator.stop_and_join()
+            why = _first_line(failed[0]) if failed else "the generation thread stopped"
+            raise SystemExit(f"veloxquant serve: --model {model}: the model could not be loaded ({why})")
+        return orig_http(host, port, response_generator, *a, **k)
+
+    def scan_cache_dir(*a, **k):
+        # GET /v1/models lists the Hugging Face cache's models; without one
+        # (models given by path only) it raised after the status line was sent.
+        try:
+            return orig_scan(*a, **k)
+        except (CacheNotFound, CorruptedCacheException, OSError):
+            return types.SimpleNamespace(repos=frozenset())
+
+    S.load, S.ModelProvider, S._run_http_server, S.scan_cache_dir = load, ModelProvider, run_http_server, scan_cache_dir
     sys.argv = ["veloxquant serve"] + rest
     try:
         S.main()
     finally:
-        S.load = orig_load
+        S.load, S.ModelProvider, S._run_http_server, S.scan_cache_dir = orig_load, orig_provider, orig_http, orig_scan
     return 0
 
 
