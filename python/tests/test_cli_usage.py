@@ -93,6 +93,17 @@ def test_version(flag):
     assert "--version" in run("--help", timeout=60).stdout
 
 
+# --- 6: generate --help names the real default model ---------------------------
+
+
+def test_generate_help_names_the_default_model():
+    r = run("generate", "--help", timeout=60)
+    assert r.returncode == 0, r.stderr
+    model_help = flat(r.stdout.split("--model MODEL", 2)[2].split("\n  -")[0])
+    assert "SmolLM2-135M-Instruct" in model_help
+    assert "Llama-3.2-3B" not in r.stdout
+
+
 # --- 7: veloxquant-only options imply --kv-cache veloxquant ---------------------
 
 
@@ -225,6 +236,88 @@ def test_eval_methods_are_the_cache_methods():
         LayerCache(64, 1, key_method=m, key_bits=4)
     with pytest.raises(ValueError, match='is not one of "fp16", "turboquant-mse"'):
         LayerCache(64, 1, key_method="bogus")
+
+
+# --- 20 and 4: --prompt-cache-file -----------------------------------------------
+
+
+def test_missing_prompt_cache_file_is_one_line(tmp_path):
+    missing = str(tmp_path / "nope.safetensors")
+    r = run("generate", "--prompt-cache-file", missing, timeout=60)
+    one_line_error(r, f"--prompt-cache-file: {missing}: no such file")
+
+
+@pytest.mark.parametrize("content", [b"garbage", b""])
+def test_garbage_prompt_cache_file_is_one_line(tmp_path, content):
+    bad = tmp_path / "bad.safetensors"
+    bad.write_bytes(content)
+    r = run("generate", "--prompt-cache-file", str(bad), timeout=60)
+    one_line_error(r, f"--prompt-cache-file: {bad} is not a prompt cache")
+    # a safetensors file that is not a prompt cache (model weights, say)
+    mx.save_safetensors(str(bad), {"w": mx.zeros((2,))}, {"format": "mlx"})
+    r = run("generate", "--prompt-cache-file", str(bad), timeout=60)
+    one_line_error(r, f"--prompt-cache-file: {bad} is not a prompt cache")
+
+
+def save_prompt_cache_file(path, model_dir, caches_for):
+    """Fill ``caches_for(model)`` with a prompt through the tiny model and save it as mlx_lm.cache_prompt does."""
+    import mlx_lm
+    from mlx_lm.models.cache import save_prompt_cache
+
+    model, tok = mlx_lm.load(model_dir)
+    caches = caches_for(model)
+    model(mx.array(tok.encode("The with statement wraps a block of code. " * 4))[None], cache=caches)
+    save_prompt_cache(str(path), caches, {"model": model_dir, "tokenizer_config": "{}"})
+    return caches
+
+
+def test_veloxquant_prompt_cache_file_uses_its_settings(tiny_model, tmp_path):
+    from veloxquant.cache import KVConfig, make_prompt_cache
+
+    f = tmp_path / "prompt.safetensors"
+    cfg = KVConfig(key_method="kivi", key_bits=4, value_method="turboquant-mse", value_bits=3, window=8, sinks=0)
+    save_prompt_cache_file(f, tiny_model, lambda m: make_prompt_cache(m, cfg))
+    r = run("generate", "--prompt-cache-file", str(f), "--prompt", "Why?", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "(veloxquant keys kivi/4b, values turboquant-mse/3b, window 8, sinks 0)" in r.stdout, r.stdout
+    assert "install()" not in r.stderr and "RuntimeWarning" not in r.stderr, r.stderr
+    # options that agree with the file are accepted, others named
+    r = run("generate", "--prompt-cache-file", str(f), "--kv-method", "kivi", "--prompt", "Why?", "--max-tokens", "1")
+    assert r.returncode == 0, r.stderr
+    one_line_error(run("generate", "--prompt-cache-file", str(f), "--kv-window", "64", timeout=60), "--kv-window 64", "window 8")
+    one_line_error(run("generate", "--prompt-cache-file", str(f), "--kv-cache", "fp16", timeout=60), "--kv-cache fp16", "veloxquant caches")
+
+
+def test_prompt_cache_config_round_trips_per_layer_settings(tiny_model, tmp_path):
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from veloxquant.cache import KVConfig, make_prompt_cache
+
+    f = tmp_path / "layers.safetensors"
+    cfg = KVConfig(key_bits=3, window=4, sinks=1, layers={1: {"key_method": "kivi", "key_bits": 2}})
+    save_prompt_cache_file(f, tiny_model, lambda m: make_prompt_cache(m, cfg))
+    got = cli.prompt_cache_config(load_prompt_cache(str(f)))
+    assert [got.for_layer(i).settings() for i in range(2)] == [cfg.for_layer(i).settings() for i in range(2)]
+    cfg = KVConfig(window=4, layers={0: None})
+    save_prompt_cache_file(f, tiny_model, lambda m: make_prompt_cache(m, cfg))
+    got = cli.prompt_cache_config(load_prompt_cache(str(f)))
+    assert got.for_layer(0) is None and got.for_layer(1).settings() == cfg.for_layer(1).settings()
+
+
+def test_fp16_prompt_cache_file_is_not_labelled_veloxquant(tiny_model, tmp_path):
+    from mlx_lm.models.cache import make_prompt_cache
+
+    f = tmp_path / "fp16.safetensors"
+    save_prompt_cache_file(f, tiny_model, make_prompt_cache)
+    r = run("generate", "--prompt-cache-file", str(f), "--prompt", "Why?", "--max-tokens", "2")
+    assert r.returncode == 0, r.stderr
+    assert "bytes held (fp16)" in r.stdout
+    one_line_error(run("generate", "--prompt-cache-file", str(f), "--kv-method", "kivi", timeout=60), "--kv-method", "fp16 caches")
+    other = shutil.copytree(tiny_model, tmp_path / "other-model")
+    one_line_error(
+        run("generate", "--prompt-cache-file", str(f), "--model", str(other), timeout=60),
+        f"--model {other}: --prompt-cache-file was saved with the model {tiny_model}",
+    )
 
 
 # --- 12 and 22: the server --------------------------------------------------------

@@ -244,6 +244,145 @@ def _generate_with_stats(args):
     return generate
 
 
+# --- prompt cache files (generate --prompt-cache-file) ------------------------
+
+# --kv-* options -> the KVConfig field they set.
+_CONFIG_FIELDS = {
+    "kv_method": "key_method",
+    "kv_bits": "key_bits",
+    "kv_value_method": "value_method",
+    "kv_value_bits": "value_bits",
+    "kv_window": "window",
+    "kv_sinks": "sinks",
+    "kv_seed": "seed",
+    "kv_policy": "policy",
+}
+
+
+def _first_line(e: BaseException) -> str:
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
+def load_prompt_cache_file(path: str):
+    """mlx_lm's ``load_prompt_cache(path, return_metadata=True)``; a missing or
+    unreadable file is a one-line usage error naming --prompt-cache-file."""
+    import os
+
+    from mlx_lm.models.cache import load_prompt_cache
+
+    from . import cache  # noqa: F401  (makes VeloxQuantCache known to load_prompt_cache)
+
+    if not os.path.exists(path):
+        _usage_error(f"--prompt-cache-file: {path}: no such file")
+    if not os.path.isfile(path):
+        _usage_error(f"--prompt-cache-file: {path} is not a file")
+    try:
+        caches, metadata = load_prompt_cache(path, return_metadata=True)
+        if not isinstance(caches, list) or not caches or not isinstance(metadata, dict):
+            raise ValueError("it holds no caches")
+    except Exception as e:  # mx.load's and the cache classes' errors on a file that is not one
+        _usage_error(
+            f"--prompt-cache-file: {path} is not a prompt cache saved by mlx_lm.cache_prompt or "
+            f"save_prompt_cache ({_first_line(e)})"
+        )
+    return caches, metadata
+
+
+def prompt_cache_kind(caches) -> str:
+    """fp16, mlx-quantized or veloxquant: the --kv-cache that made these caches."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    from .cache import VeloxQuantCache
+
+    if any(isinstance(c, VeloxQuantCache) for c in caches):
+        return "veloxquant"
+    if any(isinstance(c, QuantizedKVCache) for c in caches):
+        return "mlx-quantized"
+    return "fp16"
+
+
+def prompt_cache_config(caches):
+    """The KVConfig that builds these VeloxQuantCaches: the most common layer
+    settings, other layers' settings and float16 layers as ``layers``."""
+    from collections import Counter
+
+    from mlx_lm.models.cache import KVCache
+
+    from .cache import KVConfig, VeloxQuantCache
+
+    per_layer = {i: c.config.settings() for i, c in enumerate(caches) if isinstance(c, VeloxQuantCache)}
+    counts = Counter(tuple(sorted(d.items())) for d in per_layer.values())
+    base = dict(counts.most_common(1)[0][0])
+    layers = {}
+    for i, c in enumerate(caches):
+        if i in per_layer:
+            if per_layer[i] != base:
+                layers[i] = per_layer[i]
+        elif type(c) is KVCache:
+            layers[i] = None
+    return KVConfig(**base, layers=layers)
+
+
+def adopt_prompt_cache(args, caches, argv: Sequence[str]) -> None:
+    """Make ``args`` describe the caches of --prompt-cache-file, which mlx_lm
+    uses as saved: their kind sets --kv-cache, and a veloxquant file its
+    settings; options that contradict the file are usage errors."""
+    from mlx_lm.models.cache import QuantizedKVCache
+
+    kind = prompt_cache_kind(caches)
+    where = f"--prompt-cache-file {args.prompt_cache_file} holds {kind} caches"
+    if args.kv_cache is not None and args.kv_cache != kind:
+        _usage_error(f"--kv-cache {args.kv_cache}: {where}, used as saved; leave --kv-cache out")
+    if kind == "veloxquant":
+        cfg = prompt_cache_config(caches)
+        for dest, field in _CONFIG_FIELDS.items():
+            v = getattr(args, dest, None)
+            if v is not None and v != getattr(cfg, field):
+                _usage_error(f"{_flag(dest)} {v}: {where} with {field} {getattr(cfg, field)}, used as saved")
+        if args.kv_layers is not None:
+            from .cache import KVConfig
+
+            try:
+                want = KVConfig(**cfg.settings(), layers={int(k): v for k, v in args.kv_layers.items()})
+                same = all(
+                    (want.for_layer(i) is None) == (cfg.for_layer(i) is None)
+                    and (want.for_layer(i) is None or want.for_layer(i).settings() == cfg.for_layer(i).settings())
+                    for i in range(len(caches))
+                )
+            except (ValueError, TypeError, AttributeError) as e:
+                _usage_error(f"--kv-layers: {e}")
+            if not same:
+                _usage_error(f"--kv-layers: {where} with other per-layer settings ({cfg.to_json()}), used as saved")
+        args.kv_cache = "veloxquant"
+        for dest, field in _CONFIG_FIELDS.items():
+            setattr(args, dest, getattr(cfg, field))
+        args.kv_layers = {str(i): v for i, v in cfg.layers.items()} or None
+        return
+    given = veloxquant_options_given(args)
+    if given:
+        _usage_error(f"{given[0]}: {where}, not veloxquant ones, used as saved")
+    if kind == "mlx-quantized":
+        q = next(c for c in caches if isinstance(c, QuantizedKVCache))
+        if args.kv_bits is not None and args.kv_bits != q.bits:
+            _usage_error(f"--kv-bits {args.kv_bits}: {where} of {q.bits} bits")
+        explicit_group = any(a == "--kv-group-size" or a.startswith("--kv-group-size=") for a in argv)
+        if explicit_group and args.kv_group_size != q.group_size:
+            _usage_error(f"--kv-group-size {args.kv_group_size}: {where} with group size {q.group_size}")
+        args.kv_cache, args.kv_bits, args.kv_group_size = "mlx-quantized", q.bits, q.group_size
+
+
+def _same_model(a: str, b: str) -> bool:
+    import os
+
+    if a == b:
+        return True
+    try:
+        return os.path.samefile(os.path.expanduser(a), os.path.expanduser(b))
+    except OSError:
+        return False
+
+
 def cmd_generate(argv: Sequence[str]) -> int:
     import importlib
 
@@ -256,12 +395,38 @@ def cmd_generate(argv: Sequence[str]) -> int:
         p = G.setup_arg_parser()
         p.prog = "veloxquant generate"
         p.description = "mlx_lm.generate with veloxquant KV caches (model: SmolLM2-135M-Instruct by default)"
+        for action in p._actions:
+            if "--model" in action.option_strings:  # mlx_lm's help names its own default
+                action.help = (
+                    "The path to the local model directory or Hugging Face repo. Default: the model "
+                    f"--prompt-cache-file was saved with, else {models.DEFAULT_MODEL_NAME} (converted "
+                    "offline on first use)."
+                )
         add_kv_options(p, with_kv_bits=False)  # --kv-bits/--kv-group-size are mlx_lm's
         return p
 
     args = make_parser().parse_args(list(argv))
+    prompt_cache = None
+    if args.prompt_cache_file is not None:
+        caches, metadata = load_prompt_cache_file(args.prompt_cache_file)
+        adopt_prompt_cache(args, caches, argv)
     validate_kv_args(args)
-    if args.model is not None or args.prompt_cache_file is None:
+    if args.prompt_cache_file is not None:
+        saved = metadata.get("model")
+        if args.model is None and saved:
+            try:
+                args.model = models.check_model(saved)
+            except models.ModelPathError as e:
+                _usage_error(f"--prompt-cache-file: the model it was saved with: {e}; pass --model")
+        else:
+            args.model = models.resolve_model(args.model)
+            if saved and not _same_model(args.model, saved):
+                _usage_error(f"--model {args.model}: --prompt-cache-file was saved with the model {saved}")
+        # mlx_lm's main reads these two; files saved by save_prompt_cache may lack them.
+        metadata = dict(metadata, model=args.model)
+        metadata.setdefault("tokenizer_config", "{}")
+        prompt_cache = (caches, metadata)
+    else:
         args.model = models.resolve_model(args.model)
     if args.draft_model is not None:
         try:
@@ -278,6 +443,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
             return ns
 
     orig_load, orig_generate, orig_parser = G.load, G.generate, G.setup_arg_parser
+    orig_load_prompt_cache = G.load_prompt_cache
 
     def load(*a, **k):
         _say(f"loading {a[0] if a else k.get('path_or_hf_repo')}")
@@ -285,17 +451,17 @@ def cmd_generate(argv: Sequence[str]) -> int:
         install_kv_cache(out[0], args)
         return out
 
+    def load_prompt_cache(*a, **k):
+        return prompt_cache  # read and checked above
+
     G.load, G.generate, G.setup_arg_parser = load, _generate_with_stats(args), lambda: _Parser()
+    G.load_prompt_cache = load_prompt_cache
     try:
         G.main()
     finally:
         G.load, G.generate, G.setup_arg_parser = orig_load, orig_generate, orig_parser
+        G.load_prompt_cache = orig_load_prompt_cache
     return 0
-
-
-def _first_line(e: BaseException) -> str:
-    lines = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
 # --- serve -------------------------------------------------------------------
