@@ -99,6 +99,8 @@ KERNELS = {
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
                   {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]}),
+    "tq_reduce": ("tq_reduce.cu", [], [("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
+                  [("out", "T")], {"T": ELEMENT, "D": [128, 64, 256, 96], "ROTATE": [True, False]}),
     # The attention kernels: sizes in two carriers (kernels::split_sizes).
     "tq_attention": ("tq_attention.cu", [],
                      [("qr", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),

@@ -18,6 +18,7 @@ use veloxquant::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCode
 use veloxquant::cpu::turboquant::{self as tq, FromF32};
 use veloxquant::cpu::{Float, VqElement};
 use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
+use veloxquant::kernels::turboquant::reduce_threads;
 
 fn read(rel: &str) -> String {
     let path = metal_emulator::repo_root().join(rel);
@@ -292,8 +293,8 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
         .template("ROTATE", TemplateArg::Bool(rotate_back))
-        .grid((rows * d) as u32, 1, 1)
-        .threadgroup(d as u32, 1, 1)
+        .grid((rows * reduce_threads(d)) as u32, 1, 1)
+        .threadgroup(reduce_threads(d) as u32, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
     (out[0].to_vec(), num_splits)

@@ -20,6 +20,7 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape, FromF32};
 use veloxquant::cpu::{Float, VqElement};
+use veloxquant::kernels::turboquant::reduce_threads;
 use veloxquant::quant::ScalarCodebook;
 
 fn read(rel: &str) -> String {
@@ -382,8 +383,8 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
         .template("ROTATE", TemplateArg::Bool(true))
-        .grid((rows * d) as u32, 1, 1)
-        .threadgroup(d as u32, 1, 1)
+        .grid((rows * reduce_threads(d)) as u32, 1, 1)
+        .threadgroup(reduce_threads(d) as u32, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
     (out[0].to_vec(), num_splits)

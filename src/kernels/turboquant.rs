@@ -432,12 +432,21 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usiz
     reduce_partials(&parts, Some(layer.rot_v), q, s)
 }
 
+/// Threads of a `tq_reduce` threadgroup for head size `d`: `P` parts of `d`
+/// threads (at most 16 parts, about 512 threads), rounded up to whole
+/// 32-lane groups (the kernel's shuffles need full warps).
+pub fn reduce_threads(d: usize) -> usize {
+    let parts = (512 / d).clamp(1, 16);
+    (d * parts).div_ceil(32) * 32
+}
+
 /// `tq_reduce` over an attention kernel's partials (`m`, `l`, `acc` with
 /// `rows` = queries' rows), rotated back by `rot_v` when given: the output in
 /// `q`'s shape and dtype.
 pub(crate) fn reduce_partials(parts: &[Array], rot_v: Option<&Array>, q: &Array, s: &Stream) -> Result<Array> {
     let rows = parts[0].shape()[0];
     let d = *q.shape().last().expect("queries have a head dimension");
+    let threads = reduce_threads(d as usize) as i32;
     // Without a rotation the reduction never reads `rot_v`; a float32 array
     // already at hand stands in (no new host array per call).
     Ok(gpu::launch(
@@ -445,8 +454,8 @@ pub(crate) fn reduce_partials(parts: &[Array], rot_v: Option<&Array>, q: &Array,
             source: Source::TqReduce,
             inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&parts[0])],
             outputs: &[(q.shape(), q.dtype())],
-            grid: (rows * d, 1, 1),
-            threadgroup: (d, 1, 1),
+            grid: (rows * threads, 1, 1),
+            threadgroup: (threads, 1, 1),
             template: &[
                 ("T", TemplateArg::Dtype(q.dtype())),
                 ("D", TemplateArg::Int(d)),
@@ -612,6 +621,16 @@ fn attention_reference(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn reduce_threads_are_whole_warps_of_at_least_one_part() {
+        for d in [32, 64, 80, 96, 128, 256] {
+            let t = reduce_threads(d);
+            assert_eq!(t % 32, 0, "d = {d}");
+            assert!(t >= d && t / d <= 16 && t <= 1024, "d = {d}: {t} threads");
+        }
+        assert_eq!(reduce_threads(128), 512);
+    }
 
     #[test]
     fn tensor_core_encoders_take_16_bit_inputs_with_a_rotation_at_d_64_and_128() {
