@@ -132,3 +132,17 @@ def test_failing_configurations_are_rows(tmp_path):
     (row,) = rows_of(out)
     assert row["shape"] == "broken" and row["device"] == "cpu"
     assert row["error"].startswith("RuntimeError: ") and "\n" not in row["error"]
+
+
+@pytest.mark.parametrize(
+    "text, expected",
+    [
+        ("MemoryError", "out of memory"),
+        ("RuntimeError: [cuda::malloc] out of memory", "out of memory"),
+        ("RuntimeError: [METAL] Command buffer execution failed: Insufficient Memory", "out of memory"),
+        ("RuntimeError: std::bad_alloc", "out of memory"),
+        ("RuntimeError: [quantized_matmul] no kernel\nmore detail", "RuntimeError: [quantized_matmul] no kernel"),
+    ],
+)
+def test_failure_messages(text, expected):
+    assert bench.describe_failure(text) == expected

@@ -63,6 +63,9 @@ RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, or KEY
 CACHE_HELP = f"fp16, mlx-q{{{','.join(map(str, MLX_BITS))}}}, veloxquant, veloxquant:RECIPE (RECIPE: {RECIPE_HELP})"
 SEED = 0
 RESULT_MARK = "VELOXQUANT_BENCH_ROW "  # prefixes the worker's result line on stdout
+# How Python, MLX's allocators (CPU, Metal, CUDA) and C++ report exhausted memory.
+OUT_OF_MEMORY = re.compile(r"out ?of ?memory|insufficient memory|MemoryError|cudaErrorMemoryAllocation|bad_alloc",
+                           re.IGNORECASE)
 
 
 # --- cache names and recipes ---------------------------------------------------
@@ -168,7 +171,8 @@ def prefill(model, cache, tokens, step: int):
 
     from .cache import VeloxQuantCache
 
-    body = getattr(model, "model", None) or model
+    body = getattr(model, "model", None)
+    body = model if body is None else body
     mlx_caches = [c for c in cache if not isinstance(c, VeloxQuantCache)]
     n, done = tokens.shape[1], 0
     while n - done > 1:
@@ -260,7 +264,7 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
 
 def describe_failure(text: str) -> str:
     """An error's first line, or "out of memory" when that is what the text says."""
-    if "MemoryError" in text or "out of memory" in text.lower():
+    if OUT_OF_MEMORY.search(text):
         return "out of memory"
     lines = [ln.strip() for ln in text.strip().splitlines() if ln.strip()]
     return lines[0] if lines else "failed without a message"
@@ -281,7 +285,7 @@ def run_job(job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     if proc.returncode < 0:
         sig = -proc.returncode
         return {"error": f"killed by signal {sig}" + (" (out of memory?)" if sig == 9 else "")}
-    if "MemoryError" in proc.stderr or "out of memory" in proc.stderr.lower():
+    if OUT_OF_MEMORY.search(proc.stderr):
         return {"error": "out of memory"}
     tail = [ln for ln in proc.stderr.strip().splitlines() if ln.strip()]
     return {"error": f"exit code {proc.returncode}: {tail[-1].strip() if tail else 'no message'}"}
