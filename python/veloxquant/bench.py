@@ -19,8 +19,8 @@ values (``mse``, ``kivi``, ``pq``, ``qjl``, ``prod``, ``rvq``, ``fp16``, or
 window, ``sN`` sinks, and ``auto``/``require``/``off`` (the kernel policy).
 Example: ``veloxquant:kivi:k4v4:w32``.
 
-A worker warms up (a short prefill and ``--warmup`` decode steps with a
-throwaway cache), then times the prompt as mlx_lm's ``generate_step``
+A worker warms up (a prefill of two chunks and ``--warmup`` decode steps
+with a throwaway cache, so that every kernel is compiled), then times the prompt as mlx_lm's ``generate_step``
 processes it (chunks of ``--prefill-step-size`` tokens, each evaluated; the
 last token through the whole model) and ``--decode-tokens`` greedy steps, the
 next step's graph built while the current one runs, as mlx_lm does.
@@ -162,23 +162,18 @@ def prefill(model, cache, tokens, step: int):
     """Run the prompt as mlx_lm's generate_step does; returns the first generated token, evaluated.
 
     Every chunk but the last token goes through the model body only (mlx_lm
-    never evaluates those chunks' logits). Evaluating the body's output runs
-    every layer, and with it every cache update, since each layer's attention
-    reads its cache. The state of veloxquant caches is not evaluated: it is a
-    serialisation of the compressed store, not the arrays attention uses.
+    never evaluates those chunks' logits); the body's output and every cache's
+    state are evaluated after each chunk, as mlx_lm does.
     """
     import mlx.core as mx
 
-    from .cache import VeloxQuantCache
-
     body = getattr(model, "model", None)
     body = model if body is None else body
-    mlx_caches = [c for c in cache if not isinstance(c, VeloxQuantCache)]
     n, done = tokens.shape[1], 0
     while n - done > 1:
         k = min(step, n - 1 - done)
         hidden = body(tokens[:, done:done + k], cache=cache)
-        mx.eval(hidden, [c.state for c in mlx_caches])
+        mx.eval(hidden, [c.state for c in cache])
         done += k
         mx.clear_cache()
     y = mx.argmax(model(tokens[:, done:], cache=cache)[:, -1], axis=-1)
@@ -229,8 +224,10 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         tokens = mx.random.randint(0, vocab, (job["batch"], job["context"]), key=mx.random.key(SEED))
         step = job["prefill_step_size"]
         if job["warmup"] > 0:  # compile kernels and fill MLX's buffer cache before timing
+            # Two chunks and the last token: the second chunk attends over a
+            # history, as every later one does, and a compressed cache flushes.
             warm = make_cache(model, job["cache"])
-            decode(model, warm, prefill(model, warm, tokens[:, : min(job["context"], step + 1)], step), job["warmup"])
+            decode(model, warm, prefill(model, warm, tokens[:, : min(job["context"], 2 * step + 1)], step), job["warmup"])
             del warm
         mx.clear_cache()
         mx.reset_peak_memory()
