@@ -634,3 +634,37 @@ fn bad_masks_name_the_argument() {
         assert!(e.contains("mask"), "{e}");
     }
 }
+
+#[test]
+fn layers_of_one_config_hold_one_set_of_shared_arrays() {
+    use veloxquant::cache::total_nbytes;
+    let s = Stream::cpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let fill = |cfg: CacheConfig, rng: &mut ChaCha8Rng| {
+        let mut c = LayerCache::new(cfg, Some(s.clone())).unwrap();
+        assert_eq!(c.shared_id(), None, "nothing is shared before the first append");
+        let k = normal(rng, &[1, 2, 40, 64], Dtype::F16);
+        c.append(&k, &k).unwrap();
+        c
+    };
+    let layers: Vec<LayerCache> = (0..4).map(|_| fill(config(64, 2, Method::TurboQuantMse, Policy::Auto), &mut rng)).collect();
+    let id = layers[0].shared_id().expect("an appended layer holds its shared arrays");
+    assert!(layers.iter().all(|l| l.shared_id() == Some(id)), "one config, one set of shared arrays");
+    let shared = layers[0].shared_nbytes();
+    assert!(shared > 0);
+    let own: usize = layers.iter().map(LayerCache::nbytes).sum();
+    assert_eq!(total_nbytes(&layers), own + shared, "the shared arrays count once");
+    // Another bit width or seed has its own codebook or rotation; a copy
+    // rebuilt from the state joins the set of its configuration.
+    let mut other = config(64, 2, Method::TurboQuantMse, Policy::Auto);
+    other.key_bits = 3;
+    let other = fill(other, &mut rng);
+    assert_ne!(other.shared_id(), Some(id));
+    let back = LayerCache::from_bytes(&layers[1].to_bytes().unwrap(), Some(s.clone())).unwrap();
+    assert_eq!(back.shared_id(), Some(id));
+    let all: Vec<&LayerCache> = layers.iter().chain([&other, &back]).collect();
+    assert_eq!(
+        total_nbytes(all.iter().copied()),
+        own + other.nbytes() + back.nbytes() + shared + other.shared_nbytes()
+    );
+}

@@ -57,6 +57,30 @@ fn check_resident(cfg: CacheConfig, tokens: i32) -> LayerCache {
 #[test]
 fn resident_memory_is_the_reported_nbytes() {
     let cache = check_resident(config(128, 8, Method::TurboQuantMse, Policy::Auto), 4000);
+    // A second layer of the same configuration holds the same rotation and
+    // codebooks: MLX grows by its own nbytes only.
+    {
+        let s = Stream::cpu();
+        let mut rng = ChaCha8Rng::seed_from_u64(11);
+        let k = normal(&mut rng, &[1, 8, 4000, 128], Dtype::F16);
+        let q = normal(&mut rng, &[1, 8, 1, 128], Dtype::F16);
+        veloxquant::eval(&[&k, &q]).unwrap();
+        veloxquant::array::clear_cache().unwrap();
+        let before = active_memory().unwrap();
+        let mut second = LayerCache::new(config(128, 8, Method::TurboQuantMse, Policy::Auto), Some(s)).unwrap();
+        second.append(&k, &k).unwrap();
+        let out = second.attention(&q, 0.1, false).unwrap();
+        out.eval().unwrap();
+        drop(out);
+        veloxquant::array::clear_cache().unwrap();
+        let grown = active_memory().unwrap() - before;
+        let (own, shared) = (second.nbytes(), second.shared_nbytes());
+        assert!(
+            grown.abs_diff(own) < shared / 2,
+            "second layer: MLX grew {grown} bytes, its nbytes is {own} (shared arrays: {shared} bytes)"
+        );
+        assert_eq!(second.shared_id(), cache.shared_id());
+    }
     // 4 bits + norms for 4000 tokens: about 3.6x smaller than float16 keys and values.
     let fp16 = 2 * 8 * 4000 * 128 * 2;
     assert!((fp16 as f64 / cache.nbytes() as f64) > 3.0, "nbytes {}", cache.nbytes());

@@ -11,7 +11,15 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from veloxquant import attention
-from veloxquant.cache import KVConfig, VeloxQuantCache, install, make_mlx_quantized_cache, make_prompt_cache, uninstall
+from veloxquant.cache import (
+    KVConfig,
+    VeloxQuantCache,
+    cache_nbytes,
+    install,
+    make_mlx_quantized_cache,
+    make_prompt_cache,
+    uninstall,
+)
 
 
 # --- config -------------------------------------------------------------------
@@ -166,6 +174,19 @@ def test_compressed_cache_is_smaller():
     # about 3.5 bits per element plus norms, against 16
     assert 3.5 <= 8 * c.nbytes / (2 * k.size) < 4.0
     assert mx.abs(out_k - k).mean().item() < 0.2
+
+
+def test_cache_nbytes_counts_the_shared_rotation_and_codebooks_once():
+    caches = [VeloxQuantCache(KVConfig(key_bits=4, window=8, sinks=2)) for _ in range(3)]
+    plain = KVCache()
+    k = mx.random.normal((1, 2, 40, 64), key=mx.random.key(7)).astype(mx.float16)
+    for c in caches:
+        c.update_and_fetch(k, k)
+    plain.update_and_fetch(k, k)
+    (shared_id,) = {c.layer.shared_id for c in caches}
+    assert shared_id is not None and caches[0].layer.shared_nbytes > 0
+    own = sum(c.nbytes for c in caches) + plain.nbytes
+    assert cache_nbytes(caches + [plain, VeloxQuantCache()]) == own + caches[0].layer.shared_nbytes
 
 
 def test_compressed_attention_is_close(filled, smollm):

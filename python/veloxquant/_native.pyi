@@ -231,7 +231,13 @@ class LayerCache:
     @property
     def nbytes(self) -> int: ...
     @property
-    def shared_nbytes(self) -> int: ...
+    def shared_nbytes(self) -> int:
+        """Bytes of the rotation and codebooks, held once by every layer with
+        the same ``shared_id``."""
+    @property
+    def shared_id(self) -> Optional[int]:
+        """Identifies the shared rotation and codebooks (None before the
+        first append): layers with equal ids hold the same arrays."""
     def trim(self, n: int) -> int: ...
     def to_bytes(self) -> bytes: ...
     @staticmethod

@@ -401,8 +401,18 @@ def uninstall(model):
 
 
 def cache_nbytes(caches) -> int:
-    """Bytes held by a list of caches (the sum of their ``nbytes``)."""
-    return int(sum(c.nbytes for c in caches))
+    """Bytes held by a list of caches: the sum of their ``nbytes``, plus the
+    rotation and codebooks that veloxquant layers share, counted once per
+    shared set (layers of one head size, seed, methods and bits hold the same
+    arrays)."""
+    total, seen = 0, set()
+    for c in caches:
+        total += c.nbytes
+        layer = getattr(c, "layer", None) if isinstance(c, VeloxQuantCache) else None
+        if layer is not None and layer.shared_id is not None and layer.shared_id not in seen:
+            seen.add(layer.shared_id)
+            total += layer.shared_nbytes
+    return int(total)
 
 
 # mlx_lm's load_prompt_cache rebuilds caches by class name from its module globals.

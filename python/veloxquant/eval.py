@@ -166,6 +166,8 @@ def evaluate(
         raise ValueError(f"--tokens: the text has only {len(ids)} tokens after the offset")
     filler = tokenizer.encode(english_text())[text_offset + tokens :]
     targets = mx.array(ids[prefix:])
+    from .cache import cache_nbytes
+
     results, ref = [], None
     for spec in specs:
         t0 = time.time()
@@ -182,7 +184,7 @@ def evaluate(
         r = Result(spec)
         nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).squeeze(-1)
         r.ppl = math.exp(nll.mean().item())
-        r.kv_bytes = sum(c.nbytes for c in cache)
+        r.kv_bytes = cache_nbytes(cache)
         if spec.kind == "fp16":
             ref = lp
             elements = _kv_elements(cache)

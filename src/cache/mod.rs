@@ -13,7 +13,7 @@ mod state;
 use std::fmt;
 use std::str::FromStr;
 
-pub use state::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, LayerCache};
+pub use state::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, total_nbytes, LayerCache};
 
 use crate::array::Array;
 

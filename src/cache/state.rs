@@ -1,6 +1,8 @@
 //! `LayerCache`: the stored arrays of one layer and the operations on them.
 
+use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
+use std::rc::{Rc, Weak};
 use std::sync::{Mutex, OnceLock};
 
 use super::{AttentionMask, CacheConfig};
@@ -111,7 +113,9 @@ pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f
     })
 }
 
-/// Arrays shared by every layer with the same head size, seed, methods and bits.
+/// Arrays shared by every layer with the same head size, seed, methods and
+/// bits, dtype and device: one set per thread (MLX arrays stay on the
+/// thread that made them), held while some layer holds it.
 struct Shared {
     /// `Π`, when either side's frame is rotated.
     rotation: Option<Array>,
@@ -121,6 +125,36 @@ struct Shared {
     /// Codebooks of the key and value codecs that have one.
     k_table: Option<Array>,
     v_table: Option<Array>,
+}
+
+/// What makes two layers' shared arrays the same.
+#[derive(Clone, PartialEq, Eq, Hash)]
+struct SharedKey {
+    dim: usize,
+    seed: u64,
+    key: (Codec, u32, usize),
+    value: (Codec, u32, usize),
+    dtype: Dtype,
+    device: crate::stream::Device,
+}
+
+thread_local! {
+    static SHARED: RefCell<HashMap<SharedKey, Weak<Shared>>> = RefCell::new(HashMap::new());
+}
+
+/// The shared arrays for `key`: the set a live layer already holds, else a
+/// new one from `make`.
+fn shared_for(key: SharedKey, make: impl FnOnce() -> Result<Shared>) -> Result<Rc<Shared>> {
+    if let Some(found) = SHARED.with(|m| m.borrow().get(&key).and_then(Weak::upgrade)) {
+        return Ok(found);
+    }
+    let made = Rc::new(make()?);
+    SHARED.with(|m| {
+        let mut m = m.borrow_mut();
+        m.retain(|_, w| w.strong_count() > 0);
+        m.insert(key, Rc::downgrade(&made));
+    });
+    Ok(made)
 }
 
 struct Dense {
@@ -362,7 +396,7 @@ pub struct LayerCache {
     stream: Stream,
     batch: usize,
     dtype: Dtype,
-    shared: Option<Shared>,
+    shared: Option<Rc<Shared>>,
     store: Option<Store>,
 }
 
@@ -447,14 +481,23 @@ impl LayerCache {
         }
     }
 
-    /// Bytes of the rotation and codebooks, which every layer with the same
-    /// head size, seed, methods and bits shares; count them once per model.
+    /// Bytes of the rotation and codebooks, which every layer of this thread
+    /// with the same head size, seed, methods, bits, dtype and device holds
+    /// once (the same arrays: see [`shared_id`](Self::shared_id)); count them
+    /// once per model, as [`total_nbytes`] does.
     pub fn shared_nbytes(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| {
             // In float32 `rotation_t` is a transposed view of `rotation`.
             let own_t = s.rotation_t.as_ref().filter(|t| t.dtype() != Dtype::F32);
             [s.rotation.as_ref(), own_t, s.k_table.as_ref(), s.v_table.as_ref()].into_iter().flatten().map(Array::nbytes).sum()
         })
+    }
+
+    /// Identifies the shared arrays this layer holds (none before the first
+    /// append): layers with the same id hold the very same rotation and
+    /// codebooks, whose bytes [`shared_nbytes`](Self::shared_nbytes) gives.
+    pub fn shared_id(&self) -> Option<usize> {
+        self.shared.as_ref().map(|s| Rc::as_ptr(s) as usize)
     }
 
     fn check_input(&self, argument: &'static str, a: &Array) -> Result<Vec<i32>> {
@@ -507,14 +550,24 @@ impl LayerCache {
             return Ok(());
         }
         let (kc, vc) = (self.cfg.key_codec(), self.cfg.value_codec());
-        let rotation = if kc.codec.rotated() || vc.codec.rotated() {
-            let rot = rotation_matrix(self.cfg.head_dim, self.cfg.seed)?;
-            Some(Array::from_slice(&rot, &[d, d])?)
-        } else {
-            None
+        let key = SharedKey {
+            dim: self.cfg.head_dim,
+            seed: self.cfg.seed,
+            key: (kc.codec, kc.bits, kc.group),
+            value: (vc.codec, vc.bits, vc.group),
+            dtype,
+            device: s.device()?,
         };
-        let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
-        self.shared = Some(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? });
+        self.shared = Some(shared_for(key, || {
+            let rotation = if kc.codec.rotated() || vc.codec.rotated() {
+                let rot = rotation_matrix(self.cfg.head_dim, self.cfg.seed)?;
+                Some(Array::from_slice(&rot, &[d, d])?)
+            } else {
+                None
+            };
+            let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
+            Ok(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
+        })?);
         let wcap = self.cfg.window_capacity() as i32;
         let side = |codec: SideCodec| -> Result<Side> {
             let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
@@ -982,6 +1035,16 @@ impl LayerCache {
     pub fn from_state_parts(tensors: &HashMap<String, Array>, meta: &HashMap<String, String>, stream: Option<Stream>) -> Result<Self> {
         state_io::from_parts(tensors, meta, stream)
     }
+}
+
+/// Bytes the caches hold together: every layer's [`nbytes`](LayerCache::nbytes)
+/// and each distinct set of shared arrays (rotation, codebooks) once.
+pub fn total_nbytes<'a>(layers: impl IntoIterator<Item = &'a LayerCache>) -> usize {
+    let mut seen = std::collections::HashSet::new();
+    layers
+        .into_iter()
+        .map(|l| l.nbytes() + l.shared_id().filter(|id| seen.insert(*id)).map_or(0, |_| l.shared_nbytes()))
+        .sum()
 }
 
 /// Grows the token axis (2) of `arrays` to at least `needed` slots, doubling.

@@ -148,11 +148,19 @@ impl PyLayerCache {
         self.inner.nbytes()
     }
 
-    /// Bytes of the rotation and codebooks shared by layers of the same head
-    /// size, seed and bits (count once per model).
+    /// Bytes of the rotation and codebooks, held once by all layers of the
+    /// same head size, seed, methods, bits, dtype and device (count them once
+    /// per `shared_id`).
     #[getter]
     fn shared_nbytes(&self) -> usize {
         self.inner.shared_nbytes()
+    }
+
+    /// Identifies the shared rotation and codebooks this layer holds (None
+    /// before the first append): layers with equal ids hold the same arrays.
+    #[getter]
+    fn shared_id(&self) -> Option<usize> {
+        self.inner.shared_id()
     }
 
     /// Drops the last `n` tokens; returns how many were dropped.
