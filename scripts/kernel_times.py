@@ -19,7 +19,7 @@ def main() -> None:
     args = p.parse_args()
     text = open(args.csv, errors="replace").read()
     header = text.find('"ID"')
-    tail = [line for line in text.splitlines() if "ms per decode step" in line]
+    tail = [line for line in text.splitlines() if " ms per " in line]
     if header < 0:
         print(f"{args.csv}: no kernel rows ({' '.join(tail) or 'no timing line'})")
         return

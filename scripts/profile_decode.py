@@ -1,13 +1,14 @@
-"""GPU time of each kernel in decode steps of a random-weight Llama model,
-for Nsight Compute on the NVIDIA machine.
+"""GPU time of each kernel in decode steps (or one prefill chunk) of a
+random-weight Llama model, for Nsight Compute on the NVIDIA machine.
 
     ncu --profile-from-start off --clock-control none \\
         --metrics gpu__time_duration.sum --csv \\
         python3 scripts/profile_decode.py --shape llama-1b --context 32768 --cache veloxquant
 
 Prefills `--context` tokens, decodes a few warm-up tokens, then brackets
-`--steps` decode steps with cudaProfilerStart/Stop so that ncu records only
-those kernels. Without ncu it prints the wall time per step.
+`--steps` decode steps (with `--chunk N`: one more prefill chunk of N
+tokens) with cudaProfilerStart/Stop so that ncu records only those
+kernels. Without ncu it prints the wall time per step.
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ def main() -> None:
     p.add_argument("--recipe", default="k4v3", help="the veloxquant recipe (veloxquant bench's syntax)")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=8)
+    p.add_argument("--chunk", type=int, default=0, help="profile one prefill chunk of this many tokens instead")
     args = p.parse_args()
     model = bench.build_model({"shape": args.shape})
     cache = bench.make_cache(model, bench.parse_cache(args.cache, args.recipe))
@@ -54,14 +56,20 @@ def main() -> None:
     if cudart is not None:
         cudart.cudaProfilerStart()
     t = time.perf_counter()
-    for _ in range(args.steps):
-        y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
-        mx.eval(y)
+    if args.chunk:
+        chunk = mx.random.randint(0, model.args.vocab_size, (1, args.chunk), key=mx.random.key(1))
+        mx.eval(model.model(chunk, cache=cache), [c.state for c in cache])
+        steps, what = 1, f"prefill chunk of {args.chunk}"
+    else:
+        for _ in range(args.steps):
+            y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
+            mx.eval(y)
+        steps, what = args.steps, "decode step"
     mx.synchronize()
-    dt = (time.perf_counter() - t) / args.steps
+    dt = (time.perf_counter() - t) / steps
     if cudart is not None:
         cudart.cudaProfilerStop()
-    print(f"{args.shape} {args.cache} context {args.context}: {dt * 1e3:.3f} ms per decode step")
+    print(f"{args.shape} {args.cache} context {args.context}: {dt * 1e3:.3f} ms per {what}")
 
 
 if __name__ == "__main__":

@@ -82,6 +82,12 @@ def test_mlx_cache_and_default_recipe(tmp_path):
     assert (vq["recipe"]["value_bits"], vq["recipe"]["window"]) == (4, 16)
 
 
+def test_unknown_shape_in_a_list_exits_2_naming_the_option():
+    proc = run("--shape", "tiny,llama-3b", "--caches", "fp16")
+    assert proc.returncode == 2
+    assert "--shape" in proc.stderr and "llama-3b" in proc.stderr and "llama-8b" in proc.stderr
+
+
 def test_unknown_cache_exits_2_naming_the_option():
     proc = run("--shape", "tiny", "--caches", "fp16,bogus")
     assert proc.returncode == 2

@@ -333,10 +333,17 @@ def plan(args, parser) -> List[Dict[str, Any]]:
             parser.error(f"--model: {e}")
         if os.path.isabs(model) or os.path.exists(model):
             model = os.path.abspath(model)
-    shape = args.shape if model is None else os.path.basename(model.rstrip("/"))
-    common = {"shape": shape, "model": model, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
+    if model is None:
+        shapes = [s.strip() for s in args.shape.split(",") if s.strip()]
+        unknown = [s for s in shapes if s not in SHAPES]
+        if unknown or not shapes:
+            parser.error(f"--shape: unknown {unknown or 'empty list'}; allowed: {', '.join(sorted(SHAPES))}")
+    else:
+        shapes = [os.path.basename(model.rstrip("/"))]
+    common = {"model": model, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
               "prefill_step_size": args.prefill_step_size, "device": args.device}
-    return [{**common, "context": ctx, "batch": b, "cache": c} for ctx in contexts for b in batches for c in caches]
+    return [{**common, "shape": shape, "context": ctx, "batch": b, "cache": c}
+            for shape in shapes for ctx in contexts for b in batches for c in caches]
 
 
 def _ratio(value, base) -> str:
@@ -410,8 +417,9 @@ def make_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="veloxquant bench", description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     which = p.add_mutually_exclusive_group()
-    which.add_argument("--shape", choices=sorted(SHAPES), default="llama-8b",
-                       help="Llama shape with random float16 weights (default: llama-8b)")
+    which.add_argument("--shape", default="llama-8b",
+                       help=f"Llama shapes with random float16 weights, comma-separated, from {', '.join(sorted(SHAPES))} "
+                       "(default: llama-8b)")
     which.add_argument("--model", default=None, help="an mlx_lm model path instead, or 'default' (SmolLM2-135M)")
     p.add_argument("--contexts", default="4096,32768", help="prompt lengths, comma-separated (default: 4096,32768)")
     p.add_argument("--batch", default="1,8", help="batch sizes, comma-separated (default: 1,8)")
