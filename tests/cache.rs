@@ -540,7 +540,9 @@ fn rvq_residual_bit_lowers_the_error() {
 }
 
 /// Kernels pending on the cache's arrays after each single-token append
-/// (evaluating in between), split into steady appends and window flushes.
+/// (evaluating in between), split into steady appends and window flushes;
+/// the few appends that grow a window (it doubles up to its capacity) are
+/// left out of both.
 fn append_launches(cfg: CacheConfig, tokens: usize) -> (Vec<usize>, Vec<usize>) {
     let (mut cache, _) = filled(cfg.clone(), 1, 40, 0, Dtype::F16, 9);
     let mut rng = ChaCha8Rng::seed_from_u64(10);
@@ -551,10 +553,14 @@ fn append_launches(cfg: CacheConfig, tokens: usize) -> (Vec<usize>, Vec<usize>) 
         let k = normal(&mut rng, &[1, h, 1, d], Dtype::F16);
         let v = normal(&mut rng, &[1, h, 1, d], Dtype::F16);
         veloxquant::array::eval(&[&k, &v]).unwrap();
-        let before = cache.compressed_tokens();
+        let (before, bytes) = (cache.compressed_tokens(), cache.nbytes());
         cache.append(&k, &v).unwrap();
         let n = veloxquant::graph::pending_kernels(&cache.arrays()).unwrap().len();
-        if cache.compressed_tokens() == before { steady.push(n) } else { flush.push(n) }
+        if cache.compressed_tokens() != before {
+            flush.push(n)
+        } else if cache.nbytes() == bytes {
+            steady.push(n)
+        }
         veloxquant::array::eval(&cache.arrays()).unwrap();
     }
     (steady, flush)
@@ -667,4 +673,56 @@ fn layers_of_one_config_hold_one_set_of_shared_arrays() {
         total_nbytes(all.iter().copied()),
         own + other.nbytes() + back.nbytes() + shared + other.shared_nbytes()
     );
+}
+
+/// Bytes of a float16 cache holding `tokens` keys and values `[b, h, ·, d]`
+/// as mlx_lm's `KVCache` allocates them (steps of 256 tokens).
+fn fp16_cache_bytes(b: usize, h: usize, d: usize, tokens: usize) -> usize {
+    2 * b * h * d * 2 * tokens.div_ceil(256) * 256
+}
+
+#[test]
+fn compressed_caches_allocate_by_need_and_never_hold_more_than_float16() {
+    let (b, h, d) = (1usize, 8usize, 128usize);
+    let configs = [
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 4, 128, 4),
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 4, 16, 4),
+        (Method::Kivi, 4, Method::Kivi, 2, 128, 4),
+        (Method::Kivi, 8, Method::Kivi, 8, 16, 0),
+        (Method::Pq, 2, Method::Pq, 2, 128, 4),
+        (Method::Qjl, 1, Method::TurboQuantRvq, 3, 64, 4),
+        (Method::TurboQuantMse, 4, Method::Fp16, 16, 128, 4),
+        (Method::Fp16, 16, Method::Fp16, 16, 128, 4),
+    ];
+    let mut rng = ChaCha8Rng::seed_from_u64(31);
+    for (km, kb, vm, vb, window, sinks) in configs {
+        let mut cfg = mixed_config(d, h, (km, kb, vm, vb), Policy::Auto);
+        cfg.window = window;
+        cfg.sinks = sinks;
+        let tag = format!("{km}/{kb} {vm}/{vb} window {window}");
+        // One prefill chunk of each size: at most float16's bytes.
+        for t in [1usize, 3, 77, 200, 300, 1000, 2500] {
+            let mut cache = LayerCache::new(cfg.clone(), Some(Stream::cpu())).unwrap();
+            let k = normal(&mut rng, &[b as i32, h as i32, t as i32, d as i32], Dtype::F16);
+            cache.append(&k, &k).unwrap();
+            let fp16 = fp16_cache_bytes(b, h, d, t);
+            assert!(cache.nbytes() <= fp16, "{tag}, {t} tokens: {} bytes, float16 {fp16}", cache.nbytes());
+        }
+        // A prefill of 77 tokens, then single tokens: at most float16's bytes
+        // at every step, but for the key mean and its offset (6 bytes per
+        // channel and KV head) and the one slot of a store with no token yet
+        // when the windows hold as many tokens as float16 allocates (under
+        // three tokens of float16 keys and values).
+        let mut cache = LayerCache::new(cfg.clone(), Some(Stream::cpu())).unwrap();
+        let k = normal(&mut rng, &[b as i32, h as i32, 77, d as i32], Dtype::F16);
+        cache.append(&k, &k).unwrap();
+        let mean = if cfg.compressed() { 3 * (2 * b * h * d * 2) } else { 0 };
+        for t in 78..=700usize {
+            let k = normal(&mut rng, &[b as i32, h as i32, 1, d as i32], Dtype::F16);
+            cache.append(&k, &k).unwrap();
+            let fp16 = fp16_cache_bytes(b, h, d, t);
+            let slack = if t % 256 == 0 || t % 256 > 256 - 8 { mean } else { 0 };
+            assert!(cache.nbytes() <= fp16 + slack, "{tag}, {t} tokens: {} bytes, float16 {fp16}", cache.nbytes());
+        }
+    }
 }

@@ -176,6 +176,23 @@ def test_compressed_cache_is_smaller():
     assert mx.abs(out_k - k).mean().item() < 0.2
 
 
+@pytest.mark.parametrize("tokens", [1, 77, 300, 1000])
+def test_a_short_or_long_context_holds_no_more_than_float16(tokens):
+    # SmolLM2-135M's layer shape; mlx_lm's float16 KVCache as the reference.
+    c, fp16 = VeloxQuantCache(KVConfig()), KVCache()
+    k = mx.random.normal((1, 3, tokens, 64), key=mx.random.key(tokens)).astype(mx.float16)
+    c.update_and_fetch(k, k)
+    fp16.update_and_fetch(k, k)
+    assert c.nbytes <= fp16.nbytes, (c.nbytes, fp16.nbytes)
+    # Decoding on: still no more than float16 (mlx_lm grows it by 256 tokens).
+    for i in range(40):
+        t = k[:, :, :1] + i
+        c._attended = True
+        c.update_and_fetch(t, t)
+        fp16.update_and_fetch(t, t)
+        assert c.nbytes <= fp16.nbytes, (tokens + i + 1, c.nbytes, fp16.nbytes)
+
+
 def test_cache_nbytes_counts_the_shared_rotation_and_codebooks_once():
     caches = [VeloxQuantCache(KVConfig(key_bits=4, window=8, sinks=2)) for _ in range(3)]
     plain = KVCache()
@@ -202,7 +219,10 @@ def test_compressed_attention_is_close(filled, smollm):
 def test_deepcopy_is_independent(filled):
     model, caches, ids = filled
     twin = copy.deepcopy(caches)
-    assert [c.nbytes for c in twin] == [c.nbytes for c in caches]
+    # The copy holds the same tokens, in stores sized for them (no more
+    # than the original, which grew while they came).
+    assert [c.offset for c in twin] == [c.offset for c in caches]
+    assert all(0 < a.nbytes <= b.nbytes for a, b in zip(twin, caches))
     a = _next_logits(model, caches)
     assert twin[0].offset == ids.shape[1]  # the copy did not see the new token
     b = _next_logits(model, twin)

@@ -47,10 +47,11 @@ def test_counts_memory_trim_and_state():
     cache, k, _ = filled(tokens=300, key_bits=4, value_bits=2)
     assert cache.offset == 300 and cache.compressed_tokens == 300 - 4 - 32
     # Every held byte: codes (4 + 2 bits x 64 dims) and two float16 norms per
-    # slot of a store grown to 512 slots, and the float16 windows
-    # (4 sinks + 2 x 32 recent slots) of keys and values, and the keys'
-    # float32 channel means and their float16 offsets in the rotated frame.
-    heads, slots, window_slots = 2, 512, 4 + 2 * 32
+    # slot of a store sized by need (264 compressed tokens, rounded up to 64
+    # slots), and the float16 windows (4 sinks + 2 x 32 recent slots) of keys
+    # and values, and the keys' float32 channel means and their float16
+    # offsets in the rotated frame.
+    heads, slots, window_slots = 2, 320, 4 + 2 * 32
     assert cache.nbytes == (
         heads * slots * (32 + 16 + 2 + 2) + 2 * heads * window_slots * 64 * 2 + heads * 64 * 4 + heads * 64 * 2
     )

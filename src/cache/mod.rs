@@ -2,7 +2,7 @@
 //!
 //! Keys and values each have their own method and bits. Compressed tokens are
 //! kept only as packed codes and their side data (norms, scales, zeros) in
-//! stores that grow by doubling, plus two float16 windows: the first `sinks`
+//! stores sized by need, plus two float16 windows: the first `sinks`
 //! tokens (attention sinks) and the most recent `window` tokens (up to
 //! `window + window` before the oldest of them are compressed in one batch).
 //! No float16 copy of a compressed token is kept. `fp16` for both keys and

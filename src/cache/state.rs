@@ -28,8 +28,36 @@ fn key_offset(mean: &Array, rotation: Option<&Array>, dtype: Dtype, s: &Stream) 
     ops::astype(&ops::multiply(&framed, &Array::scalar_f32(-1.0)?, s)?, dtype, s)
 }
 
-/// Slots a store starts with; it then doubles.
-const MIN_CAPACITY: usize = 256;
+/// Token slots of a float16 cache's allocation step (mlx_lm's `KVCache`
+/// grows by 256 tokens): a window grows no further than keeps the cache
+/// within what such a cache holds for the same tokens.
+const FP16_STEP: usize = 256;
+/// Stores grow to a multiple of this many slots (a multiple of KIVI's key
+/// group, so that parameter rows are whole).
+const STORE_ROUND: usize = 64;
+
+/// Slots a store (the codes and side data of compressed tokens, or the
+/// dense control's tokens) grows to when it must hold `needed`: what is
+/// needed, or an eighth more than it holds when that is more (so that a
+/// growth copies the store a bounded number of times), rounded up to
+/// `STORE_ROUND`.
+fn store_capacity(current: usize, needed: usize) -> usize {
+    if needed <= current {
+        return current;
+    }
+    needed.max(current + current / 8).div_ceil(STORE_ROUND) * STORE_ROUND
+}
+
+/// Slots a window grows to when it must hold `needed` (at most `max`, the
+/// configuration's `window_capacity`): double what it holds, but not below
+/// `needed` nor above `limit` (where the layer would outgrow a float16
+/// cache of its tokens) unless `needed` is.
+fn window_slots(current: usize, needed: usize, max: usize, limit: usize) -> usize {
+    if needed <= current {
+        return current;
+    }
+    (2 * current).clamp(needed, limit.max(needed)).min(max)
+}
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
 const STATE_VERSION: &str = "3";
 
@@ -216,19 +244,10 @@ impl Side {
 
     /// Grows the stores to `new` token slots (zeros appended).
     fn grow(&mut self, new: usize, s: &Stream) -> Result<()> {
-        let append = |a: &mut Array, rows: usize| -> Result<()> {
-            let mut shape = a.shape();
-            let extra = rows - shape[2] as usize;
-            if extra > 0 {
-                shape[2] = extra as i32;
-                *a = ops::concatenate(&[a.clone(), ops::zeros(&shape, a.dtype(), s)?], 2, s)?;
-            }
-            Ok(())
-        };
-        append(&mut self.codes, new)?;
+        extend_slots(&mut self.codes, new, s)?;
         let rows = self.codec.param_rows(new);
         for a in [self.scales.as_mut(), self.zeros.as_mut()].into_iter().flatten() {
-            append(a, rows)?;
+            extend_slots(a, rows, s)?;
         }
         Ok(())
     }
@@ -345,13 +364,41 @@ struct Compressed {
     k_offset: Option<Array>,
     keys: Side,
     values: Side,
+    /// Token slots of the stores.
     capacity: usize,
+    /// Token slots of the windows (at most the configuration's
+    /// `window_capacity`).
+    window_slots: usize,
     len: usize,
     n_sink: usize,
     n_recent: usize,
 }
 
 impl Compressed {
+    /// Grows both windows so that they hold at least `needed` slots, when the
+    /// layer holds `tokens` tokens: by doubling, within the bytes of a
+    /// float16 cache of those tokens (the stores and the key mean counted).
+    fn reserve_window(&mut self, needed: usize, tokens: usize, max: usize, s: &Stream) -> Result<()> {
+        if needed <= self.window_slots {
+            return Ok(());
+        }
+        let slot_bytes = 2 * self.keys.window.nbytes() / self.window_slots.max(1);
+        let others = self.keys.arrays().chain(self.values.arrays()).map(Array::nbytes).sum::<usize>()
+            - self.keys.window.nbytes()
+            - self.values.window.nbytes()
+            + self.k_mean.as_ref().map_or(0, Array::nbytes)
+            + self.k_offset.as_ref().map_or(0, Array::nbytes);
+        let fp16_slots = tokens.div_ceil(FP16_STEP) * FP16_STEP;
+        let limit = fp16_slots.saturating_sub(others.div_ceil(slot_bytes.max(1)));
+        let slots = window_slots(self.window_slots, needed, max, limit);
+        if slots > self.window_slots {
+            extend_slots(&mut self.keys.window, slots, s)?;
+            extend_slots(&mut self.values.window, slots, s)?;
+            self.window_slots = slots;
+        }
+        Ok(())
+    }
+
     /// Tokens both sides compress together: a flush starts and ends on a
     /// multiple of it.
     fn token_group(&self) -> usize {
@@ -534,13 +581,15 @@ impl LayerCache {
         codec_table(sc, self.cfg.head_dim, self.cfg.seed)?.map(|t| Array::from_slice(&t, &[t.len() as i32])).transpose()
     }
 
-    fn init(&mut self, batch: usize, dtype: Dtype) -> Result<()> {
+    /// Creates the empty stores for `batch` and `dtype`, sized for a first
+    /// chunk of `tokens` (they grow as tokens come).
+    fn init(&mut self, batch: usize, dtype: Dtype, tokens: usize) -> Result<()> {
         let s = &self.stream;
         let (b, h, d) = (batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
         self.batch = batch;
         self.dtype = dtype;
-        let cap = MIN_CAPACITY;
         if !self.cfg.compressed() {
+            let cap = store_capacity(0, tokens.max(1));
             self.store = Some(Store::Dense(Dense {
                 keys: ops::zeros(&[b, h, cap as i32, d], dtype, s)?,
                 values: ops::zeros(&[b, h, cap as i32, d], dtype, s)?,
@@ -568,7 +617,12 @@ impl LayerCache {
             let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
             Ok(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
         })?);
-        let wcap = self.cfg.window_capacity() as i32;
+        // No compressed token yet: one slot (the kernels take no empty
+        // array), grown at the first flush. The windows hold what the first
+        // chunk puts in them.
+        let cap = 1;
+        let wslots = tokens.clamp(1, self.cfg.window_capacity());
+        let wcap = wslots as i32;
         let side = |codec: SideCodec| -> Result<Side> {
             let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
             let mut side = Side {
@@ -593,6 +647,7 @@ impl LayerCache {
             keys: side(kc)?,
             values: side(vc)?,
             capacity: cap,
+            window_slots: wslots,
             len: 0,
             n_sink: 0,
             n_recent: 0,
@@ -605,7 +660,7 @@ impl LayerCache {
         let ks = self.check_pair(keys, values)?;
         let t = ks[2] as usize;
         if self.store.is_none() {
-            self.init(ks[0] as usize, keys.dtype())?;
+            self.init(ks[0] as usize, keys.dtype(), t)?;
         }
         if t == 0 {
             return Ok(());
@@ -653,9 +708,12 @@ impl LayerCache {
             c.k_offset = Some(key_offset(mean, shared.rotation.as_ref().filter(|_| key_rotated), dtype, &s)?);
         }
         let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
+        let max_slots = self.cfg.window_capacity();
+        let held = c.n_sink + c.len + c.n_recent + t;
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);
+            c.reserve_window(c.n_sink + take, held, max_slots, &s)?;
             let (lo, hi) = (c.n_sink as i32, (c.n_sink + take) as i32);
             for (side, x) in [(&mut c.keys, &rk), (&mut c.values, &rv)] {
                 let part = ops::slice(x, &[0, 0, 0, 0], &[b, h, take as i32, d], &s)?;
@@ -672,6 +730,7 @@ impl LayerCache {
         let new_v = ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
         let w0 = sinks as i32;
         if c.n_recent + rest <= self.cfg.recent_capacity() {
+            c.reserve_window(sinks + c.n_recent + rest, held, max_slots, &s)?;
             let (lo, hi) = (w0 + c.n_recent as i32, w0 + (c.n_recent + rest) as i32);
             for (side, x) in [(&mut c.keys, &new_k), (&mut c.values, &new_v)] {
                 side.window = ops::slice_update(&side.window, x, &[0, 0, lo, 0], &[b, h, hi, d], &s)?;
@@ -713,16 +772,14 @@ impl LayerCache {
         let ev = c.values.encode(&cv, shared.v_table.as_ref(), dtype, &opts)?;
         let needed = first + m;
         if needed > c.capacity {
-            let mut cap = c.capacity;
-            while cap < needed {
-                cap *= 2;
-            }
+            let cap = store_capacity(c.capacity, needed);
             c.keys.grow(cap, &s)?;
             c.values.grow(cap, &s)?;
             c.capacity = cap;
         }
         c.keys.write(ek, first, &s)?;
         c.values.write(ev, first, &s)?;
+        c.reserve_window(sinks + pending - m, held, max_slots, &s)?;
         let keep = (pending - m) as i32;
         for (side, x) in [(&mut c.keys, &keep_k), (&mut c.values, &keep_v)] {
             side.window = ops::slice_update(&side.window, x, &[0, 0, w0, 0], &[b, h, w0 + keep, d], &s)?;
@@ -826,7 +883,7 @@ impl LayerCache {
     pub fn framed_with(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
         let shape = self.check_pair(keys, values)?;
         if self.store.is_none() {
-            self.init(shape[0] as usize, keys.dtype())?;
+            self.init(shape[0] as usize, keys.dtype(), shape[2] as usize)?;
         }
         let s = self.stream.clone();
         let (b, h, d) = (shape[0], shape[1], shape[3]);
@@ -925,7 +982,7 @@ impl LayerCache {
                 compressed: c.len,
                 recent: c.n_recent,
                 capacity: c.capacity,
-                window_capacity: self.cfg.window_capacity(),
+                window_capacity: c.window_slots,
                 causal,
             },
             rot_k: rot,
@@ -961,7 +1018,7 @@ impl LayerCache {
                 compressed: c.len,
                 recent: c.n_recent,
                 capacity: c.capacity,
-                window_capacity: self.cfg.window_capacity(),
+                window_capacity: c.window_slots,
                 causal,
                 mask_heads: 0,
             },
@@ -1047,22 +1104,28 @@ pub fn total_nbytes<'a>(layers: impl IntoIterator<Item = &'a LayerCache>) -> usi
         .sum()
 }
 
-/// Grows the token axis (2) of `arrays` to at least `needed` slots, doubling.
+/// Grows the token axis (2) of `arrays` to at least `needed` slots
+/// (`store_capacity`).
 fn grow(arrays: &mut [&mut Array], capacity: &mut usize, needed: usize, s: &Stream) -> Result<()> {
     if needed <= *capacity {
         return Ok(());
     }
-    let mut cap = (*capacity).max(MIN_CAPACITY);
-    while cap < needed {
-        cap *= 2;
-    }
+    let cap = store_capacity(*capacity, needed);
     for a in arrays.iter_mut() {
-        let mut shape = a.shape();
-        shape[2] = (cap - *capacity) as i32;
-        let extra = ops::zeros(&shape, a.dtype(), s)?;
-        **a = ops::concatenate(&[(**a).clone(), extra], 2, s)?;
+        extend_slots(a, cap, s)?;
     }
     *capacity = cap;
+    Ok(())
+}
+
+/// Appends zero slots to the token axis (2) of `a` up to `slots`.
+fn extend_slots(a: &mut Array, slots: usize, s: &Stream) -> Result<()> {
+    let mut shape = a.shape();
+    let extra = slots.saturating_sub(shape[2] as usize);
+    if extra > 0 {
+        shape[2] = extra as i32;
+        *a = ops::concatenate(&[a.clone(), ops::zeros(&shape, a.dtype(), s)?], 2, s)?;
+    }
     Ok(())
 }
 
@@ -1252,7 +1315,7 @@ mod state_io {
             }
             Ok(t.clone())
         };
-        cache.init(batch, dtype)?;
+        cache.init(batch, dtype, 0)?;
         let s = cache.stream.clone();
         if !cache.cfg.compressed() {
             let n = tensors.get("keys").ok_or_else(|| corrupt("keys: missing"))?.shape().get(2).copied().unwrap_or(0);
@@ -1279,10 +1342,8 @@ mod state_io {
         let rotation = key_rotation.as_ref().filter(|_| c.keys.codec.codec.rotated());
         c.k_offset = mean.as_ref().map(|m| key_offset(m, rotation, dtype, &s)).transpose()?;
         c.k_mean = mean;
-        let mut cap = c.capacity;
-        while cap < n {
-            cap *= 2;
-        }
+        let cap = store_capacity(c.capacity, n);
+        c.reserve_window(if nr > 0 { cache.cfg.sinks + nr } else { ns }, n + ns + nr, cache.cfg.window_capacity(), &s)?;
         let w0 = cache.cfg.sinks as i32;
         for (side, prefix, win) in [(&mut c.keys, "k", &wk), (&mut c.values, "v", &wv)] {
             side.grow(cap, &s)?;
