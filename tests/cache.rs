@@ -144,10 +144,59 @@ fn state_round_trips_and_rejects_corruption() {
     assert!(e.starts_with("state:"), "{e}");
     let e = LayerCache::from_bytes(b"not a state at all", None).err().unwrap().to_string();
     assert!(e.starts_with("state:"), "{e}");
-    let text = String::from_utf8_lossy(&bytes).replace("\"version\":\"1\"", "\"version\":\"9\"");
-    if text.len() == bytes.len() {
-        let e = LayerCache::from_bytes(text.as_bytes(), None).err().unwrap().to_string();
-        assert!(e.contains("version"), "{e}");
+    // A state of another version (here the last one without checksums) is
+    // refused, naming the version.
+    let old = replace_bytes(&bytes, b"\"version\":\"4\"", b"\"version\":\"3\"");
+    let e = LayerCache::from_bytes(&old, None).err().unwrap().to_string();
+    assert!(e.starts_with("state: version \"3\" is not supported"), "{e}");
+}
+
+/// `bytes` with the one occurrence of `from` replaced by `to` (same length).
+fn replace_bytes(bytes: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
+    assert_eq!(from.len(), to.len());
+    let at: Vec<usize> = (0..=bytes.len() - from.len()).filter(|&i| &bytes[i..i + from.len()] == from).collect();
+    assert_eq!(at.len(), 1, "{:?} occurs {} times", String::from_utf8_lossy(from), at.len());
+    let mut out = bytes.to_vec();
+    out[at[0]..at[0] + to.len()].copy_from_slice(to);
+    out
+}
+
+#[test]
+fn saved_states_refuse_flipped_bits_and_truncation() {
+    let mut rng = ChaCha8Rng::seed_from_u64(41);
+    for m in [(Method::TurboQuantMse, 4, Method::TurboQuantMse, 3), (Method::Kivi, 4, Method::Pq, 2), (Method::Fp16, 16, Method::Fp16, 16)] {
+        let (cache, _) = filled(mixed_config(64, 2, m, Policy::Auto), 1, 90, 3, Dtype::F16, 17);
+        let bytes = cache.to_bytes().unwrap();
+        let header = 8 + u64::from_le_bytes(bytes[..8].try_into().unwrap()) as usize;
+        assert!(LayerCache::from_bytes(&bytes, None).is_ok());
+        // Single flipped bits, in the header and throughout the tensors' data:
+        // every one refused (CRC-32 catches every single-bit error).
+        let bits = 8 * bytes.len();
+        let mut positions: Vec<usize> = (0..600).map(|_| rand::RngExt::random_range(&mut rng, 0..bits)).collect();
+        positions.extend((0..200).map(|_| rand::RngExt::random_range(&mut rng, 8 * header..bits)));
+        positions.extend([0, 63, 8 * header, bits - 1]);
+        for bit in positions {
+            let mut bad = bytes.clone();
+            bad[bit / 8] ^= 1 << (bit % 8);
+            match LayerCache::from_bytes(&bad, Some(Stream::cpu())) {
+                Ok(_) => panic!("{m:?}: bit {bit} of {bits} flipped (header ends at byte {header}) and the state loaded"),
+                Err(e) => assert!(e.to_string().starts_with("state:"), "{m:?}: bit {bit}: {e}"),
+            }
+        }
+        // Truncated, or with bytes added: refused.
+        for len in [0, 1, 7, 8, header - 1, header, header + 1, bytes.len() / 2, bytes.len() - 1] {
+            let e = LayerCache::from_bytes(&bytes[..len], None).err().unwrap_or_else(|| panic!("{m:?}: {len} bytes loaded"));
+            assert!(e.to_string().starts_with("state:"), "{m:?}: {len} bytes: {e}");
+        }
+        let mut longer = bytes.clone();
+        longer.push(0);
+        assert!(LayerCache::from_bytes(&longer, None).err().unwrap().to_string().starts_with("state:"));
+        // A tensor's data changed with its checksum left as it was names the tensor.
+        let mut bad = bytes.clone();
+        let last = bad.len() - 1;
+        bad[last] ^= 0x10;
+        let e = LayerCache::from_bytes(&bad, None).err().unwrap().to_string();
+        assert!(e.contains("checksum does not match"), "{e}");
     }
 }
 
@@ -357,13 +406,25 @@ fn every_method_state_round_trips_bit_identically() {
         let (k0, v0) = cache.dequantize().unwrap();
         let (k1, v1) = back.dequantize().unwrap();
         assert_eq!((f32s(&k0), f32s(&v0)), (f32s(&k1), f32s(&v1)), "{m:?}: same tokens");
-        // A state missing a tensor, or with one of the wrong shape, names `state`.
+        // A saved state with a tensor renamed fails its header's checksum; a
+        // state missing a tensor, or with one of the wrong shape, names
+        // `state` and the tensor.
+        let (tensors, meta) = cache.state_parts().unwrap();
+        let meta: std::collections::HashMap<String, String> = meta.into_iter().collect();
         for name in ["k_codes", "v_codes", "win_k"] {
             let mut broken = bytes.clone();
             let pat = format!("\"{name}\"").into_bytes();
             let at = broken.windows(pat.len()).position(|w| w == pat.as_slice()).expect("tensor name in the header");
             *broken.get_mut(at + pat.len() - 2).unwrap() = b'#';
             let e = LayerCache::from_bytes(&broken, None).err().unwrap().to_string();
+            assert!(e.starts_with("state:") && e.contains("checksum"), "{m:?}: {e}");
+            let mut parts: std::collections::HashMap<String, Array> = tensors.iter().cloned().collect();
+            parts.remove(name);
+            let e = LayerCache::from_state_parts(&parts, &meta, None).err().unwrap().to_string();
+            assert!(e.starts_with("state:") && e.contains(name), "{m:?}: {e}");
+            let first = ops::slice(&tensors.iter().find(|t| t.0 == name).unwrap().1, &[0, 0, 0, 0], &[1, 1, 1, 1], &Stream::cpu()).unwrap();
+            parts.insert(name.to_string(), first);
+            let e = LayerCache::from_state_parts(&parts, &meta, None).err().unwrap().to_string();
             assert!(e.starts_with("state:") && e.contains(name), "{m:?}: {e}");
         }
         let e = LayerCache::from_bytes(&bytes[..bytes.len() - 3], None).err().unwrap().to_string();

@@ -64,6 +64,24 @@ def test_counts_memory_trim_and_state():
         LayerCache.from_bytes(data[:100])
 
 
+def test_a_corrupt_or_truncated_state_is_refused():
+    cache, _, _ = filled(tokens=120)
+    data = cache.to_bytes()
+    rng = np.random.default_rng(0)
+    for bit in rng.integers(0, 8 * len(data), 200):
+        bad = bytearray(data)
+        bad[bit // 8] ^= 1 << (bit % 8)
+        with pytest.raises(ValueError, match=r"^state:"):
+            LayerCache.from_bytes(bytes(bad))
+    for n in (0, 8, len(data) // 3, len(data) - 1):
+        with pytest.raises(ValueError, match=r"^state:"):
+            LayerCache.from_bytes(data[:n])
+    bad = bytearray(data)
+    bad[-1] ^= 4
+    with pytest.raises(ValueError, match=r"^state: win_v: the data's checksum does not match"):
+        LayerCache.from_bytes(bytes(bad))
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"^key_bits: 7"):
         LayerCache(64, 2, key_bits=7)

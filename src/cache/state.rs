@@ -59,7 +59,8 @@ fn window_slots(current: usize, needed: usize, max: usize, limit: usize) -> usiz
     (2 * current).clamp(needed, limit.max(needed)).min(max)
 }
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
-const STATE_VERSION: &str = "3";
+/// Version 4: `to_bytes` adds a CRC-32 of every tensor and of the header.
+const STATE_VERSION: &str = "4";
 
 /// Row-major `Π` of the cache's rotation for `(dim, seed)`: Hadamard where
 /// the size allows, else dense. Computed once per process.
@@ -1224,8 +1225,33 @@ mod state_io {
         Ok((tensors, meta))
     }
 
+    /// Metadata key of a tensor's CRC-32 (lowercase hex of its bytes).
+    fn crc_key(name: &str) -> String {
+        format!("crc32:{name}")
+    }
+
+    /// Metadata key of the header's CRC-32.
+    const HEADER_CRC: &str = "crc32";
+
+    /// CRC-32 of the header: every metadata entry but this checksum, then
+    /// each tensor's name, dtype and shape, in name order.
+    fn header_crc<'a>(meta: impl Iterator<Item = (&'a String, &'a String)>, tensors: &mut [(String, &'static str, Vec<usize>)]) -> String {
+        let mut meta: Vec<_> = meta.filter(|(k, _)| k.as_str() != HEADER_CRC).collect();
+        meta.sort();
+        tensors.sort();
+        let mut h = crc32fast::Hasher::new();
+        for (k, v) in meta {
+            h.update(format!("{}={}\n", k.len(), k).as_bytes());
+            h.update(format!("{}={}\n", v.len(), v).as_bytes());
+        }
+        for (name, dtype, shape) in tensors.iter() {
+            h.update(format!("{}:{name} {dtype} {shape:?}\n", name.len()).as_bytes());
+        }
+        format!("{:08x}", h.finalize())
+    }
+
     pub(super) fn save(cache: &LayerCache) -> Result<Vec<u8>> {
-        let (tensors, meta) = parts(cache)?;
+        let (tensors, mut meta) = parts(cache)?;
         let data: Vec<(String, Dtype, Vec<usize>, Vec<u8>)> = tensors
             .into_iter()
             .map(|(name, a)| {
@@ -1233,6 +1259,12 @@ mod state_io {
                 Ok((name, a.dtype(), shape, a.to_bytes()?))
             })
             .collect::<Result<_>>()?;
+        for (name, _, _, bytes) in &data {
+            meta.insert(crc_key(name), format!("{:08x}", crc32fast::hash(bytes)));
+        }
+        let mut layout: Vec<_> = data.iter().map(|(n, dt, shape, _)| (n.clone(), st_name(*dt), shape.clone())).collect();
+        let crc = header_crc(meta.iter(), &mut layout);
+        meta.insert(HEADER_CRC.to_string(), crc);
         let views: Vec<crate::safetensors_io::TensorBytes<'_>> = data
             .iter()
             .map(|(n, dt, shape, bytes)| crate::safetensors_io::TensorBytes { name: n, dtype: st_name(*dt), shape, data: bytes })
@@ -1257,16 +1289,36 @@ mod state_io {
         }
     }
 
+    /// Reads [`save`]'s bytes: the header's and every tensor's CRC-32 are
+    /// checked before anything is built, so a corrupt or truncated state is
+    /// refused.
     pub(super) fn load(bytes: &[u8], stream: Option<Stream>) -> Result<LayerCache> {
         let (_, header) = SafeTensors::read_metadata(bytes).map_err(|e| corrupt(format!("not a cache state: {e}")))?;
         let meta = header.metadata().clone().ok_or_else(|| corrupt("no metadata"))?;
         check_format(&meta)?;
         let st = SafeTensors::deserialize(bytes).map_err(|e| corrupt(format!("not a cache state: {e}")))?;
+        let mut layout: Vec<_> = st
+            .tensors()
+            .iter()
+            .map(|(name, t)| Ok((name.clone(), dtype_of(t.dtype()).map(st_name).ok_or_else(|| corrupt(format!("{name}: dtype {:?} is not a cache dtype", t.dtype())))?, t.shape().to_vec())))
+            .collect::<Result<_>>()?;
+        let want = meta.get(HEADER_CRC).ok_or_else(|| corrupt("no checksum of the header"))?;
+        if header_crc(meta.iter(), &mut layout) != *want {
+            return Err(corrupt("the header's checksum does not match: the state is corrupt"));
+        }
         let mut tensors = HashMap::new();
         for (name, t) in st.tensors() {
+            let want = meta.get(&crc_key(&name)).ok_or_else(|| corrupt(format!("{name}: no checksum")))?;
+            if format!("{:08x}", crc32fast::hash(t.data())) != *want {
+                return Err(corrupt(format!("{name}: the data's checksum does not match: the state is corrupt")));
+            }
             let dt = dtype_of(t.dtype()).ok_or_else(|| corrupt(format!("{name}: dtype {:?} is not a cache dtype", t.dtype())))?;
             let shape = t.shape().iter().map(|&v| i32::try_from(v).map_err(|_| corrupt(format!("{name}: shape {:?}", t.shape())))).collect::<Result<Vec<_>>>()?;
             tensors.insert(name, Array::from_bytes(t.data(), &shape, dt)?);
+        }
+        let checked = meta.keys().filter(|k| k.starts_with("crc32:")).count();
+        if checked != tensors.len() {
+            return Err(corrupt(format!("{checked} tensor checksums for {} tensors", tensors.len())));
         }
         from_parts(&tensors, &meta, stream)
     }
@@ -1275,8 +1327,15 @@ mod state_io {
         if meta.get("format").map(String::as_str) != Some(STATE_FORMAT) {
             return Err(corrupt(format!("format is {:?}, expected {STATE_FORMAT:?}", meta.get("format"))));
         }
-        if meta.get("version").map(String::as_str) != Some(STATE_VERSION) {
-            return Err(corrupt(format!("version {:?} is not supported (expected {STATE_VERSION})", meta.get("version"))));
+        match meta.get("version") {
+            Some(v) if v == STATE_VERSION => {}
+            Some(v) => {
+                return Err(corrupt(format!(
+                    "version {v:?} is not supported: this veloxquant reads version {STATE_VERSION} (states of other \
+                     versions are refused; rebuild the cache from its tokens)"
+                )))
+            }
+            None => return Err(corrupt(format!("no version (expected {STATE_VERSION})"))),
         }
         Ok(())
     }
