@@ -464,6 +464,25 @@ fn wrong_bits_and_methods_name_the_argument() {
     }
     let e = "nope".parse::<Method>().unwrap_err().to_string();
     assert!(e.starts_with("method: \"nope\" is not one of") && e.contains("\"kivi\""), "{e}");
+    let e = Method::parse_arg("value_method", "nope").unwrap_err().to_string();
+    assert!(e.starts_with("value_method: \"nope\" is not one of") && e.contains("\"kivi\""), "{e}");
+    assert_eq!(Method::Kivi.supported_bits(), Some(&[1, 2, 3, 4, 8][..]));
+    assert_eq!(Method::Fp16.supported_bits(), None);
+    // A state's metadata problems name the field and value, never `Some(..)`.
+    let (cache, _) = filled(config(64, 2, Method::TurboQuantMse, Policy::Auto), 1, 30, 0, Dtype::F16, 3);
+    let (tensors, meta) = cache.state_parts().unwrap();
+    let tensors: std::collections::HashMap<String, Array> = tensors.into_iter().collect();
+    for (key, value, want) in [
+        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads version 4"),
+        ("format", "zip", "state: format \"zip\" is not \"veloxquant-layer-cache\""),
+        ("dtype", "float64", "state: dtype \"float64\" is not one of"),
+        ("window", "-1", "state: field \"window\": \"-1\" is not a valid value"),
+    ] {
+        let mut m: std::collections::HashMap<String, String> = meta.clone().into_iter().collect();
+        m.insert(key.into(), value.into());
+        let e = LayerCache::from_state_parts(&tensors, &m, None).err().unwrap().to_string();
+        assert!(e.starts_with(want) && !e.contains("Some("), "{e}");
+    }
 }
 
 #[test]

@@ -262,6 +262,38 @@ def test_batching_is_refused_clearly(filled):
         caches[0].merge(caches)
 
 
+@pytest.mark.parametrize(
+    "state, error, message",
+    [
+        ({"config": "[1]"}, ValueError, r"^VeloxQuantCache.state: the config or layout is not valid: KVConfig JSON must be an object"),
+        ({"config": "3"}, ValueError, r"KVConfig JSON must be an object of settings, got int"),
+        ({"config": '{"foo": 1}'}, ValueError, r"KVConfig JSON has unknown fields \['foo'\]; known: \['key_method'"),
+        ({"config": '{"layers": [1]}'}, ValueError, r"KVConfig JSON: layers must map layer indices to overrides"),
+        ({"config": '{"layers": {"x": null}}'}, ValueError, r"KVConfig JSON: layers must map layer indices to overrides"),
+        ({"config": '{"key_bits": "4"}'}, ValueError, r"KVConfig.key_bits must be an integer from 1 to 16, got '4'"),
+        ({"config": "{}", "layout": "[1]"}, ValueError, r"the layout must be a JSON object of strings, got \[1\]"),
+        ({"config": "{}", "layout": '{"format": 1}'}, ValueError, r"the layout must be a JSON object of strings"),
+        ({"config": "{}", "layout": "{}", "arrays": [1]}, TypeError, r"^VeloxQuantCache.state: 'arrays' must be a dict of mlx.core.array, got list"),
+        ({"config": "{}", "layout": '{"version": "2"}'}, ValueError, r"^state: no format field"),
+    ],
+)
+def test_a_bad_state_names_what_is_wrong(state, error, message):
+    c = VeloxQuantCache()
+    with pytest.raises(error, match=message):
+        c.state = state
+
+
+def test_trim_takes_a_whole_number_of_tokens():
+    c = VeloxQuantCache(KVConfig(window=8, sinks=2))
+    k = mx.zeros((1, 2, 20, 64), dtype=mx.float16)
+    c.update_and_fetch(k, k)
+    with pytest.raises(TypeError, match=r"^n: expected an int, got float"):
+        c.trim(1.5)
+    with pytest.raises(ValueError, match=r"^n: -1 is out of range"):
+        c.trim(-1)
+    assert c.offset == 20 and c.trim(5) == 5 and c.offset == 15
+
+
 def test_cache_errors():
     with pytest.raises(TypeError, match="KVConfig"):
         VeloxQuantCache({"key_bits": 4})

@@ -158,6 +158,16 @@ def test_veloxquant_options_with_another_cache_are_named(kind, opt, value, capsy
     assert f"{opt} applies only to --kv-cache veloxquant" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("value, needle", [("x", "'x' is not valid JSON"), ("[1]", "expected a JSON object mapping layer indices")])
+def test_bad_kv_layers_json_names_the_option_and_the_form(value, needle, capsys):
+    with pytest.raises(SystemExit) as e:
+        kv_args("--kv-layers", value)
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"argument --kv-layers: {needle}" in err and '{"0": null, "5": {"key_bits": 8}}' in err
+    assert "invalid loads value" not in err
+
+
 def test_help_keeps_the_displayed_defaults():
     r = run("generate", "--help", timeout=60)
     text = flat(r.stdout)

@@ -85,7 +85,7 @@ def test_a_corrupt_or_truncated_state_is_refused():
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"^key_bits: 7"):
         LayerCache(64, 2, key_bits=7)
-    with pytest.raises(ValueError, match=r"^method:"):
+    with pytest.raises(ValueError, match=r"^key_method:"):
         LayerCache(64, 2, key_method="zip")
     with pytest.raises(ValueError, match=r"^head_dim:"):
         LayerCache(100, 2)
@@ -103,6 +103,68 @@ def test_errors_name_the_argument():
         cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask=mx.zeros((1, 4), dtype=mx.int32))
     with pytest.raises(ValueError, match=r'^mask: "sliding" is not supported'):
         cache.attention(mx.zeros((1, 2, 1, 64)), 0.1, mask="sliding")
+
+
+def _filled_small():
+    cache = LayerCache(64, 2, window=8, sinks=2)
+    cache.append(mx.zeros((1, 2, 4, 64)), mx.zeros((1, 2, 4, 64)))
+    return cache
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: LayerCache("64", 2), r"^head_dim: expected an int, got str$"),
+        (lambda: LayerCache(64, 2.0), r"^n_kv_heads: expected an int, got float$"),
+        (lambda: LayerCache(64, True), r"^n_kv_heads: expected an int, got bool$"),
+        (lambda: LayerCache(64, 2, key_bits=4.5), r"^key_bits: expected an int, got float$"),
+        (lambda: LayerCache(64, 2, value_bits="4"), r"^value_bits: expected an int, got str$"),
+        (lambda: LayerCache(64, 2, key_method=3), r"^key_method: expected a str, got int$"),
+        (lambda: LayerCache(64, 2, window=1.0), r"^window: expected an int, got float$"),
+        (lambda: LayerCache(64, 2, seed="0"), r"^seed: expected an int, got str$"),
+        (lambda: LayerCache(64, 2, policy=1), r"^policy: expected a str, got int$"),
+        (lambda: LayerCache(64, 2, device=3), r'^device: expected None, "cpu" or "gpu", got int$'),
+        (lambda: _filled_small().attention(mx.zeros((1, 2, 1, 64)), "x"), r"^scale: expected a float, got str$"),
+        (lambda: _filled_small().trim(1.5), r"^n: expected an int, got float$"),
+        (lambda: LayerCache.from_bytes("state"), r"^data: expected bytes \(from to_bytes\), got str$"),
+        (lambda: LayerCache.from_state_parts([], {}), r"^arrays: expected a dict of mlx.core.array by name, got list$"),
+        (lambda: LayerCache.from_state_parts({"k_codes": 3}, {}), r'^arrays\["k_codes"\]: expected an mlx.core.array, got int$'),
+    ],
+)
+def test_wrong_types_are_type_errors_naming_the_argument(call, message):
+    with pytest.raises(TypeError, match=message):
+        call()
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda: LayerCache(-64, 2), r"^head_dim: -64 is out of range; expected a multiple of 8 from 8 to 256$"),
+        (lambda: LayerCache(64, -2), r"^n_kv_heads: -2 is out of range; expected an integer >= 1$"),
+        (lambda: LayerCache(64, 2, key_bits=-1), r"^key_bits: -1 is not supported; expected one of \[1, 2, 3, 4, 8\] for turboquant-mse$"),
+        (lambda: LayerCache(64, 2, value_method="kivi", value_bits=5), r"^value_bits: 5 is not supported by kivi; use one of \[1, 2, 3, 4, 8\]$"),
+        (lambda: LayerCache(64, 2, window=-1), r"^window: -1 is out of range; expected a number of tokens >= 0"),
+        (lambda: LayerCache(64, 2, sinks=-4), r"^sinks: -4 is out of range; expected a number of tokens >= 0$"),
+        (lambda: LayerCache(64, 2, seed=-1), r"^seed: -1 is out of range; expected an integer from 0 to 2\*\*64 - 1$"),
+        (lambda: LayerCache(64, 2, key_method="zip"), r'^key_method: "zip" is not one of "fp16", "turboquant-mse", "kivi"'),
+        (lambda: LayerCache(64, 2, value_method="zip"), r'^value_method: "zip" is not one of "fp16"'),
+        (lambda: LayerCache(64, 2, device="tpu"), r'^device: "tpu" is not one of "cpu", "gpu"$'),
+        (lambda: _filled_small().trim(-1), r"^n: -1 is out of range; expected a number of tokens >= 0$"),
+        (lambda: LayerCache.from_state_parts({}, {"format": "veloxquant-layer-cache", "version": "2"}), r'^state: version "2" is not supported: this veloxquant reads version 4'),
+        (lambda: LayerCache.from_state_parts({}, {"version": "4"}), r'^state: no format field \(expected "veloxquant-layer-cache"\)'),
+    ],
+)
+def test_wrong_values_are_value_errors_naming_the_argument_and_the_allowed_values(call, message):
+    with pytest.raises(ValueError, match=message) as e:
+        call()
+    assert type(e.value) is ValueError and "Some(" not in str(e.value)
+
+
+def test_numpy_integers_and_floats_are_accepted():
+    cache = LayerCache(np.int64(64), np.int32(2), key_bits=np.int64(4), window=np.int64(8), sinks=2)
+    cache.append(mx.zeros((1, 2, 20, 64)), mx.zeros((1, 2, 20, 64)))
+    assert cache.attention(mx.zeros((1, 2, 1, 64)), np.float32(0.125)).shape == (1, 2, 1, 64)
+    assert cache.trim(np.int64(3)) == 3
 
 
 METHOD_PAIRS = [
@@ -154,7 +216,7 @@ def test_every_method_mix_attends_like_decode_then_sdpa(key_method, key_bits, va
 def test_mixed_methods_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"^value_bits: 5 is not supported by kivi"):
         LayerCache(64, 2, value_method="kivi", value_bits=5)
-    with pytest.raises(ValueError, match=r"^method: \"pq-ish\" is not one of"):
+    with pytest.raises(ValueError, match=r"^value_method: \"pq-ish\" is not one of"):
         LayerCache(64, 2, value_method="pq-ish")
     with pytest.raises(ValueError, match=r"^key_bits: 3 is not supported by pq"):
         LayerCache(64, 2, key_method="pq", key_bits=3)

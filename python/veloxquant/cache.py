@@ -122,8 +122,19 @@ class KVConfig:
 
     @classmethod
     def from_json(cls, s: str) -> "KVConfig":
+        """The config ``to_json`` wrote; ValueError naming what is wrong otherwise."""
+        if not isinstance(s, str):
+            raise TypeError(f"KVConfig.from_json: expected a JSON str, got {type(s).__name__}")
         d = json.loads(s)
-        d["layers"] = {int(k): v for k, v in d.get("layers", {}).items()}
+        if not isinstance(d, dict):
+            raise ValueError(f"KVConfig JSON must be an object of settings, got {type(d).__name__}")
+        unknown = set(d) - set(_FIELDS) - {"layers"}
+        if unknown:
+            raise ValueError(f"KVConfig JSON has unknown fields {sorted(unknown)}; known: {list(_FIELDS) + ['layers']}")
+        layers = d.get("layers", {})
+        if not isinstance(layers, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() for k in layers):
+            raise ValueError(f"KVConfig JSON: layers must map layer indices to overrides, got {layers!r}")
+        d["layers"] = {int(k): v for k, v in layers.items()}
         return cls(**d)
 
     def check(self) -> "KVConfig":
@@ -255,10 +266,17 @@ class VeloxQuantCache(_BaseCache):
         try:
             self.config = KVConfig.from_json(v["config"])
             layout = json.loads(v["layout"]) if "layout" in v else None
+            if layout is not None and not (
+                isinstance(layout, dict) and all(isinstance(k, str) and isinstance(x, str) for k, x in layout.items())
+            ):
+                raise ValueError(f"the layout must be a JSON object of strings, got {layout!r}")
         except (ValueError, TypeError) as e:
             raise ValueError(f"VeloxQuantCache.state: the config or layout is not valid: {e}") from None
+        arrays = v.get("arrays", {})
+        if not isinstance(arrays, Mapping):
+            raise TypeError(f"VeloxQuantCache.state: 'arrays' must be a dict of mlx.core.array, got {type(arrays).__name__}")
         self._attended, self._framed = True, None
-        self.layer = None if layout is None else _layer_cache_class().from_state_parts(v.get("arrays", {}), layout)
+        self.layer = None if layout is None else _layer_cache_class().from_state_parts(dict(arrays), layout)
 
     def is_trimmable(self) -> bool:
         return True
@@ -266,7 +284,7 @@ class VeloxQuantCache(_BaseCache):
     def trim(self, n: int) -> int:
         if self.layer is None:
             return 0
-        return int(self.layer.trim(int(n)))
+        return int(self.layer.trim(n))
 
     def make_mask(self, N: int, return_array: bool = False, window_size: Optional[int] = None):
         return create_attention_mask(N, offset=self.offset, return_array=return_array, window_size=window_size)

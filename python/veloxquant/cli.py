@@ -55,6 +55,20 @@ def _kv(args, dest: str):
     return VELOXQUANT_DEFAULTS[dest] if v is None else v
 
 
+def _kv_layers_arg(text: str) -> dict:
+    """--kv-layers: a JSON object mapping layer indices to overrides (or null)."""
+    example = '\'{"0": null, "5": {"key_bits": 8}}\''
+    try:
+        value = json.loads(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not valid JSON ({e}); expected an object such as {example}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(
+            f"expected a JSON object mapping layer indices to overrides or null, such as {example}, got {text!r}"
+        )
+    return value
+
+
 def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
     g = parser.add_argument_group("KV cache (veloxquant)")
     g.add_argument(
@@ -89,7 +103,7 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
     g.add_argument("--kv-policy", choices=("auto", "require", "off"), default=None, help="fused kernel policy (default: auto)")
     g.add_argument(
         "--kv-layers",
-        type=json.loads,
+        type=_kv_layers_arg,
         default=None,
         help='per-layer overrides as JSON: {"0": null, "5": {"key_bits": 8}} (null keeps the layer float16)',
     )

@@ -76,6 +76,26 @@ pub const PROD_BITS: [u32; 4] = [2, 3, 4, 5];
 pub const RVQ_BITS: [u32; 4] = [2, 3, 4, 5];
 
 impl Method {
+    /// Parses `s` as the method an argument names (`key_method`,
+    /// `value_method`): an unknown name is an error naming that argument and
+    /// listing the methods.
+    pub fn parse_arg(argument: &'static str, s: &str) -> Result<Method> {
+        s.parse().map_err(|_| unknown_method(argument, s))
+    }
+
+    /// The bits per element this method supports (`None`: bits are ignored).
+    pub fn supported_bits(self) -> Option<&'static [u32]> {
+        Some(match self {
+            Method::Fp16 => return None,
+            Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
+            Method::Kivi => &crate::cpu::SUPPORTED_BITS,
+            Method::Pq => &PQ_BITS,
+            Method::Qjl => &QJL_BITS,
+            Method::TurboQuantProd => &PROD_BITS,
+            Method::TurboQuantRvq => &RVQ_BITS,
+        })
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Method::Fp16 => "fp16",
@@ -106,12 +126,14 @@ impl FromStr for Method {
             "qjl" => Ok(Method::Qjl),
             "turboquant-prod" => Ok(Method::TurboQuantProd),
             "turboquant-rvq" => Ok(Method::TurboQuantRvq),
-            other => {
-                let names: Vec<String> = METHODS.iter().map(|m| format!("{:?}", m.name())).collect();
-                Err(Error::invalid("method", format!("{other:?} is not one of {}", names.join(", "))))
-            }
+            other => Err(unknown_method("method", other)),
         }
     }
+}
+
+fn unknown_method(argument: &'static str, name: &str) -> Error {
+    let names: Vec<String> = METHODS.iter().map(|m| format!("{:?}", m.name())).collect();
+    Error::invalid(argument, format!("{name:?} is not one of {}", names.join(", ")))
 }
 
 /// The configuration of one layer's cache.
@@ -154,15 +176,7 @@ impl CacheConfig {
             return Err(Error::invalid("kv_heads", "must be at least 1"));
         }
         for (arg, method, bits) in [("key_bits", self.key_method, self.key_bits), ("value_bits", self.value_method, self.value_bits)] {
-            let supported: &[u32] = match method {
-                Method::Fp16 => continue,
-                Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
-                Method::Kivi => &crate::cpu::SUPPORTED_BITS,
-                Method::Pq => &PQ_BITS,
-                Method::Qjl => &QJL_BITS,
-                Method::TurboQuantProd => &PROD_BITS,
-                Method::TurboQuantRvq => &RVQ_BITS,
-            };
+            let Some(supported) = method.supported_bits() else { continue };
             if !supported.contains(&bits) {
                 return Err(Error::invalid(arg, format!("{bits} is not supported by {method}; use one of {supported:?}")));
             }

@@ -1273,10 +1273,8 @@ mod state_io {
     }
 
     fn field<T: std::str::FromStr>(meta: &HashMap<String, String>, key: &str) -> Result<T> {
-        meta.get(key)
-            .ok_or_else(|| corrupt(format!("missing field {key:?}")))?
-            .parse()
-            .map_err(|_| corrupt(format!("field {key:?} is not valid")))
+        let v = meta.get(key).ok_or_else(|| corrupt(format!("missing field {key:?}")))?;
+        v.parse().map_err(|_| corrupt(format!("field {key:?}: {v:?} is not a valid value (a non-negative integer)")))
     }
 
     fn dtype_of(d: StDtype) -> Option<Dtype> {
@@ -1324,8 +1322,10 @@ mod state_io {
     }
 
     fn check_format(meta: &HashMap<String, String>) -> Result<()> {
-        if meta.get("format").map(String::as_str) != Some(STATE_FORMAT) {
-            return Err(corrupt(format!("format is {:?}, expected {STATE_FORMAT:?}", meta.get("format"))));
+        match meta.get("format") {
+            Some(f) if f == STATE_FORMAT => {}
+            Some(f) => return Err(corrupt(format!("format {f:?} is not {STATE_FORMAT:?}: not a layer cache state"))),
+            None => return Err(corrupt(format!("no format field (expected {STATE_FORMAT:?}): not a layer cache state"))),
         }
         match meta.get("version") {
             Some(v) if v == STATE_VERSION => {}
@@ -1364,7 +1364,8 @@ mod state_io {
             Some("float16") => Dtype::F16,
             Some("bfloat16") => Dtype::BF16,
             Some("float32") => Dtype::F32,
-            other => return Err(corrupt(format!("dtype {other:?}"))),
+            Some(other) => return Err(corrupt(format!("dtype {other:?} is not one of \"float16\", \"bfloat16\", \"float32\""))),
+            None => return Err(corrupt("missing field \"dtype\"")),
         };
         let (b, h, d) = (batch as i32, cache.cfg.kv_heads as i32, cache.cfg.head_dim as i32);
         let tensor = |name: &str, dt: Dtype, shape: &[i32]| -> Result<Array> {

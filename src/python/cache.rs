@@ -6,8 +6,8 @@ use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
-use super::{array_arg, array_out, stream_for, to_py_err};
-use crate::cache::{AttentionMask, CacheConfig, LayerCache};
+use super::{array_arg, array_out, bits_arg, device_arg, float_arg, size_arg, str_or, to_py_err, type_name};
+use crate::cache::{AttentionMask, CacheConfig, LayerCache, Method};
 
 #[pyclass(name = "LayerCache", module = "veloxquant._native", unsendable)]
 pub struct PyLayerCache {
@@ -16,33 +16,62 @@ pub struct PyLayerCache {
 
 #[pymethods]
 impl PyLayerCache {
+    /// Every argument is checked here, so that a wrong type is a TypeError
+    /// and a wrong value a ValueError, each naming the argument (and the
+    /// allowed values). Optional arguments given as None take their default.
     #[new]
-    #[pyo3(signature = (head_dim, n_kv_heads, key_method = "turboquant-mse", key_bits = 4, value_method = "turboquant-mse",
-                        value_bits = 4, window = 128, sinks = 4, seed = 0, policy = "auto", device = None))]
+    #[pyo3(
+        signature = (head_dim, n_kv_heads, key_method = None, key_bits = None, value_method = None, value_bits = None,
+                     window = None, sinks = None, seed = None, policy = None, device = None),
+        text_signature = "(head_dim, n_kv_heads, key_method='turboquant-mse', key_bits=4, value_method='turboquant-mse', \
+                          value_bits=4, window=128, sinks=4, seed=0, policy='auto', device=None)"
+    )]
     #[allow(clippy::too_many_arguments)]
     fn new(
-        head_dim: usize,
-        n_kv_heads: usize,
-        key_method: &str,
-        key_bits: u32,
-        value_method: &str,
-        value_bits: u32,
-        window: usize,
-        sinks: usize,
-        seed: u64,
-        policy: &str,
-        device: Option<&str>,
+        head_dim: &Bound<'_, PyAny>,
+        n_kv_heads: &Bound<'_, PyAny>,
+        key_method: Option<&Bound<'_, PyAny>>,
+        key_bits: Option<&Bound<'_, PyAny>>,
+        value_method: Option<&Bound<'_, PyAny>>,
+        value_bits: Option<&Bound<'_, PyAny>>,
+        window: Option<&Bound<'_, PyAny>>,
+        sinks: Option<&Bound<'_, PyAny>>,
+        seed: Option<&Bound<'_, PyAny>>,
+        policy: Option<&Bound<'_, PyAny>>,
+        device: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
-        let mut cfg = CacheConfig::new(head_dim, n_kv_heads);
-        cfg.key_method = key_method.parse().map_err(to_py_err)?;
-        cfg.value_method = value_method.parse().map_err(to_py_err)?;
-        cfg.key_bits = key_bits;
-        cfg.value_bits = value_bits;
-        cfg.window = window;
-        cfg.sinks = sinks;
-        cfg.seed = seed;
-        cfg.policy = policy.parse().map_err(to_py_err)?;
-        let inner = LayerCache::new(cfg, stream_for(device)?).map_err(to_py_err)?;
+        fn given<'py>(o: Option<&Bound<'py, PyAny>>) -> Option<Bound<'py, PyAny>> {
+            o.filter(|o| !o.is_none()).cloned()
+        }
+        let head = size_arg(head_dim, "head_dim", "a multiple of 8 from 8 to 256")?;
+        let heads = size_arg(n_kv_heads, "n_kv_heads", "an integer >= 1")?;
+        let mut cfg = CacheConfig::new(head, heads);
+        cfg.key_method = Method::parse_arg("key_method", &str_or(key_method, "key_method", "turboquant-mse")?).map_err(to_py_err)?;
+        cfg.value_method = Method::parse_arg("value_method", &str_or(value_method, "value_method", "turboquant-mse")?).map_err(to_py_err)?;
+        let bits = |o: Option<&Bound<'_, PyAny>>, name: &str, method: Method| -> PyResult<u32> {
+            let Some(o) = given(o) else { return Ok(4) };
+            let allowed = match method.supported_bits() {
+                Some(b) => format!("one of {b:?} for {method}"),
+                None => format!("an integer >= 0 ({method} ignores bits)"),
+            };
+            bits_arg(&o, name, &allowed)
+        };
+        cfg.key_bits = bits(key_bits, "key_bits", cfg.key_method)?;
+        cfg.value_bits = bits(value_bits, "value_bits", cfg.value_method)?;
+        let size = |o: Option<&Bound<'_, PyAny>>, name: &str, default: usize, allowed: &str| -> PyResult<usize> {
+            given(o).map_or(Ok(default), |o| size_arg(&o, name, allowed))
+        };
+        cfg.window = size(window, "window", 128, "a number of tokens >= 0 (>= 1 for a compressed method)")?;
+        cfg.sinks = size(sinks, "sinks", 4, "a number of tokens >= 0")?;
+        cfg.seed = match given(seed) {
+            None => 0,
+            Some(o) => {
+                let v = super::int_arg(&o, "seed")?;
+                v.extract::<u64>().map_err(|_| PyValueError::new_err(format!("seed: {v} is out of range; expected an integer from 0 to 2**64 - 1")))?
+            }
+        };
+        cfg.policy = str_or(policy, "policy", "auto")?.parse().map_err(to_py_err)?;
+        let inner = LayerCache::new(cfg, device_arg(device)?).map_err(to_py_err)?;
         Ok(PyLayerCache { inner })
     }
 
@@ -58,8 +87,9 @@ impl PyLayerCache {
     /// mx.array (boolean, true attends; or additive) broadcastable to
     /// `[B, n_heads, L, offset]`.
     #[pyo3(signature = (queries, scale, mask = None))]
-    fn attention(&self, py: Python<'_>, queries: &Bound<'_, PyAny>, scale: f32, mask: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    fn attention(&self, py: Python<'_>, queries: &Bound<'_, PyAny>, scale: &Bound<'_, PyAny>, mask: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
         let q = array_arg(queries, "queries")?;
+        let scale = float_arg(scale, "scale")? as f32;
         let mask = MaskArg::parse(mask)?;
         let out = self.inner.attention_with_mask(&q, scale, mask.get()).map_err(to_py_err)?;
         array_out(py, out)
@@ -84,12 +114,13 @@ impl PyLayerCache {
         queries: &Bound<'_, PyAny>,
         keys: &Bound<'_, PyAny>,
         values: &Bound<'_, PyAny>,
-        scale: f32,
+        scale: &Bound<'_, PyAny>,
         mask: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Py<PyAny>> {
         let q = array_arg(queries, "queries")?;
         let k = array_arg(keys, "keys")?;
         let v = array_arg(values, "values")?;
+        let scale = float_arg(scale, "scale")? as f32;
         let mask = MaskArg::parse(mask)?;
         let out = self.inner.attend_framed(&q, &k, &v, scale, mask.get()).map_err(to_py_err)?;
         array_out(py, out)
@@ -113,20 +144,23 @@ impl PyLayerCache {
     /// A cache rebuilt from `state_parts`' two dicts.
     #[staticmethod]
     #[pyo3(signature = (arrays, meta, device = None))]
-    fn from_state_parts(arrays: &Bound<'_, PyDict>, meta: &Bound<'_, PyDict>, device: Option<&str>) -> PyResult<Self> {
+    fn from_state_parts(arrays: &Bound<'_, PyAny>, meta: &Bound<'_, PyAny>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        fn dict<'py>(obj: &Bound<'py, PyAny>, name: &str, what: &str) -> PyResult<Bound<'py, PyDict>> {
+            obj.cast::<PyDict>().cloned().map_err(|_| PyTypeError::new_err(format!("{name}: expected a dict of {what}, got {}", type_name(obj))))
+        }
         let mut tensors = HashMap::new();
-        for (k, v) in arrays.iter() {
-            let name: String = k.extract().map_err(|_| PyTypeError::new_err("arrays: keys must be str"))?;
-            let a = array_arg(&v, "arrays")?;
+        for (k, v) in dict(arrays, "arrays", "mlx.core.array by name")?.iter() {
+            let name: String = k.extract().map_err(|_| PyTypeError::new_err(format!("arrays: keys must be str, got {}", type_name(&k))))?;
+            let a = array_arg(&v, &format!("arrays[{name:?}]"))?;
             tensors.insert(name, a);
         }
         let mut m = HashMap::new();
-        for (k, v) in meta.iter() {
+        for (k, v) in dict(meta, "meta", "str by str")?.iter() {
             let kv: PyResult<(String, String)> = (|| Ok((k.extract()?, v.extract()?)))();
-            let (k, v) = kv.map_err(|_| PyTypeError::new_err("meta: keys and values must be str"))?;
+            let (k, v) = kv.map_err(|_| PyTypeError::new_err(format!("meta: keys and values must be str, got {} and {}", type_name(&k), type_name(&v))))?;
             m.insert(k, v);
         }
-        let inner = LayerCache::from_state_parts(&tensors, &m, stream_for(device)?).map_err(to_py_err)?;
+        let inner = LayerCache::from_state_parts(&tensors, &m, device_arg(device)?).map_err(to_py_err)?;
         Ok(PyLayerCache { inner })
     }
 
@@ -164,8 +198,8 @@ impl PyLayerCache {
     }
 
     /// Drops the last `n` tokens; returns how many were dropped.
-    fn trim(&mut self, n: usize) -> usize {
-        self.inner.trim(n)
+    fn trim(&mut self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        Ok(self.inner.trim(size_arg(n, "n", "a number of tokens >= 0")?))
     }
 
     /// The compressed state (versioned safetensors bytes).
@@ -176,9 +210,16 @@ impl PyLayerCache {
 
     #[staticmethod]
     #[pyo3(signature = (data, device = None))]
-    fn from_bytes(data: &[u8], device: Option<&str>) -> PyResult<Self> {
-        let inner = LayerCache::from_bytes(data, stream_for(device)?).map_err(to_py_err)?;
-        Ok(PyLayerCache { inner })
+    fn from_bytes(data: &Bound<'_, PyAny>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
+        let stream = device_arg(device)?;
+        let inner = if let Ok(b) = data.cast::<PyBytes>() {
+            LayerCache::from_bytes(b.as_bytes(), stream)
+        } else if let Ok(b) = data.cast::<pyo3::types::PyByteArray>() {
+            LayerCache::from_bytes(&b.to_vec(), stream)
+        } else {
+            return Err(PyTypeError::new_err(format!("data: expected bytes (from to_bytes), got {}", type_name(data))));
+        };
+        Ok(PyLayerCache { inner: inner.map_err(to_py_err)? })
     }
 
     /// The keys and values as the cache reconstructs them, `[B, H, offset, D]`.

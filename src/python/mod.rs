@@ -62,6 +62,87 @@ fn array_out(py: Python<'_>, a: Array) -> PyResult<Py<PyAny>> {
     unsafe { Bound::from_owned_ptr_or_err(py, ptr.cast()) }.map(Bound::unbind)
 }
 
+/// The Python type name of `obj`, for messages.
+fn type_name(obj: &Bound<'_, PyAny>) -> String {
+    obj.get_type().name().map(|n| n.to_string()).unwrap_or_else(|_| "?".into())
+}
+
+/// An integer argument: a Python int or an object that is one
+/// (`operator.index`: NumPy's integers), not a bool; else a TypeError naming
+/// `name`.
+fn int_arg<'py>(obj: &Bound<'py, PyAny>, name: &str) -> PyResult<Bound<'py, pyo3::types::PyInt>> {
+    let wrong = || PyTypeError::new_err(format!("{name}: expected an int, got {}", type_name(obj)));
+    if obj.is_instance_of::<pyo3::types::PyBool>() {
+        return Err(wrong());
+    }
+    if let Ok(i) = obj.cast::<pyo3::types::PyInt>() {
+        return Ok(i.clone());
+    }
+    let index = obj.py().import("operator")?.getattr("index")?;
+    index.call1((obj,)).ok().and_then(|i| i.cast_into::<pyo3::types::PyInt>().ok()).ok_or_else(wrong)
+}
+
+/// A count or size argument (an int from 0 up): a TypeError naming `name`
+/// for another type, a ValueError naming it and `allowed` for a negative or
+/// too large value.
+fn size_arg(obj: &Bound<'_, PyAny>, name: &str, allowed: &str) -> PyResult<usize> {
+    let v = int_arg(obj, name)?;
+    v.extract::<usize>().map_err(|_| PyValueError::new_err(format!("{name}: {v} is out of range; expected {allowed}")))
+}
+
+/// A bit-width argument (an int from 0 up that fits 32 bits).
+fn bits_arg(obj: &Bound<'_, PyAny>, name: &str, allowed: &str) -> PyResult<u32> {
+    let v = int_arg(obj, name)?;
+    v.extract::<u32>().map_err(|_| PyValueError::new_err(format!("{name}: {v} is not supported; expected {allowed}")))
+}
+
+/// A float argument (a Python float or int, or a number that converts, such
+/// as NumPy's), else a TypeError naming `name`.
+fn float_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<f64> {
+    let wrong = || PyTypeError::new_err(format!("{name}: expected a float, got {}", type_name(obj)));
+    if obj.is_instance_of::<pyo3::types::PyBool>()
+        || obj.is_instance_of::<pyo3::types::PyString>()
+        || obj.is_instance_of::<pyo3::types::PyBytes>()
+    {
+        return Err(wrong());
+    }
+    obj.extract::<f64>().map_err(|_| wrong())
+}
+
+/// A string argument, else a TypeError naming `name`.
+fn str_arg(obj: &Bound<'_, PyAny>, name: &str) -> PyResult<String> {
+    obj.cast::<pyo3::types::PyString>()
+        .map_err(|_| PyTypeError::new_err(format!("{name}: expected a str, got {}", type_name(obj))))?
+        .to_str()
+        .map(str::to_string)
+}
+
+/// An optional string argument with a default: None gives `default`.
+fn str_or(obj: Option<&Bound<'_, PyAny>>, name: &str, default: &str) -> PyResult<String> {
+    match obj.filter(|o| !o.is_none()) {
+        Some(o) => str_arg(o, name),
+        None => Ok(default.to_string()),
+    }
+}
+
+/// The stream for a `device` argument object: None, "cpu" or "gpu" (a
+/// TypeError naming `device` for another type).
+fn device_arg(device: Option<&Bound<'_, PyAny>>) -> PyResult<Option<Stream>> {
+    let Some(d) = device.filter(|d| !d.is_none()) else { return Ok(None) };
+    let name = d
+        .cast::<pyo3::types::PyString>()
+        .map_err(|_| PyTypeError::new_err(format!("device: expected None, \"cpu\" or \"gpu\", got {}", type_name(d))))?
+        .to_str()?
+        .to_string();
+    stream_for(Some(&name))
+}
+
+/// Kernel options from `policy` and `device` argument objects.
+fn options_arg(policy: Option<&Bound<'_, PyAny>>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Options> {
+    let policy: Policy = str_or(policy, "policy", "auto")?.parse().map_err(to_py_err)?;
+    Ok(Options { policy, stream: device_arg(device)? })
+}
+
 /// The stream for a `device` argument: None (MLX's default), "cpu" or "gpu".
 fn stream_for(device: Option<&str>) -> PyResult<Option<Stream>> {
     Ok(match device {
@@ -74,46 +155,44 @@ fn stream_for(device: Option<&str>) -> PyResult<Option<Stream>> {
     })
 }
 
-fn options(policy: &str, device: Option<&str>) -> PyResult<Options> {
-    let policy: Policy = policy.parse().map_err(to_py_err)?;
-    Ok(Options { policy, stream: stream_for(device)? })
-}
-
 #[pyfunction]
-#[pyo3(signature = (codes, bits, *, policy = "auto", device = None))]
-fn bit_pack(py: Python<'_>, codes: &Bound<'_, PyAny>, bits: u32, policy: &str, device: Option<&str>) -> PyResult<Py<PyAny>> {
+#[pyo3(signature = (codes, bits, *, policy = None, device = None))]
+fn bit_pack(py: Python<'_>, codes: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>, policy: Option<&Bound<'_, PyAny>>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
     let codes = array_arg(codes, "codes")?;
-    let out = kernels::bit_pack(&codes, bits, &options(policy, device)?).map_err(to_py_err)?;
+    let out = kernels::bit_pack(&codes, bits, &options_arg(policy, device)?).map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (packed, bits, n, *, policy = "auto", device = None))]
+#[pyo3(signature = (packed, bits, n, *, policy = None, device = None))]
 fn bit_unpack(
     py: Python<'_>,
     packed: &Bound<'_, PyAny>,
-    bits: u32,
-    n: usize,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    n: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
+    let n = size_arg(n, "n", "a count >= 0")?;
     let packed = array_arg(packed, "packed")?;
-    let out = kernels::bit_unpack(&packed, bits, n, &options(policy, device)?).map_err(to_py_err)?;
+    let out = kernels::bit_unpack(&packed, bits, n, &options_arg(policy, device)?).map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, codebook, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, codebook, *, policy = None, device = None))]
 fn vq_quantize(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     codebook: &Bound<'_, PyAny>,
-    policy: &str,
-    device: Option<&str>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let x = array_arg(x, "x")?;
     let codebook = array_arg(codebook, "codebook")?;
-    let out = kernels::vq_quantize(&x, &codebook, &options(policy, device)?).map_err(to_py_err)?;
+    let out = kernels::vq_quantize(&x, &codebook, &options_arg(policy, device)?).map_err(to_py_err)?;
     array_out(py, out)
 }
 
@@ -137,73 +216,85 @@ fn kivi_mode(mode: &str) -> PyResult<KiviMode> {
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, codebook, bits, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, codebook, bits, *, policy = None, device = None))]
 fn scalar_quantize(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     codebook: &Bound<'_, PyAny>,
-    bits: u32,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
     let (x, cb) = (array_arg(x, "x")?, array_arg(codebook, "codebook")?);
-    let out = kernels::scalar_quantize(&x, &cb, bits, &options(policy, device)?).map_err(to_py_err)?;
+    let out = kernels::scalar_quantize(&x, &cb, bits, &options_arg(policy, device)?).map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (packed, codebook, bits, d, dtype, *, policy = "auto", device = None))]
+#[pyo3(signature = (packed, codebook, bits, d, dtype, *, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn scalar_dequantize(
     py: Python<'_>,
     packed: &Bound<'_, PyAny>,
     codebook: &Bound<'_, PyAny>,
-    bits: u32,
-    d: usize,
-    dtype: &str,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    d: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
+    let d = size_arg(d, "d", "a head size >= 1")?;
+    let dtype = str_arg(dtype, "dtype")?;
     let (p, cb) = (array_arg(packed, "packed")?, array_arg(codebook, "codebook")?);
-    let out = kernels::scalar_dequantize(&p, &cb, bits, d, float_dtype(dtype)?, &options(policy, device)?)
+    let out = kernels::scalar_dequantize(&p, &cb, bits, d, float_dtype(&dtype)?, &options_arg(policy, device)?)
         .map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, bits, group, mode, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, bits, group, mode, *, policy = None, device = None))]
 #[allow(clippy::type_complexity)]
 fn kivi_quantize(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
-    bits: u32,
-    group: usize,
-    mode: &str,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    group: &Bound<'_, PyAny>,
+    mode: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
+    let group = size_arg(group, "group", "a group size >= 1")?;
+    let mode = str_arg(mode, "mode")?;
     let x = array_arg(x, "x")?;
     let (c, s, z) =
-        kernels::kivi_quantize(&x, bits, group, kivi_mode(mode)?, &options(policy, device)?).map_err(to_py_err)?;
+        kernels::kivi_quantize(&x, bits, group, kivi_mode(&mode)?, &options_arg(policy, device)?).map_err(to_py_err)?;
     Ok((array_out(py, c)?, array_out(py, s)?, array_out(py, z)?))
 }
 
 #[pyfunction]
-#[pyo3(signature = (packed, scales, zeros, bits, group, mode, d, dtype, *, policy = "auto", device = None))]
+#[pyo3(signature = (packed, scales, zeros, bits, group, mode, d, dtype, *, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn kivi_dequantize(
     py: Python<'_>,
     packed: &Bound<'_, PyAny>,
     scales: &Bound<'_, PyAny>,
     zeros: &Bound<'_, PyAny>,
-    bits: u32,
-    group: usize,
-    mode: &str,
-    d: usize,
-    dtype: &str,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    group: &Bound<'_, PyAny>,
+    mode: &Bound<'_, PyAny>,
+    d: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
+    let d = size_arg(d, "d", "a head size >= 1")?;
+    let group = size_arg(group, "group", "a group size >= 1")?;
+    let dtype = str_arg(dtype, "dtype")?;
+    let mode = str_arg(mode, "mode")?;
     let (p, s, z) = (array_arg(packed, "packed")?, array_arg(scales, "scales")?, array_arg(zeros, "zeros")?);
     let out = kernels::kivi_dequantize(
         &p,
@@ -211,82 +302,86 @@ fn kivi_dequantize(
         &z,
         bits,
         group,
-        kivi_mode(mode)?,
+        kivi_mode(&mode)?,
         d,
-        float_dtype(dtype)?,
-        &options(policy, device)?,
+        float_dtype(&dtype)?,
+        &options_arg(policy, device)?,
     )
     .map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (k, sketch, *, policy = "auto", device = None))]
+#[pyo3(signature = (k, sketch, *, policy = None, device = None))]
 fn qjl_encode(
     py: Python<'_>,
     k: &Bound<'_, PyAny>,
     sketch: &Bound<'_, PyAny>,
-    policy: &str,
-    device: Option<&str>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let (k, s) = (array_arg(k, "k")?, array_arg(sketch, "sketch")?);
-    let (signs, norms) = kernels::qjl_encode(&k, &s, &options(policy, device)?).map_err(to_py_err)?;
+    let (signs, norms) = kernels::qjl_encode(&k, &s, &options_arg(policy, device)?).map_err(to_py_err)?;
     Ok((array_out(py, signs)?, array_out(py, norms)?))
 }
 
 #[pyfunction]
-#[pyo3(signature = (q, sketch, signs, norms, *, policy = "auto", device = None))]
+#[pyo3(signature = (q, sketch, signs, norms, *, policy = None, device = None))]
 fn qjl_score(
     py: Python<'_>,
     q: &Bound<'_, PyAny>,
     sketch: &Bound<'_, PyAny>,
     signs: &Bound<'_, PyAny>,
     norms: &Bound<'_, PyAny>,
-    policy: &str,
-    device: Option<&str>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
     let (q, s) = (array_arg(q, "q")?, array_arg(sketch, "sketch")?);
     let (sg, nm) = (array_arg(signs, "signs")?, array_arg(norms, "norms")?);
-    let out = kernels::qjl_score(&q, &s, &sg, &nm, &options(policy, device)?).map_err(to_py_err)?;
+    let out = kernels::qjl_score(&q, &s, &sg, &nm, &options_arg(policy, device)?).map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, codebook, bits, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, codebook, bits, *, policy = None, device = None))]
 fn pq_encode(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     codebook: &Bound<'_, PyAny>,
-    bits: u32,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Py<PyAny>, Option<Py<PyAny>>)> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
     let (x, cb) = (array_arg(x, "x")?, array_arg(codebook, "codebook")?);
-    let out = kernels::pq_encode(&x, &cb, bits, &options(policy, device)?).map_err(to_py_err)?;
+    let out = kernels::pq_encode(&x, &cb, bits, &options_arg(policy, device)?).map_err(to_py_err)?;
     Ok((array_out(py, out.codes)?, out.codes_hi.map(|h| array_out(py, h)).transpose()?))
 }
 
 #[pyfunction]
-#[pyo3(signature = (codes, codebook, bits, d, dtype, *, codes_hi = None, policy = "auto", device = None))]
+#[pyo3(signature = (codes, codebook, bits, d, dtype, *, codes_hi = None, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn pq_decode(
     py: Python<'_>,
     codes: &Bound<'_, PyAny>,
     codebook: &Bound<'_, PyAny>,
-    bits: u32,
-    d: usize,
-    dtype: &str,
+    bits: &Bound<'_, PyAny>,
+    d: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
     codes_hi: Option<&Bound<'_, PyAny>>,
-    policy: &str,
-    device: Option<&str>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
+    let d = size_arg(d, "d", "a head size >= 1")?;
+    let dtype = str_arg(dtype, "dtype")?;
     let codes = kernels::PqCodes {
         codes: array_arg(codes, "codes")?,
         codes_hi: codes_hi.map(|h| array_arg(h, "codes_hi")).transpose()?,
     };
     let cb = array_arg(codebook, "codebook")?;
     let out =
-        kernels::pq_decode(&codes, &cb, bits, d, float_dtype(dtype)?, &options(policy, device)?).map_err(to_py_err)?;
+        kernels::pq_decode(&codes, &cb, bits, d, float_dtype(&dtype)?, &options_arg(policy, device)?).map_err(to_py_err)?;
     array_out(py, out)
 }
 
@@ -297,7 +392,7 @@ fn optional_array(obj: Option<&Bound<'_, PyAny>>, name: &str) -> PyResult<Option
 type ProdTuple = (Option<Py<PyAny>>, Py<PyAny>, Py<PyAny>, Option<Py<PyAny>>);
 
 #[pyfunction]
-#[pyo3(signature = (x, rotation, centroids, sketch, bits, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, rotation, centroids, sketch, bits, *, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn tq_prod_encode(
     py: Python<'_>,
@@ -305,14 +400,15 @@ fn tq_prod_encode(
     rotation: Option<&Bound<'_, PyAny>>,
     centroids: Option<&Bound<'_, PyAny>>,
     sketch: &Bound<'_, PyAny>,
-    bits: u32,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<ProdTuple> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
     let x = array_arg(x, "x")?;
     let (rot, cent) = (optional_array(rotation, "rotation")?, optional_array(centroids, "centroids")?);
     let sk = array_arg(sketch, "sketch")?;
-    let e = kernels::tq_prod_encode(&x, rot.as_ref(), cent.as_ref(), &sk, bits, &options(policy, device)?)
+    let e = kernels::tq_prod_encode(&x, rot.as_ref(), cent.as_ref(), &sk, bits, &options_arg(policy, device)?)
         .map_err(to_py_err)?;
     Ok((
         e.codes.map(|a| array_out(py, a)).transpose()?,
@@ -323,7 +419,7 @@ fn tq_prod_encode(
 }
 
 #[pyfunction]
-#[pyo3(signature = (codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, dtype, *, policy = "auto", device = None))]
+#[pyo3(signature = (codes, signs, norms, residual_norms, rotation, centroids, sketch, bits, dtype, *, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn tq_prod_decode(
     py: Python<'_>,
@@ -334,11 +430,13 @@ fn tq_prod_decode(
     rotation: Option<&Bound<'_, PyAny>>,
     centroids: Option<&Bound<'_, PyAny>>,
     sketch: &Bound<'_, PyAny>,
-    bits: u32,
-    dtype: &str,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
+    let dtype = str_arg(dtype, "dtype")?;
     let enc = kernels::ProdCodes {
         codes: optional_array(codes, "codes")?,
         signs: array_arg(signs, "signs")?,
@@ -347,32 +445,33 @@ fn tq_prod_decode(
     };
     let (rot, cent) = (optional_array(rotation, "rotation")?, optional_array(centroids, "centroids")?);
     let sk = array_arg(sketch, "sketch")?;
-    let out = kernels::tq_prod_decode(&enc, rot.as_ref(), cent.as_ref(), &sk, bits, float_dtype(dtype)?, &options(policy, device)?)
+    let out = kernels::tq_prod_decode(&enc, rot.as_ref(), cent.as_ref(), &sk, bits, float_dtype(&dtype)?, &options_arg(policy, device)?)
         .map_err(to_py_err)?;
     array_out(py, out)
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, rotation, centroids, bits, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, rotation, centroids, bits, *, policy = None, device = None))]
 fn tq_encode(
     py: Python<'_>,
     x: &Bound<'_, PyAny>,
     rotation: Option<&Bound<'_, PyAny>>,
     centroids: &Bound<'_, PyAny>,
-    bits: u32,
-    policy: &str,
-    device: Option<&str>,
+    bits: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let bits = bits_arg(bits, "bits", "a supported bit width (an integer >= 1)")?;
     let x = array_arg(x, "x")?;
     let rot = optional_array(rotation, "rotation")?;
     let cent = array_arg(centroids, "centroids")?;
     let (codes, norms) =
-        kernels::tq_encode(&x, rot.as_ref(), &cent, bits, &options(policy, device)?).map_err(to_py_err)?;
+        kernels::tq_encode(&x, rot.as_ref(), &cent, bits, &options_arg(policy, device)?).map_err(to_py_err)?;
     Ok((array_out(py, codes)?, array_out(py, norms)?))
 }
 
 #[pyfunction]
-#[pyo3(signature = (x, rotation, centroids1, centroids2, bits1, bits2, *, policy = "auto", device = None))]
+#[pyo3(signature = (x, rotation, centroids1, centroids2, bits1, bits2, *, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn tq_rvq_encode(
     py: Python<'_>,
@@ -380,21 +479,23 @@ fn tq_rvq_encode(
     rotation: Option<&Bound<'_, PyAny>>,
     centroids1: &Bound<'_, PyAny>,
     centroids2: &Bound<'_, PyAny>,
-    bits1: u32,
-    bits2: u32,
-    policy: &str,
-    device: Option<&str>,
+    bits1: &Bound<'_, PyAny>,
+    bits2: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<(Py<PyAny>, Py<PyAny>, Py<PyAny>)> {
+    let bits1 = bits_arg(bits1, "bits1", "a supported bit width (an integer >= 1)")?;
+    let bits2 = bits_arg(bits2, "bits2", "a supported bit width (an integer >= 1)")?;
     let x = array_arg(x, "x")?;
     let rot = optional_array(rotation, "rotation")?;
     let (c1, c2) = (array_arg(centroids1, "centroids1")?, array_arg(centroids2, "centroids2")?);
-    let e = kernels::tq_rvq_encode(&x, rot.as_ref(), &c1, &c2, (bits1, bits2), &options(policy, device)?)
+    let e = kernels::tq_rvq_encode(&x, rot.as_ref(), &c1, &c2, (bits1, bits2), &options_arg(policy, device)?)
         .map_err(to_py_err)?;
     Ok((array_out(py, e.codes1)?, array_out(py, e.codes2)?, array_out(py, e.norms)?))
 }
 
 #[pyfunction]
-#[pyo3(signature = (codes1, codes2, norms, rotation, centroids1, centroids2, bits1, bits2, d, dtype, *, policy = "auto", device = None))]
+#[pyo3(signature = (codes1, codes2, norms, rotation, centroids1, centroids2, bits1, bits2, d, dtype, *, policy = None, device = None))]
 #[allow(clippy::too_many_arguments)]
 fn tq_rvq_decode(
     py: Python<'_>,
@@ -404,13 +505,17 @@ fn tq_rvq_decode(
     rotation: Option<&Bound<'_, PyAny>>,
     centroids1: &Bound<'_, PyAny>,
     centroids2: &Bound<'_, PyAny>,
-    bits1: u32,
-    bits2: u32,
-    d: usize,
-    dtype: &str,
-    policy: &str,
-    device: Option<&str>,
+    bits1: &Bound<'_, PyAny>,
+    bits2: &Bound<'_, PyAny>,
+    d: &Bound<'_, PyAny>,
+    dtype: &Bound<'_, PyAny>,
+    policy: Option<&Bound<'_, PyAny>>,
+    device: Option<&Bound<'_, PyAny>>,
 ) -> PyResult<Py<PyAny>> {
+    let bits1 = bits_arg(bits1, "bits1", "a supported bit width (an integer >= 1)")?;
+    let bits2 = bits_arg(bits2, "bits2", "a supported bit width (an integer >= 1)")?;
+    let d = size_arg(d, "d", "a head size >= 1")?;
+    let dtype = str_arg(dtype, "dtype")?;
     let enc = kernels::RvqCodes {
         codes1: array_arg(codes1, "codes1")?,
         codes2: array_arg(codes2, "codes2")?,
@@ -418,7 +523,7 @@ fn tq_rvq_decode(
     };
     let rot = optional_array(rotation, "rotation")?;
     let (c1, c2) = (array_arg(centroids1, "centroids1")?, array_arg(centroids2, "centroids2")?);
-    let out = kernels::tq_rvq_decode(&enc, rot.as_ref(), &c1, &c2, (bits1, bits2), d, float_dtype(dtype)?, &options(policy, device)?)
+    let out = kernels::tq_rvq_decode(&enc, rot.as_ref(), &c1, &c2, (bits1, bits2), d, float_dtype(&dtype)?, &options_arg(policy, device)?)
         .map_err(to_py_err)?;
     array_out(py, out)
 }
