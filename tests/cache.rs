@@ -806,3 +806,85 @@ fn compressed_caches_allocate_by_need_and_never_hold_more_than_float16() {
         }
     }
 }
+
+/// `x` `[1, H, T, D]` float16 with `value` at (head, token, channel).
+fn with_value(x: &Array, head: usize, token: usize, channel: usize, value: f32) -> Array {
+    let shape = x.shape();
+    let (t, d) = (shape[2] as usize, shape[3] as usize);
+    let mut v = f32s(x);
+    v[(head * t + token) * d + channel] = value;
+    ops::astype(&Array::from_slice(&v, &shape).unwrap(), Dtype::F16, &Stream::cpu()).unwrap()
+}
+
+#[test]
+fn non_finite_keys_and_values_stay_non_finite_for_every_method() {
+    let (h, d, total) = (2usize, 64usize, 100usize);
+    let s = Stream::cpu();
+    let pairs = [
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 4),
+        (Method::Kivi, 4, Method::Kivi, 2),
+        (Method::Pq, 2, Method::Pq, 4),
+        (Method::Qjl, 2, Method::TurboQuantMse, 3),
+        (Method::TurboQuantProd, 4, Method::TurboQuantRvq, 3),
+        (Method::TurboQuantMse, 4, Method::Fp16, 16),
+    ];
+    let mut rng = ChaCha8Rng::seed_from_u64(51);
+    let clean_k = normal(&mut rng, &[1, h as i32, total as i32, d as i32], Dtype::F16);
+    let clean_v = normal(&mut rng, &[1, h as i32, total as i32, d as i32], Dtype::F16);
+    let q = normal(&mut rng, &[1, 2 * h as i32, 1, d as i32], Dtype::F16);
+    for m in pairs {
+        // A bad token in the first chunk (its mean must not shift the other
+        // keys) and one appended later; a NaN or an infinity; in the keys or
+        // the values; always in KV head 1, channel 7.
+        for (bad, value, keys) in [(10, f32::NAN, true), (50, f32::NAN, true), (50, f32::INFINITY, true), (50, f32::NEG_INFINITY, false), (10, f32::NAN, false)] {
+            let tag = format!("{m:?}, {} {value} at token {bad}", if keys { "key" } else { "value" });
+            let (k, v) = if keys {
+                (with_value(&clean_k, 1, bad, 7, value), clean_v.clone())
+            } else {
+                (clean_k.clone(), with_value(&clean_v, 1, bad, 7, value))
+            };
+            let mut cache = LayerCache::new(mixed_config(d, h, m, Policy::Auto), Some(s.clone())).unwrap();
+            let chunk = |x: &Array, lo: usize, hi: usize| ops::slice(x, &[0, 0, lo as i32, 0], &[1, h as i32, hi as i32, d as i32], &s).unwrap();
+            cache.append(&chunk(&k, 0, 40), &chunk(&v, 0, 40)).unwrap();
+            for t in 40..total {
+                cache.append(&chunk(&k, t, t + 1), &chunk(&v, t, t + 1)).unwrap();
+            }
+            assert!(cache.compressed_tokens() > bad, "{tag}: the bad token is compressed");
+            // dequantize: the bad token is non-finite, KV head 0 and the
+            // other tokens of head 1 are not (but for KIVI keys, whose
+            // scales the 32 tokens of a group share per channel).
+            let (kd, vd) = cache.dequantize().unwrap();
+            let side = f32s(if keys { &kd } else { &vd });
+            let other = f32s(if keys { &vd } else { &kd });
+            let row = |x: &[f32], head: usize, t: usize| x[(head * total + t) * d..(head * total + t + 1) * d].to_vec();
+            assert!(row(&side, 1, bad).iter().any(|x| !x.is_finite()), "{tag}: decoded finite");
+            let shared_group = keys && m.0 == Method::Kivi;
+            for t in 0..total {
+                assert!(row(&side, 0, t).iter().all(|x| x.is_finite()), "{tag}: head 0 token {t}");
+                assert!(row(&other, 1, t).iter().all(|x| x.is_finite()), "{tag}: other side, token {t}");
+                // (Compressed slots start after the 4 sinks.)
+                if t != bad && !(shared_group && t >= 4 && (t - 4) / 32 == (bad - 4) / 32) {
+                    assert!(row(&side, 1, t).iter().all(|x| x.is_finite()), "{tag}: token {t} became non-finite");
+                }
+            }
+            // Attention: the query heads of KV head 1 see the bad token and
+            // get non-finite outputs (NaN), the others stay finite; for a NaN
+            // key as float16 attention over the inputs gives.
+            let out = f32s(&cache.attention(&q, 0.125, false).unwrap());
+            let want = f32s(&ops::scaled_dot_product_attention(&q, &k, &v, 0.125, false, &s).unwrap());
+            assert!(out[..2 * d].iter().all(|x| x.is_finite()), "{tag}: KV head 0's queries");
+            let dense = if keys { m.0 } else { m.2 } == Method::Fp16;
+            if dense {
+                // Kept as given: float16 attention's own result.
+                let finite = |x: &[f32]| x.iter().map(|v| v.is_finite()).collect::<Vec<_>>();
+                assert_eq!(finite(&out), finite(&want), "{tag}: non-finite where float16 attention has them");
+            } else {
+                assert!(out[2 * d..].iter().all(|x| x.is_nan()), "{tag}: KV head 1's queries are not NaN");
+            }
+            if value.is_nan() && keys {
+                let nan = |x: &[f32]| x.iter().map(|v| v.is_nan()).collect::<Vec<_>>();
+                assert_eq!(nan(&out), nan(&want), "{tag}: NaN where float16 attention has NaN");
+            }
+        }
+    }
+}

@@ -82,6 +82,32 @@ def test_a_corrupt_or_truncated_state_is_refused():
         LayerCache.from_bytes(bytes(bad))
 
 
+@pytest.mark.parametrize("method", ["turboquant-mse", "kivi", "pq"])
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_a_non_finite_key_is_never_made_finite(method, bad):
+    # A NaN or an infinity in a key appended after the first chunk: once
+    # compressed, the token decodes to NaN and attention of the queries that
+    # see it is NaN, as float16 attention is for a NaN key.
+    k = np.array(mx.random.normal((1, 2, 100, 64), key=mx.random.key(1)).astype(mx.float16))
+    v = mx.random.normal((1, 2, 100, 64), key=mx.random.key(2)).astype(mx.float16)
+    k[0, 1, 50, 7] = bad
+    k = mx.array(k)
+    cache = LayerCache(64, 2, key_method=method, value_method=method, window=16, sinks=4, device="cpu")
+    cache.append(k[:, :, :40], v[:, :, :40])
+    for t in range(40, 100):
+        cache.append(k[:, :, t : t + 1], v[:, :, t : t + 1])
+    assert cache.compressed_tokens > 50
+    kd, _ = cache.dequantize()
+    kd = np.array(kd.astype(mx.float32))
+    assert np.isnan(kd[0, 1, 50]).any() and np.isfinite(kd[0, 0]).all()
+    q = mx.random.normal((1, 4, 1, 64), key=mx.random.key(3)).astype(mx.float16)
+    out = np.array(cache.attention(q, 0.125).astype(mx.float32))
+    assert np.isfinite(out[0, :2]).all() and np.isnan(out[0, 2:]).all()
+    if bad != bad:  # NaN: where MLX's float16 attention has NaN
+        ref = np.array(mx.fast.scaled_dot_product_attention(q, k, v, scale=0.125).astype(mx.float32))
+        np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"^key_bits: 7"):
         LayerCache(64, 2, key_bits=7)

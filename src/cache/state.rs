@@ -254,8 +254,41 @@ impl Side {
     }
 
     /// Encodes `x` `[B, Hkv, m, D]` (in the side's frame; `m` a whole number
-    /// of the codec's token groups).
+    /// of the codec's token groups). A token holding a NaN or an infinity
+    /// gets a NaN norm or scale (see [`non_finite`]), whatever the encoder
+    /// made of it, so that it decodes to NaN and makes every query that sees
+    /// it NaN: no non-finite input becomes a finite value.
     fn encode(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
+        let mut e = self.encode_values(x, table, dtype, opts)?;
+        if let Some(scales) = e.scales.take() {
+            let s = opts.resolve_stream()?;
+            let bad = self.non_finite(x, &s)?;
+            e.scales = Some(ops::add(&scales, &ops::astype(&bad, Dtype::F16, &s)?, &s)?);
+        }
+        Ok(e)
+    }
+
+    /// NaN where the tokens of `x` `[B, Hkv, m, D]` hold a NaN or an
+    /// infinity, 0 elsewhere, float32, shaped to add to the codec's norms or
+    /// scales: per token for norms (`[B, Hkv, m]`; TurboQuant-Prod's
+    /// `[B, Hkv, m, 1]` for both of its norms) and for KIVI values (`[B, Hkv,
+    /// m, 1]`, every channel group), per token group and channel for KIVI
+    /// keys (their scales are shared by the group's tokens in that channel,
+    /// which therefore decode to NaN too).
+    fn non_finite(&self, x: &Array, s: &Stream) -> Result<Array> {
+        let shape = x.shape();
+        let (b, h, m, d) = (shape[0], shape[1], shape[2], shape[3]);
+        // x * 0 is NaN exactly where x is NaN or infinite.
+        let z = ops::multiply(&ops::astype(x, Dtype::F32, s)?, &Array::scalar_f32(0.0)?, s)?;
+        let g = self.codec.group as i32;
+        match self.codec.codec {
+            Codec::TurboQuantProd | Codec::KiviPerToken => ops::sum_axis(&z, -1, true, s),
+            Codec::KiviPerChannel => ops::sum_axis(&ops::reshape(&z, &[b, h, m / g, g, d], s)?, 3, false, s),
+            _ => ops::sum_axis(&z, -1, false, s),
+        }
+    }
+
+    fn encode_values(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let s = opts.resolve_stream()?;
         let shape = x.shape();
         let (b, h, m, d) = (shape[0], shape[1], shape[2], shape[3]);
@@ -699,7 +732,12 @@ impl LayerCache {
         let Some(Store::Compressed(c)) = &mut self.store else { unreachable!() };
         let (b, h, t, d) = (shape[0], shape[1], shape[2] as usize, shape[3]);
         if c.k_mean.is_none() {
+            // Over the finite entries only (a NaN or an infinity counts as 0),
+            // so that a non-finite key shifts no other key.
             let kf = ops::astype(keys, Dtype::F32, &s)?;
+            let zero = Array::scalar_f32(0.0)?;
+            let bad = ops::astype(&ops::multiply(&kf, &zero, &s)?, Dtype::Bool, &s)?;
+            let kf = ops::where_(&bad, &zero, &kf, &s)?;
             let sum = ops::sum_axis(&kf, 2, true, &s)?;
             c.k_mean = Some(ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)?);
         }
