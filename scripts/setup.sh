@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Prepares this checkout on a fresh machine, and again at no cost: system
-# packages (libclang for bindgen), a virtual environment .venv with the pinned
-# Python packages, and veloxquant built from source and installed into it.
+# packages (libclang for bindgen; OpenBLAS, which veloxquant loads in place of
+# the reference BLAS of the mlx[cpu] wheel: see veloxquant/blas.py), a virtual
+# environment .venv with the pinned Python packages, and veloxquant built from
+# source and installed into it.
 set -euo pipefail
 root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
@@ -13,6 +15,7 @@ PINNED=(nanobind==3.1.0 maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 mlx-lm==0.32.
 if [ "$(uname)" = "Linux" ]; then
   need=()
   dpkg -s libclang-dev >/dev/null 2>&1 || need+=(libclang-dev)
+  dpkg -s libopenblas0-pthread >/dev/null 2>&1 || need+=(libopenblas0-pthread)
   command -v g++ >/dev/null 2>&1 || need+=(g++)
   if [ ${#need[@]} -gt 0 ]; then
     echo "== installing ${need[*]}"

@@ -2,7 +2,9 @@
 
 The native module shares one MLX runtime with ``mlx.core``: mlx is imported
 first, and a different installed mlx version is refused with an ImportError
-that says which version to install.
+that says which version to install. On Linux with the ``mlx[cpu]`` wheel,
+importing veloxquant before mlx makes MLX's CPU matmul use OpenBLAS when the
+system has it (``veloxquant.blas``).
 """
 
 from importlib import metadata as _metadata
@@ -25,6 +27,12 @@ def _check_mlx() -> None:
 
 
 _check_mlx()
+
+from . import blas  # noqa: E402
+
+# OpenBLAS in place of the reference BLAS of the mlx[cpu] wheel, before libmlx
+# loads (veloxquant.blas says when; VELOXQUANT_BLAS=reference opts out).
+blas.enable()
 
 import mlx.core  # noqa: E402  (must load libmlx before the native module)
 

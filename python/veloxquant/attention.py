@@ -6,6 +6,18 @@ would miss models already imported. :func:`install` wraps it once and puts the
 wrapper in ``base`` and in every loaded ``mlx_lm.models.*`` module that holds the
 original; later imports take the wrapper from ``base``. Calls with any other
 cache go to the original function unchanged.
+
+:func:`set_cpu_float32` (``veloxquant.blas.use_float32_compute`` calls it)
+makes the dispatch compute float16/bfloat16 attention in float32 on MLX's
+CPU device, where MLX's half-precision matmuls are portable loops and its
+float32 ones BLAS: queries, keys and values (mlx_lm's quantized scales and
+biases) are cast up and the output cast back; a prefill chunk over mlx_lm's
+quantized cache attends over its dequantized keys and values. A veloxquant
+cache's prefill chunk attends with MLX's SDPA in float32 over the history and
+chunk that ``update_and_fetch`` returned (decompressed, in the model's frame),
+where the cache's own prefill path attends in its rotated frame at float16:
+the same attention up to rounding. Decode steps keep the cache's fused
+kernels.
 """
 
 from __future__ import annotations
@@ -16,10 +28,42 @@ from typing import Optional
 import mlx.core as mx
 
 _MARK = "_veloxquant_dispatch"
+_cpu_float32 = False
+
+
+def set_cpu_float32(on: bool = True) -> None:
+    """Compute half-precision attention in float32 on the CPU device (see the module's doc)."""
+    global _cpu_float32
+    _cpu_float32 = bool(on)
+
+
+def _float32_here(queries) -> bool:
+    return _cpu_float32 and queries.dtype in (mx.float16, mx.bfloat16) and mx.default_device() == mx.cpu
+
+
+def _up(a):
+    return a.astype(mx.float32) if isinstance(a, mx.array) and a.dtype in (mx.float16, mx.bfloat16) else a
+
+
+def _sdpa_float32(original, queries, keys, values, cache, scale, mask, sinks):
+    if isinstance(keys, (tuple, list)):  # mlx_lm's QuantizedKVCache: (codes, scales, biases)
+        keys, values = tuple(_up(a) for a in keys), tuple(_up(a) for a in values)
+        if queries.shape[2] > 8 and sinks is None:
+            # Prefill: dequantize and use SDPA, the arithmetic of mlx_lm's two
+            # quantized_matmuls, whose CPU loops take ~5x longer on a chunk.
+            g, b = cache.group_size, cache.bits
+            keys = mx.dequantize(*keys, group_size=g, bits=b)
+            values = mx.dequantize(*values, group_size=g, bits=b)
+            out = mx.fast.scaled_dot_product_attention(_up(queries), keys, values, scale=scale, mask=_up(mask))
+            return out.astype(queries.dtype)
+    else:
+        keys, values = _up(keys), _up(values)
+    out = original(_up(queries), keys, values, cache=cache, scale=scale, mask=_up(mask), sinks=_up(sinks))
+    return out.astype(queries.dtype)
 
 
 def _wrap(original):
-    from .cache import VeloxQuantCache
+    from .cache import FUSED_MAX_QUERIES, VeloxQuantCache
 
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale: float, mask: Optional[mx.array], sinks: Optional[mx.array] = None
@@ -30,7 +74,18 @@ def _wrap(original):
                     "veloxquant caches do not support attention sinks (learned per-head logits); "
                     "use --kv-cache fp16 or mlx-quantized for this model"
                 )
+            if (
+                _float32_here(queries)
+                and keys.shape[2] > FUSED_MAX_QUERIES  # update_and_fetch returned the history and the chunk
+                and keys.shape[2] == cache.offset
+            ):
+                out = _sdpa_float32(original, queries, keys, values, None, scale, mask, None)
+                # The cache's own prefill buffer is not read: mark the chunk attended.
+                cache._attended, cache._framed = True, None
+                return out
             return cache.attention(queries, scale, mask)
+        if _float32_here(queries):
+            return _sdpa_float32(original, queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)
 
     setattr(scaled_dot_product_attention, _MARK, original)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import List, Optional, Sequence
 
@@ -460,9 +461,13 @@ def cmd_generate(argv: Sequence[str]) -> int:
     orig_load_prompt_cache = G.load_prompt_cache
 
     def load(*a, **k):
+        _blas_warning()
         _say(f"loading {a[0] if a else k.get('path_or_hf_repo')}")
         out = orig_load(*a, **k)
         install_kv_cache(out[0], args)
+        from . import blas
+
+        blas.maybe_float32_compute(out[0])
         return out
 
     def load_prompt_cache(*a, **k):
@@ -567,35 +572,50 @@ def cmd_serve(argv: Sequence[str]) -> int:
 
 # --- compare -----------------------------------------------------------------
 
-DEFAULT_QUESTION = "In two sentences, what does the text above say about the with statement?"
 
+def _blas_warning() -> None:
+    from . import blas
 
-def default_compare_prompt() -> str:
-    from .eval import english_text
-
-    text = english_text("with")
-    # About 400 tokens: past the float16 window, short enough for a CPU.
-    cut = text.rfind("\n\n", 0, 1600)
-    return text[: cut if cut > 0 else 1600] + "\n\n" + DEFAULT_QUESTION
+    w = blas.warning()
+    if w:
+        _say(w)
 
 
 def cmd_compare(argv: Sequence[str]) -> int:
+    import time
+
+    from . import compare as C
+
+    started = time.perf_counter()
     p = argparse.ArgumentParser(
         prog="veloxquant compare",
-        description="Generate from one prompt with several KV caches and compare text, KV bytes, "
-        "peak memory and speed",
+        description="Generate from one long prompt with several KV caches and compare the text, the KV bytes "
+        "MLX holds (measured against tokens), the prompt's perplexity, peak memory and speed; a PNG and a "
+        "summary at the end. veloxquant's recipe here defaults to TurboQuant-MSE keys at 4 bits and values at "
+        "3 bits (veloxquant bench's k4v3) unless a --kv-bits, --kv-value-bits, --kv-method or "
+        "--kv-value-method is given.",
     )
     p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", default=None, help="prompt (default: a Python documentation passage and a question)")
+    p.add_argument(
+        "--prompt",
+        default=None,
+        help="prompt (default: the first paragraphs of Alice's Adventures in Wonderland, shipped with "
+        "veloxquant, and a question: --tokens tokens in all)",
+    )
+    p.add_argument(
+        "--tokens", type=int, default=C.DEFAULT_TOKENS, help=f"prompt tokens of the default prompt (default: {C.DEFAULT_TOKENS})"
+    )
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument(
         "--caches",
-        default="fp16,veloxquant",
-        help="comma-separated caches to run, from fp16, mlx-quantized, veloxquant (default: fp16,veloxquant)",
+        default="fp16,mlx-quantized,veloxquant",
+        help="comma-separated caches to run, from fp16, mlx-quantized, veloxquant (default: all three)",
     )
     p.add_argument("--ignore-chat-template", action="store_true")
-    p.add_argument("--prefill-step-size", type=int, default=2048)
+    p.add_argument("--prefill-step-size", type=int, default=256, help="prompt tokens per prefill chunk (default: 256)")
+    p.add_argument("--plot", default=None, help="write a PNG of KV memory against tokens and of tokens/s here")
     p.add_argument("--json", default=None, help="also write the results to this JSON file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     add_kv_options(p, with_kv_bits=True)
     args = p.parse_args(list(argv))
     kinds = [k.strip() for k in args.caches.split(",") if k.strip()]
@@ -609,22 +629,42 @@ def cmd_compare(argv: Sequence[str]) -> int:
         _usage_error(f"{given[0]} applies only to the veloxquant cache, which --caches {args.caches} leaves out")
     if args.max_tokens < 1:
         raise SystemExit(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.tokens < 16:
+        _usage_error(f"--tokens must be >= 16, got {args.tokens}")
+    if args.prefill_step_size < 1:
+        _usage_error(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
+    if args.kv_bits is None and args.kv_value_bits is None and args.kv_method is None and args.kv_value_method is None:
+        args.kv_value_bits = C.DEFAULT_VALUE_BITS
 
     import mlx.core as mx
-    from mlx_lm.generate import stream_generate
 
-    from . import models
+    from . import blas, models
     from .cache import cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
 
     path = models.resolve_model(args.model)
+    _blas_warning()
     _say(f"loading {path}")
     model, tokenizer = models.load(path)
-    prompt = args.prompt if args.prompt is not None else default_compare_prompt()
-    if not args.ignore_chat_template and tokenizer.has_chat_template:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True)
+    compute = blas.maybe_float32_compute(model)
+    chat = not args.ignore_chat_template
+    prompt = args.prompt if args.prompt is not None else C.default_prompt(tokenizer, args.tokens, chat)
+    ids = C.prompt_ids(tokenizer, prompt, chat)
+    device = mx.default_device()
+    if device == mx.cpu:
+        st = blas.status()
+        lib = st.name.split(" NO_")[0].split(" DYNAMIC")[0] if st.fast else "MLX's bundled reference BLAS"
+        machine = f"the CPU with {lib}" + (f" and {compute}" if compute else "")
     else:
-        ids = tokenizer.encode(prompt)
-    rows = []
+        machine = f"{device}"
+    print(f"Model: {path}")
+    print(
+        "Prompt: "
+        + (f"the first paragraphs of {C.TEXT_NAME} and a question" if args.prompt is None else "--prompt")
+        + f", {len(ids):,} tokens; up to {args.max_tokens} new tokens, greedy."
+    )
+    print(f"Device: {machine}.")
+    print()
+    rows, vq_line = [], None
     for kind in kinds:
         ns = argparse.Namespace(**vars(args))
         ns.kv_cache = kind
@@ -633,67 +673,43 @@ def cmd_compare(argv: Sequence[str]) -> int:
                 setattr(ns, dest, None)
         validate_kv_args(ns)
         if kind == "veloxquant":
-            cache = make_prompt_cache(model, kv_config_from_args(ns))
+            cfg = kv_config_from_args(ns)
+            make = lambda: make_prompt_cache(model, cfg)  # noqa: E731
         elif kind == "mlx-quantized":
-            cache = make_mlx_quantized_cache(model, ns.kv_bits, ns.kv_group_size)
+            make = lambda: make_mlx_quantized_cache(model, ns.kv_bits, ns.kv_group_size)  # noqa: E731
         else:
             from mlx_lm.models.cache import make_prompt_cache as mlx_make
 
-            cache = mlx_make(model)
-        _say(f"{kind}: {len(ids)} prompt tokens, up to {args.max_tokens} new tokens")
-        mx.clear_cache()
-        mx.reset_peak_memory()
-        text, last = "", None
-        for r in stream_generate(
-            model,
-            tokenizer,
-            ids,
-            max_tokens=args.max_tokens,
-            prompt_cache=cache,
-            prefill_step_size=args.prefill_step_size,
-            prompt_progress_callback=_progress(args.prefill_step_size, f"{kind} prefill"),
-        ):
-            text += r.text
-            last = r
-        rows.append(
-            {
-                "cache": kind,
-                "config": describe_kv(ns),
-                "text": text,
-                "prompt_tokens": last.prompt_tokens,
-                "generated_tokens": last.generation_tokens,
-                "prefill_tps": last.prompt_tps,
-                "decode_tps": last.generation_tps,
-                "kv_bytes": cache_nbytes(cache),
-                "peak_memory_bytes": mx.get_peak_memory(),
-            }
-        )
-    print(format_compare(rows))
+            make = lambda: mlx_make(model)  # noqa: E731
+        ref = rows[0]["top1"] if rows and rows[0]["cache"] == "fp16" else None
+        row, cache = C.run_one(model, tokenizer, ids, make, kind, args.max_tokens, args.prefill_step_size,
+                               not args.no_progress, cache_nbytes, reference_top1=ref)
+        row["config"] = describe_kv(ns)
+        rows.append(row)
+        if kind == "veloxquant":
+            vq_line = C.windows_line(cache, cfg)
+        print(f"--- {kind} ({row['config']})")
+        print(row["text"].strip())
+        print(flush=True)
+        del cache
+    for r in rows:
+        r.pop("top1")
+    print(C.format_table(rows))
+    print()
+    if vq_line:
+        print(vq_line)
+    if args.plot:
+        title = (f"veloxquant compare: {os.path.basename(path.rstrip('/'))}, a {len(ids):,}-token prompt and up to "
+                 f"{args.max_tokens} new tokens, on {machine}")
+        C.plot(rows, args.plot, title)
+        print(f"Figure: {args.plot}")
+    print()
+    took = time.perf_counter() - started
+    print(C.summary(rows, machine, args.plot) + f" The comparison took {int(took // 60)} min {took % 60:.0f} s.")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump(rows, f, indent=2)
+            json.dump({"model": path, "prompt_tokens": len(ids), "device": machine, "rows": rows}, f, indent=2)
     return 0
-
-
-def format_compare(rows: List[dict]) -> str:
-    out = []
-    for r in rows:
-        out.append(f"--- {r['cache']} ({r['config']})")
-        out.append(r["text"].strip())
-        out.append("")
-    head = ["cache", "KV bytes", "vs first", "peak memory", "prefill tok/s", "decode tok/s", "tokens"]
-    out.append("| " + " | ".join(head) + " |")
-    out.append("|" + "---|" * len(head))
-    base = rows[0]["kv_bytes"] or 1
-    for r in rows:
-        out.append(
-            f"| {r['cache']} | {r['kv_bytes']:,} | {r['kv_bytes'] / base:.2f}x | {_gb(r['peak_memory_bytes'])} "
-            f"| {r['prefill_tps']:.1f} | {r['decode_tps']:.1f} | {r['prompt_tokens']}+{r['generated_tokens']} |"
-        )
-    same = all(r["text"] == rows[0]["text"] for r in rows[1:])
-    out.append("")
-    out.append("outputs identical" if same else "outputs differ (greedy decoding)")
-    return "\n".join(out)
 
 
 # --- convert, eval -----------------------------------------------------------
@@ -725,6 +741,39 @@ def cmd_eval(argv: Sequence[str]) -> int:
     return ev.main(argv)
 
 
+def cmd_doctor(argv: Sequence[str]) -> int:
+    argparse.ArgumentParser(
+        prog="veloxquant doctor",
+        description="Print the versions, MLX's device, the BLAS serving MLX's CPU matmul (with a measured "
+        "float32 matmul speed) and how generate, compare and eval compute on the CPU",
+    ).parse_args(list(argv))
+    import platform
+    from importlib import metadata
+
+    import mlx.core as mx
+
+    from . import __version__, blas
+
+    def version(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    print(f"veloxquant {__version__}, mlx {version('mlx')}, mlx-lm {version('mlx-lm')}, Python {platform.python_version()}")
+    print(f"MLX device: {mx.default_device()}")
+    print(blas.describe())
+    if mx.default_device() == mx.cpu:
+        if blas.float32_compute_wanted():
+            how = "float32 for float16/bfloat16 models (weights held in float32; activations and KV caches keep their dtype)"
+        elif os.environ.get(blas.FLOAT32_ENV):
+            how = f"the model's dtype ({blas.FLOAT32_ENV}={os.environ[blas.FLOAT32_ENV]})"
+        else:
+            how = "the model's dtype (no optimised BLAS: float32 would not be faster)"
+        print(f"CPU compute in generate, compare and eval: {how}")
+    return 0
+
+
 def cmd_bench(argv: Sequence[str]) -> int:
     from . import bench
 
@@ -734,10 +783,11 @@ def cmd_bench(argv: Sequence[str]) -> int:
 COMMANDS = {
     "generate": (cmd_generate, "generate text (every mlx_lm.generate option, plus --kv-*)"),
     "serve": (cmd_serve, "mlx_lm's HTTP server with veloxquant caches"),
-    "compare": (cmd_compare, "one prompt through fp16 and compressed caches, side by side"),
+    "compare": (cmd_compare, "a long prompt through fp16, mlx_lm 4-bit and veloxquant caches, side by side"),
     "eval": (cmd_eval, "perplexity, top-1 agreement, KL and needle retrieval per method and bit width"),
     "convert": (cmd_convert, "convert the default model (or a GGUF) for mlx_lm"),
     "bench": (cmd_bench, "end-to-end prefill and decode speed, KV bytes and peak memory per cache"),
+    "doctor": (cmd_doctor, "versions, the CPU BLAS in use and its measured matmul speed"),
 }
 
 

@@ -393,8 +393,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from . import models
 
+    from . import blas
+
     path = models.resolve_model(args.model)
+    w = blas.warning()
+    if w:
+        _say(w)
     model, tokenizer = models.load(path)
+    compute = blas.maybe_float32_compute(model)
+    if compute:
+        _say(f"CPU: {compute}")
     specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits)
     # Validate every veloxquant configuration before the long run. A sweep
     # may pair a method with widths it lacks (pq has 1, 2, 4): those are
@@ -425,6 +433,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "window": args.kv_window,
         "sinks": args.kv_sinks,
         "device": str(mx.default_device()),
+        "cpu_compute": compute,
         "skipped": skipped,
         "failed": failed,
     }
