@@ -144,11 +144,11 @@ fn state_round_trips_and_rejects_corruption() {
     assert!(e.starts_with("state:"), "{e}");
     let e = LayerCache::from_bytes(b"not a state at all", None).err().unwrap().to_string();
     assert!(e.starts_with("state:"), "{e}");
-    // A state of another version (here the last one without checksums) is
-    // refused, naming the version.
-    let old = replace_bytes(&bytes, b"\"version\":\"4\"", b"\"version\":\"3\"");
+    // A state of another version (here the last one with unscaled rotated
+    // frames) is refused, naming the version.
+    let old = replace_bytes(&bytes, b"\"version\":\"5\"", b"\"version\":\"4\"");
     let e = LayerCache::from_bytes(&old, None).err().unwrap().to_string();
-    assert!(e.starts_with("state: version \"3\" is not supported"), "{e}");
+    assert!(e.starts_with("state: version \"4\" is not supported"), "{e}");
 }
 
 /// `bytes` with the one occurrence of `from` replaced by `to` (same length).
@@ -473,7 +473,7 @@ fn wrong_bits_and_methods_name_the_argument() {
     let (tensors, meta) = cache.state_parts().unwrap();
     let tensors: std::collections::HashMap<String, Array> = tensors.into_iter().collect();
     for (key, value, want) in [
-        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads version 4"),
+        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads version 5"),
         ("format", "zip", "state: format \"zip\" is not \"veloxquant-layer-cache\""),
         ("dtype", "float64", "state: dtype \"float64\" is not one of"),
         ("window", "-1", "state: field \"window\": \"-1\" is not a valid value"),
@@ -885,6 +885,74 @@ fn non_finite_keys_and_values_stay_non_finite_for_every_method() {
                 let nan = |x: &[f32]| x.iter().map(|v| v.is_nan()).collect::<Vec<_>>();
                 assert_eq!(nan(&out), nan(&want), "{tag}: NaN where float16 attention has NaN");
             }
+        }
+    }
+}
+
+/// `[1, h, t, d]` uniform in `[-scale, scale]` in `dtype` (float16 keeps
+/// every value finite below 65504).
+fn uniform(rng: &mut ChaCha8Rng, shape: &[i32], scale: f32, dtype: Dtype) -> Array {
+    let n: i32 = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|_| scale * (2.0 * rand::RngExt::random::<f32>(rng) - 1.0)).collect();
+    ops::astype(&Array::from_slice(&v, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
+}
+
+#[test]
+fn norms_beyond_float16_are_held_or_refused_never_wrong() {
+    let (h, d, t) = (2i32, 128i32, 96i32);
+    let s = Stream::cpu();
+    let pairs = [
+        (Method::TurboQuantMse, 4, Method::TurboQuantMse, 4),
+        (Method::Pq, 2, Method::TurboQuantRvq, 3),
+        (Method::TurboQuantProd, 4, Method::Pq, 4),
+        (Method::Qjl, 2, Method::TurboQuantMse, 3),
+        (Method::Kivi, 4, Method::TurboQuantMse, 4),
+    ];
+    for m in pairs {
+        // The relative error at unit scale, then at scales whose norms are
+        // far beyond float16's 65504: float32 and bfloat16 at 1e5 (norms
+        // about 6.5e5), float16 up to 3e4 (every float16 value is held).
+        let err_at = |scale: f32, dtype: Dtype| -> (f64, f64, f64) {
+            let mut rng = ChaCha8Rng::seed_from_u64(61);
+            let k = uniform(&mut rng, &[1, h, t, d], scale, dtype);
+            let v = uniform(&mut rng, &[1, h, t, d], scale, dtype);
+            let q = uniform(&mut rng, &[1, 2 * h, 1, d], 2.0 / scale, dtype);
+            let mut cfg = mixed_config(d as usize, h as usize, m, Policy::Auto);
+            cfg.window = 8;
+            let mut cache = LayerCache::new(cfg, Some(s.clone())).unwrap();
+            cache.append(&k, &v).unwrap();
+            assert!(cache.compressed_tokens() >= 64);
+            let (kd, vd) = cache.dequantize().unwrap();
+            let (kdf, vdf) = (f32s(&kd), f32s(&vd));
+            assert!(kdf.iter().chain(&vdf).all(|x| x.is_finite()), "{m:?} {dtype} at {scale}: non-finite decoded values");
+            let fused = cache.attention(&q, 0.1, false).unwrap();
+            let f32_ = |a: &Array| ops::astype(a, Dtype::F32, &s).unwrap();
+            let want = ops::scaled_dot_product_attention(&f32_(&q), &f32_(&kd), &f32_(&vd), 0.1, false, &s).unwrap();
+            (rel_err(&kd, &k), rel_err(&vd, &v), rel_err(&f32_(&fused), &want))
+        };
+        let (k1, v1, _) = err_at(1.0, Dtype::F32);
+        for (scale, dtype, attention_tol) in [(1e5, Dtype::F32, 1e-4), (1e5, Dtype::BF16, 2e-2), (3e4, Dtype::F16, 1e-2), (1e-2, Dtype::F16, 1e-2)] {
+            let (ke, ve, ae) = err_at(scale, dtype);
+            let tag = format!("{m:?} {dtype} at scale {scale}");
+            assert!(ke < 1.2 * k1 + 0.02 && ve < 1.2 * v1 + 0.02, "{tag}: relative errors {ke:.3} {ve:.3}, at unit scale {k1:.3} {v1:.3}");
+            assert!(ae < attention_tol, "{tag}: fused attention against decoded SDPA {ae:.2e}");
+        }
+    }
+    // Norms beyond what the scaled frame holds (65504 · F) are refused: such
+    // a token decodes to NaN, never to a wrong finite value.
+    let mut rng = ChaCha8Rng::seed_from_u64(62);
+    let k = uniform(&mut rng, &[1, h, t, d], 1e7, Dtype::F32);
+    let mut cache = LayerCache::new(config(d as usize, h as usize, Method::TurboQuantMse, Policy::Auto), Some(s.clone())).unwrap();
+    cache.append(&k, &k).unwrap();
+    let (kd, _) = cache.dequantize().unwrap();
+    let kd = f32s(&kd);
+    let n = cache.compressed_tokens();
+    assert!(n > 0);
+    for head in 0..h as usize {
+        for tok in 0..t as usize {
+            let row = &kd[(head * t as usize + tok) * d as usize..][..d as usize];
+            let compressed = tok >= 4 && tok < 4 + n;
+            assert_eq!(row.iter().all(|x| x.is_nan()), compressed, "token {tok}");
         }
     }
 }

@@ -108,6 +108,30 @@ def test_a_non_finite_key_is_never_made_finite(method, bad):
         np.testing.assert_array_equal(np.isnan(out), np.isnan(ref))
 
 
+@pytest.mark.parametrize(
+    "dtype, scale", [(mx.float32, 1e5), (mx.bfloat16, 1e5), (mx.float16, 3e4)]
+)
+def test_norms_beyond_float16_come_back_right(dtype, scale):
+    # Norms far past float16's 65504 (about 3e5 to 1e6 here): the cache holds
+    # them (float16 inputs: every one), with the error it has at unit scale.
+    def errors(scale):
+        k = (mx.random.uniform(-1, 1, (1, 2, 120, 128), key=mx.random.key(1)) * scale).astype(dtype)
+        v = (mx.random.uniform(-1, 1, (1, 2, 120, 128), key=mx.random.key(2)) * scale).astype(dtype)
+        cache = LayerCache(128, 2, window=8, sinks=4, device="cpu")
+        cache.append(k, v)
+        kd, vd = cache.dequantize()
+        assert np.isfinite(np.array(kd.astype(mx.float32))).all() and np.isfinite(np.array(vd.astype(mx.float32))).all()
+        q = (mx.random.uniform(-1, 1, (1, 4, 1, 128), key=mx.random.key(3)) / scale).astype(dtype)
+        out = cache.attention(q, 0.1)
+        ref = mx.fast.scaled_dot_product_attention(q.astype(mx.float32), kd.astype(mx.float32), vd.astype(mx.float32), scale=0.1)
+        return rel_err(kd, k), rel_err(vd, v), rel_err(out, ref)
+
+    k1, v1, _ = errors(1.0)
+    ke, ve, ae = errors(scale)
+    assert ke < 1.2 * k1 + 0.02 and ve < 1.2 * v1 + 0.02, (ke, ve, k1, v1)
+    assert ae < 2e-2
+
+
 def test_errors_name_the_argument():
     with pytest.raises(ValueError, match=r"^key_bits: 7"):
         LayerCache(64, 2, key_bits=7)
@@ -176,7 +200,7 @@ def test_wrong_types_are_type_errors_naming_the_argument(call, message):
         (lambda: LayerCache(64, 2, value_method="zip"), r'^value_method: "zip" is not one of "fp16"'),
         (lambda: LayerCache(64, 2, device="tpu"), r'^device: "tpu" is not one of "cpu", "gpu"$'),
         (lambda: _filled_small().trim(-1), r"^n: -1 is out of range; expected a number of tokens >= 0$"),
-        (lambda: LayerCache.from_state_parts({}, {"format": "veloxquant-layer-cache", "version": "2"}), r'^state: version "2" is not supported: this veloxquant reads version 4'),
+        (lambda: LayerCache.from_state_parts({}, {"format": "veloxquant-layer-cache", "version": "2"}), r'^state: version "2" is not supported: this veloxquant reads version 5'),
         (lambda: LayerCache.from_state_parts({}, {"version": "4"}), r'^state: no format field \(expected "veloxquant-layer-cache"\)'),
     ],
 )

@@ -18,14 +18,31 @@ use crate::ops;
 use crate::quant::{Rotation, RotationKind, ScalarCodebook};
 use crate::stream::Stream;
 
-/// `−mean` in the keys' frame (rotated by `Π` when given), in `dtype`: what
-/// every new key gets added.
+/// `−mean` in the keys' frame (`−mean·Πᵀ/F` when `rotation`, the shared
+/// `F·Π`, is given, else `−mean/F`), in `dtype`: what every new key gets
+/// added.
 fn key_offset(mean: &Array, rotation: Option<&Array>, dtype: Dtype, s: &Stream) -> Result<Array> {
+    let f = frame_scale(mean.shape()[3] as usize);
     let framed = match rotation {
-        Some(r) => ops::matmul(mean, &ops::transpose(r, &[1, 0], s)?, s)?,
-        None => mean.clone(),
+        Some(r) => {
+            let into = ops::multiply(&ops::transpose(r, &[1, 0], s)?, &Array::scalar_f32(-1.0 / (f * f))?, s)?;
+            ops::matmul(mean, &into, s)?
+        }
+        None => ops::multiply(mean, &Array::scalar_f32(-1.0 / f)?, s)?,
     };
-    ops::astype(&ops::multiply(&framed, &Array::scalar_f32(-1.0)?, s)?, dtype, s)
+    ops::astype(&framed, dtype, s)
+}
+
+/// `F`, the power of two by which a compressed layer's key frame and
+/// rotated value frame are scaled down: tokens are held as `x·Πᵀ/F`
+/// (rotated) or `x/F` (keys of the other codecs), in the windows and in the
+/// codes' norms and scales (float16), so that every float16 input fits, its
+/// norm included (at most `2·65504·√D` for a key less its mean: `F >= 2·√D`),
+/// and float32 or bfloat16 inputs up to a norm of `65504·F`. The kernels
+/// read the rotation as `F·Π` and unrotated keys with the scale times `F`,
+/// which puts `F` back into scores and outputs.
+pub(crate) fn frame_scale(dim: usize) -> f32 {
+    (2.0 * (dim as f32).sqrt()).ceil().max(1.0).log2().ceil().exp2()
 }
 
 /// Token slots of a float16 cache's allocation step (mlx_lm's `KVCache`
@@ -60,7 +77,8 @@ fn window_slots(current: usize, needed: usize, max: usize, limit: usize) -> usiz
 }
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
 /// Version 4: `to_bytes` adds a CRC-32 of every tensor and of the header.
-const STATE_VERSION: &str = "4";
+/// Version 5: rotated frames are scaled by `1/F` (`frame_scale`).
+const STATE_VERSION: &str = "5";
 
 /// Row-major `Π` of the cache's rotation for `(dim, seed)`: Hadamard where
 /// the size allows, else dense. Computed once per process.
@@ -146,11 +164,19 @@ pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f
 /// bits, dtype and device: one set per thread (MLX arrays stay on the
 /// thread that made them), held while some layer holds it.
 struct Shared {
-    /// `Π`, when either side's frame is rotated.
+    /// `F·Π` float32 (`frame_scale`), when either side's frame is rotated:
+    /// what the kernels and decoding read as the rotation, so that a query
+    /// enters the key frame, and an output or a decoded token leaves the
+    /// value frame, scaled by `F`.
     rotation: Option<Array>,
-    /// `Πᵀ` in the cache's dtype: new tokens enter the rotated frame with one
-    /// matmul and no casts (its rounding is below the windows' own).
+    /// `Πᵀ/F` in the cache's dtype, the inverse of `rotation`: new tokens
+    /// enter the rotated frame with one matmul and no casts (its rounding is
+    /// below the windows' own).
     rotation_t: Option<Array>,
+    /// `I/F` in the cache's dtype, when the keys' frame is not rotated: new
+    /// keys enter it with one `addmm` (the mean's offset added), as rotated
+    /// ones do.
+    key_frame: Option<Array>,
     /// Codebooks of the key and value codecs that have one.
     k_table: Option<Array>,
     v_table: Option<Array>,
@@ -269,7 +295,8 @@ impl Side {
     }
 
     /// NaN where the tokens of `x` `[B, Hkv, m, D]` hold a NaN or an
-    /// infinity, 0 elsewhere, float32, shaped to add to the codec's norms or
+    /// infinity, or (codecs with a norm) where the norm exceeds float16's
+    /// range, 0 elsewhere, float32, shaped to add to the codec's norms or
     /// scales: per token for norms (`[B, Hkv, m]`; TurboQuant-Prod's
     /// `[B, Hkv, m, 1]` for both of its norms) and for KIVI values (`[B, Hkv,
     /// m, 1]`, every channel group), per token group and channel for KIVI
@@ -278,13 +305,28 @@ impl Side {
     fn non_finite(&self, x: &Array, s: &Stream) -> Result<Array> {
         let shape = x.shape();
         let (b, h, m, d) = (shape[0], shape[1], shape[2], shape[3]);
-        // x * 0 is NaN exactly where x is NaN or infinite.
-        let z = ops::multiply(&ops::astype(x, Dtype::F32, s)?, &Array::scalar_f32(0.0)?, s)?;
+        let zero = Array::scalar_f32(0.0)?;
+        let xf = ops::astype(x, Dtype::F32, s)?;
         let g = self.codec.group as i32;
         match self.codec.codec {
-            Codec::TurboQuantProd | Codec::KiviPerToken => ops::sum_axis(&z, -1, true, s),
-            Codec::KiviPerChannel => ops::sum_axis(&ops::reshape(&z, &[b, h, m / g, g, d], s)?, 3, false, s),
-            _ => ops::sum_axis(&z, -1, false, s),
+            Codec::KiviPerToken | Codec::KiviPerChannel => {
+                // x * 0 is NaN exactly where x is NaN or infinite. (KIVI's
+                // float16 scales and zeros overflow to infinities, which
+                // decode non-finite.)
+                let z = ops::multiply(&xf, &zero, s)?;
+                if self.codec.codec == Codec::KiviPerToken {
+                    ops::sum_axis(&z, -1, true, s)
+                } else {
+                    ops::sum_axis(&ops::reshape(&z, &[b, h, m / g, g, d], s)?, 3, false, s)
+                }
+            }
+            _ => {
+                // The norm as float16 (infinite beyond its range; NaN or
+                // infinite for a non-finite input), times 0.
+                let keep = self.codec.codec == Codec::TurboQuantProd;
+                let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, s)?, -1, keep, s)?, s)?;
+                ops::multiply(&ops::astype(&ops::astype(&norm, Dtype::F16, s)?, Dtype::F32, s)?, &zero, s)
+            }
         }
     }
 
@@ -453,11 +495,11 @@ impl Compressed {
 /// by `−mean` once the mean is known, in one matmul or one add; values
 /// rotated when theirs does.
 fn into_frames(shared: &Shared, c: &Compressed, keys: &Array, values: &Array, s: &Stream) -> Result<(Array, Array)> {
-    let rk = match (&shared.rotation_t, c.keys.codec.codec.rotated(), &c.k_offset) {
-        (Some(r), true, Some(offset)) => ops::addmm(offset, keys, r, s)?,
-        (Some(r), true, None) => ops::matmul(keys, r, s)?,
-        (_, _, Some(offset)) => ops::add(keys, offset, s)?,
-        _ => keys.clone(),
+    let frame = if c.keys.codec.codec.rotated() { &shared.rotation_t } else { &shared.key_frame };
+    let frame = frame.as_ref().expect("the keys' frame is made with the shared arrays");
+    let rk = match &c.k_offset {
+        Some(offset) => ops::addmm(offset, keys, frame, s)?,
+        None => ops::matmul(keys, frame, s)?,
     };
     let rv = match (&shared.rotation_t, c.values.codec.codec.rotated()) {
         (Some(r), true) => ops::matmul(values, r, s)?,
@@ -568,9 +610,11 @@ impl LayerCache {
     /// once per model, as [`total_nbytes`] does.
     pub fn shared_nbytes(&self) -> usize {
         self.shared.as_ref().map_or(0, |s| {
-            // In float32 `rotation_t` is a transposed view of `rotation`.
-            let own_t = s.rotation_t.as_ref().filter(|t| t.dtype() != Dtype::F32);
-            [s.rotation.as_ref(), own_t, s.k_table.as_ref(), s.v_table.as_ref()].into_iter().flatten().map(Array::nbytes).sum()
+            [s.rotation.as_ref(), s.rotation_t.as_ref(), s.key_frame.as_ref(), s.k_table.as_ref(), s.v_table.as_ref()]
+                .into_iter()
+                .flatten()
+                .map(Array::nbytes)
+                .sum()
         })
     }
 
@@ -642,14 +686,26 @@ impl LayerCache {
             device: s.device()?,
         };
         self.shared = Some(shared_for(key, || {
-            let rotation = if kc.codec.rotated() || vc.codec.rotated() {
-                let rot = rotation_matrix(self.cfg.head_dim, self.cfg.seed)?;
-                Some(Array::from_slice(&rot, &[d, d])?)
+            let (rotation, rotation_t) = if kc.codec.rotated() || vc.codec.rotated() {
+                let dim = self.cfg.head_dim;
+                let rot = rotation_matrix(dim, self.cfg.seed)?;
+                let f = frame_scale(dim);
+                // Powers of two: exact in float32.
+                let scaled: Vec<f32> = rot.iter().map(|v| v * f).collect();
+                let inverse: Vec<f32> = (0..dim * dim).map(|i| rot[(i % dim) * dim + i / dim] / f).collect();
+                (Some(Array::from_slice(&scaled, &[d, d])?), Some(ops::astype(&Array::from_slice(&inverse, &[d, d])?, dtype, s)?))
             } else {
-                None
+                (None, None)
             };
-            let rotation_t = rotation.as_ref().map(|r| ops::astype(&ops::transpose(r, &[1, 0], s)?, dtype, s)).transpose()?;
-            Ok(Shared { rotation, rotation_t, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
+            let key_frame = if kc.codec.rotated() {
+                None
+            } else {
+                let dim = self.cfg.head_dim;
+                let f = frame_scale(dim);
+                let diag: Vec<f32> = (0..dim * dim).map(|i| if i % (dim + 1) == 0 { 1.0 / f } else { 0.0 }).collect();
+                Some(ops::astype(&Array::from_slice(&diag, &[d, d])?, dtype, s)?)
+            };
+            Ok(Shared { rotation, rotation_t, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
         })?);
         // No compressed token yet: one slot (the kernels take no empty
         // array), grown at the first flush. The windows hold what the first
@@ -875,6 +931,11 @@ impl LayerCache {
         }
         let s = &self.stream;
         let (hq, l) = (qs[1] as usize, qs[2] as usize);
+        // Unrotated compressed keys are held as `k/F`.
+        let scale = match store {
+            Store::Compressed(c) if !c.keys.codec.codec.rotated() => scale * frame_scale(self.cfg.head_dim),
+            _ => scale,
+        };
         let prepared = match mask {
             AttentionMask::Array(m) => Some(kv_attention::prepare_mask(m, self.batch, hq, l, self.offset(), s)?),
             _ => None,
@@ -973,14 +1034,24 @@ impl LayerCache {
             return Err(Error::invalid("keys", format!("shape {ks:?} (values {:?}) is not the buffer framed_with returns for {} queries", values.shape(), qs[2])));
         }
         let s = &self.stream;
-        let (key_rotated, value_rotated) = match &self.store {
-            Some(Store::Compressed(c)) => (c.keys.codec.codec.rotated(), c.values.codec.codec.rotated()),
-            _ => (false, false),
+        let (compressed, key_rotated, value_rotated) = match &self.store {
+            Some(Store::Compressed(c)) => (true, c.keys.codec.codec.rotated(), c.values.codec.codec.rotated()),
+            _ => (false, false, false),
         };
+        // A compressed layer's buffer holds keys as `k·Πᵀ/F` or `k/F`, and
+        // rotated values as `v·Πᵀ/F`: a query entering the rotated key frame
+        // the same way gets its scores back with `scale·F²` (unrotated keys:
+        // `scale·F`), and the output leaves the value frame as `out·Π·F`.
         let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref());
+        let f = frame_scale(self.cfg.head_dim);
         let q = match rotation_t.filter(|_| key_rotated) {
             Some(r) => ops::matmul(queries, r, s)?,
             None => queries.clone(),
+        };
+        let scale = match (compressed, key_rotated) {
+            (true, true) => scale * f * f,
+            (true, false) => scale * f,
+            _ => scale,
         };
         let out = match mask {
             AttentionMask::None => ops::scaled_dot_product_attention(&q, keys, values, scale, false, s)?,
@@ -991,7 +1062,10 @@ impl LayerCache {
             }
         };
         match rotation_t.filter(|_| value_rotated) {
-            Some(r) => ops::matmul(&out, &ops::transpose(r, &[1, 0], s)?, s),
+            Some(r) => {
+                let back = ops::matmul(&out, &ops::transpose(r, &[1, 0], s)?, s)?;
+                ops::multiply(&back, &ops::astype(&Array::scalar_f32(f * f)?, self.dtype, s)?, s)
+            }
             None => Ok(out),
         }
     }
@@ -1082,13 +1156,33 @@ impl LayerCache {
             Some(Store::Compressed(c)) => {
                 let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
                 let mut keys = kv_attention::decode(&layer, false, s)?;
+                if !c.keys.codec.codec.rotated() {
+                    // Held as `k/F` (the rotation's `F·Π` undoes rotated ones).
+                    keys = ops::multiply(&keys, &Array::scalar_f32(frame_scale(self.cfg.head_dim))?, s)?;
+                }
                 if let Some(mean) = &c.k_mean {
                     keys = ops::add(&keys, mean, s)?;
                 }
                 let values = kv_attention::decode(&layer, true, s)?;
-                Ok((ops::astype(&keys, self.dtype, s)?, ops::astype(&values, self.dtype, s)?))
+                Ok((self.decoded_out(&keys)?, self.decoded_out(&values)?))
             }
         }
+    }
+
+    /// Decoded float32 tokens in the cache's dtype. Float16 saturates what
+    /// the codes' rounding put past its range (±65504) instead of making it
+    /// infinite, and keeps a non-finite token non-finite (NaN).
+    fn decoded_out(&self, x: &Array) -> Result<Array> {
+        let s = &self.stream;
+        if self.dtype != Dtype::F16 {
+            return ops::astype(x, self.dtype, s);
+        }
+        let max = crate::cpu::turboquant::MAX_NORM;
+        let clipped = ops::minimum(&ops::maximum(x, &Array::scalar_f32(-max)?, s)?, &Array::scalar_f32(max)?, s)?;
+        // + x * 0: NaN where x is NaN or infinite (min and max keep NaN but
+        // would make an infinity finite), 0 elsewhere.
+        let kept = ops::add(&clipped, &ops::multiply(x, &Array::scalar_f32(0.0)?, s)?, s)?;
+        ops::astype(&kept, self.dtype, s)
     }
 
     /// Drops the last `n` tokens (speculative-decoding rollback, prompt
