@@ -220,6 +220,10 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
     row = device_fields()
     try:
         model = build_model(job)
+        # As generate, compare and eval: float32 compute where the CPU has a fast BLAS.
+        from . import blas
+
+        row["compute"] = blas.maybe_float32_compute(model) or "the model's dtype"
         vocab = model.args.vocab_size
         tokens = mx.random.randint(0, vocab, (job["batch"], job["context"]), key=mx.random.key(SEED))
         step = job["prefill_step_size"]
