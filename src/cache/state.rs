@@ -490,6 +490,16 @@ impl Compressed {
     }
 }
 
+/// MLX's SDPA of dense keys and values under a prepared additive mask (see
+/// `kv_attention::prepare_mask`), or causal (for more than one query), or none.
+fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>, causal: bool, s: &Stream) -> Result<Array> {
+    match mask {
+        // MLX takes an additive mask in the queries' dtype.
+        Some(m) => ops::scaled_dot_product_attention_masked(q, k, v, scale, &ops::astype(m, q.dtype(), s)?, s),
+        None => ops::scaled_dot_product_attention(q, k, v, scale, causal && q.shape()[2] > 1, s),
+    }
+}
+
 /// New tokens in each side's frame (the windows hold them so, and attention
 /// works in those frames): keys rotated when their codec rotates and shifted
 /// by `−mean` once the mean is known, in one matmul or one add; values
@@ -948,11 +958,7 @@ impl LayerCache {
                 let (b, h, dim) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
                 let k = ops::slice(&d.keys, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
                 let v = ops::slice(&d.values, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
-                match &prepared {
-                    // MLX takes an additive mask in the queries' dtype.
-                    Some((m, _)) => ops::scaled_dot_product_attention_masked(queries, &k, &v, scale, &ops::astype(m, self.dtype, s)?, s),
-                    None => ops::scaled_dot_product_attention(queries, &k, &v, scale, causal && qs[2] > 1, s),
-                }
+                sdpa(queries, &k, &v, scale, prepared.as_ref().map(|(m, _)| m), causal, s)
             }
             Store::Compressed(_) if prepared.is_some() => {
                 // Only the generic kernel reads a mask.
@@ -1053,14 +1059,11 @@ impl LayerCache {
             (true, false) => scale * f,
             _ => scale,
         };
-        let out = match mask {
-            AttentionMask::None => ops::scaled_dot_product_attention(&q, keys, values, scale, false, s)?,
-            AttentionMask::Causal => ops::scaled_dot_product_attention(&q, keys, values, scale, qs[2] > 1, s)?,
-            AttentionMask::Array(m) => {
-                let (m, _) = kv_attention::prepare_mask(m, self.batch, qs[1] as usize, qs[2] as usize, ks[2] as usize, s)?;
-                ops::scaled_dot_product_attention_masked(&q, keys, values, scale, &ops::astype(&m, self.dtype, s)?, s)?
-            }
+        let prepared = match mask {
+            AttentionMask::Array(m) => Some(kv_attention::prepare_mask(m, self.batch, qs[1] as usize, qs[2] as usize, ks[2] as usize, s)?.0),
+            _ => None,
         };
+        let out = sdpa(&q, keys, values, scale, prepared.as_ref(), matches!(mask, AttentionMask::Causal), s)?;
         match rotation_t.filter(|_| value_rotated) {
             Some(r) => {
                 let back = ops::matmul(&out, &ops::transpose(r, &[1, 0], s)?, s)?;
