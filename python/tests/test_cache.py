@@ -12,6 +12,7 @@ from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, load
 
 from veloxquant import attention
 from veloxquant.cache import (
+    CorruptStateError,
     KVConfig,
     VeloxQuantCache,
     cache_nbytes,
@@ -354,3 +355,104 @@ def test_state_is_lazy_arrays_and_round_trips_through_mlx_lm_files(tmp_path):
     assert mx.array_equal(loaded.attention(q, 0.125), cache.attention(q, 0.125)).item()
     with pytest.raises(ValueError, match="config"):
         VeloxQuantCache.from_state((mx.zeros((3,), mx.uint8), "{}"))
+
+
+# --- defect 2: a prompt-cache file with flipped bits or cut short is refused ----
+
+
+def _saved_prompt_cache(tmp_path):
+    cache = VeloxQuantCache(KVConfig(key_bits=4, value_bits=3, window=16, sinks=2))
+    for keys, values, q in _chunks([60, 1]):
+        cache.update_and_fetch(keys, values)
+        cache.attention(q, 0.125, "causal")
+    path = tmp_path / "prompt.safetensors"
+    save_prompt_cache(str(path), [cache], {"note": "x"})
+    return cache, path, path.read_bytes()
+
+
+def _tensor_spans(data):
+    """Name -> (start, end) of each tensor's bytes in a safetensors file."""
+    import json
+    import struct
+
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8 : 8 + n])
+    return {k: (8 + n + v["data_offsets"][0], 8 + n + v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"}
+
+
+def test_state_has_checksums_only_when_saved(tmp_path):
+    cache, path, data = _saved_prompt_cache(tmp_path)
+    # mlx_lm evaluates `state` after every prefill chunk: no checksum (no bytes read) there.
+    assert set(cache.state) == {"config", "layout", "arrays"}
+    # What save_prompt_cache wrote carries one for the config, the layout and each array.
+    spans = _tensor_spans(data)
+    assert "0.crc32" in spans
+    import json
+
+    sums = json.loads(cache.checksummed_state()["crc32"])
+    assert set(sums) == {"config", "layout"} | {f"arrays.{k}" for k in cache.state["arrays"]}
+    (loaded,) = load_prompt_cache(str(path))
+    q = mx.random.normal((1, 4, 1, 64)).astype(mx.float16)
+    assert mx.array_equal(loaded.attention(q, 0.125), cache.attention(q, 0.125)).item()
+    # An in-memory state is checked too, and entries it does not know are refused.
+    state = cache.checksummed_state()
+    VeloxQuantCache.from_state(state)
+    state["arrays"] = dict(state["arrays"], k_norms=state["arrays"]["k_norms"] * 2)
+    with pytest.raises(CorruptStateError, match="'arrays.k_norms' does not match its CRC-32"):
+        VeloxQuantCache.from_state(state)
+    with pytest.raises(CorruptStateError, match="unknown entries"):
+        VeloxQuantCache.from_state(dict(cache.state, crc33="{}"))
+
+
+def test_prompt_cache_file_with_flipped_bits_is_refused(tmp_path):
+    import random
+
+    cache, path, data = _saved_prompt_cache(tmp_path)
+    spans = _tensor_spans(data)
+    bad = tmp_path / "bad.safetensors"
+    rng = random.Random(0)
+    for name, (start, end) in sorted(spans.items()):
+        # veloxquant's arrays, and the low byte of a character of the config,
+        # layout and checksum strings (mlx_lm saves each as int32 codes).
+        step = 4 if name in ("0.config", "0.layout", "0.crc32") else 1
+        for pos in sorted({start, (start + end) // 2 // step * step, end - step}) + [
+            rng.randrange(start, end, step) for _ in range(8)
+        ]:
+            b = bytearray(data)
+            b[pos] ^= 1 << rng.randrange(7)
+            bad.write_bytes(bytes(b))
+            # The error names the file and the entry (any, when the checksums themselves changed).
+            entry = "" if name == "0.crc32" else f".*'{name[2:]}'"
+            with pytest.raises(CorruptStateError, match=f"file {bad}{entry}"):
+                load_prompt_cache(str(bad))
+    # Any other bit of the file: refused too (by mx.load, mlx_lm or the checksums), never loaded.
+    for _ in range(100):
+        b = bytearray(data)
+        b[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+        bad.write_bytes(bytes(b))
+        with pytest.raises(Exception):
+            load_prompt_cache(str(bad))
+
+
+def test_prompt_cache_file_cut_short_is_refused(tmp_path, capsys):
+    from veloxquant import cli
+
+    cache, path, data = _saved_prompt_cache(tmp_path)
+    bad = tmp_path / "bad.safetensors"
+    ends = sorted(end for _, end in _tensor_spans(data).values())
+    for cut in [20, 100, ends[0] - 1, ends[len(ends) // 2], len(data) - 1]:
+        bad.write_bytes(data[:cut])
+        with pytest.raises(RuntimeError, match="incomplete download or corrupt file"):
+            load_prompt_cache(str(bad))
+        with pytest.raises(SystemExit) as e:
+            cli.load_prompt_cache_file(str(bad))
+        assert e.value.code == 2
+        assert f"--prompt-cache-file: {bad} is cut short or corrupt" in capsys.readouterr().err
+    b = bytearray(data)
+    start, end = _tensor_spans(data)["0.arrays.k_codes"]
+    b[start + 5] ^= 4
+    bad.write_bytes(bytes(b))
+    with pytest.raises(SystemExit):
+        cli.load_prompt_cache_file(str(bad))
+    err = capsys.readouterr().err
+    assert f"--prompt-cache-file: {bad} is corrupt" in err and "'arrays.k_codes' does not match" in err

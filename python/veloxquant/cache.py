@@ -13,6 +13,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
+import sys
+import zlib
 from typing import Any, Dict, List, Mapping, Optional
 
 import mlx.core as mx
@@ -247,13 +249,32 @@ class VeloxQuantCache(_BaseCache):
     @property
     def state(self):
         # Arrays are lazy views of the used slots: mlx_lm evaluates the state
-        # after every prefill chunk, which must copy nothing.
-        state = {"config": self.config.to_json()}
+        # after every prefill chunk, which must copy nothing. Checksums need
+        # the bytes, so they are added only when mlx_lm's save_prompt_cache
+        # asks for the state to write it to a file.
+        if _called_from_save_prompt_cache():
+            return self.checksummed_state()
+        return self._state_parts()
+
+    def _state_parts(self) -> Dict[str, Any]:
+        state: Dict[str, Any] = {"config": self.config.to_json()}
         if self.layer is not None:
             arrays, layout = self.layer.state_parts()
             state["layout"] = json.dumps(layout, sort_keys=True)
             if arrays:
                 state["arrays"] = arrays
+        return state
+
+    def checksummed_state(self) -> Dict[str, Any]:
+        """``state`` plus ``"crc32"``: a CRC-32 of the config, of the layout and of
+        each array (name, dtype, shape and bytes), which ``from_state`` checks.
+
+        Evaluates the arrays and reads their bytes on the host. mlx_lm's
+        ``save_prompt_cache`` gets this state; call it to save a state some
+        other way.
+        """
+        state = self._state_parts()
+        state["crc32"] = json.dumps(_state_checksums(state), sort_keys=True)
         return state
 
     @state.setter
@@ -263,6 +284,14 @@ class VeloxQuantCache(_BaseCache):
                 "VeloxQuantCache.state: expected a dict with a 'config' JSON string "
                 f"(written by this version of veloxquant), got {type(v).__name__}"
             )
+        unknown = set(v) - set(_STATE_KEYS)
+        if unknown:
+            raise CorruptStateError(
+                f"VeloxQuantCache.state{_file_note()}: unknown entries {sorted(map(str, unknown))} "
+                f"(expected {list(_STATE_KEYS)}): the state is corrupt or was not written by veloxquant"
+            )
+        if "crc32" in v:
+            _check_state_checksums(v)
         try:
             self.config = KVConfig.from_json(v["config"])
             layout = json.loads(v["layout"]) if "layout" in v else None
@@ -321,6 +350,92 @@ class VeloxQuantCache(_BaseCache):
             f"VeloxQuantCache(keys={c.key_method}/{c.key_bits}b, values={c.value_method}/{c.value_bits}b, "
             f"window={c.window}, sinks={c.sinks}, offset={self.offset}, nbytes={self.nbytes})"
         )
+
+
+# --- checksums of a saved state -------------------------------------------------
+
+# The entries of VeloxQuantCache.state.
+_STATE_KEYS = ("config", "layout", "arrays", "crc32")
+
+
+class CorruptStateError(ValueError):
+    """A VeloxQuantCache state (a prompt-cache file, say) whose contents do not
+    match the checksums saved with it."""
+
+
+def _array_crc32(name: str, a: mx.array) -> str:
+    """CRC-32 of an array's name, dtype and shape, then its bytes (row-major,
+    as safetensors holds them)."""
+    crc = zlib.crc32(f"{name} {a.dtype} {list(a.shape)}".encode())
+    if a.size:
+        crc = zlib.crc32(memoryview(mx.contiguous(a).view(mx.uint8)), crc)
+    return f"{crc:08x}"
+
+
+def _state_checksums(state: Mapping[str, Any]) -> Dict[str, str]:
+    sums = {k: f"{zlib.crc32(state[k].encode()):08x}" for k in ("config", "layout") if isinstance(state.get(k), str)}
+    arrays = state.get("arrays", {})
+    if isinstance(arrays, Mapping):
+        mx.eval(list(arrays.values()))
+        for name, a in arrays.items():
+            sums[f"arrays.{name}"] = _array_crc32(str(name), a) if isinstance(a, mx.array) else "not an array"
+    return sums
+
+
+def _check_state_checksums(state: Mapping[str, Any]) -> None:
+    """Raise CorruptStateError unless every entry of ``state`` matches its
+    checksum in ``state["crc32"]`` and every checksum has its entry."""
+
+    def corrupt(what: str):
+        return CorruptStateError(
+            f"VeloxQuantCache.state{_file_note()}: {what}: the state is corrupt (changed after it was saved, "
+            "or cut short); save it again"
+        )
+
+    try:
+        want = json.loads(state["crc32"]) if isinstance(state["crc32"], str) else None
+    except ValueError:
+        want = None
+    if not isinstance(want, dict) or not all(isinstance(x, str) for x in want.values()):
+        raise corrupt("its 'crc32' entry is not the JSON object of checksums veloxquant writes")
+    got = _state_checksums(state)
+    for key in sorted(set(want) | set(got)):
+        if key not in got:
+            raise corrupt(f"'{key}' has a checksum but is missing")
+        if key not in want:
+            raise corrupt(f"'{key}' has no checksum")
+        if got[key] != want[key]:
+            raise corrupt(f"'{key}' does not match its CRC-32 ({got[key]}, saved {want[key]})")
+
+
+def _called_from_save_prompt_cache() -> bool:
+    """Whether mlx_lm's ``save_prompt_cache`` is reading ``state`` (through its
+    list comprehension, a frame of its own before Python 3.12)."""
+    try:
+        f = sys._getframe(2)
+    except ValueError:  # read from native code with no Python caller
+        return False
+    for _ in range(3):
+        if f is None:
+            return False
+        if f.f_code.co_name == "save_prompt_cache" and f.f_globals.get("__name__", "").startswith("mlx_lm."):
+            return True
+        f = f.f_back
+    return False
+
+
+def _file_note() -> str:
+    """' (file NAME)' when mlx_lm's ``load_prompt_cache`` is loading the state
+    (for error messages), else ''."""
+    f = sys._getframe(1)
+    for _ in range(8):
+        if f is None:
+            break
+        if f.f_code.co_name == "load_prompt_cache" and f.f_globals.get("__name__", "").startswith("mlx_lm."):
+            name = f.f_locals.get("file_name")
+            return f" (file {name})" if isinstance(name, (str, bytes)) or hasattr(name, "__fspath__") else ""
+        f = f.f_back
+    return ""
 
 
 def _base_caches(model) -> List[Any]:

@@ -297,6 +297,10 @@ def load_prompt_cache_file(path: str):
         if not isinstance(caches, list) or not caches or not isinstance(metadata, dict):
             raise ValueError("it holds no caches")
     except Exception as e:  # mx.load's and the cache classes' errors on a file that is not one
+        if isinstance(e, cache.CorruptStateError):  # a veloxquant cache whose checksums do not match
+            _usage_error(f"--prompt-cache-file: {path} is corrupt ({_first_line(e)})")
+        if "incomplete download or corrupt file" in str(e):  # mx.load: shorter than its header says
+            _usage_error(f"--prompt-cache-file: {path} is cut short or corrupt ({_first_line(e)})")
         _usage_error(
             f"--prompt-cache-file: {path} is not a prompt cache saved by mlx_lm.cache_prompt or "
             f"save_prompt_cache ({_first_line(e)})"
