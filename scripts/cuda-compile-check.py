@@ -101,6 +101,11 @@ KERNELS = {
                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]}),
     "tq_reduce": ("tq_reduce.cu", [], [("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
                   [("out", "T")], {"T": ELEMENT, "D": [128, 64, 256, 96], "ROTATE": [True, False]}),
+    "window_append": ("window_append.cu", [],
+                      [("keys", "T"), ("values", "T"), ("key_frame", "T"), ("value_frame", "T"),
+                       ("key_offset", "T"), ("win_k", "T"), ("win_v", "T"), ("filled", "T")],
+                      [("out_k", "T"), ("out_v", "T")],
+                      {"T": ELEMENT, "D": [128, 64, 256, 96], "OFFSET": [True, False], "ROTATE_V": [True, False]}),
     # The attention kernels: sizes in two carriers (kernels::split_sizes).
     "tq_attention": ("tq_attention.cu", [],
                      [("qr", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),

@@ -647,7 +647,7 @@ fn append_launches(cfg: CacheConfig, tokens: usize) -> (Vec<usize>, Vec<usize>) 
 }
 
 #[test]
-fn appending_a_token_launches_at_most_two_kernels_per_side() {
+fn appending_a_token_launches_one_kernel() {
     for m in [
         (Method::TurboQuantMse, 4, Method::TurboQuantMse, 3),
         (Method::Kivi, 4, Method::Kivi, 2),
@@ -661,9 +661,10 @@ fn appending_a_token_launches_at_most_two_kernels_per_side() {
         let (steady, flush) = append_launches(cfg, 40);
         assert!(!steady.is_empty(), "{m:?}: no steady append");
         let most = *steady.iter().max().unwrap();
-        // Keys: one matmul (or add) into the frame + the window write; values
-        // the same; less when a side needs no frame change.
-        assert!(most <= 4, "{m:?}: {most} kernels for one appended token (K + V)");
+        // A compressed layer: one `window_append` (both sides, into their
+        // frames); the dense control: one slice update per side.
+        let bound = if m.0 == Method::Fp16 && m.2 == Method::Fp16 { 2 } else { 1 };
+        assert!(most <= bound, "{m:?}: {most} kernels for one appended token (K + V)");
         let flush_most = flush.iter().copied().max().unwrap_or(0);
         eprintln!("{m:?}: steady {most} kernels per token (K + V), window flush {flush_most} (once per {window} tokens)");
     }

@@ -142,3 +142,38 @@ fn runtime_mlx_is_the_compiled_one() {
     assert_eq!(veloxquant::array::mlx_compiled_version(), "0.32.4");
     assert_eq!(Array::from_slice(&[1u8], &[1]).unwrap().dtype(), Dtype::U8);
 }
+
+mod common;
+
+#[test]
+fn window_append_matches_the_reference_graph() {
+    for (dtype, tol) in [(Dtype::F32, 1e-5), (Dtype::F16, 2e-3), (Dtype::BF16, 1.6e-2)] {
+        for d in [64, 40] {
+            for t in [1, 3] {
+                for (offset, rotate_v) in [(true, true), (false, false), (true, false)] {
+                    common::check_window_append(&opts(Policy::Require), dtype, d, t, offset, rotate_v, tol);
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn window_append_refuses_bad_input_naming_the_argument() {
+    use veloxquant::kernels::window::{window_append, WindowAppend};
+    let s = Stream::cpu();
+    let z = |shape: &[i32], dtype: Dtype| veloxquant::ops::zeros(shape, dtype, &s).unwrap();
+    let (keys, frame, win) = (z(&[1, 2, 1, 8], Dtype::F16), z(&[8, 8], Dtype::F16), z(&[1, 2, 4, 8], Dtype::F16));
+    let wide = z(&[1, 2, 1, 8], Dtype::F32);
+    let call = |keys: &Array, at: usize| {
+        window_append(
+            &WindowAppend { keys, values: keys, key_frame: &frame, key_offset: None, value_frame: None, win_k: &win, win_v: &win, at },
+            &opts(Policy::Auto),
+        )
+    };
+    let err = call(&wide, 0).unwrap_err();
+    assert!(matches!(err, Error::Dtype { argument: "keys", .. }), "{err}");
+    let err = call(&keys, 4).unwrap_err();
+    assert!(err.to_string().contains("at"), "{err}");
+    assert!(call(&keys, 3).is_ok());
+}

@@ -61,3 +61,19 @@ fn gpu_vq_quantize_matches_cpu_exactly() {
     vq_case::<f32>(|v| v, 8, kernels::MAX_CODEBOOK_SIZE, 20_000, 31);
     vq_case::<f32>(|v| v, 2, 1, 1, 32);
 }
+
+mod common;
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_window_append_matches_the_reference_graph() {
+    for (dtype, tol) in [(veloxquant::Dtype::F32, 1e-5), (veloxquant::Dtype::F16, 2e-3), (veloxquant::Dtype::BF16, 1.6e-2)] {
+        for d in [64, 128, 96] {
+            for t in [1, 3] {
+                for (offset, rotate_v) in [(true, true), (false, false), (true, false)] {
+                    common::check_window_append(&gpu(), dtype, d, t, offset, rotate_v, tol);
+                }
+            }
+        }
+    }
+}

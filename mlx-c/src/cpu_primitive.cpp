@@ -101,7 +101,11 @@ int vq_cpu_primitive_apply(mlx_vector_array* outputs, const char* name, vq_cpu_k
       throw std::invalid_argument(std::string(name) + ": a CPU primitive needs a CPU stream");
     }
     std::vector<mx::array> ins;
-    for (auto& in : vec(inputs)) ins.push_back(mx::contiguous(in, false, st));
+    for (auto& in : vec(inputs)) {
+      // An input already evaluated row-contiguous needs no Contiguous node
+      // (host time per op is what a decode step pays).
+      ins.push_back(in.is_available() && in.flags().row_contiguous ? in : mx::contiguous(in, false, st));
+    }
     std::vector<mx::Shape> shapes;
     std::vector<mx::Dtype> dtypes;
     size_t offset = 0;

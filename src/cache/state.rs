@@ -13,6 +13,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::kernels::kv_attention::{self, KvLayer, KvSideArrays};
 use crate::kernels::turboquant::{self, TqLayer};
+use crate::kernels::window::WindowAppend;
 use crate::kernels::{self, KiviMode, Options, Policy};
 use crate::ops;
 use crate::quant::{Rotation, RotationKind, ScalarCodebook};
@@ -500,20 +501,31 @@ fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>, causa
     }
 }
 
+/// The matrix new keys enter their frame through: `Πᵀ/F` when their codec
+/// rotates, else `I/F`.
+fn key_frame<'a>(shared: &'a Shared, c: &Compressed) -> &'a Array {
+    let frame = if c.keys.codec.codec.rotated() { &shared.rotation_t } else { &shared.key_frame };
+    frame.as_ref().expect("the keys' frame is made with the shared arrays")
+}
+
+/// The matrix new values enter their frame through, when their codec rotates.
+fn value_frame<'a>(shared: &'a Shared, c: &Compressed) -> Option<&'a Array> {
+    shared.rotation_t.as_ref().filter(|_| c.values.codec.codec.rotated())
+}
+
 /// New tokens in each side's frame (the windows hold them so, and attention
 /// works in those frames): keys rotated when their codec rotates and shifted
 /// by `−mean` once the mean is known, in one matmul or one add; values
 /// rotated when theirs does.
 fn into_frames(shared: &Shared, c: &Compressed, keys: &Array, values: &Array, s: &Stream) -> Result<(Array, Array)> {
-    let frame = if c.keys.codec.codec.rotated() { &shared.rotation_t } else { &shared.key_frame };
-    let frame = frame.as_ref().expect("the keys' frame is made with the shared arrays");
+    let frame = key_frame(shared, c);
     let rk = match &c.k_offset {
         Some(offset) => ops::addmm(offset, keys, frame, s)?,
         None => ops::matmul(keys, frame, s)?,
     };
-    let rv = match (&shared.rotation_t, c.values.codec.codec.rotated()) {
-        (Some(r), true) => ops::matmul(values, r, s)?,
-        _ => values.clone(),
+    let rv = match value_frame(shared, c) {
+        Some(r) => ops::matmul(values, r, s)?,
+        None => values.clone(),
     };
     Ok((rk, rv))
 }
@@ -812,9 +824,32 @@ impl LayerCache {
             let mean = c.k_mean.as_ref().expect("set above");
             c.k_offset = Some(key_offset(mean, shared.rotation.as_ref().filter(|_| key_rotated), dtype, &s)?);
         }
-        let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
         let max_slots = self.cfg.window_capacity();
         let held = c.n_sink + c.len + c.n_recent + t;
+        if c.n_sink >= sinks && reopened.is_none() && c.n_recent + t <= self.cfg.recent_capacity()
+            && keys.dtype() == dtype && values.dtype() == dtype
+        {
+            // A decode step: the tokens go into the windows, in one operation.
+            c.reserve_window(sinks + c.n_recent + t, held, max_slots, &s)?;
+            let (win_k, win_v) = kernels::window::window_append(
+                &WindowAppend {
+                    keys,
+                    values,
+                    key_frame: key_frame(shared, c),
+                    key_offset: c.k_offset.as_ref(),
+                    value_frame: value_frame(shared, c),
+                    win_k: &c.keys.window,
+                    win_v: &c.values.window,
+                    at: sinks + c.n_recent,
+                },
+                &opts,
+            )?;
+            c.keys.window = win_k;
+            c.values.window = win_v;
+            c.n_recent += t;
+            return Ok(());
+        }
+        let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);

@@ -10,6 +10,7 @@ mod parallel;
 mod quant;
 pub mod turboquant;
 mod vq;
+pub mod window;
 
 pub use bitpack::{bit_pack, bit_unpack, packed_len, SUPPORTED_BITS};
 pub use parallel::{for_each_chunk, map_row_ranges};

@@ -15,6 +15,7 @@ pub mod source;
 pub mod tq_codec;
 pub mod turboquant;
 mod vq;
+pub mod window;
 
 use std::cell::RefCell;
 use std::collections::HashMap;

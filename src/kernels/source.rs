@@ -26,6 +26,7 @@ pub enum Source {
     QjlScore,
     PqEncode,
     PqDecode,
+    WindowAppend,
 }
 
 impl Source {
@@ -53,6 +54,7 @@ impl Source {
             Source::QjlScore => "veloxquant_qjl_score",
             Source::PqEncode => "veloxquant_pq_encode",
             Source::PqDecode => "veloxquant_pq_decode",
+            Source::WindowAppend => "veloxquant_window_append",
         }
     }
 
@@ -79,6 +81,7 @@ impl Source {
             Source::QjlScore => include_str!("../../metal/qjl_score.metal"),
             Source::PqEncode => include_str!("../../metal/pq_encode.metal"),
             Source::PqDecode => include_str!("../../metal/pq_decode.metal"),
+            Source::WindowAppend => include_str!("../../metal/window_append.metal"),
         }
     }
 
@@ -105,6 +108,7 @@ impl Source {
             Source::QjlScore => include_str!("../../cuda/qjl_score.cu"),
             Source::PqEncode => include_str!("../../cuda/pq_encode.cu"),
             Source::PqDecode => include_str!("../../cuda/pq_decode.cu"),
+            Source::WindowAppend => include_str!("../../cuda/window_append.cu"),
         }
     }
 
@@ -149,6 +153,7 @@ impl Source {
             Source::QjlScore => &["sq", "signs", "norms", "params"],
             Source::PqEncode => &["x", "codebook", "params"],
             Source::PqDecode => &["packed", "packed_hi", "codebook", "params"],
+            Source::WindowAppend => &["keys", "values", "key_frame", "value_frame", "key_offset", "win_k", "win_v", "filled"],
         }
     }
 
@@ -173,6 +178,7 @@ impl Source {
             Source::QjlScore => &["scores"],
             Source::PqEncode => &["packed", "packed_hi"],
             Source::PqDecode => &["y"],
+            Source::WindowAppend => &["out_k", "out_v"],
         }
     }
 
@@ -287,10 +293,11 @@ impl Source {
     }
 
     /// Whether MLX must hand the inputs over row-contiguous (copying views).
-    /// `tq_decode` reads its inputs through their strides, so that views of
-    /// the cache's stores and transposed queries cost no copy.
+    /// `tq_decode` and `window_append` read their inputs through their
+    /// strides, so that views of the cache's stores and transposed queries
+    /// cost no copy.
     pub fn row_contiguous(self) -> bool {
-        !matches!(self, Source::TqDecode)
+        !matches!(self, Source::TqDecode | Source::WindowAppend)
     }
 }
 

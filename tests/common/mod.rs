@@ -61,3 +61,48 @@ pub fn attention_masks(rng: &mut ChaCha8Rng, b: i32, hq: i32, l: i32, t: i32) ->
         .collect();
     (boolean, Array::from_slice(&additive, &[b, hq, l, t]).unwrap())
 }
+
+/// `window_append` under `opts` against the reference graph on the CPU, for
+/// windows `[2, 3, 12, d]` in `dtype` and `t` tokens from slot 5, the
+/// tokens given as transposed views: slots outside the new ones must come
+/// back bit for bit, the new ones within `tol` of the largest value.
+pub fn check_window_append(opts: &veloxquant::Options, dtype: Dtype, d: i32, t: i32, offset: bool, rotate_v: bool, tol: f32) {
+    use veloxquant::kernels::window::{window_append, WindowAppend};
+    let mut rng = <ChaCha8Rng as rand::SeedableRng>::seed_from_u64((d * 16 + t) as u64);
+    let (b, h, w, at) = (2, 3, 12, 5usize);
+    let cpu = Stream::cpu();
+    let tokens = |rng: &mut ChaCha8Rng| ops::transpose(&normal(rng, &[b, t, h, d], dtype), &[0, 2, 1, 3], &cpu).unwrap();
+    let (keys, values) = (tokens(&mut rng), tokens(&mut rng));
+    let key_frame = normal(&mut rng, &[d, d], dtype);
+    let value_frame = normal(&mut rng, &[d, d], dtype);
+    let key_offset = normal(&mut rng, &[b, h, 1, d], dtype);
+    let (win_k, win_v) = (normal(&mut rng, &[b, h, w, d], dtype), normal(&mut rng, &[b, h, w, d], dtype));
+    let args = WindowAppend {
+        keys: &keys,
+        values: &values,
+        key_frame: &key_frame,
+        key_offset: offset.then_some(&key_offset),
+        value_frame: rotate_v.then_some(&value_frame),
+        win_k: &win_k,
+        win_v: &win_v,
+        at,
+    };
+    let reference = veloxquant::Options::on(cpu.clone(), veloxquant::Policy::Off);
+    let (want_k, want_v) = window_append(&args, &reference).unwrap();
+    let (got_k, got_v) = window_append(&args, opts).unwrap();
+    for (side, got, want) in [("keys", got_k, want_k), ("values", got_v, want_v)] {
+        assert_eq!(got.shape(), vec![b, h, w, d]);
+        assert_eq!(got.dtype(), dtype);
+        let (got, want) = (f32s(&got), f32s(&want));
+        let largest = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+        for (i, (g, e)) in got.iter().zip(&want).enumerate() {
+            let slot = (i / d as usize) % w as usize;
+            let tag = format!("{side} {dtype} d={d} t={t} offset={offset} rotate_v={rotate_v} slot {slot}");
+            if slot < at || slot >= at + t as usize {
+                assert_eq!(g.to_bits(), e.to_bits(), "{tag}: an untouched slot changed");
+            } else {
+                assert!((g - e).abs() <= tol * largest, "{tag}: {g} vs {e}");
+            }
+        }
+    }
+}

@@ -1,0 +1,69 @@
+// window_append: a compressed layer's new tokens into its float16 windows,
+// each side in its frame: out_k = win_k with slots at..at+L-1 replaced by
+// keys·key_frame (+ key_offset with OFFSET), out_v = win_v with the same
+// slots replaced by values·value_frame (ROTATE_V) or the values. One launch
+// instead of two matmuls and two slice updates: at decode MLX's host time per
+// op is what a token costs.
+// Template: T (every input's and output's element type), D, OFFSET, ROTATE_V.
+// Inputs, read through their shapes and strides: keys, values [B, Hkv, L, D];
+// key_frame, value_frame [D, D]; key_offset [B, Hkv, 1, D]; win_k, win_v
+// [B, Hkv, W, D]; filled [B, Hkv, at, D], a view whose length is the slot
+// of the first new token. Without OFFSET or ROTATE_V the unused input is a
+// stand-in, never read. Outputs out_k, out_v [B, Hkv, W, D], contiguous.
+// One thread per 8 consecutive dimensions of one slot of one side.
+constexpr int NCH = D / 8;
+const uint32_t Hn = win_k_shape[1], W = win_k_shape[2];
+const uint32_t L = keys_shape[2];
+const uint32_t at = filled_shape[2];
+const uint64_t per_side = uint64_t(win_k_shape[0]) * Hn * W * NCH;
+const uint64_t e = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+if (e >= 2 * per_side) {
+  return;
+}
+const bool is_v = e >= per_side;
+uint64_t r = is_v ? e - per_side : e;
+const uint32_t c = r % NCH;
+r /= NCH;
+const uint32_t slot = r % W;
+r /= W;
+const uint32_t h = r % Hn;
+const uint32_t b = r / Hn;
+T* dst = (is_v ? out_v : out_k) + ((uint64_t(b) * Hn + h) * W + slot) * D + c * 8;
+if (slot < at || slot >= at + L) {
+  const T* src = is_v
+      ? win_v + int64_t(b) * win_v_strides[0] + int64_t(h) * win_v_strides[1] + int64_t(slot) * win_v_strides[2]
+      : win_k + int64_t(b) * win_k_strides[0] + int64_t(h) * win_k_strides[1] + int64_t(slot) * win_k_strides[2];
+  const int64_t s3 = is_v ? win_v_strides[3] : win_k_strides[3];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) dst[j] = src[int64_t(c * 8 + j) * s3];
+  return;
+}
+const uint32_t t = slot - at;
+const T* x = is_v
+    ? values + int64_t(b) * values_strides[0] + int64_t(h) * values_strides[1] + int64_t(t) * values_strides[2]
+    : keys + int64_t(b) * keys_strides[0] + int64_t(h) * keys_strides[1] + int64_t(t) * keys_strides[2];
+const int64_t x3 = is_v ? values_strides[3] : keys_strides[3];
+if (is_v && !ROTATE_V) {
+#pragma unroll
+  for (int j = 0; j < 8; ++j) dst[j] = x[int64_t(c * 8 + j) * x3];
+  return;
+}
+const T* frame = is_v ? value_frame : key_frame;
+const int64_t f0 = is_v ? value_frame_strides[0] : key_frame_strides[0];
+const int64_t f1 = is_v ? value_frame_strides[1] : key_frame_strides[1];
+float acc[8];
+#pragma unroll
+for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+for (int i = 0; i < D; ++i) {
+  const float xi = static_cast<float>(x[int64_t(i) * x3]);
+  const T* row = frame + int64_t(i) * f0;
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] += xi * static_cast<float>(row[int64_t(c * 8 + j) * f1]);
+}
+if (!is_v && OFFSET) {
+  const T* off = key_offset + int64_t(b) * key_offset_strides[0] + int64_t(h) * key_offset_strides[1];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] += static_cast<float>(off[int64_t(c * 8 + j) * key_offset_strides[3]]);
+}
+#pragma unroll
+for (int j = 0; j < 8; ++j) dst[j] = static_cast<T>(acc[j]);

@@ -1,0 +1,185 @@
+//! `window_append`: a compressed layer's new tokens into its float16
+//! windows, each side in its frame, in one operation.
+//!
+//! A decode step appends one token per layer. As plain MLX ops that is two
+//! matmuls (into the frames) and two slice updates; on a GPU MLX's host time
+//! per op is what a decode step costs, so the fused kernel does it in one
+//! launch (copying the small windows into its outputs).
+
+use super::gpu::{self, Launch, TemplateArg};
+use super::{check_float, cpu_primitive, grid_1d, select, Implementation, KernelSpec, Options, Source};
+use crate::array::Array;
+use crate::cpu::window::{self as cpu_window, WindowShape};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::stream::Stream;
+use half::{bf16, f16};
+
+const SPEC: KernelSpec = KernelSpec { name: "window_append", gpu: Some(Source::WindowAppend), cpu: true };
+
+/// What [`window_append`] writes.
+pub struct WindowAppend<'a> {
+    /// New keys and values `[B, Hkv, T, D]`.
+    pub keys: &'a Array,
+    pub values: &'a Array,
+    /// `[D, D]`: new keys enter their frame as `keys·key_frame`.
+    pub key_frame: &'a Array,
+    /// `[B, Hkv, 1, D]`, added to the framed keys (the key mean's offset).
+    pub key_offset: Option<&'a Array>,
+    /// `[D, D]`: values enter their frame as `values·value_frame`; `None`
+    /// keeps them as given.
+    pub value_frame: Option<&'a Array>,
+    /// The windows `[B, Hkv, W, D]`.
+    pub win_k: &'a Array,
+    pub win_v: &'a Array,
+    /// Slot of the first new token.
+    pub at: usize,
+}
+
+impl WindowAppend<'_> {
+    fn check(&self) -> Result<WindowShape> {
+        let ws = self.win_k.shape();
+        if ws.len() != 4 {
+            return Err(Error::invalid("win_k", format!("shape {ws:?}, expected [batch, heads, slots, dim]")));
+        }
+        check_float("win_k", self.win_k)?;
+        let dtype = self.win_k.dtype();
+        let (b, h, w, d) = (ws[0], ws[1], ws[2], ws[3]);
+        let same_dtype = |argument: &'static str, a: &Array| -> Result<()> {
+            if a.dtype() == dtype {
+                Ok(())
+            } else {
+                Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: format!("{dtype} (the windows')") })
+            }
+        };
+        let shaped = |argument: &'static str, a: &Array, want: &[i32]| -> Result<()> {
+            same_dtype(argument, a)?;
+            if a.shape() != want {
+                return Err(Error::invalid(argument, format!("shape {:?}, expected {want:?}", a.shape())));
+            }
+            Ok(())
+        };
+        shaped("win_v", self.win_v, &ws)?;
+        let t = self.keys.shape().get(2).copied().unwrap_or(0);
+        shaped("keys", self.keys, &[b, h, t, d])?;
+        shaped("values", self.values, &[b, h, t, d])?;
+        shaped("key_frame", self.key_frame, &[d, d])?;
+        if let Some(o) = self.key_offset {
+            shaped("key_offset", o, &[b, h, 1, d])?;
+        }
+        if let Some(f) = self.value_frame {
+            shaped("value_frame", f, &[d, d])?;
+        }
+        if self.at + t as usize > w as usize {
+            return Err(Error::invalid("at", format!("{t} tokens from slot {} overrun the windows' {w} slots", self.at)));
+        }
+        Ok(WindowShape { batch: b as usize, heads: h as usize, slots: w as usize, dim: d as usize, tokens: t as usize, at: self.at })
+    }
+}
+
+/// The windows with `a.keys` and `a.values` written from slot `a.at`, each
+/// in its frame: `(win_k', win_v')`.
+pub fn window_append(a: &WindowAppend<'_>, opts: &Options) -> Result<(Array, Array)> {
+    let sh = a.check()?;
+    let stream = opts.resolve_stream()?;
+    let mut imp = select(&SPEC, opts.policy, &stream)?;
+    // The GPU bodies read the slot from a view of that length and work in
+    // chunks of 8 dimensions.
+    if matches!(imp, Implementation::Metal | Implementation::Cuda) && (sh.at == 0 || sh.dim % 8 != 0) {
+        imp = Implementation::Reference;
+    }
+    if sh.tokens == 0 {
+        return Ok((a.win_k.clone(), a.win_v.clone()));
+    }
+    match imp {
+        Implementation::Reference => reference(a, &sh, &stream),
+        Implementation::Cpu => on_cpu(a, sh, &stream),
+        Implementation::Metal | Implementation::Cuda => on_gpu(a, &sh, &stream),
+    }
+}
+
+fn reference(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, Array)> {
+    let rk = match a.key_offset {
+        Some(o) => ops::addmm(o, a.keys, a.key_frame, s)?,
+        None => ops::matmul(a.keys, a.key_frame, s)?,
+    };
+    let rv = match a.value_frame {
+        Some(f) => ops::matmul(a.values, f, s)?,
+        None => a.values.clone(),
+    };
+    let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
+    let (lo, hi) = (sh.at as i32, (sh.at + sh.tokens) as i32);
+    let put = |w: &Array, x: &Array| ops::slice_update(w, &ops::astype(x, w.dtype(), s)?, &[0, 0, lo, 0], &[b, h, hi, d], s);
+    Ok((put(a.win_k, &rk)?, put(a.win_v, &rv)?))
+}
+
+fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, Array)> {
+    let dtype = a.win_k.dtype();
+    let mut inputs = vec![a.keys, a.values, a.key_frame, a.win_k, a.win_v];
+    let (has_off, has_vf) = (a.key_offset.is_some(), a.value_frame.is_some());
+    inputs.extend(a.key_offset.into_iter().chain(a.value_frame));
+    let out = a.win_k.shape();
+    let outs = cpu_primitive::apply(
+        "veloxquant_window_append",
+        &inputs,
+        &[(out.clone(), dtype), (out, dtype)],
+        s,
+        Box::new(move |ins, outs| {
+            macro_rules! run {
+                ($t:ty) => {{
+                    let off = if has_off { Some(ins[5].as_slice::<$t>()?) } else { None };
+                    let vf = if has_vf { Some(ins[5 + has_off as usize].as_slice::<$t>()?) } else { None };
+                    let kf = ins[2].as_slice::<$t>()?;
+                    let (ok, ov) = outs.split_at_mut(1);
+                    cpu_window::window_append(ins[0].as_slice::<$t>()?, Some(kf), off, ins[3].as_slice::<$t>()?, &sh, ok[0].as_mut_slice::<$t>()?);
+                    cpu_window::window_append(ins[1].as_slice::<$t>()?, vf, None, ins[4].as_slice::<$t>()?, &sh, ov[0].as_mut_slice::<$t>()?);
+                }};
+            }
+            match dtype {
+                Dtype::F32 => run!(f32),
+                Dtype::F16 => run!(f16),
+                _ => run!(bf16),
+            }
+            Ok(())
+        }),
+    )?;
+    let mut outs = outs.into_iter();
+    Ok((outs.next().expect("two outputs"), outs.next().expect("two outputs")))
+}
+
+fn on_gpu(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, Array)> {
+    let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
+    // The slot travels as the length of a view (no host array per call).
+    let filled = ops::slice(a.win_k, &[0, 0, 0, 0], &[b, h, sh.at as i32, d], s)?;
+    let items = 2 * sh.batch * sh.heads * sh.slots * (sh.dim / 8);
+    let (grid, threadgroup) = grid_1d("win_k", items)?;
+    let out = a.win_k.shape();
+    let mut outs = gpu::launch(
+        &Launch {
+            source: Source::WindowAppend,
+            inputs: &[
+                a.keys,
+                a.values,
+                a.key_frame,
+                a.value_frame.unwrap_or(a.key_frame),
+                a.key_offset.unwrap_or(a.keys),
+                a.win_k,
+                a.win_v,
+                &filled,
+            ],
+            outputs: &[(out.clone(), a.win_k.dtype()), (out, a.win_k.dtype())],
+            grid,
+            threadgroup,
+            template: &[
+                ("T", TemplateArg::Dtype(a.win_k.dtype())),
+                ("D", TemplateArg::Int(d)),
+                ("OFFSET", TemplateArg::Bool(a.key_offset.is_some())),
+                ("ROTATE_V", TemplateArg::Bool(a.value_frame.is_some())),
+            ],
+        },
+        s,
+    )?
+    .into_iter();
+    Ok((outs.next().expect("two outputs"), outs.next().expect("two outputs")))
+}
