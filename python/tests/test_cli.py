@@ -153,6 +153,11 @@ def test_eval_writes_table_and_plots(tmp_path):
         "--needle-lengths", "", "--out", str(tmp_path), timeout=600,
     )
     assert r.returncode == 0, r.stderr
+    # A progress bar within each configuration (47 tokens fed); no warning
+    # that the whole text (cut into pieces before the model sees it) is long.
+    for label in ("fp16", "turboquant-mse-4"):
+        assert any(label in line and "47/47" in line for line in r.stderr.replace("\r", "\n").splitlines()), r.stderr
+    assert "Token indices sequence length" not in r.stderr and "longer than the specified maximum" not in r.stderr
     table = (tmp_path / "results.md").read_text()
     assert "| fp16 |" in table and "| turboquant-mse-4 |" in table
     results = json.loads((tmp_path / "results.json").read_text())["results"]

@@ -24,7 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import mlx.core as mx
 
@@ -38,6 +38,16 @@ def english_text(topic: Optional[str] = None) -> str:
             raise ValueError(f"topic must be one of pydoc_data's topics, got {topic!r}")
         return topics[topic]
     return "\n\n".join(topics[k] for k in sorted(topics))
+
+
+def encode_text(tokenizer, text: str) -> List[int]:
+    """Token ids of a long text that is cut into pieces before any reaches the
+    model, without the tokenizer's warning that the whole is longer than the
+    model's context (transformers warns unless ``verbose=False``)."""
+    try:
+        return tokenizer.encode(text, verbose=False)
+    except TypeError:  # a tokenizer without transformers' verbose option
+        return tokenizer.encode(text)
 
 
 def _say(msg: str) -> None:
@@ -97,20 +107,25 @@ def _log_softmax(x: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int):
-    """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``."""
+def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int, on_tokens: Optional[Callable[[int], None]] = None):
+    """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``;
+    ``on_tokens(n)`` after each forward, with the tokens fed so far."""
     x = mx.array(ids)[None]
     outs = []
     logits = model(x[:, :prefix], cache=cache)
     outs.append(_log_softmax(logits[0, -1:]))
     mx.eval(outs[-1])
     pos = prefix
+    if on_tokens is not None:
+        on_tokens(pos)
     while pos < len(ids) - 1:
         n = min(chunk, len(ids) - 1 - pos)
         logits = model(x[:, pos : pos + n], cache=cache)
         outs.append(_log_softmax(logits[0]))
         mx.eval(outs[-1])
         pos += n
+        if on_tokens is not None:
+            on_tokens(pos)
     return mx.concatenate(outs, axis=0)
 
 
@@ -129,13 +144,23 @@ def needle_prompt(tokenizer, filler_ids: List[int], length: int, depth: float, k
     return head + filler_ids[:cut] + needle + filler_ids[cut:n_fill] + tail
 
 
-def needle_run(model, tokenizer, spec: CacheSpec, prompt: List[int], key: str, max_tokens: int) -> bool:
+def needle_run(
+    model, tokenizer, spec: CacheSpec, prompt: List[int], key: str, max_tokens: int,
+    on_tokens: Optional[Callable[[int], None]] = None,
+) -> bool:
+    """Whether greedy decoding after ``prompt`` writes ``key``; ``on_tokens(n)``
+    with the prompt tokens processed, then prompt and generated tokens."""
     from mlx_lm.generate import generate_step
 
     cache = spec.make(model)
     out = []
-    for tok, _ in generate_step(mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens):
+    progress = (lambda done, total: on_tokens(done)) if on_tokens is not None else None
+    for tok, _ in generate_step(
+        mx.array(prompt), model, prompt_cache=cache, max_tokens=max_tokens, prompt_progress_callback=progress
+    ):
         out.append(int(tok))
+        if on_tokens is not None:
+            on_tokens(len(prompt) + len(out))
     return key in tokenizer.decode(out).replace(" ", "")
 
 
@@ -155,27 +180,43 @@ def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sink
 
 
 def evaluate(
-    model, tokenizer, specs, tokens: int, prefix: int, chunk: int, needle_lengths, needle_depths, text_offset: int = 0, failed=None
+    model, tokenizer, specs, tokens: int, prefix: int, chunk: int, needle_lengths, needle_depths, text_offset: int = 0,
+    failed=None, progress: bool = False,
 ):
     """One `Result` per spec. A baseline that MLX cannot run on this device
     (mlx_lm's quantized cache meets shapes MLX's CUDA back-end lacks) is
     reported in `failed` with MLX's message when a list is given, and raises
-    otherwise; the fp16 reference and veloxquant caches always raise."""
-    ids = tokenizer.encode(english_text())[text_offset : text_offset + tokens]
+    otherwise; the fp16 reference and veloxquant caches always raise.
+    ``progress``: a bar on stderr within each spec, over the tokens it feeds
+    (teacher forcing, then each needle prompt and its answer)."""
+    from .compare import Progress
+
+    text_ids = encode_text(tokenizer, english_text())
+    ids = text_ids[text_offset : text_offset + tokens]
     if len(ids) < tokens:
         raise ValueError(f"--tokens: the text has only {len(ids)} tokens after the offset")
-    filler = tokenizer.encode(english_text())[text_offset + tokens :]
+    filler = text_ids[text_offset + tokens :]
     targets = mx.array(ids[prefix:])
     from .cache import cache_nbytes
+
+    needles = []  # (name, key, prompt, max_tokens), the same for every spec
+    for n in needle_lengths:
+        for d in needle_depths:
+            key = str(10000 + (hash((n, d)) % 90000))
+            needles.append((f"{n}@{d:g}", key, needle_prompt(tokenizer, filler, n, d, key), len(key) + 3))
+    forced = len(ids) - 1
+    total = forced + sum(len(p) + m for _, _, p, m in needles)
 
     results, ref = [], None
     for spec in specs:
         t0 = time.time()
         _say(f"{spec.label}: teacher forcing over {tokens} tokens ({prefix} prefix, chunks of {chunk})")
+        bar = Progress(spec.label, total, progress)
         cache = spec.make(model)
         try:
-            lp = teacher_forced(model, ids, cache, prefix, chunk)
+            lp = teacher_forced(model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing"))
         except RuntimeError as e:
+            bar.close()
             if failed is None or spec.kind != "mlx-quantized":
                 raise
             _say(f"{spec.label}: MLX cannot run it here: {e}")
@@ -194,11 +235,15 @@ def evaluate(
             r.kl = (mx.exp(ref) * (ref - lp)).sum(-1).mean().item()
         # mlx_lm's KVCache allocates in steps of 256 tokens: count elements, not bytes.
         r.bits_per_element = 8 * r.kv_bytes / elements if ref is not None and elements else float("nan")
-        for n in needle_lengths:
-            for d in needle_depths:
-                key = str(10000 + (hash((n, d)) % 90000))
-                p = needle_prompt(tokenizer, filler, n, d, key)
-                r.needle[f"{n}@{d:g}"] = needle_run(model, tokenizer, spec, p, key, max_tokens=len(key) + 3)
+        done = forced
+        for name, key, p, max_tokens in needles:
+            r.needle[name] = needle_run(
+                model, tokenizer, spec, p, key, max_tokens,
+                on_tokens=lambda n, base=done, name=name: bar.to(base + n, f"needle {name}"),
+            )
+            done += len(p) + max_tokens
+            bar.to(done, f"needle {name}")
+        bar.close()
         r.seconds = time.time() - t0
         _say(
             f"{spec.label}: ppl {r.ppl:.3f}, top-1 {r.top1:.4f}, KL {r.kl:.5f}, {r.bits_per_element:.2f} bits/el, "
@@ -271,11 +316,25 @@ def to_markdown(results: List[Result], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def bits_label(spec: CacheSpec) -> str:
+    """The configured width of a compressed cache: '4b', or 'k4v3' when keys
+    and values differ."""
+    kb = spec.bits
+    vb = spec.value_bits if spec.value_bits is not None else kb
+    if kb is None:
+        return "16b"
+    return f"{kb}b" if kb == vb else f"k{kb}v{vb}"
+
+
 def plot(results: List[Result], out: Path) -> List[Path]:
+    """perplexity.png, top1.png, kl.png (each against the bits per element held,
+    every point labelled with its configured width) and needle.png (found or
+    not, per cache and length@depth, with a legend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
 
     fp = next(r for r in results if r.spec.kind == "fp16")
     paths = []
@@ -293,9 +352,16 @@ def plot(results: List[Result], out: Path) -> List[Path]:
         fig, ax = plt.subplots(figsize=(6, 4))
         for name, rs in groups.items():
             rs = sorted(rs, key=lambda r: r.bits_per_element)
-            ax.plot([r.bits_per_element for r in rs], [getattr(r, metric) for r in rs], "o-", label=name)
+            xs, ys = [r.bits_per_element for r in rs], [getattr(r, metric) for r in rs]
+            (line,) = ax.plot(xs, ys, "o-", label=name)
+            for r, x, y in zip(rs, xs, ys):
+                ax.annotate(
+                    bits_label(r.spec), (x, y), textcoords="offset points", xytext=(4, 5), fontsize=8,
+                    color=line.get_color(),
+                )
         ax.axhline(getattr(fp, metric), color="k", ls="--", lw=1, label="fp16")
-        ax.set_xlabel("bits per element held")
+        ax.margins(x=0.08, y=0.12)  # room for the labels inside the axes
+        ax.set_xlabel("bits per element held (labels: configured bits, k/v when they differ)")
         ax.set_ylabel(ylabel)
         if metric == "kl":
             ax.set_yscale("symlog", linthresh=1e-4)
@@ -303,20 +369,28 @@ def plot(results: List[Result], out: Path) -> List[Path]:
         ax.legend()
         fig.tight_layout()
         p = out / fname
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(p)
     if fp.needle:
         keys = list(fp.needle)
-        fig, ax = plt.subplots(figsize=(1.2 + 0.8 * len(keys), 0.6 + 0.35 * len(results)))
+        labels = [r.spec.label for r in results]
+        width = 1.5 + 0.09 * max(len(x) for x in labels) + 0.7 * len(keys)
+        fig, ax = plt.subplots(figsize=(max(width, 4.5), 1.4 + 0.35 * len(results)))
         grid = [[float(r.needle[k]) for k in keys] for r in results]
-        ax.imshow(grid, cmap="RdYlGn", vmin=0, vmax=1, aspect="auto")
+        cmap = matplotlib.colormaps["RdYlGn"]
+        ax.imshow(grid, cmap=cmap, vmin=0, vmax=1, aspect="auto")
         ax.set_xticks(range(len(keys)), keys, rotation=45, ha="right")
-        ax.set_yticks(range(len(results)), [r.spec.label for r in results])
-        ax.set_title("pass key found (length@depth)")
+        ax.set_yticks(range(len(results)), labels)
+        ax.set_xlabel("context length @ depth of the pass key")
+        ax.set_title("pass-key retrieval")
+        ax.legend(
+            handles=[Patch(color=cmap(1.0), label="found"), Patch(color=cmap(0.0), label="not found")],
+            loc="upper left", bbox_to_anchor=(1.02, 1.0), borderaxespad=0.0, frameon=False,
+        )
         fig.tight_layout()
         p = out / "needle.png"
-        fig.savefig(p, dpi=110)
+        fig.savefig(p, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(p)
     return paths
@@ -371,6 +445,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--needle-lengths", default="512,1024,2048", help="needle context lengths (empty: skip)")
     p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
     p.add_argument("--out", default="eval-results", help="output directory (default: ./eval-results)")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(list(argv) if argv is not None else None)
     bits = _bit_pairs(args.bits)
     mlx_bits = _int_list(args.mlx_bits, "--mlx-bits")
@@ -422,7 +497,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kept.append(s)
     specs = kept
     failed: List[str] = []
-    results = evaluate(model, tokenizer, specs, args.tokens, args.prefix, args.chunk, lengths, depths, failed=failed)
+    results = evaluate(
+        model, tokenizer, specs, args.tokens, args.prefix, args.chunk, lengths, depths, failed=failed,
+        progress=not args.no_progress,
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
