@@ -46,11 +46,15 @@ def _steps(model, cache, y, n):
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-1b")
+    p.add_argument("--model", help="a model path, or 'default' (instead of --shape)")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--variants", default="fp16,vq,no-append,no-attention,fp16")
     args = p.parse_args()
-    model = bench.build_model({"shape": args.shape})
+    model = bench.build_model({"shape": args.shape, "model": args.model})
+    from veloxquant import blas
+
+    blas.maybe_float32_compute(model)  # as bench does on a CPU with a fast BLAS
     tokens = mx.random.randint(0, model.args.vocab_size, (1, args.context), key=mx.random.key(0))
     append, attention = VeloxQuantCache.update_and_fetch, VeloxQuantCache.attention
 
@@ -66,7 +70,7 @@ def main() -> None:
         self._attended = True
         return queries
 
-    print(f"{args.shape} context {args.context}: {args.steps} steps")
+    print(f"{args.model or args.shape} context {args.context}: {args.steps} steps")
     print(f"{'variant':<14}{'tok/s':>9}{'host ms/step':>14}{'serial ms/step':>16}")
     for v in args.variants.split(","):
         VeloxQuantCache.update_and_fetch = no_append if v == "no-append" else append

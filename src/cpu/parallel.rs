@@ -3,7 +3,7 @@
 use std::num::NonZeroUsize;
 use std::sync::OnceLock;
 
-fn worker_count() -> usize {
+pub(crate) fn worker_count() -> usize {
     static WORKERS: OnceLock<usize> = OnceLock::new();
     *WORKERS.get_or_init(|| {
         std::env::var("VELOXQUANT_CPU_THREADS")
