@@ -237,19 +237,27 @@ fn decode_row(row: &[u8], bits: u32, table: &[f32; 256], scale: f32, out: &mut [
                 }
             }
         }
-        _ => {
-            let b = bits as usize;
-            let mask = (1u64 << bits) - 1;
-            for (g, group) in out.chunks_mut(8).enumerate() {
-                let bytes = &row[g * b..(g * b + b).min(row.len())];
-                let mut word = 0u64;
-                for (k, &byte) in bytes.iter().enumerate() {
-                    word |= u64::from(byte) << (8 * k);
-                }
-                for (j, o) in group.iter_mut().enumerate() {
-                    *o = table[((word >> (j * b)) & mask) as usize] * scale;
-                }
-            }
+        3 => decode_groups::<3>(row, table, scale, out),
+        5 => decode_groups::<5>(row, table, scale, out),
+        6 => decode_groups::<6>(row, table, scale, out),
+        7 => decode_groups::<7>(row, table, scale, out),
+        _ => decode_groups::<1>(row, table, scale, out),
+    }
+}
+
+/// [`decode_row`] for widths that do not divide a byte: 8 codes from each
+/// `B` bytes, with constant shifts.
+#[inline(always)]
+fn decode_groups<const B: usize>(row: &[u8], table: &[f32; 256], scale: f32, out: &mut [f32]) {
+    let mask = (1u64 << B) - 1;
+    for (g, group) in out.chunks_mut(8).enumerate() {
+        let bytes = &row[g * B..(g * B + B).min(row.len())];
+        let mut word = 0u64;
+        for (k, &byte) in bytes.iter().enumerate() {
+            word |= u64::from(byte) << (8 * k);
+        }
+        for (j, o) in group.iter_mut().enumerate() {
+            *o = table[((word >> (j * B)) & mask) as u8 as usize] * scale;
         }
     }
 }
@@ -728,4 +736,24 @@ pub fn tq_rvq_decode<T: Float>(
             unrotate_row(unrotation.as_ref(), &y, norms[row].to_f32(), &mut acc, o);
         }
     });
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn decode_row_reads_every_width_as_code_at_does() {
+        let table: Vec<f32> = (0..256).map(|i| i as f32 * 0.5 - 3.0).collect();
+        let padded = padded_table(&table);
+        for bits in 1..=8u32 {
+            for d in [8usize, 16, 24, 64, 96] {
+                let row: Vec<u8> = (0..d * bits as usize / 8).map(|i| (i * 37 + bits as usize * 11) as u8).collect();
+                let mut got = vec![0.0f32; d];
+                decode_row(&row, bits, &padded, 2.0, &mut got);
+                let want: Vec<f32> = (0..d).map(|j| table[code_at(&row, j, bits)] * 2.0).collect();
+                assert_eq!(got, want, "bits {bits} d {d}");
+            }
+        }
+    }
 }
