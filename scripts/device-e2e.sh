@@ -43,6 +43,6 @@ for spec in ${NCU:-}; do
 done
 [ -n "${SKIP_BENCH:-}" ] && exit $status
 # shellcheck disable=SC2086
-python3 -m veloxquant bench ${BENCH:---shape llama-1b --contexts 4096,32768 --batch 1 --caches fp16,veloxquant} \
+python3 -m veloxquant bench ${BENCH:---shape llama-1b,llama-8b --contexts 4096,32768 --batch 1 --caches fp16,veloxquant --decode-tokens 128 --timeout 200} \
   --out-jsonl "$OUT/e2e-h200.jsonl" --out-md "$OUT/e2e-h200.md" --plot "$OUT/e2e-h200.png" 2>&1 | tail -40 || status=1
 exit $status
