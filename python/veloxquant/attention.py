@@ -80,8 +80,7 @@ def _wrap(original):
                 and keys.shape[2] == cache.offset
             ):
                 out = _sdpa_float32(original, queries, keys, values, None, scale, mask, None)
-                # The cache's own prefill buffer is not read: mark the chunk attended.
-                cache._attended, cache._framed = True, None
+                cache.attended_elsewhere()
                 return out
             return cache.attention(queries, scale, mask)
         if _float32_here(queries):

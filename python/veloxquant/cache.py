@@ -246,6 +246,15 @@ class VeloxQuantCache(_BaseCache):
             return self.layer.attend_framed(queries, framed[0], framed[1], scale, mask)
         return self.layer.attention(queries, scale, mask)
 
+    def attended_elsewhere(self) -> None:
+        """Record that the chunk just added was attended outside the cache.
+
+        The dispatch's float32 CPU route attends a prefill chunk over the
+        history and chunk that ``update_and_fetch`` returned; the cache's own
+        framed buffer for that chunk is then dropped unread.
+        """
+        self._attended, self._framed = True, None
+
     @property
     def state(self):
         # Arrays are lazy views of the used slots: mlx_lm evaluates the state
