@@ -41,26 +41,31 @@ pub fn bit_pack(codes: &[u8], rows: usize, n: usize, bits: u32, out: &mut [u8]) 
     });
 }
 
+/// Reads up to 8 codes of `b` bits from the group's bytes `src` (the bytes
+/// that hold them: `b` for a whole group, fewer at the end of a row).
+#[inline(always)]
+pub(crate) fn get_group(src: &[u8], b: usize, codes: &mut [u8]) {
+    let mut word = 0u64;
+    for (k, &byte) in src.iter().enumerate() {
+        word |= u64::from(byte) << (8 * k);
+    }
+    let mask = (1u64 << b) - 1;
+    for (j, c) in codes.iter_mut().enumerate() {
+        *c = ((word >> (j * b)) & mask) as u8;
+    }
+}
+
 /// Unpacks `rows` rows of `packed_len(n, bits)` bytes into `n` codes each.
 pub fn bit_unpack(packed: &[u8], rows: usize, n: usize, bits: u32, out: &mut [u8]) {
     let nbytes = packed_len(n, bits);
     assert_eq!(packed.len(), rows * nbytes, "packed length");
     assert_eq!(out.len(), rows * n, "codes length");
     let b = bits as usize;
-    let mask = (1u64 << bits) - 1;
     super::for_each_chunk(out, n, 4096, |row0, chunk| {
         for (r, dst) in chunk.chunks_mut(n).enumerate() {
             let src = &packed[(row0 + r) * nbytes..(row0 + r + 1) * nbytes];
             for (g, group) in dst.chunks_mut(8).enumerate() {
-                let start = g * b;
-                let end = (start + b).min(nbytes);
-                let mut word = 0u64;
-                for (k, &byte) in src[start..end].iter().enumerate() {
-                    word |= u64::from(byte) << (8 * k);
-                }
-                for (j, code) in group.iter_mut().enumerate() {
-                    *code = ((word >> (j * b)) & mask) as u8;
-                }
+                get_group(&src[g * b..(g * b + b).min(nbytes)], b, group);
             }
         }
     });

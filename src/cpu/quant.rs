@@ -8,7 +8,7 @@
 
 use half::{bf16, f16, slice::HalfFloatSliceExt};
 
-use super::bitpack::packed_len;
+use super::bitpack::{get_group, packed_len};
 use super::vq::VqElement;
 
 /// Element types the kernels read and write.
@@ -45,19 +45,6 @@ fn put_group(codes: &[u8], b: usize, dst: &mut [u8]) {
     }
     for (k, byte) in dst.iter_mut().enumerate() {
         *byte = (word >> (8 * k)) as u8;
-    }
-}
-
-/// Reads up to 8 codes of `b` bits from the group's bytes `src`.
-#[inline(always)]
-fn get_group(src: &[u8], b: usize, codes: &mut [u8]) {
-    let mut word = 0u64;
-    for (k, &byte) in src.iter().enumerate() {
-        word |= u64::from(byte) << (8 * k);
-    }
-    let mask = (1u64 << b) - 1;
-    for (j, c) in codes.iter_mut().enumerate() {
-        *c = ((word >> (j * b)) & mask) as u8;
     }
 }
 

@@ -15,6 +15,7 @@
 
 use half::f16;
 
+use super::bitpack::get_group;
 use super::quant::OrderedDots;
 use super::vq::VqElement;
 use super::Float;
@@ -249,15 +250,12 @@ fn decode_row(row: &[u8], bits: u32, table: &[f32; 256], scale: f32, out: &mut [
 /// `B` bytes, with constant shifts.
 #[inline(always)]
 fn decode_groups<const B: usize>(row: &[u8], table: &[f32; 256], scale: f32, out: &mut [f32]) {
-    let mask = (1u64 << B) - 1;
+    let mut codes = [0u8; 8];
     for (g, group) in out.chunks_mut(8).enumerate() {
-        let bytes = &row[g * B..(g * B + B).min(row.len())];
-        let mut word = 0u64;
-        for (k, &byte) in bytes.iter().enumerate() {
-            word |= u64::from(byte) << (8 * k);
-        }
-        for (j, o) in group.iter_mut().enumerate() {
-            *o = table[((word >> (j * B)) & mask) as u8 as usize] * scale;
+        let codes = &mut codes[..group.len()];
+        get_group(&row[g * B..(g * B + B).min(row.len())], B, codes);
+        for (o, &c) in group.iter_mut().zip(codes.iter()) {
+            *o = table[c as usize] * scale;
         }
     }
 }
