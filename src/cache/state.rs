@@ -13,7 +13,7 @@ use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::kernels::kv_attention::{self, KvLayer, KvSideArrays};
 use crate::kernels::turboquant::{self, TqLayer};
-use crate::kernels::window::WindowAppend;
+use crate::kernels::window::{self, WindowAppend};
 use crate::kernels::{self, KiviMode, Options, Policy};
 use crate::ops;
 use crate::quant::{Rotation, RotationKind, ScalarCodebook};
@@ -518,16 +518,10 @@ fn value_frame<'a>(shared: &'a Shared, c: &Compressed) -> Option<&'a Array> {
 /// by `−mean` once the mean is known, in one matmul or one add; values
 /// rotated when theirs does.
 fn into_frames(shared: &Shared, c: &Compressed, keys: &Array, values: &Array, s: &Stream) -> Result<(Array, Array)> {
-    let frame = key_frame(shared, c);
-    let rk = match &c.k_offset {
-        Some(offset) => ops::addmm(offset, keys, frame, s)?,
-        None => ops::matmul(keys, frame, s)?,
-    };
-    let rv = match value_frame(shared, c) {
-        Some(r) => ops::matmul(values, r, s)?,
-        None => values.clone(),
-    };
-    Ok((rk, rv))
+    Ok((
+        window::into_frame(keys, Some(key_frame(shared, c)), c.k_offset.as_ref(), s)?,
+        window::into_frame(values, value_frame(shared, c), None, s)?,
+    ))
 }
 
 enum Store {
@@ -831,7 +825,7 @@ impl LayerCache {
         {
             // A decode step: the tokens go into the windows, in one operation.
             c.reserve_window(sinks + c.n_recent + t, held, max_slots, &s)?;
-            let (win_k, win_v) = kernels::window::window_append(
+            let (win_k, win_v) = window::window_append(
                 &WindowAppend {
                     keys,
                     values,

@@ -99,15 +99,19 @@ pub fn window_append(a: &WindowAppend<'_>, opts: &Options) -> Result<(Array, Arr
     }
 }
 
+/// Tokens `x` `[B, Hkv, T, D]` in a side's frame as plain MLX ops:
+/// `x·frame` (one `addmm` with `offset` added), or `x` without a frame.
+pub(crate) fn into_frame(x: &Array, frame: Option<&Array>, offset: Option<&Array>, s: &Stream) -> Result<Array> {
+    match (frame, offset) {
+        (Some(f), Some(o)) => ops::addmm(o, x, f, s),
+        (Some(f), None) => ops::matmul(x, f, s),
+        (None, _) => Ok(x.clone()),
+    }
+}
+
 fn reference(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, Array)> {
-    let rk = match a.key_offset {
-        Some(o) => ops::addmm(o, a.keys, a.key_frame, s)?,
-        None => ops::matmul(a.keys, a.key_frame, s)?,
-    };
-    let rv = match a.value_frame {
-        Some(f) => ops::matmul(a.values, f, s)?,
-        None => a.values.clone(),
-    };
+    let rk = into_frame(a.keys, Some(a.key_frame), a.key_offset, s)?;
+    let rv = into_frame(a.values, a.value_frame, None, s)?;
     let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
     let (lo, hi) = (sh.at as i32, (sh.at + sh.tokens) as i32);
     let put = |w: &Array, x: &Array| ops::slice_update(w, &ops::astype(x, w.dtype(), s)?, &[0, 0, lo, 0], &[b, h, hi, d], s);
