@@ -403,18 +403,7 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
     let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
     let (nc, nw) = (sh.compressed, sh.sinks + sh.recent);
     let q_arr = if q_transposed {
-        // The same logical [B, Hq, L, D] held as [B, L, Hq, D].
-        let mut t = Vec::with_capacity(q.len());
-        for bi in 0..b {
-            for li in 0..l {
-                for hi in 0..hq {
-                    let o = ((bi * hq + hi) * l + li) * d;
-                    t.extend_from_slice(&q[o..o + d]);
-                }
-            }
-        }
-        let strides = vec![(l * hq * d) as i64, d as i64, (hq * d) as i64, 1];
-        HostArray { strides: Some(strides), ..HostArray::new(&[b, hq, l, d], &t) }
+        HostArray::heads_transposed([b, hq, l, d], q)
     } else {
         HostArray::new(&[b, hq, l, d], q)
     };

@@ -36,27 +36,13 @@ fn case<T: Element + Float + VqElement>(d: usize, t: usize, offset: bool, rotate
     let mut want_v = want_k.clone();
     window_append(&keys, Some(&key_frame), offset.then_some(&key_offset[..]), &win_k, &sh, &mut want_k);
     window_append(&values, rotate_v.then_some(&value_frame[..]), None, &win_v, &sh, &mut want_v);
-    // The tokens as mlx_lm hands them over: [B, T, H, D] memory seen as [B, H, T, D].
-    let transposed = |x: &[T]| {
-        let mut m = Vec::with_capacity(x.len());
-        for bi in 0..b {
-            for ti in 0..t {
-                for hi in 0..h {
-                    let o = ((bi * h + hi) * t + ti) * d;
-                    m.extend_from_slice(&x[o..o + d]);
-                }
-            }
-        }
-        let strides = vec![(t * h * d) as i64, d as i64, (h * d) as i64, 1];
-        HostArray { strides: Some(strides), ..HostArray::new(&[b, h, t, d], &m) }
-    };
     let wk = HostArray::new(&[b, h, w, d], &win_k);
     let filled = HostArray::leading_slice(&wk, &[b, h, at, d]);
     let items = 2 * b * h * w * (d / 8);
     let out = kernel()
         .launch()
-        .input(transposed(&keys))
-        .input(transposed(&values))
+        .input(HostArray::heads_transposed([b, h, t, d], &keys))
+        .input(HostArray::heads_transposed([b, h, t, d], &values))
         .input(HostArray::new(&[d, d], &key_frame))
         .input(HostArray::new(&[d, d], &value_frame))
         .input(HostArray::new(&[b, h, 1, d], &key_offset))

@@ -87,6 +87,24 @@ impl HostArray {
         HostArray { dtype: T::DTYPE, shape: shape.to_vec(), data, strides: None }
     }
 
+    /// The row-major `[B, H, L, D]` `values` held as `[B, L, H, D]` and seen
+    /// through strides as `[B, H, L, D]`: the transposed view in which
+    /// mlx_lm hands queries, keys and values over.
+    pub fn heads_transposed<T: Element>(shape: [usize; 4], values: &[T]) -> Self {
+        let [b, h, l, d] = shape;
+        let mut held = Vec::with_capacity(values.len());
+        for bi in 0..b {
+            for li in 0..l {
+                for hi in 0..h {
+                    let o = ((bi * h + hi) * l + li) * d;
+                    held.extend_from_slice(&values[o..o + d]);
+                }
+            }
+        }
+        let strides = vec![(l * h * d) as i64, d as i64, (h * d) as i64, 1];
+        HostArray { strides: Some(strides), ..HostArray::new(&shape, &held) }
+    }
+
     /// A view of `base`'s buffer (from its first element) with `shape` and
     /// the row-contiguous strides of `base`: a leading slice along each axis,
     /// as `ops::slice` from the origin gives.
