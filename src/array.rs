@@ -11,11 +11,19 @@ use crate::stream::Stream;
 /// An MLX array. Cloning shares the array (MLX arrays are reference-counted
 /// and immutable); nothing is copied or evaluated.
 ///
-/// Arrays are not `Send`: MLX's streams are per thread, and a lazy array built
-/// on one thread cannot be evaluated on another.
+/// An array may move to another thread, but MLX's streams are per thread: a
+/// lazy array can be evaluated only on the thread that built it (elsewhere
+/// MLX returns an error). Arrays are not `Sync`: evaluating one array from
+/// two threads at once would race inside MLX.
 pub struct Array {
     raw: ffi::mlx_array,
 }
+
+// SAFETY: the handle owns one heap `mlx::core::array`, a shared pointer whose
+// reference count is atomic, so freeing or copying it on any thread is sound;
+// MLX's allocator is thread-safe. Evaluating work queued on another thread's
+// stream fails with an MLX error, not undefined behaviour.
+unsafe impl Send for Array {}
 
 impl Array {
     /// Takes ownership of a raw handle, turning a null handle into the last

@@ -201,6 +201,10 @@ class LayerCache:
     then 1 on the residual), and for keys only the unbiased score estimators
     ``"qjl"`` (1 to 4 sketch bits per element) and ``"turboquant-prod"``
     (2 to 5 bits: ``bits - 1`` MSE bits + 1 QJL sign bit).
+
+    A cache may be made, used and dropped on any thread. MLX streams are per
+    thread: work a cache queued on one thread must be evaluated there before
+    another thread uses it.
     """
 
     def __init__(

@@ -1,9 +1,7 @@
 //! `LayerCache`: the stored arrays of one layer and the operations on them.
 
-use std::cell::RefCell;
 use std::collections::{BTreeMap, HashMap};
-use std::rc::{Rc, Weak};
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::{AttentionMask, CacheConfig};
 use crate::array::Array;
@@ -17,7 +15,7 @@ use crate::kernels::window::{self, WindowAppend};
 use crate::kernels::{self, KiviMode, Options, Policy};
 use crate::ops;
 use crate::quant::{Rotation, RotationKind, ScalarCodebook};
-use crate::stream::Stream;
+use crate::stream::{Device, Stream};
 
 /// `−mean` in the keys' frame (`−mean·Πᵀ/F` when `rotation`, the shared
 /// `F·Π`, is given, else `−mean/F`), in `dtype`: what every new key gets
@@ -162,8 +160,10 @@ pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f
 }
 
 /// Arrays shared by every layer with the same head size, seed, methods and
-/// bits, dtype and device: one set per thread (MLX arrays stay on the
-/// thread that made them), held while some layer holds it.
+/// bits, dtype and device: one set per process, held while some layer
+/// holds it. They are evaluated before any layer gets them, so that layers
+/// on every thread can read them (MLX streams are per thread: a lazy array
+/// can be evaluated only on the thread that built it).
 struct Shared {
     /// `F·Π` float32 (`frame_scale`), when either side's frame is rotated:
     /// what the kernels and decoding read as the rotation, so that a query
@@ -191,25 +191,50 @@ struct SharedKey {
     key: (Codec, u32, usize),
     value: (Codec, u32, usize),
     dtype: Dtype,
-    device: crate::stream::Device,
+    device: Device,
 }
 
-thread_local! {
-    static SHARED: RefCell<HashMap<SharedKey, Weak<Shared>>> = RefCell::new(HashMap::new());
+impl Shared {
+    fn arrays(&self) -> impl Iterator<Item = &Array> {
+        [&self.rotation, &self.rotation_t, &self.key_frame, &self.k_table, &self.v_table].into_iter().flatten()
+    }
+}
+
+// SAFETY: a `Shared` is evaluated in `shared_for` before it is published and
+// is never changed after; other threads only copy its handles (MLX arrays
+// count references atomically) and read shapes and data, which no thread
+// writes.
+unsafe impl Sync for Shared {}
+
+/// The live shared sets of the process. Weak: a set goes with its last layer.
+fn shared_sets() -> std::sync::MutexGuard<'static, HashMap<SharedKey, Weak<Shared>>> {
+    static SHARED: OnceLock<Mutex<HashMap<SharedKey, Weak<Shared>>>> = OnceLock::new();
+    // Nothing panics while holding the lock, but a poisoned map is still a
+    // valid map: keep using it.
+    SHARED.get_or_init(Default::default).lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// The shared arrays for `key`: the set a live layer already holds, else a
-/// new one from `make`.
-fn shared_for(key: SharedKey, make: impl FnOnce() -> Result<Shared>) -> Result<Rc<Shared>> {
-    if let Some(found) = SHARED.with(|m| m.borrow().get(&key).and_then(Weak::upgrade)) {
+/// new one from `make`, evaluated.
+fn shared_for(key: SharedKey, make: impl FnOnce() -> Result<Shared>) -> Result<Arc<Shared>> {
+    if let Some(found) = shared_sets().get(&key).and_then(Weak::upgrade) {
         return Ok(found);
     }
-    let made = Rc::new(make()?);
-    SHARED.with(|m| {
-        let mut m = m.borrow_mut();
-        m.retain(|_, w| w.strong_count() > 0);
-        m.insert(key, Rc::downgrade(&made));
-    });
+    // Made without the lock (training a codebook takes a while); a set
+    // another thread published meanwhile wins, so that layers agree.
+    let made = make()?;
+    // `Array::eval` waits until each is available: other threads then only
+    // read them, and never touch their status or events.
+    for a in made.arrays() {
+        a.eval()?;
+    }
+    let mut sets = shared_sets();
+    if let Some(found) = sets.get(&key).and_then(Weak::upgrade) {
+        return Ok(found);
+    }
+    let made = Arc::new(made);
+    sets.retain(|_, w| w.strong_count() > 0);
+    sets.insert(key, Arc::downgrade(&made));
     Ok(made)
 }
 
@@ -530,17 +555,22 @@ enum Store {
 }
 
 /// The cache of one attention layer.
+///
+/// It may be moved to and used on any thread: its work goes to the calling
+/// thread's default stream of its device (MLX streams are per thread). Work
+/// it left pending on one thread must be evaluated there before another
+/// thread uses the cache, as for any MLX array.
 pub struct LayerCache {
     cfg: CacheConfig,
-    stream: Stream,
+    device: Device,
     batch: usize,
     dtype: Dtype,
-    shared: Option<Rc<Shared>>,
+    shared: Option<Arc<Shared>>,
     store: Option<Store>,
 }
 
 impl LayerCache {
-    /// An empty cache on `stream` (MLX's default stream when `None`).
+    /// An empty cache on `stream`'s device (MLX's default device when `None`).
     pub fn new(cfg: CacheConfig, stream: Option<Stream>) -> Result<Self> {
         cfg.validate()?;
         let stream = match stream {
@@ -557,7 +587,15 @@ impl LayerCache {
             let probe = kernels::KernelSpec { name, gpu: Some(source), cpu: true };
             kernels::select(&probe, Policy::Require, &stream)?;
         }
-        Ok(LayerCache { cfg, stream, batch: 0, dtype: Dtype::F16, shared: None, store: None })
+        Ok(LayerCache { cfg, device: stream.device()?, batch: 0, dtype: Dtype::F16, shared: None, store: None })
+    }
+
+    /// The calling thread's default stream of the cache's device.
+    fn stream(&self) -> Result<Stream> {
+        match self.device {
+            Device::Cpu => Ok(Stream::cpu()),
+            Device::Gpu => Stream::gpu(),
+        }
     }
 
     /// TurboQuant-MSE keys and values: the `tq_attention` fast path.
@@ -586,8 +624,8 @@ impl LayerCache {
         }
     }
 
-    fn opts(&self) -> Options {
-        Options::on(self.stream.clone(), self.cfg.policy)
+    fn opts(&self, s: &Stream) -> Options {
+        Options::on(s.clone(), self.cfg.policy)
     }
 
     /// The arrays this layer holds (stores, windows, key offsets), to
@@ -620,25 +658,19 @@ impl LayerCache {
         }
     }
 
-    /// Bytes of the rotation and codebooks, which every layer of this thread
+    /// Bytes of the rotation and codebooks, which every layer of the process
     /// with the same head size, seed, methods, bits, dtype and device holds
     /// once (the same arrays: see [`shared_id`](Self::shared_id)); count them
     /// once per model, as [`total_nbytes`] does.
     pub fn shared_nbytes(&self) -> usize {
-        self.shared.as_ref().map_or(0, |s| {
-            [s.rotation.as_ref(), s.rotation_t.as_ref(), s.key_frame.as_ref(), s.k_table.as_ref(), s.v_table.as_ref()]
-                .into_iter()
-                .flatten()
-                .map(Array::nbytes)
-                .sum()
-        })
+        self.shared.as_ref().map_or(0, |s| s.arrays().map(Array::nbytes).sum())
     }
 
     /// Identifies the shared arrays this layer holds (none before the first
     /// append): layers with the same id hold the very same rotation and
     /// codebooks, whose bytes [`shared_nbytes`](Self::shared_nbytes) gives.
     pub fn shared_id(&self) -> Option<usize> {
-        self.shared.as_ref().map(|s| Rc::as_ptr(s) as usize)
+        self.shared.as_ref().map(|s| Arc::as_ptr(s) as usize)
     }
 
     fn check_input(&self, argument: &'static str, a: &Array) -> Result<Vec<i32>> {
@@ -678,7 +710,7 @@ impl LayerCache {
     /// Creates the empty stores for `batch` and `dtype`, sized for a first
     /// chunk of `tokens` (they grow as tokens come).
     fn init(&mut self, batch: usize, dtype: Dtype, tokens: usize) -> Result<()> {
-        let s = &self.stream;
+        let s = &self.stream()?;
         let (b, h, d) = (batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
         self.batch = batch;
         self.dtype = dtype;
@@ -699,7 +731,7 @@ impl LayerCache {
             key: (kc.codec, kc.bits, kc.group),
             value: (vc.codec, vc.bits, vc.group),
             dtype,
-            device: s.device()?,
+            device: self.device,
         };
         self.shared = Some(shared_for(key, || {
             let (rotation, rotation_t) = if kc.codec.rotated() || vc.codec.rotated() {
@@ -779,7 +811,7 @@ impl LayerCache {
     }
 
     fn append_dense(&mut self, keys: &Array, values: &Array, shape: &[i32]) -> Result<()> {
-        let s = self.stream.clone();
+        let s = self.stream()?;
         let Some(Store::Dense(d)) = &mut self.store else { unreachable!() };
         let t = shape[2] as usize;
         grow(&mut [&mut d.keys, &mut d.values], &mut d.capacity, d.len + t, &s)?;
@@ -792,8 +824,8 @@ impl LayerCache {
     }
 
     fn append_compressed(&mut self, keys: &Array, values: &Array, shape: &[i32]) -> Result<()> {
-        let s = self.stream.clone();
-        let opts = self.opts();
+        let s = self.stream()?;
+        let opts = self.opts(&s);
         let (sinks, window) = (self.cfg.sinks, self.cfg.window);
         let dtype = self.dtype;
         // A trim may have cut into a token group of the compressed store: the
@@ -932,7 +964,7 @@ impl LayerCache {
             return Ok(None);
         }
         let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
-        let s = &self.stream;
+        let s = &self.stream()?;
         let sh = &layer.shape;
         let (b, h, d) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
         let tail = |side: &KvSideArrays<'_>, sc: &SideCodec| -> Result<Array> {
@@ -968,7 +1000,7 @@ impl LayerCache {
         if causal && qs[2] as usize > self.offset() {
             return Err(Error::invalid("queries", format!("{} causal queries but only {} tokens are cached", qs[2], self.offset())));
         }
-        let s = &self.stream;
+        let s = &self.stream()?;
         let (hq, l) = (qs[1] as usize, qs[2] as usize);
         // Unrotated compressed keys are held as `k/F`.
         let scale = match store {
@@ -995,15 +1027,15 @@ impl LayerCache {
                 let mut layer = self.kv_layer(hq, l, false)?;
                 layer.shape.mask_heads = *heads;
                 layer.mask = Some(m);
-                kv_attention::kv_attention(queries, &layer, scale, &self.opts())
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s))
             }
             Store::Compressed(_) if Self::turboquant_only(&self.cfg) => {
                 let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
-                turboquant::tq_attention(queries, &layer, scale, &self.opts())
+                turboquant::tq_attention(queries, &layer, scale, &self.opts(s))
             }
             Store::Compressed(_) => {
                 let layer = self.kv_layer(qs[1] as usize, qs[2] as usize, causal)?;
-                kv_attention::kv_attention(queries, &layer, scale, &self.opts())
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s))
             }
         }
     }
@@ -1020,7 +1052,7 @@ impl LayerCache {
         if self.store.is_none() {
             self.init(shape[0] as usize, keys.dtype(), shape[2] as usize)?;
         }
-        let s = self.stream.clone();
+        let s = self.stream()?;
         let (b, h, d) = (shape[0], shape[1], shape[3]);
         let join = |mut parts: Vec<Array>, chunk: &Array| -> Result<Array> {
             if parts.is_empty() {
@@ -1040,7 +1072,7 @@ impl LayerCache {
                 let shared = self.shared.as_ref().expect("initialised with the store");
                 let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
                 let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
-                let opts = self.opts();
+                let opts = self.opts(&s);
                 let sh = &layer.shape;
                 let framed_k = kv_attention::framed_parts(&layer.keys, &sh.key, sh, self.dtype, &opts)?;
                 let framed_v = kv_attention::framed_parts(&layer.values, &sh.value, sh, self.dtype, &opts)?;
@@ -1068,7 +1100,7 @@ impl LayerCache {
         if ks.len() != 4 || ks != values.shape() || ks[0] != qs[0] || ks[1] as usize != self.cfg.kv_heads || ks[3] != qs[3] || ks[2] < qs[2] {
             return Err(Error::invalid("keys", format!("shape {ks:?} (values {:?}) is not the buffer framed_with returns for {} queries", values.shape(), qs[2])));
         }
-        let s = &self.stream;
+        let s = &self.stream()?;
         let (compressed, key_rotated, value_rotated) = match &self.store {
             Some(Store::Compressed(c)) => (true, c.keys.codec.codec.rotated(), c.values.codec.codec.rotated()),
             _ => (false, false, false),
@@ -1177,7 +1209,7 @@ impl LayerCache {
     /// The keys and values as the cache reconstructs them, `[B, Hkv, offset, D]`
     /// in the cache's dtype (for tests and the reference path).
     pub fn dequantize(&self) -> Result<(Array, Array)> {
-        let s = &self.stream;
+        let s = &self.stream()?;
         let (b, h, dim) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
         match &self.store {
             None => Err(Error::invalid("cache", "empty")),
@@ -1205,7 +1237,7 @@ impl LayerCache {
     /// the codes' rounding put past its range (±65504) instead of making it
     /// infinite, and keeps a non-finite token non-finite (NaN).
     fn decoded_out(&self, x: &Array) -> Result<Array> {
-        let s = &self.stream;
+        let s = &self.stream()?;
         if self.dtype != Dtype::F16 {
             return ops::astype(x, self.dtype, s);
         }
@@ -1356,7 +1388,7 @@ mod state_io {
         ] {
             meta.insert(k.to_string(), v);
         }
-        let s = &cache.stream;
+        let s = &cache.stream()?;
         let (b, h, d) = (cache.batch as i32, c.kv_heads as i32, c.head_dim as i32);
         let mut tensors: Vec<(String, Array)> = Vec::new();
         match &cache.store {
@@ -1540,7 +1572,7 @@ mod state_io {
             Ok(t.clone())
         };
         cache.init(batch, dtype, 0)?;
-        let s = cache.stream.clone();
+        let s = cache.stream()?;
         if !cache.cfg.compressed() {
             let n = tensors.get("keys").ok_or_else(|| corrupt("keys: missing"))?.shape().get(2).copied().unwrap_or(0);
             let k = tensor("keys", dtype, &[b, h, n as i32, d])?;

@@ -1,17 +1,66 @@
 //! `veloxquant._native.LayerCache`: one layer's compressed cache for Python.
+//!
+//! A cache may be created, used and dropped on any thread (mlx_lm's server
+//! makes caches on its generation thread and may drop them elsewhere): the
+//! Rust cache is `Send`, and a lock serialises the calls on one cache.
 
 use std::collections::HashMap;
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::{Mutex, TryLockError};
 
-use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::exceptions::{PyRuntimeError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBytes, PyDict};
 
 use super::{array_arg, array_out, bits_arg, device_arg, float_arg, size_arg, str_or, to_py_err, type_name};
 use crate::cache::{AttentionMask, CacheConfig, LayerCache, Method};
 
-#[pyclass(name = "LayerCache", module = "veloxquant._native", unsendable)]
+#[pyclass(name = "LayerCache", module = "veloxquant._native", frozen)]
 pub struct PyLayerCache {
-    inner: LayerCache,
+    inner: Mutex<LayerCache>,
+}
+
+/// Runs `f`, turning a panic (a bug: bad arguments are errors) into a
+/// RuntimeError naming `method` rather than letting it reach Python as a
+/// `PanicException`, which no `except Exception` catches.
+fn guarded<R>(method: &str, f: impl FnOnce() -> PyResult<R>) -> PyResult<R> {
+    catch_unwind(AssertUnwindSafe(f)).unwrap_or_else(|panic| {
+        let why = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_else(|| "no message".into());
+        Err(PyRuntimeError::new_err(format!("LayerCache.{method}: internal error ({why}); please report it")))
+    })
+}
+
+impl PyLayerCache {
+    fn wrap(inner: LayerCache) -> Self {
+        PyLayerCache { inner: Mutex::new(inner) }
+    }
+
+    /// Runs `f` on the cache under its lock. Calls hold the GIL and run no
+    /// Python code while they hold the lock, so two never overlap; the lock
+    /// is tried rather than waited for so that a call that did overlap (a
+    /// free-threaded Python) gets an error, not a deadlock. A panic unwinds
+    /// through the guard and poisons the lock, which then refuses the cache
+    /// whose state it may have left half-changed.
+    fn with<R>(&self, method: &str, f: impl FnOnce(&mut LayerCache) -> crate::Result<R>) -> PyResult<R> {
+        guarded(method, || {
+            let mut cache = match self.inner.try_lock() {
+                Ok(cache) => cache,
+                Err(TryLockError::WouldBlock) => {
+                    return Err(PyRuntimeError::new_err(format!("LayerCache.{method}: the cache is in use by another call")))
+                }
+                Err(TryLockError::Poisoned(_)) => {
+                    return Err(PyRuntimeError::new_err(format!(
+                        "LayerCache.{method}: the cache is unusable after an internal error in an earlier call"
+                    )))
+                }
+            };
+            f(&mut cache).map_err(to_py_err)
+        })
+    }
 }
 
 #[pymethods]
@@ -71,15 +120,16 @@ impl PyLayerCache {
             }
         };
         cfg.policy = str_or(policy, "policy", "auto")?.parse().map_err(to_py_err)?;
-        let inner = LayerCache::new(cfg, device_arg(device)?).map_err(to_py_err)?;
-        Ok(PyLayerCache { inner })
+        let stream = device_arg(device)?;
+        let inner = guarded("__init__", || LayerCache::new(cfg, stream).map_err(to_py_err))?;
+        Ok(PyLayerCache::wrap(inner))
     }
 
     /// Appends keys and values `[B, n_kv_heads, T, head_dim]`.
-    fn append(&mut self, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+    fn append(&self, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
         let k = array_arg(keys, "keys")?;
         let v = array_arg(values, "values")?;
-        self.inner.append(&k, &v).map_err(to_py_err)
+        self.with("append", |c| c.append(&k, &v))
     }
 
     /// Attention of `queries` `[B, n_heads, L, head_dim]` over the cache.
@@ -91,17 +141,17 @@ impl PyLayerCache {
         let q = array_arg(queries, "queries")?;
         let scale = float_arg(scale, "scale")? as f32;
         let mask = MaskArg::parse(mask)?;
-        let out = self.inner.attention_with_mask(&q, scale, mask.get()).map_err(to_py_err)?;
+        let out = self.with("attention", |c| c.attention_with_mask(&q, scale, mask.get()))?;
         array_out(py, out)
     }
 
     /// The cache's keys and values followed by the chunk `keys`/`values`
     /// about to be appended, in the cache's attention frame (a transient
     /// buffer for `attend_framed`). Call before `append`.
-    fn framed_with(&mut self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    fn framed_with(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
         let k = array_arg(keys, "keys")?;
         let v = array_arg(values, "values")?;
-        let (fk, fv) = self.inner.framed_with(&k, &v).map_err(to_py_err)?;
+        let (fk, fv) = self.with("framed_with", |c| c.framed_with(&k, &v))?;
         Ok((array_out(py, fk)?, array_out(py, fv)?))
     }
 
@@ -122,14 +172,14 @@ impl PyLayerCache {
         let v = array_arg(values, "values")?;
         let scale = float_arg(scale, "scale")? as f32;
         let mask = MaskArg::parse(mask)?;
-        let out = self.inner.attend_framed(&q, &k, &v, scale, mask.get()).map_err(to_py_err)?;
+        let out = self.with("attend_framed", |c| c.attend_framed(&q, &k, &v, scale, mask.get()))?;
         array_out(py, out)
     }
 
     /// The state as (arrays by name, metadata by name): lazy views of the
     /// used slots, so evaluating them copies nothing.
     fn state_parts<'py>(&self, py: Python<'py>) -> PyResult<(Bound<'py, PyDict>, Bound<'py, PyDict>)> {
-        let (tensors, meta) = self.inner.state_parts().map_err(to_py_err)?;
+        let (tensors, meta) = self.with("state_parts", |c| c.state_parts())?;
         let arrays = PyDict::new(py);
         for (name, a) in tensors {
             arrays.set_item(name, array_out(py, a)?)?;
@@ -160,51 +210,53 @@ impl PyLayerCache {
             let (k, v) = kv.map_err(|_| PyTypeError::new_err(format!("meta: keys and values must be str, got {} and {}", type_name(&k), type_name(&v))))?;
             m.insert(k, v);
         }
-        let inner = LayerCache::from_state_parts(&tensors, &m, device_arg(device)?).map_err(to_py_err)?;
-        Ok(PyLayerCache { inner })
+        let stream = device_arg(device)?;
+        let inner = guarded("from_state_parts", || LayerCache::from_state_parts(&tensors, &m, stream).map_err(to_py_err))?;
+        Ok(PyLayerCache::wrap(inner))
     }
 
     /// Tokens held.
     #[getter]
-    fn offset(&self) -> usize {
-        self.inner.offset()
+    fn offset(&self) -> PyResult<usize> {
+        self.with("offset", |c| Ok(c.offset()))
     }
 
     /// Tokens held as codes (the rest are in the float16 windows).
     #[getter]
-    fn compressed_tokens(&self) -> usize {
-        self.inner.compressed_tokens()
+    fn compressed_tokens(&self) -> PyResult<usize> {
+        self.with("compressed_tokens", |c| Ok(c.compressed_tokens()))
     }
 
     /// Bytes of the arrays this layer holds.
     #[getter]
-    fn nbytes(&self) -> usize {
-        self.inner.nbytes()
+    fn nbytes(&self) -> PyResult<usize> {
+        self.with("nbytes", |c| Ok(c.nbytes()))
     }
 
     /// Bytes of the rotation and codebooks, held once by all layers of the
     /// same head size, seed, methods, bits, dtype and device (count them once
     /// per `shared_id`).
     #[getter]
-    fn shared_nbytes(&self) -> usize {
-        self.inner.shared_nbytes()
+    fn shared_nbytes(&self) -> PyResult<usize> {
+        self.with("shared_nbytes", |c| Ok(c.shared_nbytes()))
     }
 
     /// Identifies the shared rotation and codebooks this layer holds (None
     /// before the first append): layers with equal ids hold the same arrays.
     #[getter]
-    fn shared_id(&self) -> Option<usize> {
-        self.inner.shared_id()
+    fn shared_id(&self) -> PyResult<Option<usize>> {
+        self.with("shared_id", |c| Ok(c.shared_id()))
     }
 
     /// Drops the last `n` tokens; returns how many were dropped.
-    fn trim(&mut self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
-        Ok(self.inner.trim(size_arg(n, "n", "a number of tokens >= 0")?))
+    fn trim(&self, n: &Bound<'_, PyAny>) -> PyResult<usize> {
+        let n = size_arg(n, "n", "a number of tokens >= 0")?;
+        self.with("trim", |c| Ok(c.trim(n)))
     }
 
     /// The compressed state (versioned safetensors bytes).
     fn to_bytes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyBytes>> {
-        let b = self.inner.to_bytes().map_err(to_py_err)?;
+        let b = self.with("to_bytes", |c| c.to_bytes())?;
         Ok(PyBytes::new(py, &b))
     }
 
@@ -212,26 +264,27 @@ impl PyLayerCache {
     #[pyo3(signature = (data, device = None))]
     fn from_bytes(data: &Bound<'_, PyAny>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Self> {
         let stream = device_arg(device)?;
+        let load = |bytes: &[u8]| guarded("from_bytes", || LayerCache::from_bytes(bytes, stream).map_err(to_py_err));
         let inner = if let Ok(b) = data.cast::<PyBytes>() {
-            LayerCache::from_bytes(b.as_bytes(), stream)
+            load(b.as_bytes())
         } else if let Ok(b) = data.cast::<pyo3::types::PyByteArray>() {
-            LayerCache::from_bytes(&b.to_vec(), stream)
+            load(&b.to_vec())
         } else {
             return Err(PyTypeError::new_err(format!("data: expected bytes (from to_bytes), got {}", type_name(data))));
         };
-        Ok(PyLayerCache { inner: inner.map_err(to_py_err)? })
+        Ok(PyLayerCache::wrap(inner?))
     }
 
     /// The keys and values as the cache reconstructs them, `[B, H, offset, D]`.
     fn dequantize(&self, py: Python<'_>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
-        let (k, v) = self.inner.dequantize().map_err(to_py_err)?;
+        let (k, v) = self.with("dequantize", |c| c.dequantize())?;
         Ok((array_out(py, k)?, array_out(py, v)?))
     }
 
     /// The configuration as a dict (the constructor's arguments).
     #[getter]
     fn config<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let c = self.inner.config();
+        let c = self.with("config", |c| Ok(c.config().clone()))?;
         let d = PyDict::new(py);
         d.set_item("head_dim", c.head_dim)?;
         d.set_item("n_kv_heads", c.kv_heads)?;
@@ -246,17 +299,19 @@ impl PyLayerCache {
         Ok(d)
     }
 
-    fn __repr__(&self) -> String {
-        let c = self.inner.config();
-        format!(
-            "LayerCache(keys={}@{}b, values={}@{}b, offset={}, nbytes={})",
-            c.key_method,
-            c.key_bits,
-            c.value_method,
-            c.value_bits,
-            self.inner.offset(),
-            self.inner.nbytes()
-        )
+    fn __repr__(&self) -> PyResult<String> {
+        self.with("__repr__", |cache| {
+            let c = cache.config();
+            Ok(format!(
+                "LayerCache(keys={}@{}b, values={}@{}b, offset={}, nbytes={})",
+                c.key_method,
+                c.key_bits,
+                c.value_method,
+                c.value_bits,
+                cache.offset(),
+                cache.nbytes()
+            ))
+        })
     }
 }
 
