@@ -11,7 +11,7 @@ import argparse
 import json
 import os
 import sys
-from typing import List, Optional, Sequence
+from typing import List, NoReturn, Optional, Sequence
 
 KV_CACHES = ("fp16", "mlx-quantized", "veloxquant")
 
@@ -491,6 +491,17 @@ def cmd_generate(argv: Sequence[str]) -> int:
 
 
 def cmd_serve(argv: Sequence[str]) -> int:
+    try:
+        status = _serve(argv)
+    except KeyboardInterrupt:
+        # Ctrl-C before the server listened (mlx_lm's import, a first
+        # conversion of the default model), or a second one while it stops.
+        status = 130
+    _exit_now(status)
+
+
+def _serve(argv: Sequence[str]) -> int:
+    """Runs mlx_lm's server until Ctrl-C has stopped it."""
     import importlib
 
     S = importlib.import_module("mlx_lm.server")
@@ -522,6 +533,7 @@ def cmd_serve(argv: Sequence[str]) -> int:
             rest += ["--quantized-kv-start", str(args.quantized_kv_start)]
     import threading
     import types
+    from http.server import ThreadingHTTPServer
 
     from huggingface_hub.errors import CacheNotFound, CorruptedCacheException
 
@@ -547,14 +559,33 @@ def cmd_serve(argv: Sequence[str]) -> int:
             finally:
                 loaded.set()
 
+    class Server(ThreadingHTTPServer):
+        # socketserver listens with a backlog of 5: of a burst of 64
+        # connections the kernel queued a few, and reset most of the others
+        # before mlx_lm's accept loop got to them. The kernel caps this at
+        # its own limit (net.core.somaxconn, kern.ipc.somaxconn).
+        request_queue_size = 1024
+        # A handler thread streams a response until it ends: Ctrl-C must not
+        # wait for them.
+        daemon_threads = True
+
     def run_http_server(host, port, response_generator, *a, **k):
         # Listen only once the model is loaded; a model that fails to load ends the command.
-        while not loaded.wait(0.2) and response_generator.generation_available():
-            pass
+        try:
+            while not loaded.wait(0.2) and response_generator.generation_available():
+                pass
+        except KeyboardInterrupt:
+            # Ctrl-C while the model loads: stop as mlx_lm stops its server.
+            response_generator.stop_and_join()
+            return None
         if failed or not loaded.is_set():
             response_generator.stop_and_join()
             why = _first_line(failed[0]) if failed else "the generation thread stopped"
             raise SystemExit(f"veloxquant serve: --model {model}: the model could not be loaded ({why})")
+        if not a:
+            k.setdefault("server_class", Server)
+        # On Ctrl-C, mlx_lm shuts the server down, stops and joins its
+        # generation thread, and returns.
         return orig_http(host, port, response_generator, *a, **k)
 
     def scan_cache_dir(*a, **k):
@@ -572,6 +603,31 @@ def cmd_serve(argv: Sequence[str]) -> int:
     finally:
         S.load, S.ModelProvider, S._run_http_server, S.scan_cache_dir = orig_load, orig_provider, orig_http, orig_scan
     return 0
+
+
+def _exit_now(status: int) -> NoReturn:
+    """Ends the process without finalizing the interpreter, output flushed.
+
+    mlx_lm's generation thread has stopped and been joined by now, but MLX's
+    thread-local destructors still run on it after ``join()`` returns; they
+    take the GIL, and an interpreter finalizing meanwhile ends that thread
+    inside a C++ destructor: std::terminate, SIGABRT. Nothing is left to
+    save: the server is shut down and the caches live in memory only.
+    """
+    import logging
+    import signal
+
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a late Ctrl-C would print a traceback
+    except ValueError:  # not the main thread
+        pass
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(status)
 
 
 # --- compare -----------------------------------------------------------------

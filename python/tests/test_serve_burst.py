@@ -1,0 +1,94 @@
+"""`veloxquant serve` under a burst of 64 concurrent streaming requests: every
+stream completes, none is reset; Ctrl-C then stops it cleanly. The tiny
+model keeps it quick: the default one takes most of a second a token on a
+small CPU, and the compressed cache serves one request at a time."""
+
+import http.client
+import json
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+CLIENTS = 64
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def stream(port, i, start, results):
+    """One streaming completion; records its events or the error."""
+    try:
+        start.wait()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        body = json.dumps({"prompt": f"Count from {i} to {i + 20}:", "max_tokens": 3, "temperature": 0, "stream": True})
+        conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+        reply = conn.getresponse()
+        text = reply.read().decode()
+        conn.close()
+        events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+        results[i] = (reply.status, events)
+    except Exception as e:  # a reset, a refused or timed-out connection
+        results[i] = e
+
+
+def wait_until_healthy(proc, port, seconds=60):
+    deadline = time.time() + seconds
+    while True:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
+        try:
+            conn.request("GET", "/health")
+            if conn.getresponse().status == 200:
+                return
+        except OSError:
+            pass
+        finally:
+            conn.close()
+        assert proc.poll() is None and time.time() < deadline, "server did not start"
+        time.sleep(0.2)
+
+
+@pytest.mark.parametrize("extra", [["--kv-cache", "veloxquant", "--kv-window", "4"], []], ids=["veloxquant", "fp16"])
+def test_burst_of_streams_all_complete_and_ctrl_c_stops_cleanly(tiny_model, extra, tmp_path):
+    port = free_port()
+    with open(tmp_path / "stderr", "w+") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "veloxquant", "serve", "--model", tiny_model, "--host", "127.0.0.1",
+             "--port", str(port), *extra],
+            stdout=subprocess.DEVNULL, stderr=log,
+            # Ctrl-C's default action even where this test runs with SIGINT
+            # ignored (a background job), which the server would inherit.
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
+        try:
+            wait_until_healthy(proc, port)
+            start = threading.Barrier(CLIENTS)
+            results = [None] * CLIENTS
+            clients = [threading.Thread(target=stream, args=(port, i, start, results)) for i in range(CLIENTS)]
+            for c in clients:
+                c.start()
+            for c in clients:
+                c.join(timeout=150)
+            failed = {i: r for i, r in enumerate(results) if not isinstance(r, tuple)}
+            assert not failed, f"{len(failed)} of {CLIENTS} streams failed: {list(failed.items())[:3]}"
+            for status, events in results:
+                assert status == 200 and events[-1] == "[DONE]"
+                chunks = [json.loads(e) for e in events[:-1]]
+                assert chunks and chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+            proc.send_signal(signal.SIGINT)
+            status = proc.wait(timeout=30)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+        log.seek(0)
+        err = log.read()
+    assert status in (0, 130), err[-2000:]
+    assert "Traceback" not in err and "panicked" not in err and "terminate called" not in err, err[-2000:]
