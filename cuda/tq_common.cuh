@@ -552,3 +552,43 @@ __device__ void tq_rvq_decode_rows(const uint8_t* codes1, const uint8_t* codes2,
     }
   }
 }
+
+// ---------------------------------------------------------------------------
+// Reduce-scatter across the TPT lanes of a group (lanes li = 0..TPT-1 of
+// aligned groups in a warp): each lane holds V partial sums; at each of the
+// log2(TPT) butterfly stages a lane sends the half of its values it gives
+// up and adds its partner's copy of the half it keeps, so that V sums cost
+// V - 1 shuffles instead of V log2(TPT). After it, v[0 .. max(V / TPT, 1))
+// hold the group's full sums of indices start, start + 1, ... (V < TPT:
+// lanes differing only in the low bits hold the same sum).
+template <int CUR, int O, int V>
+__device__ __forceinline__ void tq_group_scatter(float (&v)[V], uint32_t li, uint32_t& start) {
+  if constexpr (O > 0) {
+    if constexpr (CUR > 1) {
+      constexpr int H = CUR / 2;
+      const bool up = (li & uint32_t(O)) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float send = up ? v[i] : v[H + i];
+        const float keep = up ? v[H + i] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      if (up) start += H;
+      tq_group_scatter<H, O / 2, V>(v, li, start);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+      tq_group_scatter<1, O / 2, V>(v, li, start);
+    }
+  }
+}
+
+// Code j of 8 B-bit codes packed little-endian in w, shifted in 32 bits
+// where the 8 codes fit there.
+template <int B>
+__device__ __forceinline__ unsigned code_of(unsigned long long w, int j) {
+  if constexpr (8 * B <= 32) {
+    return (uint32_t(w) >> (j * B)) & ((1u << B) - 1u);
+  } else {
+    return unsigned(w >> (j * B)) & ((1u << B) - 1u);
+  }
+}

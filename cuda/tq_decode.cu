@@ -1,6 +1,6 @@
 // tq_decode: attention of QN query rows of one (batch, KV head) over one
-// split of the layer's tokens -> the split's running max, sum and accumulator
-// of the online softmax, in the rotated frame (tq_reduce finishes).
+// split of the layer's tokens -> the split's max, sum and accumulator of the
+// softmax, in the rotated frame (tq_reduce finishes).
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
 // CAUSAL, SCALE (the score scale's float32 bits).
@@ -15,22 +15,53 @@
 // QN consecutive rows. The grid is B * Hkv * tiles * splits blocks; window
 // slots take ceil(n_win / 128) splits of 128, compressed tokens the rest,
 // each a whole number of 128-token tiles.
-// Threads: groups of TPT lanes share a token, lane li holding chunks
-// c = li + k * TPT (k < CPT) of 8 dimensions, its rows' rotated queries in
-// registers and its group's own online-softmax state. No barrier in the token
-// loop; groups combine at the end (warp shuffles, then shared memory).
+// A split holds at most TT tokens (the host's split plan). Its codes are
+// copied into shared memory first, all at once (cp.async, 16 bytes a
+// request, so that a block keeps tens of kilobytes in flight), with the
+// norms and the rotated queries beside them; then three passes with
+// barriers between them, so that no pass carries another's registers and
+// no lane repeats another's work:
+//   scores: groups of TPT lanes share U tokens (lane li holds chunks
+//     c = li + k * TPT, k < CPT, of 8 dimensions); a group's U * QN partial
+//     dot products are summed over its lanes by one reduce-scatter, and the
+//     lane that ends with a sum scales, masks and stores it in shared memory;
+//   weights: warp r turns row r's scores into e^(s - m), m the split's max;
+//   values: the same groups add each token's weighted value to their
+//     accumulators.
+// Groups share the split's max, so the last combine is a plain sum. Window
+// splits read the float16 rows where they lie.
+// Dynamic shared memory: TT * (KROW + VROW) bytes (the host's
+// cuda_dynamic_shared_bytes), the split's key then value codes.
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int NCH = D / 8;
 constexpr int CPT = (NCH + TPT - 1) / TPT;
 constexpr int GROUPS = TG / TPT;
+constexpr int QNP = QN <= 1 ? 1 : (QN <= 2 ? 2 : 4);
+constexpr int U = TPT / QNP >= 8 ? 8 : (TPT / QNP >= 1 ? TPT / QNP : 1);
+constexpr int V = U * QNP;
+constexpr int VL = V >= TPT ? V / TPT : 1;
+constexpr int REP = V >= TPT ? 1 : TPT / V;
+constexpr int STEP = GROUPS * U;
+constexpr int TT = 256;
+constexpr int KROW = D * KB / 8;
+constexpr int VROW = D * VB / 8;
 constexpr unsigned FULL = 0xffffffffu;
+static_assert(QN <= WARPS, "one warp per row weighs the scores");
 __shared__ float qs[QN * D];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
-__shared__ float m_s[WARPS * QN];
-__shared__ float l_s[WARPS * QN];
-__shared__ float a_s[WARPS * QN * D];
+__shared__ float sc[QN * TT];
+__shared__ float m_s[QN];
+__shared__ float l_s[QN];
+__shared__ float kn_s[TT];
+__shared__ float vn_s[TT];
+extern __shared__ __align__(16) uint8_t codes_s[];
+uint8_t* const ksm = codes_s;
+uint8_t* const vsm = codes_s + TT * KROW;
+// The epilogue's per-warp sums reuse the codes' space (64 D bytes at most,
+// never more than TT * (KROW + VROW)).
+float* const a_s = reinterpret_cast<float*>(codes_s);
 const uint32_t Bn = q_shape[0], Hq = q_shape[1], L = q_shape[2];
 const uint32_t Hkv = win_k_shape[1];
 const uint32_t n_comp = k_norms_shape[2];
@@ -53,22 +84,89 @@ blk /= tiles;
 const uint32_t hk = blk % Hkv;
 const uint32_t b = blk / Hkv;
 const float ninf = -__int_as_float(0x7f800000);
-for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
-for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
-// The tile's queries, rotated and scaled: qs = SCALE * Π q. The raw rows
-// are staged first (one load per thread, all in flight); each thread then
-// owns output dimensions i and reads row i of Π once, as float4, for all
-// QN rows.
-for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
-  const uint32_t rr = tile * QN + e / D, j = e % D;
-  float x = 0.0f;
-  if (rr < head_rows) {
-    const int64_t qo = int64_t(b) * q_strides[0] + int64_t(hk * G + rr / L) * q_strides[1] + int64_t(rr % L) * q_strides[2];
-    x = static_cast<float>(q[qo + int64_t(j) * q_strides[3]]);
+const uint32_t li = tid % TPT, gi = tid / TPT;
+const bool compressed = split < comp_splits;
+uint32_t t_begin, t_end;
+if (compressed) {
+  t_begin = split * split_tokens;
+  t_end = min(t_begin + split_tokens, n_comp);
+} else {
+  t_begin = (split - comp_splits) * TG;
+  t_end = min(t_begin + uint32_t(TG), n_win);
+}
+// The split's tokens are [t_begin, t_end), at most TT of them.
+const uint32_t tn = t_end > t_begin ? t_end - t_begin : 0u;
+// This (batch, KV head)'s rows of every input; a token adds its index times
+// the token stride.
+const uint8_t* kp0 = k_codes + int64_t(b) * k_codes_strides[0] + int64_t(hk) * k_codes_strides[1];
+const uint8_t* vp0 = v_codes + int64_t(b) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1];
+const __half* kn0 = k_norms + int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1];
+const __half* vn0 = v_norms + int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1];
+const T* wk0 = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1];
+const T* wv0 = win_v + int64_t(b) * win_v_strides[0] + int64_t(hk) * win_v_strides[1];
+const int64_t ks = k_codes_strides[2], vs = v_codes_strides[2], kns = k_norms_strides[2], vns = v_norms_strides[2];
+const int64_t wks = win_k_strides[2], wvs = win_v_strides[2];
+// The split's codes into shared memory: rows back to back in the stores
+// (the cache's layout) go as one block copy, else byte by byte.
+if (compressed) {
+  auto stage = [&](uint8_t* dst, const uint8_t* base, int64_t stride, int row) {
+    const bool rows_packed = stride == row;
+    const uint64_t offset = uint64_t(t_begin) * row;
+    if (rows_packed) {
+      const bool aligned = ((reinterpret_cast<uintptr_t>(base) + offset) & 15u) == 0;
+      vq_copy_to_shared(dst, base, offset, uint64_t(t_end) * row, int((tn * row + 15u) / 16u * 16u), aligned);
+    } else {
+      for (uint32_t y = tid; y < tn * uint32_t(row); y += TG) dst[y] = base[int64_t(t_begin + y / row) * stride + y % row];
+    }
+  };
+  stage(ksm, kp0, ks, KROW);
+  stage(vsm, vp0, vs, VROW);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+// Norms, codebooks and raw queries: every load issued before any store.
+{
+  constexpr int PER = TT / TG;
+  float kn[PER], vn[PER];
+#pragma unroll
+  for (int y = 0; y < PER; ++y) {
+    const uint32_t i = tid + y * TG;
+    const bool have = compressed && i < tn;
+    kn[y] = have ? __half2float(kn0[int64_t(t_begin + i) * kns]) : 0.0f;
+    vn[y] = have ? __half2float(vn0[int64_t(t_begin + i) * vns]) : 0.0f;
   }
-  a_s[e] = x;
+  constexpr int QPER = (QN * D + TG - 1) / TG;
+  float x[QPER];
+#pragma unroll
+  for (int y = 0; y < QPER; ++y) {
+    const uint32_t e = tid + y * TG;
+    const uint32_t rr = tile * QN + e / D, j = e % D;
+    x[y] = 0.0f;
+    if (e < uint32_t(QN * D) && rr < head_rows) {
+      const int64_t qo = int64_t(b) * q_strides[0] + int64_t(hk * G + rr / L) * q_strides[1] + int64_t(rr % L) * q_strides[2];
+      x[y] = static_cast<float>(q[qo + int64_t(j) * q_strides[3]]);
+    }
+  }
+  for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
+  for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
+  if (tid < uint32_t(QN)) {
+    m_s[tid] = ninf;
+    l_s[tid] = 0.0f;
+  }
+#pragma unroll
+  for (int y = 0; y < PER; ++y) {
+    kn_s[tid + y * TG] = kn[y];
+    vn_s[tid + y * TG] = vn[y];
+  }
+  // The raw rows wait in the scores' space (QN * D <= QN * TT floats).
+#pragma unroll
+  for (int y = 0; y < QPER; ++y) {
+    if (tid + y * TG < uint32_t(QN * D)) sc[tid + y * TG] = x[y];
+  }
 }
 __syncthreads();
+// The tile's queries, rotated and scaled: qs = SCALE * Π q; each thread
+// owns output dimensions i and reads row i of Π once, as float4, for all
+// QN rows.
 const float scale = __int_as_float(SCALE);
 for (uint32_t i = tid; i < uint32_t(D); i += TG) {
   const float4* ri = reinterpret_cast<const float4*>(rot + uint64_t(i) * D);
@@ -80,170 +178,158 @@ for (uint32_t i = tid; i < uint32_t(D); i += TG) {
     const float4 w = ri[j4];
 #pragma unroll
     for (int r = 0; r < QN; ++r) {
-      const float* x = a_s + r * D + 4 * j4;
+      const float* x = sc + r * D + 4 * j4;
       y[r] += w.x * x[0] + w.y * x[1] + w.z * x[2] + w.w * x[3];
     }
   }
 #pragma unroll
   for (int r = 0; r < QN; ++r) qs[r * D + i] = y[r] * scale;
 }
+vq_copy_wait();
 __syncthreads();
-const uint32_t li = tid % TPT, gi = tid / TPT;
-float qv[QN][CPT * 8];
-bool row_ok[QN];
-uint32_t qpos[QN];
+// Scores, in steps of STEP tokens: a group's tokens in a step are
+// st + u * GROUPS + gi, so that neighbouring groups read neighbouring rows.
+{
+  float qv[QN][CPT * 8];
 #pragma unroll
-for (int r = 0; r < QN; ++r) {
-  const uint32_t rr = tile * QN + r;
-  row_ok[r] = rr < head_rows;
-  qpos[r] = total - L + rr % L;
-#pragma unroll
-  for (int k = 0; k < CPT; ++k) {
-    const uint32_t c = li + k * TPT;
-#pragma unroll
-    for (int j = 0; j < 8; ++j) qv[r][k * 8 + j] = c < uint32_t(NCH) ? qs[r * D + c * 8 + j] : 0.0f;
-  }
-}
-float m_run[QN], l_run[QN], acc[QN][CPT * 8];
-#pragma unroll
-for (int r = 0; r < QN; ++r) {
-  m_run[r] = ninf;
-  l_run[r] = 0.0f;
-#pragma unroll
-  for (int j = 0; j < CPT * 8; ++j) acc[r][j] = 0.0f;
-}
-const bool compressed = split < comp_splits;
-uint32_t t_begin, t_end;
-if (compressed) {
-  t_begin = split * split_tokens;
-  t_end = min(t_begin + split_tokens, n_comp);
-} else {
-  t_begin = (split - comp_splits) * TG;
-  t_end = min(t_begin + uint32_t(TG), n_win);
-}
-// The raw codes and norms of the group's next compressed token, fetched one
-// iteration ahead so that their loads overlap this token's arithmetic.
-unsigned long long kraw[CPT], vraw[CPT];
-float kn_next = 0.0f, vn_next = 0.0f;
-auto fetch = [&](uint32_t t) {
-  const uint8_t* kp = k_codes + int64_t(b) * k_codes_strides[0] + int64_t(hk) * k_codes_strides[1] + int64_t(t) * k_codes_strides[2];
-  const uint8_t* vp = v_codes + int64_t(b) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1] + int64_t(t) * v_codes_strides[2];
-#pragma unroll
-  for (int k = 0; k < CPT; ++k) {
-    const uint32_t c = li + k * TPT;
-    kraw[k] = c < uint32_t(NCH) ? vq_load_bytes<KB>(kp + c * KB) : 0ull;
-    vraw[k] = c < uint32_t(NCH) ? vq_load_bytes<VB>(vp + c * VB) : 0ull;
-  }
-  kn_next = __half2float(k_norms[int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1] + int64_t(t) * k_norms_strides[2]]);
-  vn_next = __half2float(v_norms[int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1] + int64_t(t) * v_norms_strides[2]]);
-};
-if (compressed && t_begin + gi < t_end) fetch(t_begin + gi);
-// Every lane runs every iteration (the shuffles need the whole warp); a
-// group past the end holds no token.
-for (uint32_t base = t_begin; base < t_end; base += GROUPS) {
-  const uint32_t t = base + gi;
-  const bool have = t < t_end;
-  float kx[CPT * 8], vx[CPT * 8];
-  float kn = 0.0f, vn = 0.0f;
-  uint32_t pos = 0;
-  if (have && compressed) {
-    pos = N_SINK + t;
-#pragma unroll
-    for (int k = 0; k < CPT; ++k) {
-#pragma unroll
-      for (int j = 0; j < 8; ++j) {
-        kx[k * 8 + j] = kc[unsigned(kraw[k] >> (j * KB)) & ((1u << KB) - 1u)];
-        vx[k * 8 + j] = vc[unsigned(vraw[k] >> (j * VB)) & ((1u << VB) - 1u)];
-      }
-    }
-    kn = kn_next;
-    vn = vn_next;
-    if (t + GROUPS < t_end) fetch(t + GROUPS);
-  } else if (have) {
-    pos = t < uint32_t(N_SINK) ? t : n_comp + t;
-    const T* wk = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1] + int64_t(t) * win_k_strides[2];
-    const T* wv = win_v + int64_t(b) * win_v_strides[0] + int64_t(hk) * win_v_strides[1] + int64_t(t) * win_v_strides[2];
+  for (int r = 0; r < QN; ++r) {
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
       const uint32_t c = li + k * TPT;
-      if (c < uint32_t(NCH)) {
-        vq_load8(wk + c * 8, kx + k * 8);
-        vq_load8(wv + c * 8, vx + k * 8);
-      } else {
 #pragma unroll
-        for (int j = 0; j < 8; ++j) {
-          kx[k * 8 + j] = 0.0f;
-          vx[k * 8 + j] = 0.0f;
+      for (int j = 0; j < 8; ++j) qv[r][k * 8 + j] = c < uint32_t(NCH) ? qs[r * D + c * 8 + j] : 0.0f;
+    }
+  }
+  for (uint32_t st = 0; st < tn; st += STEP) {
+    float part[V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t i = st + u * GROUPS + gi;
+      float kx[CPT * 8];
+#pragma unroll
+      for (int k = 0; k < CPT; ++k) {
+        const uint32_t c = li + k * TPT;
+        if (compressed) {
+          // Rows past the split's end were zero-filled or are never used.
+          const vq_word_t<KB> w = c < uint32_t(NCH) ? vq_word_t<KB>(vq_load_bytes<KB>(ksm + i * KROW + c * KB)) : 0;
+#pragma unroll
+          for (int j = 0; j < 8; ++j) kx[k * 8 + j] = kc[code_of<KB>(w, j)];
+        } else if (i < tn && c < uint32_t(NCH)) {
+          vq_load8(wk0 + int64_t(t_begin + i) * wks + c * 8, kx + k * 8);
+        } else {
+#pragma unroll
+          for (int j = 0; j < 8; ++j) kx[k * 8 + j] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int r = 0; r < QNP; ++r) {
+        float v = 0.0f;
+        if (r < QN) {
+#pragma unroll
+          for (int j = 0; j < CPT * 8; ++j) v += qv[r][j] * kx[j];
+        }
+        part[u * QNP + r] = v;
+      }
+    }
+    uint32_t start = 0;
+    tq_group_scatter<V, TPT / 2, V>(part, li, start);
+    if (li % REP == 0) {
+#pragma unroll
+      for (int k = 0; k < VL; ++k) {
+        const uint32_t idx = start + k;
+        const uint32_t u = idx / QNP, r = idx % QNP;
+        const uint32_t i = st + u * GROUPS + gi;
+        const uint32_t rr = tile * QN + r;
+        if (r < uint32_t(QN) && i < tn) {
+          const uint32_t t = t_begin + i;
+          float s = part[k];
+          uint32_t pos;
+          if (compressed) {
+            s *= kn_s[i];
+            pos = N_SINK + t;
+          } else {
+            pos = t < uint32_t(N_SINK) ? t : n_comp + t;
+          }
+          if (rr >= head_rows || (CAUSAL && pos > total - L + rr % L)) s = ninf;
+          sc[r * TT + i] = s;
         }
       }
     }
-    kn = 1.0f;
-    vn = 1.0f;
-  } else {
-#pragma unroll
-    for (int j = 0; j < CPT * 8; ++j) {
-      kx[j] = 0.0f;
-      vx[j] = 0.0f;
-    }
-  }
-  float s[QN];
-#pragma unroll
-  for (int r = 0; r < QN; ++r) {
-    float v = 0.0f;
-#pragma unroll
-    for (int j = 0; j < CPT * 8; ++j) v += qv[r][j] * kx[j];
-    s[r] = v;
-  }
-#pragma unroll
-  for (int o = TPT / 2; o > 0; o >>= 1) {
-#pragma unroll
-    for (int r = 0; r < QN; ++r) s[r] += __shfl_xor_sync(FULL, s[r], o);
-  }
-#pragma unroll
-  for (int r = 0; r < QN; ++r) {
-    // Uniform across a group: every lane holds the same score.
-    if (!have || !row_ok[r] || (CAUSAL && pos > qpos[r])) continue;
-    const float sc = s[r] * kn;
-    if (sc > m_run[r]) {
-      const float alpha = __expf(m_run[r] - sc);
-      l_run[r] *= alpha;
-#pragma unroll
-      for (int j = 0; j < CPT * 8; ++j) acc[r][j] *= alpha;
-      m_run[r] = sc;
-    }
-    const float p = __expf(sc - m_run[r]);
-    l_run[r] += p;
-    const float pv = p * vn;
-#pragma unroll
-    for (int j = 0; j < CPT * 8; ++j) acc[r][j] += pv * vx[j];
   }
 }
+__syncthreads();
+// Weights: warp r owns row r; the split's max and sum.
+if (warp < uint32_t(QN)) {
+  float* row = sc + warp * TT;
+  float mx = ninf;
+  for (uint32_t i = lane; i < tn; i += 32) mx = fmaxf(mx, row[i]);
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+  float sum = 0.0f;
+  for (uint32_t i = lane; i < tn; i += 32) {
+    const float p = mx == ninf ? 0.0f : __expf(row[i] - mx);
+    row[i] = p;
+    sum += p;
+  }
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+  if (lane == 0) {
+    m_s[warp] = mx;
+    l_s[warp] = sum;
+  }
+}
+__syncthreads();
+// Values, in the same steps.
+float acc[QN][CPT * 8];
+#pragma unroll
+for (int r = 0; r < QN; ++r) {
+#pragma unroll
+  for (int j = 0; j < CPT * 8; ++j) acc[r][j] = 0.0f;
+}
+for (uint32_t st = 0; st < tn; st += STEP) {
+#pragma unroll
+  for (int u = 0; u < U; ++u) {
+    const uint32_t i = st + u * GROUPS + gi;
+    // A token past the end weighs nothing (its weight slot was never written).
+    const bool have = i < tn;
+    float vx[CPT * 8];
+#pragma unroll
+    for (int k = 0; k < CPT; ++k) {
+      const uint32_t c = li + k * TPT;
+      if (compressed) {
+        const vq_word_t<VB> w = c < uint32_t(NCH) ? vq_word_t<VB>(vq_load_bytes<VB>(vsm + i * VROW + c * VB)) : 0;
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vx[k * 8 + j] = vc[code_of<VB>(w, j)];
+      } else if (have && c < uint32_t(NCH)) {
+        vq_load8(wv0 + int64_t(t_begin + i) * wvs + c * 8, vx + k * 8);
+      } else {
+#pragma unroll
+        for (int j = 0; j < 8; ++j) vx[k * 8 + j] = 0.0f;
+      }
+    }
+    const float vn = compressed ? vn_s[have ? i : 0u] : 1.0f;
+#pragma unroll
+    for (int r = 0; r < QN; ++r) {
+      const float pv = have ? sc[r * TT + i] * vn : 0.0f;
+#pragma unroll
+      for (int j = 0; j < CPT * 8; ++j) acc[r][j] += pv * vx[j];
+    }
+  }
+}
+// The codes' space becomes the per-warp sums.
+__syncthreads();
 // Groups of one warp: lanes li, li + TPT, ... hold the same dimensions.
 #pragma unroll
 for (int o = TPT; o < 32; o <<= 1) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) {
-    const float mo = __shfl_xor_sync(FULL, m_run[r], o);
-    const float lo = __shfl_xor_sync(FULL, l_run[r], o);
-    const float mn = fmaxf(m_run[r], mo);
-    const float wa = mn == ninf ? 0.0f : __expf(m_run[r] - mn);
-    const float wb = mn == ninf ? 0.0f : __expf(mo - mn);
-    l_run[r] = l_run[r] * wa + lo * wb;
 #pragma unroll
-    for (int j = 0; j < CPT * 8; ++j) {
-      const float x = __shfl_xor_sync(FULL, acc[r][j], o);
-      acc[r][j] = acc[r][j] * wa + x * wb;
-    }
-    m_run[r] = mn;
+    for (int j = 0; j < CPT * 8; ++j) acc[r][j] += __shfl_xor_sync(FULL, acc[r][j], o);
   }
 }
 if (lane < uint32_t(TPT)) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) {
-    if (lane == 0) {
-      m_s[warp * QN + r] = m_run[r];
-      l_s[warp * QN + r] = l_run[r];
-    }
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
       const uint32_t c = lane + k * TPT;
@@ -259,22 +345,13 @@ for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
   const uint32_t r = e / D, i = e % D;
   const uint32_t rr = tile * QN + r;
   if (rr >= head_rows) continue;
-  float M = ninf;
+  float a = 0.0f;
 #pragma unroll
-  for (int w = 0; w < WARPS; ++w) M = fmaxf(M, m_s[w * QN + r]);
-  float lsum = 0.0f, a = 0.0f;
-  if (M != ninf) {
-#pragma unroll
-    for (int w = 0; w < WARPS; ++w) {
-      const float wt = __expf(m_s[w * QN + r] - M);
-      lsum += wt * l_s[w * QN + r];
-      a += wt * a_s[(w * QN + r) * D + i];
-    }
-  }
+  for (int w = 0; w < WARPS; ++w) a += a_s[(w * QN + r) * D + i];
   const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
   acc_out[(row * num_splits + split) * D + i] = a;
   if (i == 0) {
-    m_out[row * num_splits + split] = M;
-    l_out[row * num_splits + split] = lsum;
+    m_out[row * num_splits + split] = m_s[r];
+    l_out[row * num_splits + split] = l_s[r];
   }
 }

@@ -30,7 +30,7 @@ M = ninf;
 for (uint32_t w = 0; w < (blockDim.x + 31) / 32; ++w) M = fmaxf(M, max_s[w]);
 float lsum = 0.0f, ai = 0.0f;
 if (M != ninf && p < P) {
-#pragma unroll 4
+#pragma unroll 8
   for (uint32_t s = p; s < S; s += P) {
     const float w = expf(m[s] - M);
     lsum += w * part_l[row * S + s];
@@ -58,7 +58,7 @@ if (!ROTATE) {
 // y_i = Σ_j a_j Π[j][i]: part p takes j = p, p + P, ...
 float y = 0.0f;
 if (p < P) {
-#pragma unroll 4
+#pragma unroll 8
   for (uint32_t j = p; j < uint32_t(D); j += P) y += rot_v[j * D + i] * a[j];
   part_a[p * D + i] = y;
 }

@@ -9,61 +9,99 @@
 // key_frame, value_frame [D, D]; key_offset [B, Hkv, 1, D]; win_k, win_v
 // [B, Hkv, W, D]; filled [B, Hkv, at, D], a view whose length is the slot
 // of the first new token. Without OFFSET or ROTATE_V the unused input is a
-// stand-in, never read. Outputs out_k, out_v [B, Hkv, W, D], contiguous.
-// One thread per 8 consecutive dimensions of one slot of one side.
+// stand-in, its values never used. Outputs out_k, out_v [B, Hkv, W, D], contiguous.
+// Threads: first the new slots' products, KS lanes (an aligned group of a
+// warp) per 8 output dimensions of one new slot of one side, each summing a
+// D / KS share of the inputs, the shares then added by shuffles (a thread
+// that summed all D inputs alone waited on D loads in turn and set the
+// kernel's time); padded to whole warps. Then one thread per 8 consecutive
+// dimensions of every other slot of each side, copied.
 constexpr int NCH = D / 8;
-const uint32_t Hn = win_k_shape[1], W = win_k_shape[2];
+constexpr int KS = 8;
+constexpr int SHARE = D / KS;
+const uint32_t Bn = win_k_shape[0], Hn = win_k_shape[1], W = win_k_shape[2];
 const uint32_t L = keys_shape[2];
 const uint32_t at = filled_shape[2];
-const uint64_t per_side = uint64_t(win_k_shape[0]) * Hn * W * NCH;
+const uint64_t new_items = 2ull * Bn * Hn * L * NCH * KS;
+const uint64_t new_pad = (new_items + 31) / 32 * 32;
+const uint64_t per_side = uint64_t(Bn) * Hn * W * NCH;
 const uint64_t e = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-if (e >= 2 * per_side) {
+if (e < new_pad) {
+  // Whole warps: every lane runs the shuffles; a padding lane redoes item 0
+  // and writes nothing.
+  const bool valid = e < new_items;
+  uint64_t r = valid ? e : 0;
+  const uint32_t sub = r % KS;
+  r /= KS;
+  const uint32_t c = r % NCH;
+  r /= NCH;
+  const uint32_t t = r % L;
+  r /= L;
+  const uint32_t h = r % Hn;
+  r /= Hn;
+  const uint32_t b = r % Bn;
+  const bool is_v = r / Bn != 0;
+  const T* x = is_v
+      ? values + int64_t(b) * values_strides[0] + int64_t(h) * values_strides[1] + int64_t(t) * values_strides[2]
+      : keys + int64_t(b) * keys_strides[0] + int64_t(h) * keys_strides[1] + int64_t(t) * keys_strides[2];
+  const int64_t x3 = is_v ? values_strides[3] : keys_strides[3];
+  // Without ROTATE_V the values' frame is a stand-in: its products are
+  // computed (the warp stays together) and dropped.
+  const T* frame = is_v ? value_frame : key_frame;
+  const int64_t f0 = is_v ? value_frame_strides[0] : key_frame_strides[0];
+  const int64_t f1 = is_v ? value_frame_strides[1] : key_frame_strides[1];
+  float acc[8];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
+#pragma unroll
+  for (int k = 0; k < SHARE; ++k) {
+    const int i = int(sub) * SHARE + k;
+    const float xi = static_cast<float>(x[int64_t(i) * x3]);
+    const T* row = frame + int64_t(i) * f0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += xi * static_cast<float>(row[int64_t(c * 8 + j) * f1]);
+  }
+#pragma unroll
+  for (int o = KS / 2; o > 0; o >>= 1) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += __shfl_xor_sync(0xffffffffu, acc[j], o);
+  }
+  if (!valid || sub != 0) {
+    return;
+  }
+  T* dst = (is_v ? out_v : out_k) + ((uint64_t(b) * Hn + h) * W + at + t) * D + c * 8;
+  if (is_v && !ROTATE_V) {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) dst[j] = x[int64_t(c * 8 + j) * x3];
+    return;
+  }
+  if (!is_v && OFFSET) {
+    const T* off = key_offset + int64_t(b) * key_offset_strides[0] + int64_t(h) * key_offset_strides[1];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) acc[j] += static_cast<float>(off[int64_t(c * 8 + j) * key_offset_strides[3]]);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) dst[j] = static_cast<T>(acc[j]);
   return;
 }
-const bool is_v = e >= per_side;
-uint64_t r = is_v ? e - per_side : e;
+if (e - new_pad >= 2 * per_side) {
+  return;
+}
+const bool is_v = e - new_pad >= per_side;
+uint64_t r = is_v ? e - new_pad - per_side : e - new_pad;
 const uint32_t c = r % NCH;
 r /= NCH;
 const uint32_t slot = r % W;
 r /= W;
 const uint32_t h = r % Hn;
 const uint32_t b = r / Hn;
+if (slot >= at && slot < at + L) {
+  return;
+}
 T* dst = (is_v ? out_v : out_k) + ((uint64_t(b) * Hn + h) * W + slot) * D + c * 8;
-if (slot < at || slot >= at + L) {
-  const T* src = is_v
-      ? win_v + int64_t(b) * win_v_strides[0] + int64_t(h) * win_v_strides[1] + int64_t(slot) * win_v_strides[2]
-      : win_k + int64_t(b) * win_k_strides[0] + int64_t(h) * win_k_strides[1] + int64_t(slot) * win_k_strides[2];
-  const int64_t s3 = is_v ? win_v_strides[3] : win_k_strides[3];
+const T* src = is_v
+    ? win_v + int64_t(b) * win_v_strides[0] + int64_t(h) * win_v_strides[1] + int64_t(slot) * win_v_strides[2]
+    : win_k + int64_t(b) * win_k_strides[0] + int64_t(h) * win_k_strides[1] + int64_t(slot) * win_k_strides[2];
+const int64_t s3 = is_v ? win_v_strides[3] : win_k_strides[3];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) dst[j] = src[int64_t(c * 8 + j) * s3];
-  return;
-}
-const uint32_t t = slot - at;
-const T* x = is_v
-    ? values + int64_t(b) * values_strides[0] + int64_t(h) * values_strides[1] + int64_t(t) * values_strides[2]
-    : keys + int64_t(b) * keys_strides[0] + int64_t(h) * keys_strides[1] + int64_t(t) * keys_strides[2];
-const int64_t x3 = is_v ? values_strides[3] : keys_strides[3];
-if (is_v && !ROTATE_V) {
-#pragma unroll
-  for (int j = 0; j < 8; ++j) dst[j] = x[int64_t(c * 8 + j) * x3];
-  return;
-}
-const T* frame = is_v ? value_frame : key_frame;
-const int64_t f0 = is_v ? value_frame_strides[0] : key_frame_strides[0];
-const int64_t f1 = is_v ? value_frame_strides[1] : key_frame_strides[1];
-float acc[8];
-#pragma unroll
-for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
-for (int i = 0; i < D; ++i) {
-  const float xi = static_cast<float>(x[int64_t(i) * x3]);
-  const T* row = frame + int64_t(i) * f0;
-#pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j] += xi * static_cast<float>(row[int64_t(c * 8 + j) * f1]);
-}
-if (!is_v && OFFSET) {
-  const T* off = key_offset + int64_t(b) * key_offset_strides[0] + int64_t(h) * key_offset_strides[1];
-#pragma unroll
-  for (int j = 0; j < 8; ++j) acc[j] += static_cast<float>(off[int64_t(c * 8 + j) * key_offset_strides[3]]);
-}
-#pragma unroll
-for (int j = 0; j < 8; ++j) dst[j] = static_cast<T>(acc[j]);
+for (int j = 0; j < 8; ++j) dst[j] = src[int64_t(c * 8 + j) * s3];

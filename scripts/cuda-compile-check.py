@@ -97,8 +97,11 @@ KERNELS = {
                   [("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
                    ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T")],
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
-                  {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
-                   "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]}),
+                  [{"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
+                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]},
+                   # the default recipe (K4/V3) at Llama's head sizes and GQA groups
+                   {"T": ["__half"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4, 3, 2], "TPT": [16, 8],
+                    "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392]}]),
     "tq_reduce": ("tq_reduce.cu", [], [("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
                   [("out", "T")], {"T": ELEMENT, "D": [128, 64, 256, 96], "ROTATE": [True, False]}),
     "window_append": ("window_append.cu", [],

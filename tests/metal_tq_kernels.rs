@@ -355,9 +355,10 @@ fn build_layer<T: Float>(sh: &AttentionShape, seed: u64) -> Layer<T> {
 }
 
 /// `kernels::turboquant::split_plan`.
-fn split_plan(sh: &AttentionShape, units: usize) -> (usize, usize, usize) {
+fn split_plan(sh: &AttentionShape, units: usize, max_split: usize) -> (usize, usize, usize) {
     let wanted_splits = (1024 / units.max(1)).max(1);
-    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS).max(1) * ATTENTION_THREADS;
+    let split_tokens =
+        (sh.compressed.div_ceil(wanted_splits).div_ceil(ATTENTION_THREADS).max(1) * ATTENTION_THREADS).min(max_split);
     let comp_splits = sh.compressed.div_ceil(split_tokens);
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(ATTENTION_THREADS))
 }
@@ -398,7 +399,7 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
     let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
     let qn = head_rows.min(4);
     let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
-    let (_, _, num_splits) = split_plan(sh, units);
+    let (_, _, num_splits) = split_plan(sh, units, 512);
     let (b, h, hq, l) = (sh.batch, sh.kv_heads, sh.q_heads, sh.queries);
     let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
     let (nc, nw) = (sh.compressed, sh.sinks + sh.recent);
@@ -451,7 +452,7 @@ fn tile_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     let (per_tile, qn) = tile_rows(g, sh.queries);
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
-    let (split_tokens, comp_splits, num_splits) = split_plan(sh, units);
+    let (split_tokens, comp_splits, num_splits) = split_plan(sh, units, usize::MAX);
     // The host rotates and scales the queries once: qr = scale * Π q.
     let d = sh.dim;
     let qr: Vec<f32> = (0..q.len())

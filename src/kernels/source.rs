@@ -203,7 +203,8 @@ impl Source {
     /// and its residual tile of 64 rows (`tq_prod_tc_dynamic_bytes`);
     /// `scalar_quantize`'s table path the code of each of the 65536 values
     /// of a 16-bit type (a byte each), and so `tq_encode`'s and
-    /// `tq_rvq_encode`'s for float16 values; 0 elsewhere.
+    /// `tq_rvq_encode`'s for float16 values; `tq_decode` a split's key and
+    /// value codes; 0 elsewhere.
     pub fn cuda_dynamic_shared_bytes(self, template: &[(&str, TemplateArg)]) -> i32 {
         let arg = |name: &str| template.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
         match self {
@@ -212,6 +213,13 @@ impl Source {
                 _ => 0,
             },
             Source::ScalarQuantize | Source::TqEncode | Source::TqRvqEncode if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
+            Source::TqDecode => match (arg("D"), arg("KB"), arg("VB")) {
+                (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(kb)), Some(TemplateArg::Int(vb))) => {
+                    let split = super::turboquant::DECODE_SPLIT_MAX as i32;
+                    split * (d * kb / 8 + d * vb / 8)
+                }
+                _ => 0,
+            },
             Source::TqProdDecode => {
                 let on = |name: &str| arg(name) == Some(TemplateArg::Bool(true));
                 match arg("D") {

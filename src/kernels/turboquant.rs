@@ -411,13 +411,22 @@ pub fn decode_lanes(d: usize) -> usize {
     (d / 8).next_power_of_two().min(16)
 }
 
+/// Tokens one `tq_decode` threadgroup reads at most: a split's codes and
+/// scores stay in threadgroup memory (the CUDA kernel's `TT`).
+pub(crate) const DECODE_SPLIT_MAX: usize = 256;
+
+/// Threadgroups a split plan aims at: enough to fill the GPU several times
+/// over.
+const TARGET_THREADGROUPS: usize = 1024;
+
 /// How the compressed tokens are split: `(split_tokens, comp_splits,
-/// num_splits)` for `units` independent (batch, KV head, row tile) units.
-/// Enough splits to fill the GPU several times over, each a whole number of
-/// tiles; the window slots take one split per tile after them.
-fn split_plan(sh: &AttentionShape, units: usize) -> (usize, usize, usize) {
-    let wanted_splits = (1024 / units.max(1)).max(1);
-    let split_tokens = sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE;
+/// num_splits)` for `units` independent (batch, KV head, row tile) units,
+/// splits of at most `max_split` tokens. Enough splits to fill the GPU
+/// several times over, each a whole number of tiles; the window slots take
+/// one split per tile after them.
+fn split_plan(sh: &AttentionShape, units: usize, max_split: usize) -> (usize, usize, usize) {
+    let wanted_splits = (TARGET_THREADGROUPS / units.max(1)).max(1);
+    let split_tokens = (sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE).min(max_split);
     let comp_splits = sh.compressed.div_ceil(split_tokens);
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
 }
@@ -436,7 +445,14 @@ fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usiz
 /// threads (at most 16 parts, about 512 threads), rounded up to whole
 /// 32-lane groups (the kernel's shuffles need full warps).
 pub fn reduce_threads(d: usize) -> usize {
-    let parts = (512 / d).clamp(1, 16);
+    reduce_threads_within(d, 512)
+}
+
+/// [`reduce_threads`] for about `budget` threads: CUDA's blocks take 1024,
+/// and a decode's few rows (one block each) read their partials faster with
+/// twice the parts in flight.
+fn reduce_threads_within(d: usize, budget: usize) -> usize {
+    let parts = (budget / d).clamp(1, 16);
     (d * parts).div_ceil(32) * 32
 }
 
@@ -446,7 +462,8 @@ pub fn reduce_threads(d: usize) -> usize {
 pub(crate) fn reduce_partials(parts: &[Array], rot_v: Option<&Array>, q: &Array, s: &Stream) -> Result<Array> {
     let rows = parts[0].shape()[0];
     let d = *q.shape().last().expect("queries have a head dimension");
-    let threads = reduce_threads(d as usize) as i32;
+    let budget = if s.backend()? == crate::stream::Backend::Cuda { 1024 } else { 512 };
+    let threads = reduce_threads_within(d as usize, budget) as i32;
     // Without a rotation the reduction never reads `rot_v`; a float32 array
     // already at hand stands in (no new host array per call).
     Ok(gpu::launch(
@@ -476,7 +493,7 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
     let qn = head_rows.min(DECODE_TILE_ROWS);
     let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
-    let (_, _, num_splits) = split_plan(&sh, units);
+    let (_, _, num_splits) = split_plan(&sh, units, DECODE_SPLIT_MAX);
     let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
     let (nc, nw) = (sh.compressed as i32, (sh.sinks + sh.recent) as i32);
     let used = |a: &Array, len: i32| -> Result<Array> {
@@ -519,7 +536,7 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let sh = layer.shape;
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
-    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units);
+    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units, usize::MAX);
     let rows = sh.batch * sh.q_heads * sh.queries;
     let p = split_sizes(
         s.backend()?,

@@ -156,7 +156,13 @@ fn on_gpu(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, 
     let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
     // The slot travels as the length of a view (no host array per call).
     let filled = ops::slice(a.win_k, &[0, 0, 0, 0], &[b, h, sh.at as i32, d], s)?;
-    let items = 2 * sh.batch * sh.heads * sh.slots * (sh.dim / 8);
+    let copies = 2 * sh.batch * sh.heads * sh.slots * (sh.dim / 8);
+    // CUDA's body first gives each new slot's 8-dimension chunk 8 lanes, in
+    // whole warps, then copies (metal/ and cuda/ say how).
+    let items = match s.backend()? {
+        crate::stream::Backend::Cuda => (2 * sh.batch * sh.heads * sh.tokens * sh.dim).div_ceil(32) * 32 + copies,
+        _ => copies,
+    };
     let (grid, threadgroup) = grid_1d("win_k", items)?;
     let out = a.win_k.shape();
     let mut outs = gpu::launch(
