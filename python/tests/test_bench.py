@@ -70,6 +70,22 @@ def test_table_and_plot(tiny_run):
     assert (out / "e2e.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_from_jsonl_redraws_an_earlier_run(tiny_run, tmp_path):
+    md, png = tmp_path / "again.md", tmp_path / "again.png"
+    proc = run("--from-jsonl", str(tiny_run[1] / "e2e.jsonl"), "--out-md", str(md), "--plot", str(png))
+    assert proc.returncode == 0, proc.stderr
+    assert md.read_text() == (tiny_run[1] / "e2e.md").read_text()
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_from_jsonl_names_a_missing_or_empty_file(tmp_path):
+    proc = run("--from-jsonl", str(tmp_path / "absent.jsonl"))
+    assert proc.returncode == 2 and "--from-jsonl" in proc.stderr
+    (tmp_path / "empty.jsonl").write_text("")
+    proc = run("--from-jsonl", str(tmp_path / "empty.jsonl"))
+    assert proc.returncode == 2 and "no rows" in proc.stderr
+
+
 def test_mlx_cache_and_default_recipe(tmp_path):
     out = tmp_path / "e2e.jsonl"
     proc = run("--shape", "tiny", "--contexts", "64", "--batch", "1", "--caches", "mlx-q4,veloxquant",

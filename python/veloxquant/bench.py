@@ -438,6 +438,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--out-jsonl", default=None, help="write one JSON object per configuration")
     p.add_argument("--out-md", default=None, help="write the markdown table")
     p.add_argument("--plot", default=None, help="write a PNG: decode tok/s and peak memory against context")
+    p.add_argument("--from-jsonl", default=None, metavar="PATH",
+                   help="run nothing: print, --out-md and --plot the rows of an earlier --out-jsonl")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -448,6 +450,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = parser.parse_args(argv)
     if args.worker is not None:
         print(RESULT_MARK + json.dumps(run_worker(json.loads(args.worker))), flush=True)
+        return 0
+    if args.from_jsonl is not None:
+        try:
+            with open(args.from_jsonl) as f:
+                rows = [json.loads(line) for line in f if line.strip()]
+        except (OSError, ValueError) as e:
+            parser.error(f"--from-jsonl {args.from_jsonl}: {e}")
+        if not rows:
+            parser.error(f"--from-jsonl {args.from_jsonl}: no rows")
+        report(rows, args, rows[0].get("command", "veloxquant bench"))
         return 0
     jobs = plan(args, parser)
     command = "veloxquant bench " + shlex.join(argv)
@@ -484,19 +496,25 @@ def main(argv: Optional[List[str]] = None) -> int:
             bar.close()
         if jsonl:
             jsonl.close()
+    report(rows, args, command)
+    return 0
+
+
+def report(rows: List[Dict[str, Any]], args, command: str) -> None:
+    """Prints the table; writes it (`--out-md`) and the plot (`--plot`)."""
     table = markdown_table(rows)
     print(table)
     if args.out_md:
         device = next((f"{r['device_name']} ({r['device']})" for r in rows if r.get("device_name")), "unknown")
         mlx_version = next((r["mlx"] for r in rows if r.get("mlx")), "unknown")
+        tokens = next((r["decode_tokens"] for r in rows if r.get("decode_tokens")), args.decode_tokens)
         with open(args.out_md, "w") as f:
             f.write(f"# End-to-end generation speed\n\n`{command}`\n\nDevice: {device}; MLX {mlx_version}. "
-                    f"Prompt of random token ids, then {args.decode_tokens} greedy tokens; speed ratios are "
+                    f"Prompt of random token ids, then {tokens} greedy tokens; speed ratios are "
                     "against fp16 (above 1: faster). KV MiB: bytes the caches hold after decoding; peak: MLX's "
                     "peak memory over prefill and decode, weights included.\n\n" + table + "\n")
     if args.plot:
         plot(rows, args.plot)
-    return 0
 
 
 if __name__ == "__main__":
