@@ -133,6 +133,29 @@ fn windows_sinks_and_counts() {
     assert_eq!(cache.offset(), 0);
 }
 
+/// `data_nbytes` counts what is stored for the tokens held, row by row:
+/// TurboQuant-MSE keys at 4 bits and values at 3 (D / 2 and 3 D / 8 code
+/// bytes and a float16 norm per token and head), float16 window rows and the
+/// keys' float32 mean; the rest of `nbytes` is capacity.
+#[test]
+fn data_bytes_are_the_rows_of_the_tokens_held() {
+    let mut cfg = config(64, 2, Method::TurboQuantMse, Policy::Auto);
+    (cfg.key_bits, cfg.value_bits) = (4, 3);
+    let (b, h, d) = (2usize, 2usize, 64usize);
+    for (prefill, decode) in [(3, 0), (40, 5), (300, 17)] {
+        let (cache, _) = filled(cfg.clone(), b as i32, prefill, decode, Dtype::F16, 5);
+        let held = cache.offset();
+        let comp = cache.compressed_tokens();
+        let window = held - comp;
+        let codes = comp * (d / 2 + 3 * d / 8 + 2 * 2);
+        let want = b * h * (codes + window * d * 2 * 2) + b * h * d * 4;
+        assert_eq!(cache.data_nbytes(), want, "prefill {prefill}, decode {decode}: {comp} compressed, {window} in windows");
+        assert!(cache.data_nbytes() <= cache.nbytes());
+    }
+    let dense = filled(config(64, 2, Method::Fp16, Policy::Auto), 1, 37, 2, Dtype::F16, 5).0;
+    assert_eq!(dense.data_nbytes(), 39 * 2 * 64 * 2 * 2);
+}
+
 #[test]
 fn state_round_trips_and_rejects_corruption() {
     let (cache, _) = filled(config(64, 2, Method::TurboQuantMse, Policy::Auto), 1, 50, 2, Dtype::F16, 11);

@@ -235,6 +235,11 @@ class LayerCache:
     @property
     def nbytes(self) -> int: ...
     @property
+    def data_nbytes(self) -> int:
+        """Bytes of the data stored for the tokens held (codes, norms, scales,
+        float16 window rows, the keys' mean); ``nbytes`` less this is
+        allocated capacity."""
+    @property
     def shared_nbytes(self) -> int:
         """Bytes of the rotation and codebooks, held once by every layer with
         the same ``shared_id``."""

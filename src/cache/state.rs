@@ -295,6 +295,21 @@ impl Side {
         self.arrays().map(Array::nbytes).sum()
     }
 
+    /// Bytes of what this side stores for `len` compressed tokens and
+    /// `window` window tokens (codes, norms or scales and zeros, float16
+    /// rows); the rest of its arrays is allocated capacity.
+    fn data_nbytes(&self, len: usize, window: usize) -> usize {
+        // Bytes of `used` of an array's `shape[2]` token (or parameter) rows.
+        let rows = |a: &Array, used: usize| match a.shape().get(2) {
+            Some(&n) if n > 0 => a.nbytes() / n as usize * used,
+            _ => 0,
+        };
+        let params = self.codec.param_rows(len);
+        rows(&self.codes, len)
+            + [self.scales.as_ref(), self.zeros.as_ref()].into_iter().flatten().map(|a| rows(a, params)).sum::<usize>()
+            + rows(&self.window, window)
+    }
+
     /// Grows the stores to `new` token slots (zeros appended).
     fn grow(&mut self, new: usize, s: &Stream) -> Result<()> {
         extend_slots(&mut self.codes, new, s)?;
@@ -654,6 +669,25 @@ impl LayerCache {
                     + c.values.nbytes()
                     + c.k_mean.as_ref().map_or(0, Array::nbytes)
                     + c.k_offset.as_ref().map_or(0, Array::nbytes)
+            }
+        }
+    }
+
+    /// Bytes of the data this layer stores for the tokens it holds: the
+    /// codes and side data of its compressed tokens, its float16 window rows
+    /// and the keys' mean (or the dense control's tokens). What
+    /// [`nbytes`](Self::nbytes) holds beyond it is allocated capacity and the
+    /// keys' offset derived from the mean.
+    pub fn data_nbytes(&self) -> usize {
+        match &self.store {
+            None => 0,
+            Some(Store::Dense(d)) if d.capacity > 0 => (d.keys.nbytes() + d.values.nbytes()) / d.capacity * d.len,
+            Some(Store::Dense(_)) => 0,
+            Some(Store::Compressed(c)) => {
+                let window = c.n_sink + c.n_recent;
+                c.keys.data_nbytes(c.len, window)
+                    + c.values.data_nbytes(c.len, window)
+                    + c.k_mean.as_ref().map_or(0, Array::nbytes)
             }
         }
     }

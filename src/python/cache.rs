@@ -233,6 +233,13 @@ impl PyLayerCache {
         self.with("nbytes", |c| Ok(c.nbytes()))
     }
 
+    /// Bytes of the data stored for the tokens held (codes, norms, scales,
+    /// float16 window rows, the keys' mean); `nbytes` less this is capacity.
+    #[getter]
+    fn data_nbytes(&self) -> PyResult<usize> {
+        self.with("data_nbytes", |c| Ok(c.data_nbytes()))
+    }
+
     /// Bytes of the rotation and codebooks, held once by all layers of the
     /// same head size, seed, methods, bits, dtype and device (count them once
     /// per `shared_id`).
