@@ -67,6 +67,7 @@ def test_generate_quiet_prints_only_the_text():
         (["generate", "--kv-cache", "veloxquant", "--kv-window", "-2"], "window must be an integer >= 0"),
         (["compare", "--caches", "fp16,gz"], "--caches: unknown"),
         (["eval", "--needle-depths", "2"], "--needle-depths: depths must be between 0 and 1"),
+        (["eval", "--kv-window", "8", "--chunk", "16"], "--chunk 16 exceeds --kv-window 8"),
         (["nosuch"], "unknown command 'nosuch'"),
     ],
 )
@@ -149,25 +150,36 @@ def test_example_notebook_runs(tmp_path):
 
 def test_eval_writes_table_and_plots(tmp_path):
     r = run(
-        "eval", "--tokens", "48", "--prefix", "16", "--chunk", "16", "--bits", "4", "--mlx-bits", "",
+        "eval", "--tokens", "96", "--prefix", "16", "--chunk", "16", "--bits", "4", "--mlx-bits", "",
         "--needle-lengths", "", "--out", str(tmp_path), timeout=600,
     )
     assert r.returncode == 0, r.stderr
-    # A progress bar within each configuration (47 tokens fed); no warning
+    # A progress bar within each configuration (95 tokens fed); no warning
     # that the whole text (cut into pieces before the model sees it) is long.
     for label in ("fp16", "turboquant-mse-4"):
-        assert any(label in line and "47/47" in line for line in r.stderr.replace("\r", "\n").splitlines()), r.stderr
+        assert any(label in line and "95/95" in line for line in r.stderr.replace("\r", "\n").splitlines()), r.stderr
     assert "Token indices sequence length" not in r.stderr and "longer than the specified maximum" not in r.stderr
     table = (tmp_path / "results.md").read_text()
-    assert "| fp16 |" in table and "| turboquant-mse-4 |" in table
+    assert "| fp16 |" in table and "| turboquant-mse-4 |" in table and "bits/el stored" in table
     results = json.loads((tmp_path / "results.json").read_text())["results"]
     fp16, tq = results[0], results[1]
     assert fp16["ppl"] > 1 and fp16["top1"] == 1.0 and fp16["kl"] == 0.0
-    # Bits held count every byte: above the 4-bit codes, and at 48 tokens
-    # above float16 too (256-slot stores and the float16 windows dominate).
-    assert tq["bits_per_element"] > 4 and tq["kv_bytes"] / fp16["kv_bytes"] == pytest.approx(
-        tq["bits_per_element"] / fp16["bits_per_element"], rel=1e-6
+    # Stored bits count the data of the tokens held: float16's are 16; the
+    # compressed cache's lie above its 4-bit codes (norms, 16 to 32 window
+    # tokens in float16, rotation and codebooks at 96 tokens) and below 16.
+    # Held bits add the capacity allocated ahead (float16's 256-token steps).
+    assert fp16["bits_per_element"] == pytest.approx(16.0)
+    assert 4 < tq["bits_per_element"] < 16 and tq["data_bytes"] <= tq["kv_bytes"]
+    assert fp16["held_bits_per_element"] > 16
+    assert tq["kv_bytes"] / fp16["kv_bytes"] == pytest.approx(
+        tq["held_bits_per_element"] / fp16["held_bits_per_element"], rel=1e-6
     )
+    # The last chunks read part of their history from codes; float16 none.
+    assert 0 < tq["compressed_share"] < 1 and fp16["compressed_share"] == 0
     assert 0 < tq["top1"] <= 1 and tq["kl"] > 0
-    for png in ("perplexity.png", "top1.png", "kl.png"):
+    rows = [json.loads(line) for line in (tmp_path / "quality.jsonl").read_text().splitlines()]
+    assert [x["recipe"] for x in rows] == ["fp16", "turboquant-mse-4"]
+    assert rows[0]["delta_ppl_pct"] == 0 and rows[1]["delta_ppl_pct"] == pytest.approx(100 * (tq["ppl"] / fp16["ppl"] - 1))
+    assert {"model", "tokens", "bits_per_element", "ppl", "kl", "top1", "needle"} <= set(rows[1])
+    for png in ("perplexity.png", "top1.png", "kl.png", "pareto.png"):
         assert (tmp_path / png).stat().st_size > 1000

@@ -45,10 +45,14 @@ def test_plots_label_bit_widths_and_needle_png_is_whole_with_a_legend(tmp_path, 
 
     monkeypatch.setattr(Figure, "savefig", spy)
     paths = ev.plot(_results(needle_keys), tmp_path)
-    assert sorted(p.name for p in paths) == ["kl.png", "needle.png", "perplexity.png", "top1.png"]
+    assert sorted(p.name for p in paths) == ["kl.png", "needle.png", "pareto.png", "perplexity.png", "top1.png"]
     for name in ("perplexity.png", "top1.png", "kl.png"):
         texts = {t.get_text() for t in saved[name].axes[0].texts}
         assert {"4b", "2b", "k3v2", "k4v3"} <= texts, (name, texts)
+    # The Pareto figure: Δppl and KL panels, a line per family, every point labelled.
+    for ax in saved["pareto.png"].axes:
+        assert {"4b", "2b", "k3v2", "k4v3"} <= {t.get_text() for t in ax.texts}
+        assert sorted(t.get_text() for t in ax.get_legend().get_texts()) == ["mlx-affine", "turboquant-rvq"]
     legend = saved["needle.png"].axes[0].get_legend()
     assert legend is not None and [t.get_text() for t in legend.get_texts()] == ["found", "not found"]
     # Nothing is cut off: everything drawn fits in the image that was written.

@@ -61,6 +61,7 @@ class CacheSpec:
     bits: Optional[int] = None
     value_bits: Optional[int] = None
     method: Optional[str] = None
+    value_method: Optional[str] = None  # None: the keys' method (or its default pairing)
     group_size: int = 64
     window: int = 0
     sinks: int = 0
@@ -75,7 +76,8 @@ class CacheSpec:
             return mlx_make(model)
         if self.kind == "mlx-quantized":
             return make_mlx_quantized_cache(model, self.bits, self.group_size)
-        cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed)
+        cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_method=self.value_method,
+                       value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed)
         return make_prompt_cache(model, cfg)
 
 
@@ -85,8 +87,11 @@ class Result:
     ppl: float = float("nan")
     top1: float = float("nan")
     kl: float = float("nan")
-    kv_bytes: int = 0
-    bits_per_element: float = float("nan")
+    kv_bytes: int = 0  # held: allocated capacity included
+    data_bytes: int = 0  # stored for the tokens held
+    bits_per_element: float = float("nan")  # from data_bytes
+    held_bits_per_element: float = float("nan")  # from kv_bytes
+    compressed_share: float = 0.0  # of the tokens attended, the share read from codes
     needle: dict = field(default_factory=dict)  # "len@depth" -> bool
     seconds: float = 0.0
 
@@ -102,31 +107,80 @@ def _kv_elements(cache) -> int:
     return n
 
 
+def data_nbytes(cache) -> int:
+    """Bytes a list of caches stores for the tokens it holds, without the
+    capacity allocated ahead: mlx_lm's float16 and quantized caches' rows up
+    to their offset, veloxquant's codes, norms, scales, windows and means
+    (``LayerCache.data_nbytes``) plus its shared rotation and codebooks once
+    per set. Other caches count what they hold."""
+    total, seen = 0, set()
+    for c in cache:
+        layer = getattr(c, "layer", None)
+        if layer is not None and hasattr(layer, "data_nbytes"):
+            total += layer.data_nbytes
+            if layer.shared_id is not None and layer.shared_id not in seen:
+                seen.add(layer.shared_id)
+                total += layer.shared_nbytes
+            continue
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is None or not hasattr(c, "offset"):
+            total += getattr(c, "nbytes", 0)
+            continue
+        for side in (keys, values):
+            # A quantized side is a tuple (codes, scales, biases), each with
+            # its token rows on axis 2.
+            for a in side if isinstance(side, (tuple, list)) else (side,):
+                total += a.nbytes // a.shape[2] * c.offset if a.shape[2] else 0
+    return int(total)
+
+
+def _compressed_share(cache) -> tuple:
+    """(tokens read from codes, tokens held) over a list of caches' layers."""
+    comp = held = 0
+    for c in cache:
+        layer = getattr(c, "layer", None)
+        if layer is not None and hasattr(layer, "compressed_tokens"):
+            comp += layer.compressed_tokens
+            held += layer.offset
+        elif hasattr(c, "offset"):
+            held += c.offset
+            if isinstance(getattr(c, "keys", None), (tuple, list)):  # mlx_lm's quantized cache: every token
+                comp += c.offset
+    return comp, held
+
+
 def _log_softmax(x: mx.array) -> mx.array:
     x = x.astype(mx.float32)
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
 def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int, on_tokens: Optional[Callable[[int], None]] = None):
-    """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``;
-    ``on_tokens(n)`` after each forward, with the tokens fed so far."""
+    """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``,
+    and the share of the history the chunks' predictions read from codes
+    (tokens compressed over tokens held, before each chunk); ``on_tokens(n)``
+    after each forward, with the tokens fed so far."""
     x = mx.array(ids)[None]
     outs = []
     logits = model(x[:, :prefix], cache=cache)
     outs.append(_log_softmax(logits[0, -1:]))
     mx.eval(outs[-1])
     pos = prefix
+    comp = held = 0
     if on_tokens is not None:
         on_tokens(pos)
     while pos < len(ids) - 1:
         n = min(chunk, len(ids) - 1 - pos)
+        # What the chunk's predictions will read of the history: held before
+        # the chunk enters (the chunk itself is exact within its forward).
+        c, h = _compressed_share(cache)
+        comp, held = comp + c, held + h
         logits = model(x[:, pos : pos + n], cache=cache)
         outs.append(_log_softmax(logits[0]))
         mx.eval(outs[-1])
         pos += n
         if on_tokens is not None:
             on_tokens(pos)
-    return mx.concatenate(outs, axis=0)
+    return mx.concatenate(outs, axis=0), (comp / held if held else 0.0)
 
 
 PASSKEY_INTRO = (
@@ -173,9 +227,11 @@ def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sink
     specs = [CacheSpec("fp16", "fp16")]
     specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
     for m in methods:
+        key_method, _, value_method = m.partition("/")
         for kb, vb in bits:
             label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
-            specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=m, window=window, sinks=sinks))
+            specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=key_method,
+                                   value_method=value_method or None, window=window, sinks=sinks))
     return specs
 
 
@@ -214,7 +270,9 @@ def evaluate(
         bar = Progress(spec.label, total, progress)
         cache = spec.make(model)
         try:
-            lp = teacher_forced(model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing"))
+            lp, share = teacher_forced(
+                model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing")
+            )
         except RuntimeError as e:
             bar.close()
             if failed is None or spec.kind != "mlx-quantized":
@@ -226,6 +284,8 @@ def evaluate(
         nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).squeeze(-1)
         r.ppl = math.exp(nll.mean().item())
         r.kv_bytes = cache_nbytes(cache)
+        r.data_bytes = data_nbytes(cache)
+        r.compressed_share = share
         if spec.kind == "fp16":
             ref = lp
             elements = _kv_elements(cache)
@@ -233,8 +293,13 @@ def evaluate(
         if ref is not None:
             r.top1 = (lp.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
             r.kl = (mx.exp(ref) * (ref - lp)).sum(-1).mean().item()
-        # mlx_lm's KVCache allocates in steps of 256 tokens: count elements, not bytes.
-        r.bits_per_element = 8 * r.kv_bytes / elements if ref is not None and elements else float("nan")
+        # Elements of the keys and values held (float16's count, every cache
+        # holds the same tokens): bits from the data stored, and from what is
+        # held with the capacity allocated ahead (mlx_lm's KVCache grows by
+        # 256 tokens).
+        if ref is not None and elements:
+            r.bits_per_element = 8 * r.data_bytes / elements
+            r.held_bits_per_element = 8 * r.kv_bytes / elements
         done = forced
         for name, key, p, max_tokens in needles:
             r.needle[name] = needle_run(
@@ -246,7 +311,8 @@ def evaluate(
         bar.close()
         r.seconds = time.time() - t0
         _say(
-            f"{spec.label}: ppl {r.ppl:.3f}, top-1 {r.top1:.4f}, KL {r.kl:.5f}, {r.bits_per_element:.2f} bits/el, "
+            f"{spec.label}: ppl {r.ppl:.3f}, top-1 {r.top1:.4f}, KL {r.kl:.5f}, {r.bits_per_element:.2f} bits/el "
+            f"stored ({r.held_bits_per_element:.2f} held), {r.compressed_share:.0%} of the history from codes, "
             f"needle {sum(r.needle.values())}/{len(r.needle)} ({r.seconds:.0f}s)"
         )
         results.append(r)
@@ -289,17 +355,21 @@ def to_markdown(results: List[Result], meta: dict) -> str:
         f"Model `{meta['model']}`; text: Python language reference (pydoc_data), {meta['tokens']} tokens, "
         f"first {meta['prefix']} as prefix, then fed in chunks of {meta['chunk']} through the cache. "
         f"veloxquant window {meta['window']}, sinks {meta['sinks']} (tokens kept in float16). "
+        "A chunk's predictions read the history as the cache holds it when the chunk arrives (the chunk's own "
+        "tokens exactly); chunks are no longer than the window, and 'from codes' is the measured share of that "
+        "history read from codes. Bits per element: 'stored' counts the data of the tokens held (codes, norms, "
+        "scales, means, windows, rotations and codebooks), 'held' adds the capacity allocated ahead. "
         f"Needle: pass-key retrieval, greedy, at length@depth {', '.join(needle_keys) or 'none'}. "
         f"Device: {meta['device']}.",
         "",
-        "| cache | bits/el held | KV bytes | perplexity | Δppl vs fp16 | top-1 agree | KL (nats) | needle |",
-        "|---|---|---|---|---|---|---|---|",
+        "| cache | bits/el stored | bits/el held | from codes | perplexity | Δppl vs fp16 | top-1 agree | KL (nats) | needle |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         needle = f"{sum(r.needle.values())}/{len(r.needle)}" if r.needle else "-"
         lines.append(
-            f"| {r.spec.label} | {r.bits_per_element:.2f} | {r.kv_bytes:,} | {r.ppl:.3f} | {r.ppl / fp.ppl - 1:+.2%} "
-            f"| {r.top1:.2%} | {r.kl:.5f} | {needle} |"
+            f"| {r.spec.label} | {r.bits_per_element:.2f} | {r.held_bits_per_element:.2f} | {r.compressed_share:.0%} "
+            f"| {r.ppl:.3f} | {r.ppl / fp.ppl - 1:+.2%} | {r.top1:.2%} | {r.kl:.5f} | {needle} |"
         )
     if needle_keys:
         lines += ["", "Needle retrieval per length@depth (1 = found):", ""]
@@ -314,6 +384,70 @@ def to_markdown(results: List[Result], meta: dict) -> str:
     t = targets_met(results)
     lines += ["", "## Targets", ""] + ([f"- {x}" for x in t] or ["- no veloxquant configuration near 2.5 or 3.5 bits/element was run"])
     return "\n".join(lines) + "\n"
+
+
+def json_rows(results: List[Result], meta: dict) -> List[dict]:
+    """One JSON object per cache: what it is, its bits per element and its
+    quality against float16."""
+    fp = next(r for r in results if r.spec.kind == "fp16")
+    rows = []
+    for r in results:
+        s = r.spec
+        rows.append({
+            "model": meta["model"], "device": meta["device"], "tokens": meta["tokens"], "prefix": meta["prefix"],
+            "chunk": meta["chunk"], "recipe": s.label, "kind": s.kind, "method": s.method,
+            "value_method": s.value_method or s.method, "key_bits": s.bits,
+            "value_bits": s.value_bits if s.value_bits is not None else s.bits,
+            "window": s.window if s.kind == "veloxquant" else None, "sinks": s.sinks if s.kind == "veloxquant" else None,
+            "bits_per_element": r.bits_per_element, "held_bits_per_element": r.held_bits_per_element,
+            "kv_bytes": r.kv_bytes, "data_bytes": r.data_bytes, "compressed_share": r.compressed_share,
+            "ppl": r.ppl, "delta_ppl_pct": 100 * (r.ppl / fp.ppl - 1), "kl": r.kl, "top1": r.top1,
+            "needle": r.needle, "seconds": r.seconds,
+        })
+    return rows
+
+
+def family(spec: CacheSpec) -> str:
+    """The line a cache belongs to in the plots: its method, or mlx-affine."""
+    if spec.kind != "veloxquant":
+        return "mlx-affine"
+    return spec.method if spec.value_method in (None, spec.method) else f"{spec.method}/{spec.value_method}"
+
+
+def pareto_plot(results: List[Result], path: Path) -> Path:
+    """Δperplexity (%) and KL against the bits per element stored, one line per
+    family, every point labelled with its configured width."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fp = next(r for r in results if r.spec.kind == "fp16")
+    groups = {}
+    for r in results:
+        if r.spec.kind != "fp16":
+            groups.setdefault(family(r.spec), []).append(r)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for ax, (metric, ylabel) in zip(axes, (("dppl", "Δ perplexity vs float16 (%)"), ("kl", "KL(fp16 || cache), nats"))):
+        for name, rs in sorted(groups.items()):
+            rs = sorted(rs, key=lambda r: r.bits_per_element)
+            xs = [r.bits_per_element for r in rs]
+            ys = [100 * (r.ppl / fp.ppl - 1) if metric == "dppl" else r.kl for r in rs]
+            (line,) = ax.plot(xs, ys, "o-", label=name)
+            for r, x, y in zip(rs, xs, ys):
+                ax.annotate(bits_label(r.spec), (x, y), textcoords="offset points", xytext=(4, 5), fontsize=8,
+                            color=line.get_color())
+        ax.set_yscale("symlog", linthresh=0.1 if metric == "dppl" else 1e-4)
+        ax.set_xlabel("bits per element stored (labels: configured bits)")
+        ax.set_ylabel(ylabel)
+        ax.margins(x=0.08, y=0.12)
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle("quality per bit (lower left is better)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110, bbox_inches="tight")
+    plt.close(fig)
+    return path
 
 
 def bits_label(spec: CacheSpec) -> str:
@@ -342,8 +476,7 @@ def plot(results: List[Result], out: Path) -> List[Path]:
     for r in results:
         if r.spec.kind == "fp16":
             continue
-        name = r.spec.method if r.spec.kind == "veloxquant" else "mlx-affine"
-        groups.setdefault(name, []).append(r)
+        groups.setdefault(family(r.spec), []).append(r)
     for metric, ylabel, fname in (
         ("ppl", "perplexity", "perplexity.png"),
         ("top1", "top-1 agreement with fp16", "top1.png"),
@@ -361,7 +494,7 @@ def plot(results: List[Result], out: Path) -> List[Path]:
                 )
         ax.axhline(getattr(fp, metric), color="k", ls="--", lw=1, label="fp16")
         ax.margins(x=0.08, y=0.12)  # room for the labels inside the axes
-        ax.set_xlabel("bits per element held (labels: configured bits, k/v when they differ)")
+        ax.set_xlabel("bits per element stored (labels: configured bits, k/v when they differ)")
         ax.set_ylabel(ylabel)
         if metric == "kl":
             ax.set_yscale("symlog", linthresh=1e-4)
@@ -393,6 +526,7 @@ def plot(results: List[Result], out: Path) -> List[Path]:
         fig.savefig(p, dpi=110, bbox_inches="tight")
         plt.close(fig)
         paths.append(p)
+    paths.append(pareto_plot(results, out / "pareto.png"))
     return paths
 
 
@@ -431,20 +565,24 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(prog="veloxquant eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
     p.add_argument(
-        "--methods", default="turboquant-mse", help=f"veloxquant methods, comma-separated, from {', '.join(METHODS)}"
+        "--methods", default="turboquant-mse",
+        help=f"veloxquant methods, comma-separated, from {', '.join(METHODS)}; KEY/VALUE for a pair "
+        "(e.g. kivi/turboquant-mse: per-channel keys, rotated values)"
     )
     p.add_argument(
         "--bits", default="2,3/2,3,4/3,4", help="veloxquant bits, comma-separated, key/value pairs allowed (default: 2,3/2,3,4/3,4)"
     )
-    p.add_argument("--mlx-bits", default="4,8", help="mlx_lm affine bit widths (default: 4,8; empty: none)")
-    p.add_argument("--kv-window", type=int, default=1, help="float16 window of recent tokens (default 1: all but the newest compressed)")
+    p.add_argument("--mlx-bits", default="2,3,4,8", help="mlx_lm affine bit widths, group 64 (default: 2,3,4,8; empty: none)")
+    p.add_argument("--kv-window", type=int, default=16, help="float16 window of recent tokens (default: 16)")
     p.add_argument("--kv-sinks", type=int, default=0, help="float16 first tokens (default 0)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of text for perplexity (default: 1024)")
     p.add_argument("--prefix", type=int, default=256, help="tokens before scoring starts (default: 256)")
-    p.add_argument("--chunk", type=int, default=16, help="tokens per forward after the prefix (default: 16)")
-    p.add_argument("--needle-lengths", default="512,1024,2048", help="needle context lengths (empty: skip)")
-    p.add_argument("--needle-depths", default="0.1,0.5,0.9", help="needle depths in [0, 1]")
+    p.add_argument("--chunk", type=int, default=16,
+                   help="tokens per forward after the prefix, at most --kv-window (at least 1) (default: 16)")
+    p.add_argument("--needle-lengths", default="4000,8000", help="needle context lengths (default: 4000,8000; empty: skip)")
+    p.add_argument("--needle-depths", default="0.5", help="needle depths in [0, 1] (default: 0.5)")
     p.add_argument("--out", default="eval-results", help="output directory (default: ./eval-results)")
+    p.add_argument("--out-jsonl", default=None, help="JSON lines, one per cache (default: OUT/quality.jsonl)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(list(argv) if argv is not None else None)
     bits = _bit_pairs(args.bits)
@@ -452,13 +590,17 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lengths = _int_list(args.needle_lengths, "--needle-lengths")
     depths = _float_list(args.needle_depths, "--needle-depths")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if any(x not in METHODS for x in m.split("/", 1))]
     if unknown:
         p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
     if not 0 < args.prefix < args.tokens:
         raise SystemExit(f"--prefix must be between 1 and --tokens - 1, got {args.prefix}")
     if args.chunk < 1:
         raise SystemExit(f"--chunk must be >= 1, got {args.chunk}")
+    if args.chunk > max(args.kv_window, 1):
+        # A longer chunk would attend its first tokens' successors exactly
+        # beyond the window, and the figures would flatter the codes.
+        raise SystemExit(f"--chunk {args.chunk} exceeds --kv-window {args.kv_window}: chunks no longer than the window")
     for b in mlx_bits:
         if b not in (2, 3, 4, 5, 6, 8):
             raise SystemExit(f"--mlx-bits: {b} is not one of 2, 3, 4, 5, 6, 8")
@@ -529,7 +671,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
             indent=2,
         )
     )
-    pngs = plot(results, out)
+    jsonl = Path(args.out_jsonl) if args.out_jsonl else out / "quality.jsonl"
+    jsonl.parent.mkdir(parents=True, exist_ok=True)
+    jsonl.write_text("".join(json.dumps(row) + "\n" for row in json_rows(results, meta)))
+    pngs = [jsonl] + plot(results, out)
     print(md)
     print(f"wrote {out / 'results.md'}, {out / 'results.json'}, " + ", ".join(str(x) for x in pngs))
     return 0
