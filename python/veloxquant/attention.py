@@ -68,6 +68,10 @@ def _wrap(original):
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale: float, mask: Optional[mx.array], sinks: Optional[mx.array] = None
     ) -> mx.array:
+        observe = getattr(cache, "observe_queries", None)
+        if observe is not None:
+            # A calibration's recorder, or a cache that decides its layout from the first queries.
+            observe(queries)
         if isinstance(cache, VeloxQuantCache):
             if sinks is not None:
                 raise ValueError(

@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 import zlib
-from typing import Any, Dict, List, Mapping, Optional
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
@@ -34,6 +34,12 @@ POLICIES = ("auto", "require", "off")
 FUSED_MAX_QUERIES = 8
 # Methods that store keys only (attention-score estimators).
 KEY_ONLY_METHODS = ("qjl", "turboquant-prod")
+# protect="auto": a layer whose keys, compressed as configured, change its
+# attention output by more than this (relative squared error, measured on its
+# first chunk: veloxquant.recipe.outlier_error) keeps float16. SmolLM2-135M's
+# layers measure at most 0.02 at 4 bits, 0.09 at 3 and 0.25 at 2 (256
+# tokens of English); a layer past this loses much of what it attends to.
+AUTO_PROTECT_ERROR = 0.3
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +53,13 @@ class KVConfig:
     recent tokens and ``sinks`` first tokens stay in float16. ``layers`` maps a
     layer index to overrides of these fields (``{"key_bits": 8}``), or to
     ``None`` to leave that layer to the model's own float16 cache.
+
+    ``protect`` lists layers (negative indices count from the last) that keep
+    float16, or with ``protect_bits`` get keys and values of that many bits
+    (same methods); ``protect="auto"`` keeps float16 the layers whose keys,
+    compressed as configured, change their attention output by more than
+    ``AUTO_PROTECT_ERROR`` on the first chunk they see (decided before they
+    compress anything). :meth:`auto` measures a per-layer recipe instead.
     """
 
     key_method: str = "turboquant-mse"
@@ -58,6 +71,8 @@ class KVConfig:
     seed: int = 0
     policy: str = "auto"
     layers: Mapping[int, Optional[Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
+    protect: Union[str, Tuple[int, ...]] = ()
+    protect_bits: Optional[int] = None
 
     def __post_init__(self):
         if self.value_method is None:
@@ -96,6 +111,73 @@ class KVConfig:
             if bad:
                 raise ValueError(f"KVConfig.layers[{i}] has unknown fields {sorted(bad)}; known: {list(_FIELDS)}")
             self.for_layer(i)  # validates the merged settings
+        self._check_protect()
+
+    def _check_protect(self) -> None:
+        p = self.protect
+        if isinstance(p, str):
+            if p != "auto":
+                raise ValueError(f"KVConfig.protect must be 'auto' or a list of layer indices, got {p!r}")
+        elif isinstance(p, Sequence) and all(isinstance(i, int) and not isinstance(i, bool) for i in p):
+            dup = sorted({i for i in p if list(p).count(i) > 1})
+            if dup:
+                raise ValueError(f"KVConfig.protect lists layer {dup[0]} more than once")
+            object.__setattr__(self, "protect", tuple(p))
+        else:
+            raise ValueError(f"KVConfig.protect must be 'auto' or a list of layer indices (int), got {p!r}")
+        b = self.protect_bits
+        if b is not None:
+            if isinstance(b, bool) or not isinstance(b, int) or not 1 <= b <= 16:
+                raise ValueError(f"KVConfig.protect_bits must be an integer from 1 to 16 or None, got {b!r}")
+            if p == "auto":
+                raise ValueError("KVConfig.protect_bits applies to listed layers; protect='auto' keeps float16")
+            if not p:
+                raise ValueError("KVConfig.protect_bits needs KVConfig.protect (the layers it applies to)")
+
+    def protected(self) -> Optional[Dict[str, Any]]:
+        """A protected layer's overrides: None (float16) or protect_bits."""
+        if self.protect_bits is None:
+            return None
+        return {"key_bits": self.protect_bits, "value_bits": self.protect_bits}
+
+    def resolve(self, n_layers: int) -> "KVConfig":
+        """This config for a model of ``n_layers`` layers: listed protected
+        layers become ``layers`` entries (negative indices counted from the
+        last). ValueError naming ``protect`` for an index out of range, one
+        layer named twice, or a layer that ``layers`` configures too."""
+        if self.protect == "auto" or not self.protect:
+            return self
+        layers = dict(self.layers)
+        seen = {}
+        for i in self.protect:
+            if not -n_layers <= i < n_layers:
+                raise ValueError(
+                    f"KVConfig.protect: layer {i} is out of range for a model of {n_layers} layers "
+                    f"(indices {-n_layers} to {n_layers - 1})"
+                )
+            j = i % n_layers
+            if j in seen:
+                raise ValueError(f"KVConfig.protect: layers {seen[j]} and {i} are the same layer of {n_layers}")
+            seen[j] = i
+            if j in layers:
+                raise ValueError(f"KVConfig.protect: layer {i} also has KVConfig.layers settings; give it one or the other")
+            layers[j] = self.protected()
+        return dataclasses.replace(self, layers=layers, protect=(), protect_bits=None)
+
+    @classmethod
+    def auto(cls, model, tokens, bits_budget: float = 3.5, **settings) -> "KVConfig":
+        """A config with a measured recipe per layer (``layers``): one float16
+        forward over ``tokens`` (at most 512 are used) collects each layer's
+        keys, values and queries; candidates (TurboQuant-MSE and KIVI keys,
+        TurboQuant-MSE values, at 2, 3, 4 and 8 bits, and float16) are
+        compared by the attention-output error they cause, and bits go
+        greedily where they remove the most error, keeping the average stored
+        bits per compressed element within ``bits_budget``. ``settings`` are
+        the other fields (window, sinks, seed, policy, protect: protected
+        layers are kept, and count in the budget). See veloxquant.recipe."""
+        from .recipe import auto_recipe
+
+        return auto_recipe(model, tokens, bits_budget, cls(**settings))[0]
 
     def settings(self) -> Dict[str, Any]:
         """The LayerCache keyword arguments (no per-layer overrides)."""
@@ -108,6 +190,12 @@ class KVConfig:
         ov = self.layers[index]
         if ov is None:
             return None
+        if self.protect == "auto":
+            return dataclasses.replace(self.for_layer_of(ov), protect="auto")
+        return self.for_layer_of(ov)
+
+    def for_layer_of(self, ov: Mapping[str, Any]) -> "KVConfig":
+        """This config's settings with the overrides ``ov`` (no layers, no protect)."""
         base = self.settings()
         # An overridden key setting carries to values unless values are overridden too.
         if "key_method" in ov and "value_method" not in ov:
@@ -120,6 +208,10 @@ class KVConfig:
     def to_json(self) -> str:
         d = self.settings()
         d["layers"] = {str(k): (dict(v) if v is not None else None) for k, v in self.layers.items()}
+        if self.protect:
+            d["protect"] = self.protect if self.protect == "auto" else list(self.protect)
+        if self.protect_bits is not None:
+            d["protect_bits"] = self.protect_bits
         return json.dumps(d, sort_keys=True)
 
     @classmethod
@@ -130,9 +222,10 @@ class KVConfig:
         d = json.loads(s)
         if not isinstance(d, dict):
             raise ValueError(f"KVConfig JSON must be an object of settings, got {type(d).__name__}")
-        unknown = set(d) - set(_FIELDS) - {"layers"}
+        extra = ["layers", "protect", "protect_bits"]
+        unknown = set(d) - set(_FIELDS) - set(extra)
         if unknown:
-            raise ValueError(f"KVConfig JSON has unknown fields {sorted(unknown)}; known: {list(_FIELDS) + ['layers']}")
+            raise ValueError(f"KVConfig JSON has unknown fields {sorted(unknown)}; known: {list(_FIELDS) + extra}")
         layers = d.get("layers", {})
         if not isinstance(layers, dict) or not all(isinstance(k, str) and k.lstrip("-").isdigit() for k in layers):
             raise ValueError(f"KVConfig JSON: layers must map layer indices to overrides, got {layers!r}")
@@ -148,6 +241,12 @@ class KVConfig:
                 _layer_cache_class()(64, 1, **cfg.settings())
             except (ValueError, TypeError) as e:
                 raise ValueError(f"KVConfig {cfg.settings()}: {e}") from None
+        if self.protect_bits is not None:
+            cfg = self.for_layer_of(self.protected())
+            try:
+                _layer_cache_class()(64, 1, **cfg.settings())
+            except (ValueError, TypeError) as e:
+                raise ValueError(f"KVConfig.protect_bits {self.protect_bits}: {e}") from None
         return self
 
     @property
@@ -187,10 +286,18 @@ class VeloxQuantCache(_BaseCache):
         self.layer = None
         self._attended = True
         self._framed = None
+        # protect="auto": the first chunk, held until its queries arrive
+        # (observe_queries) and the layer is found to need float16 or not.
+        self._pending = None
+        # The measured key error behind that decision, and the decision.
+        self.outlier_error: Optional[float] = None
+        self.protected = False
 
     # --- mlx_lm cache interface -------------------------------------------
     @property
     def offset(self) -> int:
+        if self._pending is not None:
+            return int(self._pending[0].shape[2])
         return 0 if self.layer is None else int(self.layer.offset)
 
     def size(self) -> int:
@@ -205,6 +312,34 @@ class VeloxQuantCache(_BaseCache):
             raise ValueError(
                 f"veloxquant needs keys and values of one shape, got {keys.shape} and {values.shape}"
             )
+        if self._pending is not None:
+            raise RuntimeError(
+                "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention, so the "
+                "cache never saw its queries; call veloxquant.attention.install() before the model runs"
+            )
+        if self.layer is None and self.config.protect == "auto":
+            # Nothing is compressed until the first queries decide this layer's layout.
+            self._pending = (keys, values)
+            return keys, values
+        return self._store(keys, values)
+
+    def observe_queries(self, queries: mx.array) -> None:
+        """Called by the attention dispatch with each chunk's queries, before it
+        attends: under protect="auto" the first one decides the layer's layout."""
+        if self._pending is None:
+            return
+        from .recipe import outlier_error
+
+        keys, values = self._pending
+        self._pending = None
+        self.outlier_error = outlier_error(queries, keys, values, self.config)
+        self.protected = self.outlier_error > AUTO_PROTECT_ERROR
+        # From here the config says what the layer holds (a saved state's config too).
+        fp16 = dict(key_method="fp16", key_bits=16, value_method="fp16", value_bits=16) if self.protected else {}
+        self.config = dataclasses.replace(self.config, protect=(), **fp16)
+        self._store(keys, values)
+
+    def _store(self, keys: mx.array, values: mx.array):
         if self.layer is None:
             _, n_kv, _, head_dim = keys.shape
             self.layer = _layer_cache_class()(head_dim, n_kv, **self.config.settings())
@@ -313,7 +448,7 @@ class VeloxQuantCache(_BaseCache):
         arrays = v.get("arrays", {})
         if not isinstance(arrays, Mapping):
             raise TypeError(f"VeloxQuantCache.state: 'arrays' must be a dict of mlx.core.array, got {type(arrays).__name__}")
-        self._attended, self._framed = True, None
+        self._attended, self._framed, self._pending = True, None, None
         self.layer = None if layout is None else _layer_cache_class().from_state_parts(dict(arrays), layout)
 
     def is_trimmable(self) -> bool:
@@ -338,7 +473,8 @@ class VeloxQuantCache(_BaseCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.config = self.config  # frozen
-        new._attended, new._framed = True, None
+        new._attended, new._framed, new._pending = True, None, None
+        new.outlier_error, new.protected = self.outlier_error, self.protected
         # MLX arrays are immutable: the copy takes the same arrays, no bytes move.
         new.layer = None if self.layer is None else type(self.layer).from_state_parts(*self.layer.state_parts())
         return new
@@ -473,6 +609,7 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
     attention.install()
     attention.check_model(model)
     caches = _base_caches(model)
+    config = config.resolve(len(caches))
     n = 0
     for i, c in enumerate(caches):
         layer_cfg = config.for_layer(i)
