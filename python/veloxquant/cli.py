@@ -39,7 +39,13 @@ VELOXQUANT_DEFAULTS = {
     "kv_seed": 0,
     "kv_policy": "auto",
     "kv_layers": None,
+    "kv_protect": None,
+    "kv_protect_bits": None,
+    "kv_recipe": None,
+    "kv_bits_budget": None,
 }
+# --kv-recipe auto's default budget, in stored bits per compressed element.
+DEFAULT_BITS_BUDGET = 3.5
 
 
 def _flag(dest: str) -> str:
@@ -70,6 +76,32 @@ def _kv_layers_arg(text: str) -> dict:
     return value
 
 
+def _kv_protect_arg(text: str):
+    """--kv-protect: 'auto', or comma-separated layer indices (negative: from the last)."""
+    if text.strip() == "auto":
+        return "auto"
+    try:
+        layers = [int(x) for x in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected 'auto' or comma-separated layer indices such as 0,-1, got {text!r}"
+        ) from None
+    dup = sorted({i for i in layers if layers.count(i) > 1})
+    if dup:
+        raise argparse.ArgumentTypeError(f"layer {dup[0]} is listed more than once in {text!r}")
+    return layers
+
+
+def _bits_budget_arg(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not 1 <= v <= 16:  # NaN fails too
+        raise argparse.ArgumentTypeError(f"expected bits per element between 1 and 16, got {text!r}")
+    return v
+
+
 def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
     g = parser.add_argument_group("KV cache (veloxquant)")
     g.add_argument(
@@ -79,7 +111,8 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
         help="fp16: the model's own cache; mlx-quantized: mlx_lm's affine QuantizedKVCache from the "
         "first token (--kv-bits, --kv-group-size); veloxquant: compressed with --kv-method. Default: "
         "veloxquant when a veloxquant-only option (--kv-method, --kv-value-method, --kv-value-bits, "
-        "--kv-window, --kv-sinks, --kv-seed, --kv-policy, --kv-layers) is given, else fp16, or mlx_lm's "
+        "--kv-window, --kv-sinks, --kv-seed, --kv-policy, --kv-layers, --kv-protect, --kv-recipe, ...) is "
+        "given, else fp16, or mlx_lm's "
         "own behaviour when only --kv-bits is given",
     )
     g.add_argument(
@@ -108,6 +141,37 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
         default=None,
         help='per-layer overrides as JSON: {"0": null, "5": {"key_bits": 8}} (null keeps the layer float16)',
     )
+    g.add_argument(
+        "--kv-protect",
+        type=_kv_protect_arg,
+        default=None,
+        metavar="LIST|auto",
+        help="layers kept in float16: comma-separated indices, negative ones counted from the last (0,-1), or "
+        "auto: the layers whose keys, compressed as configured, change their attention output by more than "
+        "30%% (squared, relative) on the first prompt chunk",
+    )
+    g.add_argument(
+        "--kv-protect-bits",
+        type=int,
+        default=None,
+        metavar="N",
+        help="give the --kv-protect layers N-bit keys and values of the same methods instead of float16",
+    )
+    g.add_argument(
+        "--kv-recipe",
+        choices=("auto",),
+        default=None,
+        help="auto: pick each layer's key and value method and bits (TurboQuant-MSE, KIVI keys, float16) from "
+        "a float16 forward over the first 256 prompt tokens, minimising the attention-output error within "
+        "--kv-bits-budget",
+    )
+    g.add_argument(
+        "--kv-bits-budget",
+        type=_bits_budget_arg,
+        default=None,
+        metavar="BITS",
+        help=f"--kv-recipe auto: average stored bits per compressed key/value element (default: {DEFAULT_BITS_BUDGET})",
+    )
 
 
 def kv_config_from_args(args):
@@ -119,8 +183,19 @@ def kv_config_from_args(args):
             layers[int(k)] = v
         except ValueError:
             raise SystemExit(f"--kv-layers: keys must be layer indices, got {k!r}")
+    protect, protect_bits = _kv(args, "kv_protect"), _kv(args, "kv_protect_bits")
+    if protect_bits is not None and protect is None:
+        raise SystemExit("--kv-protect-bits: needs --kv-protect LIST (the layers it applies to)")
+    if protect_bits is not None and protect == "auto":
+        raise SystemExit("--kv-protect-bits: --kv-protect auto keeps the layers it picks in float16; list the layers")
+    if _kv(args, "kv_bits_budget") is not None and _kv(args, "kv_recipe") is None:
+        raise SystemExit("--kv-bits-budget: applies to --kv-recipe auto")
+    if protect == "auto" and _kv(args, "kv_recipe") == "auto":
+        raise SystemExit("--kv-protect auto: --kv-recipe auto already keeps the layers that need it in float16")
     try:
         cfg = KVConfig(
+            protect=protect or (),
+            protect_bits=protect_bits,
             key_method=_kv(args, "kv_method"),
             key_bits=args.kv_bits if args.kv_bits is not None else 4,
             value_method=args.kv_value_method,
@@ -132,11 +207,38 @@ def kv_config_from_args(args):
             layers=layers,
         )
     except ValueError as e:
-        raise SystemExit(f"--kv-* options: {e}")
+        opt = "--kv-protect-bits" if "protect_bits" in str(e) else "--kv-protect" if "protect" in str(e) else "--kv-* options"
+        raise SystemExit(f"{opt}: {e}")
     try:
         return cfg.check()
     except ValueError as e:
+        if "protect_bits" in str(e):
+            raise SystemExit(f"--kv-protect-bits: {e}")
         raise SystemExit(f"--kv-method/--kv-value-method/--kv-bits: {e}")
+
+
+def kv_recipe_config(model, args, tokens):
+    """--kv-recipe auto's config, measured on ``tokens``, and its recipe (veloxquant.recipe)."""
+    from .recipe import auto_recipe
+
+    budget = _kv(args, "kv_bits_budget") or DEFAULT_BITS_BUDGET
+    try:
+        return auto_recipe(model, tokens, budget, kv_config_from_args(args))
+    except ValueError as e:
+        opt = "--kv-protect" if "protect" in str(e) else "--kv-bits-budget" if "budget" in str(e) else "--kv-recipe"
+        raise SystemExit(f"{opt}: {e}")
+
+
+def calibration_tokens(tokenizer, prompt=None):
+    """The tokens --kv-recipe auto calibrates on: the prompt's first ones,
+    and the shipped English text after a prompt too short to say much."""
+    from .recipe import MAX_TOKENS, MIN_TOKENS
+    from .texts import alice, leading_tokens
+
+    ids = [int(t) for t in (prompt if prompt is not None else [])][:MAX_TOKENS]
+    if len(ids) < MIN_TOKENS:
+        ids += list(tokenizer.encode(leading_tokens(alice(), tokenizer.encode, MAX_TOKENS)))
+    return ids[:MAX_TOKENS]
 
 
 def validate_kv_args(args) -> None:
@@ -171,11 +273,23 @@ def validate_kv_args(args) -> None:
             raise SystemExit(f"--kv-bits for mlx-quantized must be 2, 3, 4, 5, 6 or 8, got {args.kv_bits}")
 
 
-def install_kv_cache(model, args) -> None:
+def install_kv_cache(model, args, tokenizer=None) -> None:
+    """Install --kv-cache's caches in ``model``. --kv-recipe auto calibrates on
+    the shipped text when ``tokenizer`` is given (serve), else installs the
+    base config (generate calibrates on its prompt later)."""
     from .cache import install
 
     if args.kv_cache == "veloxquant":
-        install(model, kv_config_from_args(args))
+        cfg = kv_config_from_args(args)
+        if args.kv_recipe == "auto" and tokenizer is not None:
+            cfg, recipe = kv_recipe_config(model, args, calibration_tokens(tokenizer))
+            _say(f"KV recipe (calibrated on the shipped text): {recipe.summary()}")
+        try:
+            install(model, cfg)
+        except ValueError as e:
+            if "protect" not in str(e):
+                raise
+            raise SystemExit(f"--kv-protect: {e}")
     elif args.kv_cache == "mlx-quantized":
         install(model, kind="mlx-quantized", bits=args.kv_bits, group_size=args.kv_group_size)
 
@@ -183,9 +297,16 @@ def install_kv_cache(model, args) -> None:
 def describe_kv(args) -> str:
     if args.kv_cache == "veloxquant":
         c = kv_config_from_args(args)
+        extra = ""
+        if args.kv_recipe == "auto":
+            budget = _kv(args, "kv_bits_budget") or DEFAULT_BITS_BUDGET
+            return f"veloxquant recipe auto within {budget:g} bits/el, window {c.window}, sinks {c.sinks}"
+        if c.protect:
+            what = "auto" if c.protect == "auto" else ",".join(map(str, c.protect))
+            extra += f", protect {what}" + (f" at {c.protect_bits}b" if c.protect_bits else "")
         return (
             f"veloxquant keys {c.key_method}/{c.key_bits}b, values {c.value_method}/{c.value_bits}b, "
-            f"window {c.window}, sinks {c.sinks}"
+            f"window {c.window}, sinks {c.sinks}{extra}"
         )
     if args.kv_cache == "mlx-quantized":
         return f"mlx-quantized {args.kv_bits}b, group {args.kv_group_size}"
@@ -225,6 +346,13 @@ def _generate_with_stats(args):
     from .cache import cache_nbytes
 
     def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs):
+        recipe = None
+        if kwargs.get("prompt_cache") is None and args.kv_cache == "veloxquant" and args.kv_recipe == "auto":
+            from .cache import install
+
+            ids = prompt if not isinstance(prompt, str) else tokenizer.encode(prompt)
+            cfg, recipe = kv_recipe_config(model, args, calibration_tokens(tokenizer, list(ids)))
+            install(model, cfg)
         if kwargs.get("prompt_cache") is None:
             cache = make_prompt_cache(model, kwargs.get("max_kv_size"))
             if kwargs.get("draft_model") is not None:
@@ -253,10 +381,26 @@ def _generate_with_stats(args):
                 print(f"Prefill: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s")
                 print(f"Decode: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
             print(f"KV cache: {kv:,} bytes held ({describe_kv(args)})")
+            if recipe is not None:
+                print(f"KV recipe: {recipe.summary()}")
+            auto = [(i, c) for i, c in enumerate(kwargs["prompt_cache"]) if getattr(c, "outlier_error", None) is not None]
+            if auto:
+                kept = [i for i, c in auto if c.protected]
+                worst = max(auto, key=lambda x: x[1].outlier_error)
+                print(
+                    f"KV protect auto: float16 layers {kept or 'none'} (key error above "
+                    f"{_protect_threshold():g}; highest {worst[1].outlier_error:.3f} at layer {worst[0]})"
+                )
             print(f"Peak memory: {_gb(mx.get_peak_memory())}")
         return text
 
     return generate
+
+
+def _protect_threshold() -> float:
+    from .cache import AUTO_PROTECT_ERROR
+
+    return AUTO_PROTECT_ERROR
 
 
 # --- prompt cache files (generate --prompt-cache-file) ------------------------
@@ -354,6 +498,9 @@ def adopt_prompt_cache(args, caches, argv: Sequence[str]) -> None:
     if args.kv_cache is not None and args.kv_cache != kind:
         _usage_error(f"--kv-cache {args.kv_cache}: {where}, used as saved; leave --kv-cache out")
     if kind == "veloxquant":
+        for dest in ("kv_protect", "kv_protect_bits", "kv_recipe", "kv_bits_budget"):
+            if getattr(args, dest, None) is not None:
+                _usage_error(f"{_flag(dest)}: {where}, whose layers are laid out as saved; leave {_flag(dest)} out")
         cfg = prompt_cache_config(caches)
         for dest, field in _CONFIG_FIELDS.items():
             v = getattr(args, dest, None)
@@ -543,7 +690,7 @@ def _serve(argv: Sequence[str]) -> int:
 
     def load(*a, **k):
         out = orig_load(*a, **k)
-        install_kv_cache(out[0], args)
+        install_kv_cache(out[0], args, tokenizer=out[1])
         _say(f"serving {a[0] if a else model} with KV cache: {describe_kv(args)}")
         return out
 
@@ -734,6 +881,9 @@ def cmd_compare(argv: Sequence[str]) -> int:
         validate_kv_args(ns)
         if kind == "veloxquant":
             cfg = kv_config_from_args(ns)
+            if ns.kv_recipe == "auto":
+                cfg, recipe = kv_recipe_config(model, ns, ids)
+                print(f"KV recipe: {recipe.summary()}")
             make = lambda: make_prompt_cache(model, cfg)  # noqa: E731
         elif kind == "mlx-quantized":
             make = lambda: make_mlx_quantized_cache(model, ns.kv_bits, ns.kv_group_size)  # noqa: E731
