@@ -1,0 +1,261 @@
+"""Protected layers (KVConfig.protect, --kv-protect) and measured recipes (KVConfig.auto, --kv-recipe auto)."""
+
+import argparse
+
+import mlx.core as mx
+import pytest
+from mlx_lm import load
+from mlx_lm.generate import generate
+from mlx_lm.models.cache import KVCache
+
+from veloxquant import cli, recipe
+from veloxquant.cache import AUTO_PROTECT_ERROR, KVConfig, VeloxQuantCache, install, make_prompt_cache, uninstall
+from veloxquant.texts import alice
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    model, tokenizer = load(tiny_model)
+    ids = tokenizer.encode(alice()[:4000])[:200]
+    return model, tokenizer, ids
+
+
+@pytest.fixture
+def hard_layer(tiny):
+    """Layer 1's keys scaled up: its attention is sharp, and compressing its keys costs far more."""
+    model = tiny[0]
+    proj = model.model.layers[1].self_attn.k_proj
+    original = proj.weight
+    proj.weight = original * 100
+    yield 1
+    proj.weight = original
+
+
+def _forward(model, ids, cache):
+    mx.eval(model(mx.array(ids)[None], cache=cache))
+
+
+# --- protect ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("protect", [(-1,), (1,), (-2,)])
+def test_protected_layers_keep_float16(tiny, protect):
+    model, _, ids = tiny
+    caches = make_prompt_cache(model, KVConfig(protect=protect, window=4, sinks=0))
+    kept = {p % 2 for p in protect}
+    for i, c in enumerate(caches):
+        assert (type(c) is KVCache) == (i in kept)
+    _forward(model, ids[:40], caches)
+    for i, c in enumerate(caches):
+        if i not in kept:
+            assert c.layer.compressed_tokens > 0
+
+
+def test_protect_bits_give_those_layers_more_bits(tiny):
+    model, _, ids = tiny
+    caches = make_prompt_cache(model, KVConfig(key_bits=2, protect=[-2], protect_bits=8, window=4, sinks=0))
+    assert all(isinstance(c, VeloxQuantCache) for c in caches)
+    assert (caches[0].config.key_bits, caches[0].config.value_bits) == (8, 8)
+    assert (caches[1].config.key_bits, caches[1].config.value_bits) == (2, 2)
+    _forward(model, ids[:40], caches)
+    assert caches[0].nbytes > caches[1].nbytes
+
+
+def test_protect_round_trips_through_json():
+    for c in (KVConfig(protect=[0, -1], protect_bits=8), KVConfig(protect="auto")):
+        assert KVConfig.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"protect": [0, 0]}, r"protect lists layer 0 more than once"),
+        ({"protect": "some"}, r"protect must be 'auto' or a list"),
+        ({"protect": [0.5]}, r"protect must be 'auto' or a list"),
+        ({"protect": [True]}, r"protect must be 'auto' or a list"),
+        ({"protect_bits": 8}, r"protect_bits needs KVConfig.protect"),
+        ({"protect": [0], "protect_bits": 0}, r"protect_bits must be an integer from 1 to 16"),
+        ({"protect": "auto", "protect_bits": 8}, r"protect_bits applies to listed layers"),
+    ],
+)
+def test_bad_protect_is_named(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        KVConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"protect": [2]}, r"protect: layer 2 is out of range for a model of 2 layers \(indices -2 to 1\)"),
+        ({"protect": [-3]}, r"protect: layer -3 is out of range"),
+        ({"protect": [0, -2]}, r"protect: layers 0 and -2 are the same layer"),
+        ({"protect": [1], "layers": {1: {"key_bits": 8}}}, r"protect: layer 1 also has KVConfig.layers settings"),
+    ],
+)
+def test_protect_out_of_range_or_ambiguous_for_the_model(tiny, kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        make_prompt_cache(tiny[0], KVConfig(**kwargs))
+
+
+def test_protect_bits_the_method_lacks_are_named():
+    with pytest.raises(ValueError, match=r"protect_bits 5: .*5 is not supported by kivi"):
+        KVConfig(key_method="kivi", protect=[0], protect_bits=5).check()
+
+
+def test_auto_protects_the_outlying_layer_only(tiny, hard_layer):
+    model, _, ids = tiny
+    caches = make_prompt_cache(model, KVConfig(key_bits=3, protect="auto", window=4, sinks=0))
+    _forward(model, ids, caches)
+    errors = [c.outlier_error for c in caches]
+    assert errors[hard_layer] > AUTO_PROTECT_ERROR > 10 * errors[1 - hard_layer], errors
+    assert [c.protected for c in caches] == [i == hard_layer for i in range(2)]
+    # The protected layer holds float16, the other compresses, and both read on.
+    assert caches[hard_layer].config.key_method == "fp16" and caches[hard_layer].layer.compressed_tokens == 0
+    assert caches[1 - hard_layer].layer.compressed_tokens > 0
+    _forward(model, ids[:1], caches)
+    assert caches[0].offset == len(ids) + 1
+
+
+def test_auto_protects_nothing_in_an_ordinary_model(tiny):
+    model, _, ids = tiny
+    caches = make_prompt_cache(model, KVConfig(protect="auto", window=4, sinks=0))
+    _forward(model, ids, caches)
+    assert not any(c.protected for c in caches)
+
+
+# --- automatic recipe --------------------------------------------------------------
+
+
+def test_stored_bits_match_the_cache():
+    # Bytes the cache holds per token beyond a float16 cache's window: compare two fill levels.
+    for key, value in [(("turboquant-mse", 3), ("turboquant-mse", 2)), (("kivi", 2), ("turboquant-mse", 4))]:
+        cfg = KVConfig(key_method=key[0], key_bits=key[1], value_method=value[0], value_bits=value[1], window=1, sinks=0)
+        sizes = []
+        for n in (256, 512):
+            from veloxquant import LayerCache
+
+            layer = LayerCache(64, 2, **cfg.settings())
+            layer.append(*(mx.random.normal((1, 2, n, 64)).astype(mx.float16),) * 2)
+            sizes.append(layer.nbytes)
+        per_element = 8 * (sizes[1] - sizes[0]) / (256 * 2 * 64 * 2)
+        want = (recipe.stored_bits(*key, 64, True) + recipe.stored_bits(*value, 64, False)) / 2
+        assert per_element == pytest.approx(want, rel=0.02)
+
+
+@pytest.mark.parametrize("budget", [2.5, 3.0, 3.5, 5.0])
+def test_auto_respects_the_budget(tiny, budget):
+    model, _, ids = tiny
+    cfg, r = recipe.auto_recipe(model, ids, budget, KVConfig(window=4, sinks=0))
+    assert r.bits_per_element <= budget + 1e-9
+    assert budget - r.bits_per_element < 8  # spends it
+    bits = []
+    for i in range(2):
+        c = cfg.for_layer(i)
+        k = 16.0 if c is None else recipe.stored_bits(c.key_method, c.key_bits, 64, True)
+        v = 16.0 if c is None else recipe.stored_bits(c.value_method, c.value_bits, 64, False)
+        bits.append((k + v) / 2)
+    assert sum(bits) / 2 == pytest.approx(r.bits_per_element)
+
+
+def test_auto_gives_the_harder_layer_more_key_bits(tiny, hard_layer):
+    model, _, ids = tiny
+    cfg = KVConfig.auto(model, ids, bits_budget=3.5, window=4, sinks=0)
+    key_bits = []
+    for i in range(2):
+        c = cfg.for_layer(i)
+        key_bits.append(16.0 if c is None else recipe.stored_bits(c.key_method, c.key_bits, 64, True))
+    assert key_bits[hard_layer] > key_bits[1 - hard_layer], cfg.layers
+
+
+def test_auto_keeps_protected_layers(tiny):
+    model, _, ids = tiny
+    cfg, r = recipe.auto_recipe(model, ids, 10.0, KVConfig(protect=[-1], window=4, sinks=0))
+    assert cfg.for_layer(1) is None and r.choices[1] == (recipe.FP16, recipe.FP16)
+    assert r.bits_per_element <= 10.0
+
+
+def test_greedy_generation_with_an_auto_recipe(tiny):
+    model, tokenizer, ids = tiny
+    cfg = KVConfig.auto(model, ids, bits_budget=3.0, window=4, sinks=0)
+    install(model, cfg)
+    try:
+        text = generate(model, tokenizer, ids[:60], max_tokens=8)
+    finally:
+        uninstall(model)
+    assert isinstance(text, str) and text
+
+
+@pytest.mark.parametrize(
+    "call, message",
+    [
+        (lambda m, ids: KVConfig.auto(m, ids, bits_budget=2.0), r"bits_budget 2 is below the cheapest recipe's 2.250"),
+        (lambda m, ids: KVConfig.auto(m, ids, bits_budget="3"), r"bits_budget must be a number"),
+        (lambda m, ids: KVConfig.auto(m, ids[:1]), r"tokens: the calibration needs at least 2 tokens"),
+        (lambda m, ids: KVConfig.auto(m, ids, protect="auto"), r"protect='auto' cannot be combined"),
+        (lambda m, ids: KVConfig.auto(m, ids, protect=[5]), r"protect: layer 5 is out of range"),
+    ],
+)
+def test_bad_auto_arguments_are_named(tiny, call, message):
+    model, _, ids = tiny
+    with pytest.raises(ValueError, match=message):
+        call(model, ids)
+
+
+# --- command line ------------------------------------------------------------------
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(prog="t")
+    cli.add_kv_options(p, with_kv_bits=True)
+    args = p.parse_args(argv)
+    cli.validate_kv_args(args)
+    return args
+
+
+def test_cli_options_make_the_config():
+    args = _parse(["--kv-protect", "0,-1", "--kv-protect-bits", "8"])
+    cfg = cli.kv_config_from_args(args)
+    assert args.kv_cache == "veloxquant" and cfg.protect == (0, -1) and cfg.protect_bits == 8
+    assert "protect 0,-1 at 8b" in cli.describe_kv(args)
+    args = _parse(["--kv-recipe", "auto", "--kv-bits-budget", "3"])
+    assert "recipe auto within 3 bits/el" in cli.describe_kv(args)
+    assert cli.kv_config_from_args(_parse(["--kv-protect", "auto"])).protect == "auto"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--kv-protect", "0,x"], "argument --kv-protect: expected 'auto' or comma-separated layer indices"),
+        (["--kv-protect", "1,1"], "argument --kv-protect: layer 1 is listed more than once"),
+        (["--kv-protect", ""], "argument --kv-protect: expected 'auto'"),
+        (["--kv-bits-budget", "x", "--kv-recipe", "auto"], "argument --kv-bits-budget: expected bits per element"),
+        (["--kv-bits-budget", "0.5", "--kv-recipe", "auto"], "argument --kv-bits-budget: expected bits per element"),
+        (["--kv-recipe", "manual"], "argument --kv-recipe: invalid choice"),
+        (["--kv-protect-bits", "8"], "--kv-protect-bits: needs --kv-protect"),
+        (["--kv-protect", "auto", "--kv-protect-bits", "8"], "--kv-protect-bits: --kv-protect auto keeps"),
+        (["--kv-protect", "0", "--kv-protect-bits", "0"], "--kv-protect-bits: KVConfig.protect_bits must be"),
+        (["--kv-protect", "0", "--kv-protect-bits", "5", "--kv-method", "kivi"], "--kv-protect-bits: KVConfig.protect_bits 5"),
+        (["--kv-bits-budget", "3"], "--kv-bits-budget: applies to --kv-recipe auto"),
+        (["--kv-recipe", "auto", "--kv-protect", "auto"], "--kv-protect auto: --kv-recipe auto already"),
+        (["--kv-cache", "fp16", "--kv-protect", "0"], "--kv-protect applies only to --kv-cache veloxquant"),
+    ],
+)
+def test_cli_bad_options_are_named(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        _parse(argv)
+    said = str(e.value.code) + capsys.readouterr().err
+    assert message in said, said
+
+
+def test_cli_protect_out_of_range_names_the_option(tiny):
+    with pytest.raises(SystemExit, match=r"^--kv-protect: KVConfig.protect: layer 7 is out of range"):
+        cli.install_kv_cache(tiny[0], _parse(["--kv-protect", "7"]))
+    uninstall(tiny[0])
+
+
+def test_calibration_tokens_pad_a_short_prompt(tiny):
+    tokenizer = tiny[1]
+    short = cli.calibration_tokens(tokenizer, [1, 2, 3])
+    assert short[:3] == [1, 2, 3] and recipe.MIN_TOKENS <= len(short) <= recipe.MAX_TOKENS
+    long = list(range(1000))
+    assert cli.calibration_tokens(tokenizer, long) == long[: recipe.MAX_TOKENS]
