@@ -66,6 +66,9 @@ class CacheSpec:
     window: int = 0
     sinks: int = 0
     seed: int = 0
+    protect: Optional[str] = None  # "auto": KVConfig(protect="auto")
+    bits_budget: Optional[float] = None  # KVConfig.auto over `calibration`, within this budget
+    calibration: Optional[List[int]] = None
 
     def make(self, model):
         from mlx_lm.models.cache import make_prompt_cache as mlx_make
@@ -78,6 +81,14 @@ class CacheSpec:
             return make_mlx_quantized_cache(model, self.bits, self.group_size)
         cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_method=self.value_method,
                        value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed)
+        import dataclasses
+
+        if self.protect:
+            cfg = dataclasses.replace(cfg, protect=self.protect)
+        if self.bits_budget is not None:
+            if getattr(self, "_auto", None) is None:  # one calibration per spec
+                self._auto = KVConfig.auto(model, self.calibration, self.bits_budget, window=self.window, sinks=self.sinks, seed=self.seed)
+            cfg = self._auto
         return make_prompt_cache(model, cfg)
 
 
@@ -583,6 +594,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--needle-depths", default="0.5", help="needle depths in [0, 1] (default: 0.5)")
     p.add_argument("--out", default="eval-results", help="output directory (default: ./eval-results)")
     p.add_argument("--out-jsonl", default=None, help="JSON lines, one per cache (default: OUT/quality.jsonl)")
+    p.add_argument(
+        "--auto", default="", help="more veloxquant rows: 'protect' (each --bits row with --kv-protect auto) and "
+        "bit budgets (--kv-recipe auto, calibrated on the first 256 tokens), e.g. protect,3,3.5 (default: none)"
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(list(argv) if argv is not None else None)
     bits = _bit_pairs(args.bits)
@@ -621,6 +636,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if compute:
         _say(f"CPU: {compute}")
     specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits)
+    import dataclasses
+
+    from .recipe import MAX_TOKENS
+
+    auto = [a.strip() for a in args.auto.split(",") if a.strip()]
+    try:
+        budgets = [float(a) for a in auto if a != "protect"]
+    except ValueError:
+        raise SystemExit(f"--auto: expected 'protect' and bit budgets, got {args.auto!r}")
+    if "protect" in auto:
+        specs += [dataclasses.replace(s, label=s.label + "-protect-auto", protect="auto") for s in specs if s.kind == "veloxquant"]
+    for b in budgets:
+        specs.append(CacheSpec(f"recipe-auto-{b:g}", "veloxquant", window=args.kv_window, sinks=args.kv_sinks, bits_budget=b,
+                               calibration=encode_text(tokenizer, english_text())[:min(MAX_TOKENS, args.prefix)]))
     # Validate every veloxquant configuration before the long run. A sweep
     # may pair a method with widths it lacks (pq has 1, 2, 4): those are
     # skipped, said so, and listed in the results; an unknown method is an
