@@ -648,7 +648,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     if "protect" in auto:
         specs += [dataclasses.replace(s, label=s.label + "-protect-auto", protect="auto") for s in specs if s.kind == "veloxquant"]
     for b in budgets:
-        specs.append(CacheSpec(f"recipe-auto-{b:g}", "veloxquant", window=args.kv_window, sinks=args.kv_sinks, bits_budget=b,
+        specs.append(CacheSpec(f"recipe-auto-{b:g}", "veloxquant", bits=4, method="turboquant-mse", window=args.kv_window,
+                               sinks=args.kv_sinks, bits_budget=b,
                                calibration=encode_text(tokenizer, english_text())[:min(MAX_TOKENS, args.prefix)]))
     # Validate every veloxquant configuration before the long run. A sweep
     # may pair a method with widths it lacks (pq has 1, 2, 4): those are
