@@ -846,7 +846,7 @@ def cmd_compare(argv: Sequence[str]) -> int:
     import mlx.core as mx
 
     from . import blas, models
-    from .cache import cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
+    from .cache import _base_caches, cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
 
     path = models.resolve_model(args.model)
     _blas_warning()
@@ -884,6 +884,10 @@ def cmd_compare(argv: Sequence[str]) -> int:
             if ns.kv_recipe == "auto":
                 cfg, recipe = kv_recipe_config(model, ns, ids)
                 print(f"KV recipe: {recipe.summary()}")
+            try:  # the protected layers against this model, before any run
+                cfg.resolve(len(_base_caches(model)))
+            except ValueError as e:
+                raise SystemExit(f"--kv-protect: {e}")
             make = lambda: make_prompt_cache(model, cfg)  # noqa: E731
         elif kind == "mlx-quantized":
             make = lambda: make_mlx_quantized_cache(model, ns.kv_bits, ns.kv_group_size)  # noqa: E731
