@@ -6,8 +6,6 @@ import json
 import subprocess
 import sys
 
-from test_cli_usage import tiny_model  # noqa: F401  (the fixture)
-
 from veloxquant import texts
 
 
