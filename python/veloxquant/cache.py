@@ -173,8 +173,9 @@ class KVConfig:
         compared by the attention-output error they cause, and bits go
         greedily where they remove the most error, keeping the average stored
         bits per compressed element within ``bits_budget``. ``settings`` are
-        the other fields (window, sinks, seed, policy, protect: protected
-        layers are kept, and count in the budget). See veloxquant.recipe."""
+        the other fields (window, sinks, seed, policy; layers that ``protect``
+        or ``layers`` configure keep those settings, and count in the
+        budget). See veloxquant.recipe."""
         from .recipe import auto_recipe
 
         return auto_recipe(model, tokens, bits_budget, cls(**settings))[0]

@@ -368,8 +368,7 @@ def auto_recipe(model, tokens: Sequence[int], bits_budget: float = 3.5, config=N
     if config.protect == "auto":
         raise ValueError("protect='auto' cannot be combined with an automatic recipe, which already picks float16 layers")
     samples = calibrate(model, tokens)
-    n_layers = len(_layer_count(model))
-    resolved = config.resolve(n_layers)
+    resolved = config.resolve(_layer_count(model))
     fixed = {}
     for s in samples:
         if s.index in resolved.layers:
@@ -382,7 +381,7 @@ def auto_recipe(model, tokens: Sequence[int], bits_budget: float = 3.5, config=N
     return dataclasses.replace(resolved, layers=layers), recipe
 
 
-def _layer_count(model):
+def _layer_count(model) -> int:
     from .cache import _base_caches
 
-    return _base_caches(model)
+    return len(_base_caches(model))
