@@ -69,6 +69,7 @@ class CacheSpec:
     protect: Optional[str] = None  # "auto": KVConfig(protect="auto")
     bits_budget: Optional[float] = None  # KVConfig.auto over `calibration`, within this budget
     calibration: Optional[List[int]] = None
+    recipe: Optional[str] = None  # the KVConfig JSON that bits_budget's calibration chose
 
     def make(self, model):
         from mlx_lm.models.cache import make_prompt_cache as mlx_make
@@ -86,9 +87,9 @@ class CacheSpec:
         if self.protect:
             cfg = dataclasses.replace(cfg, protect=self.protect)
         if self.bits_budget is not None:
-            if getattr(self, "_auto", None) is None:  # one calibration per spec
-                self._auto = KVConfig.auto(model, self.calibration, self.bits_budget, window=self.window, sinks=self.sinks, seed=self.seed)
-            cfg = self._auto
+            if self.recipe is None:  # one calibration per spec
+                self.recipe = KVConfig.auto(model, self.calibration, self.bits_budget, window=self.window, sinks=self.sinks, seed=self.seed).to_json()
+            cfg = KVConfig.from_json(self.recipe)
         return make_prompt_cache(model, cfg)
 
 
