@@ -259,3 +259,26 @@ def test_calibration_tokens_pad_a_short_prompt(tiny):
     assert short[:3] == [1, 2, 3] and recipe.MIN_TOKENS <= len(short) <= recipe.MAX_TOKENS
     long = list(range(1000))
     assert cli.calibration_tokens(tokenizer, long) == long[: recipe.MAX_TOKENS]
+
+
+def test_generate_prints_the_recipe_and_protected_layers(smollm):
+    import subprocess
+    import sys
+
+    def run(*extra):
+        r = subprocess.run(
+            [sys.executable, "-m", "veloxquant", "generate", "--prompt", "Why is the sky blue?", "--max-tokens", "3", *extra],
+            capture_output=True, text=True, timeout=300,
+        )
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    out = run("--kv-recipe", "auto", "--kv-bits-budget", "3")
+    line = next(x for x in out.splitlines() if x.startswith("KV recipe (calibrated in "))
+    bits = float(line.split("): ")[1].split(" bits/el")[0])
+    assert bits <= 3.0 and "0" in line.split("bits/el; ")[1]
+    assert "(veloxquant recipe auto within 3 bits/el" in out
+    out = run("--kv-protect", "0,-1", "--kv-protect-bits", "8")
+    assert "protect 0,-1 at 8b" in out
+    out = run("--kv-protect", "auto")
+    assert "KV protect auto: float16 layers" in out

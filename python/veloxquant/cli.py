@@ -350,8 +350,12 @@ def _generate_with_stats(args):
         if kwargs.get("prompt_cache") is None and args.kv_cache == "veloxquant" and args.kv_recipe == "auto":
             from .cache import install
 
+            import time
+
             ids = prompt if not isinstance(prompt, str) else tokenizer.encode(prompt)
+            started = time.perf_counter()
             cfg, recipe = kv_recipe_config(model, args, calibration_tokens(tokenizer, list(ids)))
+            calibrated = time.perf_counter() - started
             install(model, cfg)
         if kwargs.get("prompt_cache") is None:
             cache = make_prompt_cache(model, kwargs.get("max_kv_size"))
@@ -382,7 +386,7 @@ def _generate_with_stats(args):
                 print(f"Decode: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
             print(f"KV cache: {kv:,} bytes held ({describe_kv(args)})")
             if recipe is not None:
-                print(f"KV recipe: {recipe.summary()}")
+                print(f"KV recipe (calibrated in {calibrated:.1f} s): {recipe.summary()}")
             auto = [(i, c) for i, c in enumerate(kwargs["prompt_cache"]) if getattr(c, "outlier_error", None) is not None]
             if auto:
                 kept = [i for i, c in auto if c.protected]
