@@ -582,13 +582,23 @@ __device__ __forceinline__ void tq_group_scatter(float (&v)[V], uint32_t li, uin
   }
 }
 
-// Code j of 8 B-bit codes packed little-endian in w, shifted in 32 bits
-// where the 8 codes fit there.
-template <int B>
-__device__ __forceinline__ unsigned code_of(unsigned long long w, int j) {
-  if constexpr (8 * B <= 32) {
-    return (uint32_t(w) >> (j * B)) & ((1u << B) - 1u);
+// The 8 values of chunk c of split token i on one side of tq_decode: its
+// B-bit codes (ROW bytes a token, in shared memory) through `table`, or
+// with !compressed the window row where it lies (`win` + i * stride), or
+// zeros past the split's end (`have` false, window only: a code row past
+// the end decodes to values no one reads) or the head size (`in_dim` false).
+template <int B, int ROW, typename T>
+__device__ __forceinline__ void tq_split_chunk(bool compressed, const uint8_t* codes, const float* table, const T* win,
+                                               int64_t stride, uint32_t i, uint32_t c, bool have, bool in_dim,
+                                               float* out) {
+  if (compressed) {
+    const vq_word_t<B> w = in_dim ? vq_word_t<B>(vq_load_bytes<B>(codes + i * ROW + c * B)) : 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = table[vq_code<B>(w, j)];
+  } else if (have && in_dim) {
+    vq_load8(win + int64_t(i) * stride + c * 8, out);
   } else {
-    return unsigned(w >> (j * B)) & ((1u << B) - 1u);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = 0.0f;
   }
 }

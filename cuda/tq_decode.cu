@@ -102,10 +102,11 @@ const uint8_t* kp0 = k_codes + int64_t(b) * k_codes_strides[0] + int64_t(hk) * k
 const uint8_t* vp0 = v_codes + int64_t(b) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1];
 const __half* kn0 = k_norms + int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1];
 const __half* vn0 = v_norms + int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1];
-const T* wk0 = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1];
-const T* wv0 = win_v + int64_t(b) * win_v_strides[0] + int64_t(hk) * win_v_strides[1];
 const int64_t ks = k_codes_strides[2], vs = v_codes_strides[2], kns = k_norms_strides[2], vns = v_norms_strides[2];
 const int64_t wks = win_k_strides[2], wvs = win_v_strides[2];
+// A window split's first rows (its tokens are indexed from there).
+const T* wk = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1] + int64_t(t_begin) * wks;
+const T* wv = win_v + int64_t(b) * win_v_strides[0] + int64_t(hk) * win_v_strides[1] + int64_t(t_begin) * wvs;
 // The split's codes into shared memory: rows back to back in the stores
 // (the cache's layout) go as one block copy, else byte by byte.
 if (compressed) {
@@ -209,17 +210,7 @@ __syncthreads();
 #pragma unroll
       for (int k = 0; k < CPT; ++k) {
         const uint32_t c = li + k * TPT;
-        if (compressed) {
-          // Rows past the split's end were zero-filled or are never used.
-          const vq_word_t<KB> w = c < uint32_t(NCH) ? vq_word_t<KB>(vq_load_bytes<KB>(ksm + i * KROW + c * KB)) : 0;
-#pragma unroll
-          for (int j = 0; j < 8; ++j) kx[k * 8 + j] = kc[code_of<KB>(w, j)];
-        } else if (i < tn && c < uint32_t(NCH)) {
-          vq_load8(wk0 + int64_t(t_begin + i) * wks + c * 8, kx + k * 8);
-        } else {
-#pragma unroll
-          for (int j = 0; j < 8; ++j) kx[k * 8 + j] = 0.0f;
-        }
+        tq_split_chunk<KB, KROW>(compressed, ksm, kc, wk, wks, i, c, i < tn, c < uint32_t(NCH), kx + k * 8);
       }
 #pragma unroll
       for (int r = 0; r < QNP; ++r) {
@@ -296,16 +287,7 @@ for (uint32_t st = 0; st < tn; st += STEP) {
 #pragma unroll
     for (int k = 0; k < CPT; ++k) {
       const uint32_t c = li + k * TPT;
-      if (compressed) {
-        const vq_word_t<VB> w = c < uint32_t(NCH) ? vq_word_t<VB>(vq_load_bytes<VB>(vsm + i * VROW + c * VB)) : 0;
-#pragma unroll
-        for (int j = 0; j < 8; ++j) vx[k * 8 + j] = vc[code_of<VB>(w, j)];
-      } else if (have && c < uint32_t(NCH)) {
-        vq_load8(wv0 + int64_t(t_begin + i) * wvs + c * 8, vx + k * 8);
-      } else {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) vx[k * 8 + j] = 0.0f;
-      }
+      tq_split_chunk<VB, VROW>(compressed, vsm, vc, wv, wvs, i, c, have, c < uint32_t(NCH), vx + k * 8);
     }
     const float vn = compressed ? vn_s[have ? i : 0u] : 1.0f;
 #pragma unroll
