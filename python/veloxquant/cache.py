@@ -680,18 +680,46 @@ def uninstall(model):
     return model
 
 
-def cache_nbytes(caches) -> int:
-    """Bytes held by a list of caches: the sum of their ``nbytes``, plus the
-    rotation and codebooks that veloxquant layers share, counted once per
+def _shared_nbytes(caches) -> int:
+    """Bytes of the rotations and codebooks veloxquant layers share, once per
     shared set (layers of one head size, seed, methods and bits hold the same
     arrays)."""
     total, seen = 0, set()
     for c in caches:
-        total += c.nbytes
         layer = getattr(c, "layer", None) if isinstance(c, VeloxQuantCache) else None
         if layer is not None and layer.shared_id is not None and layer.shared_id not in seen:
             seen.add(layer.shared_id)
             total += layer.shared_nbytes
+    return total
+
+
+def cache_nbytes(caches) -> int:
+    """Bytes held by a list of caches: the sum of their ``nbytes``, plus the
+    rotation and codebooks that veloxquant layers share, counted once per
+    shared set."""
+    return int(sum(c.nbytes for c in caches) + _shared_nbytes(caches))
+
+
+def cache_data_nbytes(caches) -> int:
+    """Bytes a list of caches stores for the tokens it holds, without the
+    capacity allocated ahead: veloxquant's codes, norms, scales, windows and
+    means (``LayerCache.data_nbytes``) plus the shared rotations and codebooks
+    once per set, mlx_lm's float16 and quantized caches' rows up to their
+    offset. Other caches count what they hold."""
+    total = _shared_nbytes(caches)
+    for c in caches:
+        if isinstance(c, VeloxQuantCache):
+            total += 0 if c.layer is None else c.layer.data_nbytes
+            continue
+        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
+        if keys is None or not hasattr(c, "offset"):
+            total += getattr(c, "nbytes", 0)
+            continue
+        for side in (keys, values):
+            # A quantized side is a tuple (codes, scales, biases), each with
+            # its token rows on axis 2.
+            for a in side if isinstance(side, (tuple, list)) else (side,):
+                total += a.nbytes // a.shape[2] * c.offset if a.shape[2] else 0
     return int(total)
 
 

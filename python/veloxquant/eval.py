@@ -119,33 +119,6 @@ def _kv_elements(cache) -> int:
     return n
 
 
-def data_nbytes(cache) -> int:
-    """Bytes a list of caches stores for the tokens it holds, without the
-    capacity allocated ahead: mlx_lm's float16 and quantized caches' rows up
-    to their offset, veloxquant's codes, norms, scales, windows and means
-    (``LayerCache.data_nbytes``) plus its shared rotation and codebooks once
-    per set. Other caches count what they hold."""
-    total, seen = 0, set()
-    for c in cache:
-        layer = getattr(c, "layer", None)
-        if layer is not None and hasattr(layer, "data_nbytes"):
-            total += layer.data_nbytes
-            if layer.shared_id is not None and layer.shared_id not in seen:
-                seen.add(layer.shared_id)
-                total += layer.shared_nbytes
-            continue
-        keys, values = getattr(c, "keys", None), getattr(c, "values", None)
-        if keys is None or not hasattr(c, "offset"):
-            total += getattr(c, "nbytes", 0)
-            continue
-        for side in (keys, values):
-            # A quantized side is a tuple (codes, scales, biases), each with
-            # its token rows on axis 2.
-            for a in side if isinstance(side, (tuple, list)) else (side,):
-                total += a.nbytes // a.shape[2] * c.offset if a.shape[2] else 0
-    return int(total)
-
-
 def _compressed_share(cache) -> tuple:
     """(tokens read from codes, tokens held) over a list of caches' layers."""
     comp = held = 0
@@ -265,7 +238,7 @@ def evaluate(
         raise ValueError(f"--tokens: the text has only {len(ids)} tokens after the offset")
     filler = text_ids[text_offset + tokens :]
     targets = mx.array(ids[prefix:])
-    from .cache import cache_nbytes
+    from .cache import cache_data_nbytes, cache_nbytes
 
     needles = []  # (name, key, prompt, max_tokens), the same for every spec
     for n in needle_lengths:
@@ -296,7 +269,7 @@ def evaluate(
         nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).squeeze(-1)
         r.ppl = math.exp(nll.mean().item())
         r.kv_bytes = cache_nbytes(cache)
-        r.data_bytes = data_nbytes(cache)
+        r.data_bytes = cache_data_nbytes(cache)
         r.compressed_share = share
         if spec.kind == "fp16":
             ref = lp
