@@ -256,13 +256,6 @@ def test_trim(filled):
     assert caches[0].make_mask(3) == "causal" and caches[0].make_mask(1) is None
 
 
-def test_batching_is_refused_clearly(filled):
-    _, caches, _ = filled
-    assert not hasattr(caches[0], "merge")  # so mlx_lm's server serves one request at a time
-    with pytest.raises(AttributeError, match="does not support batched generation"):
-        caches[0].merge(caches)
-
-
 @pytest.mark.parametrize(
     "state, error, message",
     [

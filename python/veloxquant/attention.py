@@ -5,7 +5,8 @@ scaled_dot_product_attention``), so replacing it in ``mlx_lm.models.base`` alone
 would miss models already imported. :func:`install` wraps it once and puts the
 wrapper in ``base`` and in every loaded ``mlx_lm.models.*`` module that holds the
 original; later imports take the wrapper from ``base``. Calls with any other
-cache go to the original function unchanged.
+cache go to the original function unchanged. A ``VeloxQuantBatchCache`` is
+attended sequence by sequence, each sequence's queries over its own cache.
 
 :func:`set_cpu_float32` (``veloxquant.blas.use_float32_compute`` calls it)
 makes the dispatch compute float16/bfloat16 attention in float32 on MLX's
@@ -62,31 +63,45 @@ def _sdpa_float32(original, queries, keys, values, cache, scale, mask, sinks):
     return out.astype(queries.dtype)
 
 
+def _refuse_sinks(sinks):
+    if sinks is not None:
+        raise ValueError(
+            "veloxquant caches do not support attention sinks (learned per-head logits); "
+            "use --kv-cache fp16 or mlx-quantized for this model"
+        )
+
+
 def _wrap(original):
+    from .batch_cache import VeloxQuantBatchCache
     from .cache import FUSED_MAX_QUERIES, VeloxQuantCache
+
+    def attend(queries, keys, values, cache, scale, mask):
+        # One sequence over its VeloxQuantCache; keys and values are what its
+        # update_and_fetch returned for this chunk.
+        if (
+            _float32_here(queries)
+            and keys.shape[2] > FUSED_MAX_QUERIES  # update_and_fetch returned the history and the chunk
+            and keys.shape[2] == cache.offset
+        ):
+            out = _sdpa_float32(original, queries, keys, values, None, scale, mask, None)
+            cache.attended_elsewhere()
+            return out
+        return cache.attention(queries, scale, mask)
 
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale: float, mask: Optional[mx.array], sinks: Optional[mx.array] = None
     ) -> mx.array:
+        if isinstance(cache, VeloxQuantBatchCache):
+            # Each sequence over its own cache, as it would attend alone.
+            _refuse_sinks(sinks)
+            return cache.attend_each(queries, lambda q, k, v, c, m: attend(q, k, v, c, scale, m))
         observe = getattr(cache, "observe_queries", None)
         if observe is not None:
             # A calibration's recorder, or a cache that decides its layout from the first queries.
             observe(queries)
         if isinstance(cache, VeloxQuantCache):
-            if sinks is not None:
-                raise ValueError(
-                    "veloxquant caches do not support attention sinks (learned per-head logits); "
-                    "use --kv-cache fp16 or mlx-quantized for this model"
-                )
-            if (
-                _float32_here(queries)
-                and keys.shape[2] > FUSED_MAX_QUERIES  # update_and_fetch returned the history and the chunk
-                and keys.shape[2] == cache.offset
-            ):
-                out = _sdpa_float32(original, queries, keys, values, None, scale, mask, None)
-                cache.attended_elsewhere()
-                return out
-            return cache.attention(queries, scale, mask)
+            _refuse_sinks(sinks)
+            return attend(queries, keys, values, cache, scale, mask)
         if _float32_here(queries):
             return _sdpa_float32(original, queries, keys, values, cache, scale, mask, sinks)
         return original(queries, keys, values, cache=cache, scale=scale, mask=mask, sinks=sinks)

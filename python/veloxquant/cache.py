@@ -266,9 +266,6 @@ def _layer_cache_class():
     return LayerCache
 
 
-_BATCH_METHODS = ("merge", "extract", "filter", "extend", "prepare", "finalize")
-
-
 class VeloxQuantCache(_BaseCache):
     """One attention layer's keys and values, held compressed by a ``LayerCache``.
 
@@ -450,6 +447,9 @@ class VeloxQuantCache(_BaseCache):
         if not isinstance(arrays, Mapping):
             raise TypeError(f"VeloxQuantCache.state: 'arrays' must be a dict of mlx.core.array, got {type(arrays).__name__}")
         self._attended, self._framed, self._pending = True, None, None
+        # A state keeps the decided config, not the measurement behind it.
+        self.__dict__.setdefault("outlier_error", None)
+        self.__dict__.setdefault("protected", False)
         self.layer = None if layout is None else _layer_cache_class().from_state_parts(dict(arrays), layout)
 
     def is_trimmable(self) -> bool:
@@ -480,15 +480,11 @@ class VeloxQuantCache(_BaseCache):
         new.layer = None if self.layer is None else type(self.layer).from_state_parts(*self.layer.state_parts())
         return new
 
-    def __getattr__(self, name):
-        # Batched generation needs merge/extract/...; absent on purpose, so that
-        # mlx_lm's server (which probes with hasattr) serves requests one at a time.
-        if name in _BATCH_METHODS:
-            raise AttributeError(
-                f"VeloxQuantCache does not support batched generation ('{name}'): "
-                "use one request at a time (the server does so automatically)"
-            )
-        raise AttributeError(f"'{type(self).__name__}' object has no attribute '{name}'")
+    @classmethod
+    def merge(cls, caches):
+        """A batch of these sequences' caches (mlx_lm's batching calls it on
+        one of them): see veloxquant.batch_cache."""
+        return batch_cache.VeloxQuantBatchCache.merge(caches)
 
     def __repr__(self):
         c = self.config
@@ -685,12 +681,21 @@ def _shared_nbytes(caches) -> int:
     shared set (layers of one head size, seed, methods and bits hold the same
     arrays)."""
     total, seen = 0, set()
-    for c in caches:
+    for c in _each_sequence(caches):
         layer = getattr(c, "layer", None) if isinstance(c, VeloxQuantCache) else None
         if layer is not None and layer.shared_id is not None and layer.shared_id not in seen:
             seen.add(layer.shared_id)
             total += layer.shared_nbytes
     return total
+
+
+def _each_sequence(caches):
+    """The caches, with a batch cache's per-sequence caches in its place."""
+    for c in caches:
+        if isinstance(c, batch_cache.VeloxQuantBatchCache):
+            yield from c.caches
+        else:
+            yield c
 
 
 def cache_nbytes(caches) -> int:
@@ -707,7 +712,7 @@ def cache_data_nbytes(caches) -> int:
     once per set, mlx_lm's float16 and quantized caches' rows up to their
     offset. Other caches count what they hold."""
     total = _shared_nbytes(caches)
-    for c in caches:
+    for c in _each_sequence(caches):
         if isinstance(c, VeloxQuantCache):
             total += 0 if c.layer is None else c.layer.data_nbytes
             continue
@@ -725,3 +730,6 @@ def cache_data_nbytes(caches) -> int:
 
 # mlx_lm's load_prompt_cache rebuilds caches by class name from its module globals.
 _mlx_cache.VeloxQuantCache = VeloxQuantCache
+
+# The batch cache builds on this module (and registers itself with load_prompt_cache).
+from . import batch_cache  # noqa: E402
