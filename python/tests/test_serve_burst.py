@@ -1,7 +1,8 @@
 """`veloxquant serve` under a burst of 64 concurrent streaming requests: every
-stream completes, none is reset; Ctrl-C then stops it cleanly. The tiny
-model keeps it quick: the default one takes most of a second a token on a
-small CPU, and the compressed cache serves one request at a time."""
+stream completes, none is reset, and they are decoded together (batched);
+a repeated prompt reuses the cache of the first; Ctrl-C then stops it
+cleanly. The tiny model keeps it quick: the default one takes most of a
+second a token on a small CPU."""
 
 import http.client
 import json
@@ -24,19 +25,43 @@ def free_port():
 
 
 def stream(port, i, start, results):
-    """One streaming completion; records its events or the error."""
+    """One streaming completion; records its status, its events and when
+    its first and last events came, or the error."""
     try:
         start.wait()
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
-        body = json.dumps({"prompt": f"Count from {i} to {i + 20}:", "max_tokens": 3, "temperature": 0, "stream": True})
+        body = json.dumps({"prompt": f"Count from {i} to {i + 20}:", "max_tokens": 6, "temperature": 0, "stream": True})
         conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
         reply = conn.getresponse()
-        text = reply.read().decode()
+        events, times = [], []
+        for line in reply:
+            line = line.decode().strip()
+            if line.startswith("data: "):
+                events.append(line[len("data: "):])
+                times.append(time.monotonic())
         conn.close()
-        events = [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
-        results[i] = (reply.status, events)
+        results[i] = (reply.status, events, times[0], times[-1])
     except Exception as e:  # a reset, a refused or timed-out connection
         results[i] = e
+
+
+def most_at_once(spans):
+    """The most streams between their first and last events at one time."""
+    ends = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
+    now = best = 0
+    for _, step in ends:
+        now += step
+        best = max(best, now)
+    return best
+
+
+def complete(port, prompt):
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+    body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0})
+    conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+    reply = json.loads(conn.getresponse().read())
+    conn.close()
+    return reply
 
 
 def wait_until_healthy(proc, port, seconds=60):
@@ -78,10 +103,17 @@ def test_burst_of_streams_all_complete_and_ctrl_c_stops_cleanly(tiny_model, extr
                 c.join(timeout=150)
             failed = {i: r for i, r in enumerate(results) if not isinstance(r, tuple)}
             assert not failed, f"{len(failed)} of {CLIENTS} streams failed: {list(failed.items())[:3]}"
-            for status, events in results:
+            for status, events, _, _ in results:
                 assert status == 200 and events[-1] == "[DONE]"
                 chunks = [json.loads(e) for e in events[:-1]]
                 assert chunks and chunks[-1]["choices"][0]["finish_reason"] in ("length", "stop")
+            # Served one at a time, no two streams would be under way at once.
+            assert most_at_once([r[2:] for r in results]) >= 8
+            # mlx_lm's prompt cache: the second request finds the first's cache.
+            prompt = "The quick brown fox jumps over the lazy dog, and then"
+            first, again = complete(port, prompt), complete(port, prompt)
+            assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+            assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == first["usage"]["prompt_tokens"] - 1
             proc.send_signal(signal.SIGINT)
             status = proc.wait(timeout=30)
         finally:
