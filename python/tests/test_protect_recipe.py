@@ -9,7 +9,15 @@ from mlx_lm.generate import generate
 from mlx_lm.models.cache import KVCache
 
 from veloxquant import cli, recipe
-from veloxquant.cache import AUTO_PROTECT_ERROR, KVConfig, VeloxQuantCache, install, make_prompt_cache, uninstall
+from veloxquant.cache import (
+    AUTO_PROTECT_ERROR,
+    KVConfig,
+    VeloxQuantCache,
+    cache_data_nbytes,
+    install,
+    make_prompt_cache,
+    uninstall,
+)
 from veloxquant.texts import alice
 
 
@@ -126,44 +134,101 @@ def test_auto_protects_nothing_in_an_ordinary_model(tiny):
 # --- automatic recipe --------------------------------------------------------------
 
 
-def test_stored_bits_match_the_cache():
-    # Bytes the cache holds per token beyond a float16 cache's window: compare two fill levels.
-    for key, value in [(("turboquant-mse", 3), ("turboquant-mse", 2)), (("kivi", 2), ("turboquant-mse", 4))]:
-        cfg = KVConfig(key_method=key[0], key_bits=key[1], value_method=value[0], value_bits=value[1], window=1, sinks=0)
-        sizes = []
-        for n in (256, 512):
-            from veloxquant import LayerCache
-
-            layer = LayerCache(64, 2, **cfg.settings())
-            layer.append(*(mx.random.normal((1, 2, n, 64)).astype(mx.float16),) * 2)
-            sizes.append(layer.nbytes)
-        per_element = 8 * (sizes[1] - sizes[0]) / (256 * 2 * 64 * 2)
-        want = (recipe.stored_bits(*key, 64, True) + recipe.stored_bits(*value, 64, False)) / 2
-        assert per_element == pytest.approx(want, rel=0.02)
+def _elements(model, n):
+    # Keys and values of every layer at n tokens: 1 KV head of 64 in the tiny model.
+    return 2 * 64 * n * len(model.model.layers)
 
 
-@pytest.mark.parametrize("budget", [2.5, 3.0, 3.5, 5.0])
-def test_auto_respects_the_budget(tiny, budget):
+@pytest.mark.parametrize("budget, window, sinks", [(7.0, 4, 0), (8.0, 16, 4), (9.0, 16, 4), (11.0, 4, 2)])
+def test_auto_at_a_context_stays_within_the_budget_the_evaluation_measures(tiny, budget, window, sinks):
+    # Two layers of one 64-wide head at 200 tokens: the shared rotation and
+    # codebooks (~25 KB a set) cost about 4 bits per element here.
     model, _, ids = tiny
-    cfg, r = recipe.auto_recipe(model, ids, budget, KVConfig(window=4, sinks=0))
-    assert r.bits_per_element <= budget + 1e-9
-    assert budget - r.bits_per_element < 8  # spends it
-    bits = []
-    for i in range(2):
-        c = cfg.for_layer(i)
-        k = 16.0 if c is None else recipe.stored_bits(c.key_method, c.key_bits, 64, True)
-        v = 16.0 if c is None else recipe.stored_bits(c.value_method, c.value_bits, 64, False)
-        bits.append((k + v) / 2)
-    assert sum(bits) / 2 == pytest.approx(r.bits_per_element)
+    cfg, r = recipe.auto_recipe(model, ids, budget, KVConfig(window=window, sinks=sinks), context=len(ids))
+    caches = make_prompt_cache(model, cfg)
+    _forward(model, ids, caches)
+    measured = 8 * cache_data_nbytes(caches) / _elements(model, len(ids))
+    assert measured <= budget + 1e-9
+    assert measured == pytest.approx(r.bits_per_element, rel=1e-9)
+    assert budget - measured < 1.5  # spends it
+
+
+def test_auto_without_a_context_counts_what_each_compressed_token_stores(tiny):
+    model, _, ids = tiny
+    cfg, r = recipe.auto_recipe(model, ids, 3.0, KVConfig(window=4, sinks=0))
+    assert r.bits_per_element <= 3.0 and r.context is None and "of compressed tokens" in r.summary()
+    # Two long fills of the chosen caches differ by exactly the recipe's bits per element.
+    sizes = []
+    for n in (512, 1024):
+        caches = make_prompt_cache(model, cfg)
+        x = mx.random.normal((1, 1, n, 64)).astype(mx.float16)
+        for c in caches:
+            c.update_and_fetch(x, x)
+        sizes.append(8 * cache_data_nbytes(caches))
+    assert (sizes[1] - sizes[0]) / (_elements(model, 1024) - _elements(model, 512)) == pytest.approx(r.bits_per_element)
+
+
+def test_layout_counts_the_float16_window_and_shared_tables():
+    tq3 = recipe.Choice("turboquant-mse", 3)
+    long = recipe.Layout(window=16, sinks=4, seed=0).pair_bits(64, tq3, tq3)
+    assert long == pytest.approx((3 * 64 + 16) / 64)  # codes and a float16 norm per token and head
+    short = recipe.Layout(window=16, sinks=4, seed=0, context=100)
+    # 20 float16 tokens of 100 on top of the codes, and the key mean.
+    assert short.pair_bits(64, tq3, tq3) == pytest.approx((80 * long + 20 * 16) / 100 + 32 / 2 / 100)
+    assert short.shared_bits(64, tq3, tq3, elements=10**6) > 0
+    assert recipe.Layout(16, 4, 0).shared_bits(64, tq3, tq3, elements=10**6) == 0
+    with pytest.raises(ValueError, match=r"context must be a number of tokens >= 1 or None, got 0"):
+        recipe.Layout(16, 4, 0, context=0)
+
+
+def test_stand_in_codecs_match_the_cache():
+    # Keys with channel offsets as real keys have; the cache's round trip against the stand-ins.
+    mx.random.seed(1)
+    offset = mx.random.normal((1, 2, 1, 64)) * 4
+    keys = (mx.random.normal((1, 2, 101, 64)) + offset).astype(mx.float16)
+    values = mx.random.normal((1, 2, 101, 64)).astype(mx.float16)
+    codecs = recipe.Codecs(keys, values, sinks=4, seed=0)
+
+    def rel(x, ref):  # over the 96 tokens after the sinks, which both compress
+        d = (x[:, :, 4:100] - ref[:, :, 4:100]).astype(mx.float32)
+        return (mx.sum(d * d) / mx.sum(ref[:, :, 4:100].astype(mx.float32) ** 2)).item()
+
+    for m, b in [("turboquant-mse", 2), ("turboquant-mse", 3), ("turboquant-mse", 4), ("kivi", 2), ("kivi", 3)]:
+        c = recipe.Choice(m, b)
+        k, v = recipe._round_trip(keys, values, c, c if m == "turboquant-mse" else recipe.FP16, sinks=4, seed=0)
+        assert rel(codecs.keys_as(c), keys) == pytest.approx(rel(k, keys), rel=0.15 if m == "turboquant-mse" else 1e-3), c
+        if m == "turboquant-mse":
+            assert rel(codecs.values_as(c), values) == pytest.approx(rel(v, values), rel=0.15), c
+        assert (codecs.keys_as(c)[:, :, :4] == keys[:, :, :4].astype(mx.float32)).all()  # sinks exact
+
+
+def test_errors_weigh_a_layer_by_its_share_of_the_residual_stream(tiny):
+    model, _, ids = tiny
+    before = recipe.measure(recipe.calibrate(model, ids), sinks=0)
+    proj = model.model.layers[0].self_attn.o_proj
+    original = proj.weight
+    proj.weight = original * 3
+    try:
+        samples = recipe.calibrate(model, ids)
+        after = recipe.measure(samples, sinks=0)
+    finally:
+        proj.weight = original
+    c = recipe.Choice("turboquant-mse", 2)
+    # Layer 0's attention adds three times as much to the stream, and so does its error
+    # (the relative error of the attention output itself is unchanged).
+    assert after[0].keys[c] == pytest.approx(9 * before[0].keys[c], rel=0.05)
+    assert samples[0].stream is not None and samples[0].out_proj is proj
 
 
 def test_auto_gives_the_harder_layer_more_key_bits(tiny, hard_layer):
     model, _, ids = tiny
     cfg = KVConfig.auto(model, ids, bits_budget=3.5, window=4, sinks=0)
+    layout = recipe.Layout(window=4, sinks=0, seed=0)
     key_bits = []
     for i in range(2):
         c = cfg.for_layer(i)
-        key_bits.append(16.0 if c is None else recipe.stored_bits(c.key_method, c.key_bits, 64, True))
+        key = recipe.FP16 if c is None or c.key_method == "fp16" else recipe.Choice(c.key_method, c.key_bits)
+        key_bits.append(layout.pair_bits(64, key, recipe.FP16))
     assert key_bits[hard_layer] > key_bits[1 - hard_layer], cfg.layers
 
 

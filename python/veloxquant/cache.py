@@ -165,20 +165,25 @@ class KVConfig:
         return dataclasses.replace(self, layers=layers, protect=(), protect_bits=None)
 
     @classmethod
-    def auto(cls, model, tokens, bits_budget: float = 3.5, **settings) -> "KVConfig":
+    def auto(cls, model, tokens, bits_budget: float = 3.5, context: Optional[int] = None, **settings) -> "KVConfig":
         """A config with a measured recipe per layer (``layers``): one float16
-        forward over ``tokens`` (at most 512 are used) collects each layer's
-        keys, values and queries; candidates (TurboQuant-MSE and KIVI keys,
-        TurboQuant-MSE values, at 2, 3, 4 and 8 bits, and float16) are
-        compared by the attention-output error they cause, and bits go
-        greedily where they remove the most error, keeping the average stored
-        bits per compressed element within ``bits_budget``. ``settings`` are
-        the other fields (window, sinks, seed, policy; layers that ``protect``
-        or ``layers`` configure keep those settings, and count in the
-        budget). See veloxquant.recipe."""
+        forward over ``tokens`` (at most veloxquant.recipe.MAX_TOKENS are
+        used) collects each layer's keys, values and queries; candidates
+        (TurboQuant-MSE keys and values at 2, 3 and 4 bits, KIVI keys at 2,
+        3, 4 and 8, and float16) are compared by the error their change of
+        the attention output makes in the residual stream, and bits go
+        greedily where they remove the most error, keeping the stored bits
+        per key/value element within ``bits_budget``. With ``context`` (a
+        number of tokens) the budget counts everything the cache stores at
+        that length, as ``cache_data_nbytes`` does: codes, norms, scales,
+        the float16 sinks and window, key means and the shared rotations and
+        codebooks; without, what each compressed token stores, which long
+        contexts approach. ``settings`` are the other fields (window, sinks,
+        seed, policy; layers that ``protect`` or ``layers`` configure keep
+        those settings, and count in the budget). See veloxquant.recipe."""
         from .recipe import auto_recipe
 
-        return auto_recipe(model, tokens, bits_budget, cls(**settings))[0]
+        return auto_recipe(model, tokens, bits_budget, cls(**settings), context)[0]
 
     def settings(self) -> Dict[str, Any]:
         """The LayerCache keyword arguments (no per-layer overrides)."""

@@ -69,7 +69,9 @@ class CacheSpec:
     protect: Optional[str] = None  # "auto": KVConfig(protect="auto")
     bits_budget: Optional[float] = None  # KVConfig.auto over `calibration`, within this budget
     calibration: Optional[List[int]] = None
+    context: Optional[int] = None  # bits_budget counts what the cache stores at this many tokens
     recipe: Optional[str] = None  # the KVConfig JSON that bits_budget's calibration chose
+    recipe_summary: Optional[str] = None  # and what it chose per layer, in a line
 
     def make(self, model):
         from mlx_lm.models.cache import make_prompt_cache as mlx_make
@@ -88,7 +90,13 @@ class CacheSpec:
             cfg = dataclasses.replace(cfg, protect=self.protect)
         if self.bits_budget is not None:
             if self.recipe is None:  # one calibration per spec
-                self.recipe = KVConfig.auto(model, self.calibration, self.bits_budget, window=self.window, sinks=self.sinks, seed=self.seed).to_json()
+                from .recipe import auto_recipe
+
+                chosen, recipe = auto_recipe(
+                    model, self.calibration, self.bits_budget,
+                    KVConfig(window=self.window, sinks=self.sinks, seed=self.seed), context=self.context,
+                )
+                self.recipe, self.recipe_summary = chosen.to_json(), recipe.summary()
             cfg = KVConfig.from_json(self.recipe)
         return make_prompt_cache(model, cfg)
 
@@ -362,6 +370,10 @@ def to_markdown(results: List[Result], meta: dict) -> str:
         lines.append("|---|" + "---|" * len(needle_keys))
         for r in results:
             lines.append(f"| {r.spec.label} | " + " | ".join(str(int(r.needle[k])) for k in needle_keys) + " |")
+    recipes = [r for r in results if r.spec.recipe_summary]
+    if recipes:
+        lines += ["", "Recipes chosen (`KVConfig.auto` within the budget in the label; bits as the recipe counts them):", ""]
+        lines += [f"- {r.spec.label}: {r.spec.recipe_summary}" for r in recipes]
     if meta.get("skipped"):
         lines += ["", "Skipped (width not offered by the method): " + "; ".join(meta["skipped"]) + "."]
     if meta.get("failed"):
@@ -570,7 +582,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--out-jsonl", default=None, help="JSON lines, one per cache (default: OUT/quality.jsonl)")
     p.add_argument(
         "--auto", default="", help="more veloxquant rows: 'protect' (each --bits row with --kv-protect auto) and "
-        "bit budgets (--kv-recipe auto, calibrated on the first 256 tokens), e.g. protect,3,3.5 (default: none)"
+        "bit budgets (--kv-recipe auto, calibrated on the prefix's first tokens, the budget counting what the cache "
+        "stores at --tokens), e.g. protect,3,3.5 (default: none)"
     )
     p.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
     args = p.parse_args(list(argv) if argv is not None else None)
@@ -623,7 +636,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         specs += [dataclasses.replace(s, label=s.label + "-protect-auto", protect="auto") for s in specs if s.kind == "veloxquant"]
     for b in budgets:
         specs.append(CacheSpec(f"recipe-auto-{b:g}", "veloxquant", bits=4, method="turboquant-mse", window=args.kv_window,
-                               sinks=args.kv_sinks, bits_budget=b,
+                               sinks=args.kv_sinks, bits_budget=b, context=args.tokens,
                                calibration=encode_text(tokenizer, english_text())[:min(MAX_TOKENS, args.prefix)]))
     # Validate every veloxquant configuration before the long run. A sweep
     # may pair a method with widths it lacks (pq has 1, 2, 4): those are

@@ -1,26 +1,46 @@
 """Per-layer recipes measured on the model's own keys, values and queries.
 
-:func:`calibrate` runs one float16 forward over a few hundred tokens and
-keeps every attention layer's keys, values and queries. :func:`measure`
-compresses them with each candidate (through a ``LayerCache``, so the error
-is the cache's own: centring, rotation, float16 norms and scales) and
-measures the **attention-output error**: for sampled query positions,
-``|softmax(q K̂ᵀ) V - softmax(q Kᵀ) V|² / |softmax(q Kᵀ) V|²`` with the keys
-compressed and exact values, and ``|A V̂ - A V|² / |A V|²`` for values.
+:func:`calibrate` runs one float16 forward over at most ``MAX_TOKENS``
+tokens and keeps every attention layer's keys and values, the queries of a
+few sampled positions, and the residual stream entering each block at those
+positions. :func:`measure` compresses each layer's keys and values with
+every candidate and scores it by what the change in the attention output
+adds to the residual stream, relative to the stream there:
+``|W_o (ô - o)|² / |h|²`` averaged over the sampled positions, where ``o``
+is the exact attention output, ``ô`` the one with the candidate's keys (or
+values), ``W_o`` the block's output projection and ``h`` the residual
+stream entering the block (a model whose blocks lack ``self_attn.o_proj``
+falls back to ``|ô - o|² / |o|²``). A change small beside a stream that
+earlier layers made large matters little; the same change in the first
+layers, whose stream is still small, carries through every later one.
+
+The candidates are scored by stand-ins for the cache's codecs written in
+MLX operations (:class:`Codecs`), all layers of one shape in one graph: the
+cache's own round trip (``LayerCache``) costs about 0.1 s per candidate for
+SmolLM2-135M and the whole calibration has to stay near a second on a CPU.
+The stand-ins follow the cache's layouts (keys centred by their mean;
+TurboQuant-MSE: float16 norm, a seeded orthogonal rotation, the Lloyd-Max
+codebook of a unit vector's coordinate; KIVI keys: per-channel float16
+scale and zero over 32-token groups); python/tests checks their error
+against the cache's.
+
 :func:`allocate` then raises, greedily, the side of the layer whose next
-candidate removes the most error per added bit, while the average bits per
-element (the bytes each codec really stores: codes, norms, KIVI scales and
-zeros) stays within the budget. ``KVConfig.auto`` and ``--kv-recipe auto``
-use these.
+candidate removes the most error per added bit while the recipe's bits per
+element (:class:`Layout`: the bytes a ``LayerCache`` of each candidate pair
+stores, the float16 windows, sinks, key means and the shared rotations and
+codebooks included when a context length is given) stay within the budget.
+``KVConfig.auto`` and ``--kv-recipe auto`` use these.
 
 :func:`outlier_error` is the criterion of ``protect="auto"``: the key error
-of one layer at its configured method and bits, measured as above on the
-first chunk the layer sees.
+of one layer at its configured method and bits, through the cache itself,
+on the first chunk the layer sees.
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import functools
 import math
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -28,26 +48,27 @@ import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
 # Key candidates: TurboQuant-MSE and KIVI (per-channel keys) at these bits,
-# and float16; value candidates: TurboQuant-MSE at these bits, and float16.
-CANDIDATE_BITS = (2, 3, 4, 8)
-KEY_METHODS = ("turboquant-mse", "kivi")
-VALUE_METHODS = ("turboquant-mse",)
-# Calibration tokens (SmolLM2-135M's forward over 256 tokens takes about a
-# second on a 2-core CPU; 512 took four times that), and query positions
-# sampled from them per layer.
-MAX_TOKENS = 256
-MAX_QUERIES = 64
+# and float16; value candidates: TurboQuant-MSE, and float16. 8-bit
+# TurboQuant is left out: its 256-entry codebook takes the cache most of a
+# second to build, and 8-bit KIVI keys cover that step.
+KEY_CANDIDATE_BITS = {"turboquant-mse": (2, 3, 4), "kivi": (2, 3, 4, 8)}
+VALUE_CANDIDATE_BITS = {"turboquant-mse": (2, 3, 4)}
+# Calibration tokens: SmolLM2-135M's forward over 128 tokens takes about
+# 0.8 s on a 2-core CPU (over 256, twice that), and query positions sampled
+# from them per layer.
+MAX_TOKENS = 128
+MAX_QUERIES = 32
 # A calibration shorter than this says little about a layer: generate pads
 # a short prompt with the shipped text.
-MIN_TOKENS = 128
-# KIVI's token group (keys) and largest channel group (values), as the cache stores them.
-_KIVI_GROUP = 32
-# Widths whose error is extrapolated, not measured: each bit beyond
-# MEASURED_BITS divides the squared error by 4, as for any fine uniform or
-# Lloyd-Max quantizer; SmolLM2-135M measures 8-bit errors of 1e-4 to 1e-5,
-# which no allocation can tell from zero, and 8-bit TurboQuant's 256-entry
-# codebook would take most of the calibration's time.
-MEASURED_BITS = 4
+MIN_TOKENS = 96
+# Key candidates of at least this many bits are scored through the
+# attention linearised around the exact softmax (first order in the score
+# changes, no exponentials: a softmax per candidate is most of the
+# measurement's time on a CPU). On SmolLM2-135M the first-order error is
+# within about 20% of the exact one at 3 bits, off by up to 50% at 2.
+LINEAR_FROM_BITS = 3
+# KIVI's token group for keys, as the cache stores them.
+KIVI_GROUP = 32
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,28 +86,12 @@ class Choice:
 FP16 = Choice("fp16", 16)
 
 
-def stored_bits(method: str, bits: int, head_dim: int, keys: bool) -> float:
-    """Bits the cache stores per compressed element of one side (codes and
-    their norms or scales), as its codecs lay them out."""
-    packed = 8 * math.ceil(head_dim * bits / 8)  # codes of one token and head, bit-packed to bytes
-    if method == "fp16":
-        return 16.0
-    if method == "turboquant-mse":
-        return (packed + 16) / head_dim  # a float16 norm per token and head
-    if method == "kivi":
-        if keys:  # float16 scale and zero per channel per group of 32 tokens
-            return packed / head_dim + 32 / _KIVI_GROUP
-        group = next((g for g in (32, 24, 16, 8) if head_dim % g == 0), 8)
-        return packed / head_dim + 32 / group  # float16 scale and zero per channel group
-    raise ValueError(f"stored_bits: no layout known for method {method!r}")
-
-
 def key_candidates() -> List[Choice]:
-    return [Choice(m, b) for m in KEY_METHODS for b in CANDIDATE_BITS] + [FP16]
+    return [Choice(m, b) for m, bits in KEY_CANDIDATE_BITS.items() for b in bits] + [FP16]
 
 
 def value_candidates() -> List[Choice]:
-    return [Choice(m, b) for m in VALUE_METHODS for b in CANDIDATE_BITS] + [FP16]
+    return [Choice(m, b) for m, bits in VALUE_CANDIDATE_BITS.items() for b in bits] + [FP16]
 
 
 # --- calibration ------------------------------------------------------------------
@@ -96,43 +101,90 @@ class _Recorder(KVCache):
     """mlx_lm's float16 cache, also keeping the queries that attend over it
     (the attention dispatch hands them to ``observe_queries``)."""
 
-    def __init__(self):
+    def __init__(self, positions: mx.array):
         super().__init__()
+        self.positions = positions
         self.queries = None
 
     def observe_queries(self, queries: mx.array) -> None:
-        self.queries = queries if self.queries is None else mx.concatenate([self.queries, queries], axis=2)
+        self.queries = queries[:, :, self.positions, :]
+
+
+class _Tap:
+    """Stands in for a transformer block during the calibration forward,
+    keeping the residual stream that enters it at the sampled positions."""
+
+    def __init__(self, block, positions: mx.array):
+        self.block, self.positions, self.stream = block, positions, None
+
+    def __call__(self, x, *args, **kwargs):
+        self.stream = x[:, self.positions, :]
+        return self.block(x, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.block, name)
 
 
 @dataclasses.dataclass
 class LayerSample:
     index: int
-    queries: mx.array  # [B, H, L, D]
+    positions: List[int]  # the sampled query positions
+    queries: mx.array  # [B, H, n, D], at the sampled positions
     keys: mx.array  # [B, Hkv, L, D]
     values: mx.array
+    stream: Optional[mx.array] = None  # [B, n, hidden]: the residual stream entering the block
+    out_proj: Optional[object] = None  # the block's attention output projection (hidden ← H * D)
+
+
+def query_positions(length: int) -> List[int]:
+    """Positions whose queries score the candidates: spread over the last
+    three quarters, the last included (the first tokens attend mostly to the
+    sinks, which stay float16)."""
+    lo = min(length - 1, max(1, length // 4))
+    n = min(MAX_QUERIES, length - lo)
+    return sorted({length - 1 - (j * (length - 1 - lo)) // max(n - 1, 1) for j in range(n)})
+
+
+def _blocks(model, count: int):
+    """The model's transformer blocks, if it lists one per cache."""
+    body = getattr(model, "model", model)
+    layers = getattr(body, "layers", None)
+    return layers if isinstance(layers, list) and len(layers) == count else None
 
 
 def calibrate(model, tokens: Sequence[int]) -> List[LayerSample]:
-    """Every plain-KVCache layer's keys, values and queries over ``tokens``
-    (at most MAX_TOKENS are used), from one forward with float16 caches."""
+    """Every plain-KVCache layer's keys and values over ``tokens`` (at most
+    MAX_TOKENS are used), with the queries and the residual stream at
+    :func:`query_positions`, from one forward with float16 caches."""
     from . import attention
     from .cache import _base_caches
 
     ids = [int(t) for t in list(tokens)[:MAX_TOKENS]]
     if len(ids) < 2:
         raise ValueError(f"tokens: the calibration needs at least 2 tokens, got {len(ids)}")
+    positions = query_positions(len(ids))
+    pos = mx.array(positions)
     attention.install()
     caches = _base_caches(model)
     recorders = {}
     for i, c in enumerate(caches):
         if type(c) is KVCache:
-            caches[i] = recorders[i] = _Recorder()
+            caches[i] = recorders[i] = _Recorder(pos)
     if not recorders:
         raise ValueError("the model has no layer with a plain KVCache to calibrate")
+    blocks = _blocks(model, len(caches))
+    taps = {}
+    if blocks is not None:
+        for i in recorders:
+            taps[i] = blocks[i] = _Tap(blocks[i], pos)
     # The transformer without its output head, whose logits nothing here reads.
     body = getattr(model, "model", None)
     body = body if callable(body) else model
-    mx.eval(body(mx.array(ids)[None], cache=caches))
+    try:
+        body(mx.array(ids)[None], cache=caches)
+    finally:
+        for i, tap in taps.items():
+            blocks[i] = tap.block
     out = []
     for i, r in recorders.items():
         if r.queries is None:
@@ -140,52 +192,259 @@ def calibrate(model, tokens: Sequence[int]) -> List[LayerSample]:
                 f"layer {i}: its attention bypassed mlx_lm's scaled_dot_product_attention, so its queries "
                 "could not be observed"
             )
-        out.append(LayerSample(i, r.queries, r.keys[..., : r.offset, :], r.values[..., : r.offset, :]))
+        tap = taps.get(i)
+        proj = getattr(getattr(tap.block, "self_attn", None), "o_proj", None) if tap is not None else None
+        stream = tap.stream if proj is not None else None
+        out.append(LayerSample(i, positions, r.queries, r.keys[..., : r.offset, :], r.values[..., : r.offset, :], stream, proj))
+    mx.eval([(s.queries, s.keys, s.values) + ((s.stream,) if s.stream is not None else ()) for s in out])
     return out
+
+
+# --- codec stand-ins -------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=None)
+def sphere_codebook(head_dim: int, bits: int) -> Tuple[float, ...]:
+    """Lloyd-Max levels for one coordinate of a uniformly random unit vector
+    in ``head_dim`` dimensions (density ∝ (1 - t²)^((D - 3) / 2)): what
+    TurboQuant-MSE quantizes its rotated, normalised coordinates with."""
+    import numpy as np
+
+    sd = 1.0 / math.sqrt(head_dim)
+    t = np.linspace(-min(1.0, 12 * sd), min(1.0, 12 * sd), 20001)
+    w = np.clip(1.0 - t * t, 0.0, None) ** ((head_dim - 3) / 2)
+    cdf = np.cumsum(w) / w.sum()
+    levels = np.interp((np.arange(2**bits) + 0.5) / 2**bits, cdf, t)
+    for _ in range(200):
+        edges = (levels[1:] + levels[:-1]) / 2
+        cell = np.searchsorted(edges, t)
+        mass = np.bincount(cell, w, 2**bits)
+        new = np.bincount(cell, w * t, 2**bits) / np.maximum(mass, 1e-300)
+        if np.max(np.abs(new - levels)) < 1e-9 * sd:
+            levels = new
+            break
+        levels = new
+    return tuple(float(x) for x in levels)
+
+
+@functools.lru_cache(maxsize=None)
+def _nearest_level_table(head_dim: int, bits: int) -> Tuple[mx.array, float, float]:
+    """The nearest codebook level on a fine uniform grid (4096 points over
+    ±8 standard deviations of a coordinate): one rounding and one lookup per
+    coordinate instead of a comparison per level. It differs from the exact
+    nearest level only within half a grid step of a midpoint."""
+    levels = sphere_codebook(head_dim, bits)
+    lo = -min(1.0, 8 / math.sqrt(head_dim))
+    n = 4096
+    step = -2 * lo / (n - 1)
+    grid = mx.arange(n, dtype=mx.float32) * step + lo
+    lv = mx.array(levels)
+    table = lv[mx.argmin(mx.abs(grid[:, None] - lv[None, :]), axis=1)]
+    return table, lo, step
+
+
+@functools.lru_cache(maxsize=None)
+def _rotation(head_dim: int, seed: int) -> mx.array:
+    """A seeded random orthogonal matrix (the error of TurboQuant-MSE does not
+    depend on which rotation, only that it spreads each vector evenly)."""
+    import numpy as np
+
+    q, r = np.linalg.qr(np.random.default_rng(seed).standard_normal((head_dim, head_dim)))
+    return mx.array((q * np.sign(np.diag(r))).astype(np.float32))
+
+
+def _f16(x: mx.array) -> mx.array:
+    return x.astype(mx.float16).astype(mx.float32)
+
+
+class Codecs:
+    """Keys and values of stacked layers ``[B, Hkv, L, D]`` after a
+    candidate's compression, decoded, in float32: the first ``sinks`` tokens
+    exact (the cache keeps them float16), the rest compressed."""
+
+    def __init__(self, keys: mx.array, values: mx.array, sinks: int, seed: int):
+        self.sinks = min(sinks, keys.shape[2] - 1)
+        self.keys = keys.astype(mx.float32)
+        self.values = values.astype(mx.float32)
+        # The cache stores keys minus their mean over its first append.
+        self.mean = mx.mean(self.keys, axis=2, keepdims=True)
+        self.centred = self.keys[:, :, self.sinks :] - self.mean
+        self.rotation = _rotation(keys.shape[-1], seed)
+        self._rotated = {}
+
+    def _polar(self, side: str):
+        """A side's compressed tokens as float16 norms and rotated unit
+        vectors, once for every width."""
+        if side not in self._rotated:
+            x = self.centred if side == "k" else self.values[:, :, self.sinks :]
+            norm = mx.sqrt(mx.sum(x * x, axis=-1, keepdims=True))
+            unit = ((x / mx.maximum(norm, 1e-30)).reshape(-1, x.shape[-1]) @ self.rotation.T).reshape(x.shape)
+            self._rotated[side] = (_f16(norm), unit)
+        return self._rotated[side]
+
+    def _turboquant(self, side: str, bits: int) -> mx.array:
+        norm, unit = self._polar(side)
+        table, lo, step = _nearest_level_table(unit.shape[-1], bits)
+        j = mx.clip(mx.round((unit - lo) / step), 0, table.size - 1).astype(mx.uint32)
+        y = table[j]
+        return norm * (y.reshape(-1, unit.shape[-1]) @ self.rotation).reshape(unit.shape)
+
+    @staticmethod
+    def _kivi_keys(x: mx.array, bits: int) -> mx.array:
+        # Min/max per channel over groups of KIVI_GROUP tokens; a last partial
+        # group is padded with its last token, which moves neither.
+        b, h, n, d = x.shape
+        pad = -n % KIVI_GROUP
+        if pad:
+            x = mx.concatenate([x, mx.repeat(x[:, :, -1:], pad, axis=2)], axis=2)
+        g = x.reshape(b, h, -1, KIVI_GROUP, d)
+        lo, hi = _f16(mx.min(g, axis=3, keepdims=True)), mx.max(g, axis=3, keepdims=True)
+        scale = _f16((hi - lo) / (2**bits - 1))
+        codes = mx.clip(mx.round((g - lo) / mx.maximum(scale, 1e-30)), 0, 2**bits - 1)
+        return (lo + scale * codes).reshape(b, h, -1, d)[:, :, :n]
+
+    def keys_as(self, c: Choice) -> mx.array:
+        if c == FP16:
+            return self.keys
+        if c.method == "turboquant-mse":
+            dec = self._turboquant("k", c.bits)
+        elif c.method == "kivi":
+            dec = self._kivi_keys(self.centred, c.bits)
+        else:
+            raise ValueError(f"no stand-in for {c.method} keys")
+        return mx.concatenate([self.keys[:, :, : self.sinks], dec + self.mean], axis=2)
+
+    def values_as(self, c: Choice) -> mx.array:
+        if c == FP16:
+            return self.values
+        if c.method != "turboquant-mse":
+            raise ValueError(f"no stand-in for {c.method} values")
+        return mx.concatenate([self.values[:, :, : self.sinks], self._turboquant("v", c.bits)], axis=2)
 
 
 # --- errors -----------------------------------------------------------------------
 
 
 class _Attention:
-    """Exact attention of sampled queries, per batch row (here: per layer), to
-    compare compressed keys and values against."""
+    """Exact attention of sampled queries over stacked layers (one per batch
+    row), to compare compressed keys and values against."""
 
-    def __init__(self, queries: mx.array, keys: mx.array, values: mx.array):
-        B, H, L, D = queries.shape
-        hkv = keys.shape[1]
-        n = min(MAX_QUERIES, L)
-        # Positions spread over the sequence, the last included: later
-        # queries see more of the compressed history.
-        pos = sorted({L - 1 - (j * (L - 1)) // max(n - 1, 1) for j in range(n)})
+    def __init__(self, queries: mx.array, positions: Sequence[int], keys: mx.array, values: mx.array):
+        B, H, n, D = queries.shape
+        hkv, L = keys.shape[1], keys.shape[2]
+        self.shape = (B, hkv, H // hkv, n, D)
         self.scale = D**-0.5
         # [B, Hkv, rep * n, D]: a KV head with the query heads that read it.
-        q = queries[:, :, mx.array(pos), :].astype(mx.float32)
-        self.q = q.reshape(B, hkv, (H // hkv) * len(pos), D)
-        p = mx.array(pos * (H // hkv))[:, None]
+        self.q = queries.astype(mx.float32).reshape(B, hkv, (H // hkv) * n, D)
+        p = mx.array(list(positions) * (H // hkv))[:, None]
         self.mask = mx.where(mx.arange(L)[None, :] <= p, 0.0, -mx.inf)  # causal
+        self.keys = keys.astype(mx.float32)
         self.values = values.astype(mx.float32)
         self.weights = self._weights(keys)
         self.out = self.weights @ self.values
-        self.norm = mx.maximum(self._per_row(self.out * self.out), 1e-30)
-
-    @staticmethod
-    def _per_row(x: mx.array) -> mx.array:
-        return mx.sum(x.reshape(x.shape[0], -1), axis=1)
 
     def _weights(self, keys: mx.array) -> mx.array:
         k = keys.astype(mx.float32)
         return mx.softmax(self.scale * (self.q @ k.swapaxes(-1, -2)) + self.mask, axis=-1)
 
-    def key_error(self, keys: mx.array) -> mx.array:
-        """Per row: |softmax(q K̂ᵀ) V - softmax(q Kᵀ) V|² / |softmax(q Kᵀ) V|²."""
-        d = self._weights(keys) @ self.values - self.out
-        return self._per_row(d * d) / self.norm
+    def key_change(self, keys: mx.array, linear: bool = False) -> mx.array:
+        """softmax(q K̂ᵀ) V - softmax(q Kᵀ) V; ``linear``: to first order in
+        the score changes, A (ds - (A ds)) V."""
+        if not linear:
+            return self._weights(keys) @ self.values - self.out
+        ds = self.scale * (self.q @ (keys.astype(mx.float32) - self.keys).swapaxes(-1, -2))
+        a = self.weights * ds
+        return a @ self.values - mx.sum(a, axis=-1, keepdims=True) * self.out
 
-    def value_error(self, values: mx.array) -> mx.array:
-        """Per row: |A V̂ - A V|² / |A V|²."""
-        d = self.weights @ (values.astype(mx.float32) - self.values)
-        return self._per_row(d * d) / self.norm
+    def value_change(self, values: mx.array) -> mx.array:
+        """A V̂ - A V."""
+        return self.weights @ (values.astype(mx.float32) - self.values)
+
+    def heads_last(self, x: mx.array) -> mx.array:
+        """[B, Hkv, rep * n, D] -> [B, n, H * D], the heads in the order the
+        output projection reads them."""
+        _, hkv, rep, n, D = self.shape
+        B = x.shape[0]
+        return x.reshape(B, hkv, rep, n, D).transpose(0, 3, 1, 2, 4).reshape(B, n, hkv * rep * D)
+
+
+def _out_proj_matrix(proj) -> Optional[mx.array]:
+    """An attention output projection as a float32 matrix [H * D, hidden]
+    (a float or quantized mlx Linear), or None."""
+    w = getattr(proj, "weight", None)
+    if w is None:
+        return None
+    if "scales" in proj:
+        w = mx.dequantize(w, proj.scales, proj.get("biases"), proj.group_size, proj.bits)
+    return w.astype(mx.float32).T
+
+
+class _Scorer:
+    """Each layer's error for changes of the attention output of stacked
+    layers: ``g · Σ|ô - o|² / Σ|o|²`` over the sampled positions, where
+    ``g``, the attention's share of the residual stream, is the mean over
+    positions of ``|W_o o|² / |h|²`` (1 for a layer without a projection or
+    stream to measure against). The change is taken to pass through the
+    projection as the output does, which saves a product per candidate."""
+
+    def __init__(self, att: _Attention, samples: Sequence[LayerSample]):
+        o = att.out
+        self.norm = mx.maximum(mx.sum(o.reshape(o.shape[0], -1) ** 2, axis=1), 1e-30)
+        heads = att.heads_last(o)
+        gains = []
+        for r, s in enumerate(samples):
+            w = _out_proj_matrix(s.out_proj) if s.stream is not None else None
+            if w is None:
+                gains.append(mx.array(1.0))
+                continue
+            y = heads[r] @ w
+            h = s.stream[0].astype(mx.float32)
+            gains.append(mx.mean(mx.sum(y * y, axis=-1) / mx.maximum(mx.sum(h * h, axis=-1), 1e-30)))
+        self.gain = mx.stack(gains)
+
+    def __call__(self, change: mx.array) -> mx.array:
+        """Per layer: the error of ``change`` ([B, Hkv, rep * n, D])."""
+        return self.gain * mx.sum(change.reshape(change.shape[0], -1) ** 2, axis=1) / self.norm
+
+
+@dataclasses.dataclass
+class LayerErrors:
+    index: int
+    kv_heads: int
+    head_dim: int
+    keys: Dict[Choice, float]
+    values: Dict[Choice, float]
+
+
+def measure(samples: Sequence[LayerSample], sinks: int = 4, seed: int = 0) -> List[LayerErrors]:
+    """Each layer's key and value errors for every candidate. Layers of one
+    shape are stacked along the batch and scored in one graph."""
+    groups: Dict[tuple, List[LayerSample]] = {}
+    for s in samples:
+        groups.setdefault((s.queries.shape, s.keys.shape), []).append(s)
+    out = {}
+    for group in groups.values():
+        cat = lambda name: mx.concatenate([getattr(s, name) for s in group], axis=0)  # noqa: E731
+        keys, values = cat("keys"), cat("values")
+        att = _Attention(cat("queries"), group[0].positions, keys, values)
+        codecs = Codecs(keys, values, sinks, seed)
+        score = _Scorer(att, group)
+        kerr = {c: score(att.key_change(codecs.keys_as(c), linear=c.bits >= LINEAR_FROM_BITS))
+                for c in key_candidates() if c != FP16}
+        verr = {c: score(att.value_change(codecs.values_as(c))) for c in value_candidates() if c != FP16}
+        mx.eval(kerr, verr)
+        _, hkv, _, d = keys.shape
+        kerr = {c: e.tolist() for c, e in kerr.items()}
+        verr = {c: e.tolist() for c, e in verr.items()}
+        for r, s in enumerate(group):
+            ke = {c: e[r] for c, e in kerr.items()}
+            ve = {c: e[r] for c, e in verr.items()}
+            ke[FP16] = ve[FP16] = 0.0
+            out[s.index] = LayerErrors(s.index, hkv, d, ke, ve)
+    return [out[s.index] for s in samples]
+
+
+# --- the cache's own round trip (protect="auto") ------------------------------------
 
 
 def _round_trip(keys: mx.array, values: mx.array, key: Choice, value: Choice, sinks: int, seed: int):
@@ -204,56 +463,74 @@ def _round_trip(keys: mx.array, values: mx.array, key: Choice, value: Choice, si
 
 
 def outlier_error(queries: mx.array, keys: mx.array, values: mx.array, config) -> float:
-    """Attention-output error of ``keys`` compressed as ``config`` says
-    (values exact), the largest over the batch."""
-    att = _Attention(queries, keys, values)
+    """Attention-output error |ô - o|² / |o|² of ``keys`` compressed as
+    ``config`` says (values exact), the largest over the batch, from the
+    queries of the last MAX_QUERIES * 2 positions or fewer, spread."""
+    L = queries.shape[2]
+    n = min(2 * MAX_QUERIES, L)
+    positions = sorted({L - 1 - (j * (L - 1)) // max(n - 1, 1) for j in range(n)})
+    att = _Attention(queries[:, :, mx.array(positions), :], positions, keys, values)
     k, _ = _round_trip(keys, values, Choice(config.key_method, config.key_bits), FP16, config.sinks, config.seed)
-    return float(mx.max(att.key_error(k)).item())
+    change = att.key_change(k)
+    o = att.out
+    per_row = lambda x: mx.sum(x.reshape(x.shape[0], -1) ** 2, axis=1)  # noqa: E731
+    return float(mx.max(per_row(change) / mx.maximum(per_row(o), 1e-30)).item())
 
 
-@dataclasses.dataclass
-class LayerErrors:
-    index: int
-    elements: int  # key (= value) elements per token
-    head_dim: int
-    keys: Dict[Choice, float]
-    values: Dict[Choice, float]
+# --- bits -------------------------------------------------------------------------
 
 
-def measure(samples: Sequence[LayerSample], sinks: int = 4, seed: int = 0) -> List[LayerErrors]:
-    """Each layer's key and value errors for every candidate. Layers of one
-    shape are stacked along the batch: one cache round trip per candidate."""
-    groups: Dict[tuple, List[LayerSample]] = {}
-    for s in samples:
-        groups.setdefault((s.queries.shape, s.keys.shape), []).append(s)
-    measured = lambda c: c != FP16 and c.bits <= MEASURED_BITS  # noqa: E731
-    kc, vc = [c for c in key_candidates() if measured(c)], [c for c in value_candidates() if measured(c)]
-    out = {}
-    for group in groups.values():
-        cat = lambda name: mx.concatenate([getattr(s, name) for s in group], axis=0)  # noqa: E731
-        keys, values = cat("keys"), cat("values")
-        att = _Attention(cat("queries"), keys, values)
-        kerr, verr = {}, {}
-        # One round trip per key candidate, carrying a value candidate along.
-        for j, key in enumerate(kc):
-            value = vc[j] if j < len(vc) else FP16
-            k, v = _round_trip(keys, values, key, value, sinks, seed)
-            kerr[key] = att.key_error(k)
-            if value != FP16:
-                verr[value] = att.value_error(v)
-            mx.eval(kerr[key], *verr.values())
-        _, hkv, _, d = keys.shape
-        for r, s in enumerate(group):
-            ke = {c: float(e[r].item()) for c, e in kerr.items()}
-            ve = {c: float(e[r].item()) for c, e in verr.items()}
-            for table, cands in ((ke, key_candidates()), (ve, value_candidates())):
-                for c in cands:
-                    if c == FP16:
-                        table[c] = 0.0
-                    elif c not in table:
-                        table[c] = table[Choice(c.method, MEASURED_BITS)] * 4.0 ** (MEASURED_BITS - c.bits)
-            out[s.index] = LayerErrors(s.index, hkv * d, d, ke, ve)
-    return [out[s.index] for s in samples]
+class Layout:
+    """Bits per element of a layer's candidate pairs as a ``LayerCache`` of
+    these settings stores them: at ``context`` tokens (as after appending
+    them at once) everything it stores for them (codes, norms, scales, the
+    float16 sinks and window, the key mean) and, once per set of layers with
+    the same pair, the shared rotation and codebooks; with ``context`` None,
+    what each compressed token adds (codes and their side data), which every
+    long context approaches."""
+
+    # Two long contexts of the same window occupancy: their difference is
+    # what compressed tokens alone cost.
+    _FAR = (8192, 16384)
+
+    def __init__(self, window: int, sinks: int, seed: int, context: Optional[int] = None):
+        if context is not None and (isinstance(context, bool) or not isinstance(context, int) or context < 1):
+            raise ValueError(f"context must be a number of tokens >= 1 or None, got {context!r}")
+        self.window, self.sinks, self.seed, self.context = window, sinks, seed, context
+
+    def pair_bits(self, head_dim: int, key: Choice, value: Choice) -> float:
+        """Stored bits per key/value element of a layer with this pair."""
+        if key == FP16 and value == FP16:
+            return 16.0  # mlx_lm's float16 cache
+        if self.context is None:
+            lo, hi = (self._bytes(head_dim, key, value, n)[0] for n in self._FAR)
+            return 8 * (hi - lo) / (2 * head_dim * (self._FAR[1] - self._FAR[0]))
+        return 8 * self._bytes(head_dim, key, value, self.context)[0] / (2 * head_dim * self.context)
+
+    def shared_bits(self, head_dim: int, key: Choice, value: Choice, elements: int) -> float:
+        """The pair's shared rotation and codebooks, in bits per element of a
+        model holding ``elements`` key and value elements; 0 without a context."""
+        if self.context is None or (key == FP16 and value == FP16):
+            return 0.0
+        return 8 * self._bytes(head_dim, key, value, self.context)[1] / elements
+
+    def _bytes(self, head_dim: int, key: Choice, value: Choice, tokens: int) -> Tuple[int, int]:
+        return _layer_bytes(head_dim, key, value, self.window, self.sinks, self.seed, tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _layer_bytes(head_dim, key, value, window, sinks, seed, tokens) -> Tuple[int, int]:
+    """(data bytes, shared bytes) of a one-head ``LayerCache`` holding
+    ``tokens`` tokens appended at once; its arrays are never evaluated."""
+    from .cache import _layer_cache_class
+
+    layer = _layer_cache_class()(
+        head_dim, 1, key_method=key.method, key_bits=key.bits, value_method=value.method, value_bits=value.bits,
+        window=window, sinks=sinks, seed=seed,
+    )
+    z = mx.zeros((1, 1, tokens, head_dim), dtype=mx.float16)
+    layer.append(z, z)
+    return layer.data_nbytes, layer.shared_nbytes
 
 
 # --- allocation -------------------------------------------------------------------
@@ -264,9 +541,10 @@ class Recipe:
     """What :func:`allocate` chose: per layer, the key and value choices."""
 
     choices: Dict[int, Tuple[Choice, Choice]]
-    bits: Dict[int, float]  # per layer: mean of its key and value stored bits per element
+    bits: Dict[int, float]  # per layer: stored bits per key/value element (Layout.pair_bits)
     error: Dict[int, float]  # per layer: key error + value error
-    bits_per_element: float  # over all compressed layers, weighted by their elements
+    bits_per_element: float  # over the layers given, weighted by their elements, shared tables included
+    context: Optional[int] = None  # Layout.context the bits count at
 
     def overrides(self) -> Dict[int, Optional[dict]]:
         """``KVConfig.layers`` entries: None for a float16 layer."""
@@ -285,7 +563,7 @@ class Recipe:
         ]
 
     def summary(self) -> str:
-        """One line: runs of layers with the same choice."""
+        """One line: the bits, then runs of layers with the same choice."""
         runs: List[List] = []
         for i, (k, v) in sorted(self.choices.items()):
             label = f"k {k.label} v {v.label}"
@@ -294,71 +572,90 @@ class Recipe:
             else:
                 runs.append([i, i, label])
         parts = [f"{a}{'-' + str(b) if b != a else ''}: {lab}" for a, b, lab in runs]
-        return f"{self.bits_per_element:.2f} bits/el; " + "; ".join(parts)
+        at = f"at {self.context} tokens" if self.context is not None else "of compressed tokens"
+        return f"{self.bits_per_element:.2f} bits/el {at}; " + "; ".join(parts)
 
 
 def allocate(
-    errors: Sequence[LayerErrors], bits_budget: float, fixed: Optional[Dict[int, Tuple[Choice, Choice]]] = None
+    errors: Sequence[LayerErrors], bits_budget: float, layout: Optional[Layout] = None,
+    fixed: Optional[Dict[int, Tuple[Choice, Choice]]] = None,
 ) -> Recipe:
     """Greedy: every side starts at its cheapest candidate; then, while the
     budget allows, the upgrade with the most error removed per added bit is
-    taken. ``fixed`` layers keep the given choices (their bits count)."""
+    taken (a pair no other layer uses yet adds its shared tables to the
+    cost). ``fixed`` layers keep the given choices (their bits count)."""
     if isinstance(bits_budget, bool) or not isinstance(bits_budget, (int, float)) or not math.isfinite(bits_budget):
         raise ValueError(f"bits_budget must be a number of bits per element, got {bits_budget!r}")
+    layout = layout if layout is not None else Layout(window=128, sinks=4, seed=0)
     fixed = dict(fixed or {})
-    cost = {}  # (layer, side, choice) -> stored bits
-    for e in errors:
-        for side, table in (("k", e.keys), ("v", e.values)):
-            for c in table:
-                cost[e.index, side, c] = stored_bits(c.method, c.bits, e.head_dim, side == "k")
-    # cur[(layer, side)] = choice
-    cur = {}
+    by_index = {e.index: e for e in errors}
+    weight = {e.index: 2 * e.kv_heads * e.head_dim for e in errors}  # key and value elements per token
+    total_w = sum(weight.values())
+    elements = total_w * (layout.context or 1)
+
+    def bits(i, pair):
+        return layout.pair_bits(by_index[i].head_dim, *pair)
+
+    def table_bits(i, pair) -> float:
+        return layout.shared_bits(by_index[i].head_dim, *pair, elements)
+
+    def table_key(i, pair):
+        return (by_index[i].head_dim,) + tuple(pair)
+
+    cur: Dict[int, Tuple[Choice, Choice]] = {}
     for e in errors:
         if e.index in fixed:
-            cur[e.index, "k"], cur[e.index, "v"] = fixed[e.index]
-            for side, c in zip("kv", fixed[e.index]):
-                cost.setdefault((e.index, side, c), stored_bits(c.method, c.bits, e.head_dim, side == "k"))
-        else:
-            cur[e.index, "k"] = min(e.keys, key=lambda c: (cost[e.index, "k", c], e.keys[c]))
-            cur[e.index, "v"] = min(e.values, key=lambda c: (cost[e.index, "v", c], e.values[c]))
-    weight = {e.index: e.elements for e in errors}
-    total_w = 2 * sum(weight.values())
-    spent = sum(weight[i] * cost[i, s, c] for (i, s), c in cur.items())
-    limit = bits_budget * total_w
-    if spent > limit * (1 + 1e-9):
-        raise ValueError(
-            f"bits_budget {bits_budget:g} is below the cheapest recipe's {spent / total_w:.3f} bits/element"
-        )
-    by_index = {e.index: e for e in errors}
+            cur[e.index] = tuple(FP16 if c.method == "fp16" else c for c in fixed[e.index])
+            continue
+        k = min(e.keys, key=lambda c: (bits(e.index, (c, FP16)), e.keys[c]))
+        v = min(e.values, key=lambda c: (bits(e.index, (k, c)), e.values[c]))
+        cur[e.index] = (k, v)
+    # Layers per shared set in use: a set costs its tables once.
+    users = collections.Counter(table_key(i, p) for i, p in cur.items())
+    spent = sum(weight[i] * bits(i, p) for i, p in cur.items()) / total_w
+    spent += sum(table_bits(i, p) for i, p in {table_key(i, p): (i, p) for i, p in cur.items()}.values())
+    if spent > bits_budget * (1 + 1e-9):
+        raise ValueError(f"bits_budget {bits_budget:g} is below the cheapest recipe's {spent:.3f} bits/element")
     while True:
         best = None
-        for (i, side), c in cur.items():
+        for i, (k, v) in cur.items():
             if i in fixed:
                 continue
-            table = by_index[i].keys if side == "k" else by_index[i].values
-            for n, err in table.items():
-                extra = weight[i] * (cost[i, side, n] - cost[i, side, c])
-                gain = table[c] - err
-                if extra <= 0 or gain <= 0 or spent + extra > limit * (1 + 1e-9):
-                    continue
-                rate = gain / extra
-                if best is None or rate > best[0]:
-                    best = (rate, i, side, n, extra)
+            e = by_index[i]
+            here = bits(i, (k, v))
+            freed = table_bits(i, (k, v)) if users[table_key(i, (k, v))] == 1 else 0.0
+            for side, table, now in (("k", e.keys, k), ("v", e.values, v)):
+                for n, err in table.items():
+                    gain = table[now] - err
+                    if gain <= 0:
+                        continue
+                    pair = (n, v) if side == "k" else (k, n)
+                    added = 0.0 if users[table_key(i, pair)] else table_bits(i, pair)
+                    extra = weight[i] * (bits(i, pair) - here) / total_w + added - freed
+                    if extra <= 0 or spent + extra > bits_budget * (1 + 1e-9):
+                        continue
+                    rate = gain / extra
+                    if best is None or rate > best[0]:
+                        best = (rate, i, pair, extra)
         if best is None:
             break
-        _, i, side, n, extra = best
-        cur[i, side] = n
+        _, i, pair, extra = best
+        users[table_key(i, cur[i])] -= 1
+        users[table_key(i, pair)] += 1
+        cur[i] = pair
         spent += extra
-    choices, bits, err = {}, {}, {}
-    for e in errors:
-        k, v = cur[e.index, "k"], cur[e.index, "v"]
-        choices[e.index] = (k, v)
-        bits[e.index] = (cost[e.index, "k", k] + cost[e.index, "v", v]) / 2
-        err[e.index] = e.keys.get(k, 0.0) + e.values.get(v, 0.0)
-    return Recipe(choices, bits, err, spent / total_w)
+    return Recipe(
+        dict(cur),
+        {i: bits(i, p) for i, p in cur.items()},
+        {i: by_index[i].keys.get(p[0], 0.0) + by_index[i].values.get(p[1], 0.0) for i, p in cur.items()},
+        spent,
+        layout.context,
+    )
 
 
-def auto_recipe(model, tokens: Sequence[int], bits_budget: float = 3.5, config=None) -> Tuple[object, Recipe]:
+def auto_recipe(
+    model, tokens: Sequence[int], bits_budget: float = 3.5, config=None, context: Optional[int] = None
+) -> Tuple[object, Recipe]:
     """The KVConfig of :meth:`KVConfig.auto`, and the recipe it holds."""
     from .cache import KVConfig
 
@@ -367,18 +664,23 @@ def auto_recipe(model, tokens: Sequence[int], bits_budget: float = 3.5, config=N
         raise TypeError(f"config must be a veloxquant.KVConfig, got {type(config).__name__}")
     if config.protect == "auto":
         raise ValueError("protect='auto' cannot be combined with an automatic recipe, which already picks float16 layers")
+    layout = Layout(config.window, config.sinks, config.seed, context)
     samples = calibrate(model, tokens)
     resolved = config.resolve(_layer_count(model))
     fixed = {}
     for s in samples:
         if s.index in resolved.layers:
             c = resolved.for_layer(s.index)
-            fixed[s.index] = (FP16, FP16) if c is None else (Choice(c.key_method, c.key_bits), Choice(c.value_method, c.value_bits))
+            fixed[s.index] = (FP16, FP16) if c is None else (_choice(c.key_method, c.key_bits), _choice(c.value_method, c.value_bits))
     errors = measure(samples, config.sinks, config.seed)
-    recipe = allocate(errors, bits_budget, fixed)
+    recipe = allocate(errors, bits_budget, layout, fixed)
     layers = dict(resolved.layers)
     layers.update({i: ov for i, ov in recipe.overrides().items() if i not in fixed})
     return dataclasses.replace(resolved, layers=layers), recipe
+
+
+def _choice(method: str, bits: int) -> Choice:
+    return FP16 if method == "fp16" else Choice(method, bits)
 
 
 def _layer_count(model) -> int:
