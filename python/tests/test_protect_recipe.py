@@ -153,6 +153,29 @@ def test_auto_at_a_context_stays_within_the_budget_the_evaluation_measures(tiny,
     assert budget - measured < 1.5  # spends it
 
 
+@pytest.mark.parametrize("budget", [2.6, 2.75, 3.0, 3.25, 3.5])
+def test_allocation_counts_each_shared_set_once_across_many_layers(budget):
+    # Thirty layers whose errors favour different pairs: the recipe's total,
+    # shared tables included, is what its pairs cost counted afresh.
+    import random
+
+    rng = random.Random(0)
+    errors = [
+        recipe.LayerErrors(
+            i, 3, 64,
+            {c: (0.0 if c == recipe.FP16 else rng.uniform(0.5, 2) * 4.0 ** -c.bits) for c in recipe.key_candidates()},
+            {c: (0.0 if c == recipe.FP16 else rng.uniform(0.5, 2) * 4.0 ** -c.bits) for c in recipe.value_candidates()},
+        )
+        for i in range(30)
+    ]
+    layout = recipe.Layout(window=16, sinks=4, seed=0, context=1024)
+    r = recipe.allocate(errors, budget, layout)
+    elements = 30 * 2 * 3 * 64 * 1024
+    total = sum(layout.pair_bits(64, *p) for p in r.choices.values()) / 30
+    total += sum(layout.shared_bits(64, *p, elements) for p in set(r.choices.values()))
+    assert r.bits_per_element == pytest.approx(total) and total <= budget + 1e-9
+
+
 def test_auto_without_a_context_counts_what_each_compressed_token_stores(tiny):
     model, _, ids = tiny
     cfg, r = recipe.auto_recipe(model, ids, 3.0, KVConfig(window=4, sinks=0))

@@ -678,11 +678,15 @@ def allocate(
         users[new] += 1
         cur[i] = pair
         spent += extra
-        # A set coming into use or going out of it changes what other layers' upgrades cost.
-        if users[old] == 0 or users[new] == 1:
+        # A set coming into use, going out of it, or gaining or losing its
+        # last but one user changes what other layers' upgrades add or free.
+        if users[old] <= 1 or users[new] <= 2:
             options = {j: upgrades(j) for j in free}
         else:
             options[i] = upgrades(i)
+    # The total afresh (the loop added increments).
+    spent = sum(weight[i] * bits(i, p) for i, p in cur.items()) / total_w
+    spent += sum(table_bits(i, p) for i, p in {table_key(i, p): (i, p) for i, p in cur.items()}.values())
     return Recipe(
         dict(cur),
         {i: bits(i, p) for i, p in cur.items()},
