@@ -364,7 +364,7 @@ def test_generate_prints_the_recipe_and_protected_layers(smollm):
     out = run("--kv-recipe", "auto", "--kv-bits-budget", "3")
     line = next(x for x in out.splitlines() if x.startswith("KV recipe (calibrated in "))
     bits = float(line.split("): ")[1].split(" bits/el")[0])
-    assert bits <= 3.0 and "0" in line.split("bits/el; ")[1]
+    assert bits <= 3.0 and "0" in line.split("bits/el of compressed tokens; ")[1]
     assert "(veloxquant recipe auto within 3 bits/el" in out
     out = run("--kv-protect", "0,-1", "--kv-protect-bits", "8")
     assert "protect 0,-1 at 8b" in out
