@@ -602,3 +602,55 @@ __device__ __forceinline__ void tq_split_chunk(bool compressed, const uint8_t* c
     for (int j = 0; j < 8; ++j) out[j] = 0.0f;
   }
 }
+
+// ---------------------------------------------------------------------------
+// tq_decode on the tensor cores: codes become float16 fragment registers
+// through a table in shared memory, one word per centroid (its float16 bits
+// low), two lookups and a byte permute per register. A table of at most 32
+// words lies in distinct banks, so a warp's lookups never conflict; a table
+// of every pair of centroids (one lookup a register, but bank conflicts on a
+// skewed code distribution) took the same time on the H200.
+
+// The NW 32-bit words of a shared-memory bit stream from bit `bit` on, as
+// code rows are packed (little-endian): with ALIGNED (bit a multiple of 32)
+// NW loads, else NW + 1 aligned loads and a funnel shift each (the stream
+// holds a spare word past its end for that).
+template <int NW, bool ALIGNED>
+__device__ __forceinline__ void tq_shared_bits(const uint8_t* base, uint32_t bit, uint32_t (&w)[NW]) {
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(base) + (bit >> 5);
+  if constexpr (ALIGNED) {
+#pragma unroll
+    for (int k = 0; k < NW; ++k) w[k] = p[k];
+  } else {
+    uint32_t x[NW + 1];
+#pragma unroll
+    for (int k = 0; k <= NW; ++k) x[k] = p[k];
+    const uint32_t sh = bit & 31u;
+#pragma unroll
+    for (int k = 0; k < NW; ++k) w[k] = __funnelshift_r(x[k], x[k + 1], sh);
+  }
+}
+
+// Table word e: centroid e's float16 bits.
+__device__ __forceinline__ uint32_t tq_half_entry(const float* cent, uint32_t e) {
+  return __half_as_ushort(__float2half_rn(cent[e]));
+}
+
+// Codes j and j + 1 of one row's words as a half2 word.
+template <int B, int NW>
+__device__ __forceinline__ uint32_t tq_pair_along(const uint32_t* table, const uint32_t (&w)[NW], int j) {
+  return __byte_perm(table[tq_word_code<B, NW>(w, j)], table[tq_word_code<B, NW>(w, j + 1)], 0x5410);
+}
+
+// Code j of two rows' words (lo's in the low half) as a half2 word.
+template <int B, int NW>
+__device__ __forceinline__ uint32_t tq_pair_across(const uint32_t* table, const uint32_t (&lo)[NW],
+                                                   const uint32_t (&hi)[NW], int j) {
+  return __byte_perm(table[tq_word_code<B, NW>(lo, j)], table[tq_word_code<B, NW>(hi, j)], 0x5410);
+}
+
+// Two floats as a half2 word (lo in the low half).
+__device__ __forceinline__ uint32_t tq_half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}

@@ -18,20 +18,30 @@
 // A split holds at most TT tokens (the host's split plan). Its codes are
 // copied into shared memory first, all at once (cp.async, 16 bytes a
 // request, so that a block keeps tens of kilobytes in flight), with the
-// norms and the rotated queries beside them; then three passes with
-// barriers between them, so that no pass carries another's registers and
-// no lane repeats another's work:
-//   scores: groups of TPT lanes share U tokens (lane li holds chunks
-//     c = li + k * TPT, k < CPT, of 8 dimensions); a group's U * QN partial
-//     dot products are summed over its lanes by one reduce-scatter, and the
-//     lane that ends with a sum scales, masks and stores it in shared memory;
+// norms and the rotated queries beside them; then three passes with barriers
+// between them, so that no pass carries another's registers:
+//   scores: S = Q K^T on the tensor cores (D a multiple of 16): warps take
+//     tiles of 8 tokens; in a tile lane 4g + q decodes token g's dimensions
+//     [q D/4, (q + 1) D/4) into B fragments through a float16 table (the k
+//     index of the mma maps to those dimensions, the queries' A fragments
+//     the same way); each token's sum is scaled by its norm and masked;
 //   weights: warp r turns row r's scores into e^(s - m), m the split's max;
-//   values: the same groups add each token's weighted value to their
-//     accumulators.
-// Groups share the split's max, so the last combine is a plain sum. Window
-// splits read the float16 rows where they lie.
-// Dynamic shared memory: TT * (KROW + VROW) bytes (the host's
-// cuda_dynamic_shared_bytes), the split's key then value codes.
+//   values: O^T = V^T P^T on the tensor cores: warps take steps of 16
+//     tokens; lane 4g + q decodes dimensions [g D/8, (g + 1) D/8) of tokens
+//     2q, 2q + 1, 2q + 8, 2q + 9 of the step, two tokens' codes of one
+//     dimension to an A register (the mma's k index runs over tokens); the
+//     weights, times each token's value norm, are the B fragments.
+// Window splits, and every split of a float32 cache or where D is not a
+// multiple of 16, take the scalar path instead (float32 throughout): groups
+// of TPT lanes share U tokens (lane li holds chunks c = li + k * TPT,
+// k < CPT, of 8 dimensions), a group's U * QN partial dot products summed by
+// one reduce-scatter; window rows are read where they lie. Groups and warps share the split's max, so the last
+// combine is a plain sum. Products on the tensor cores take float16
+// operands (the centroids, the queries, the weights times the norms) and
+// add in float32.
+// Dynamic shared memory: TT * (KROW + VROW) + 16 bytes (the host's
+// cuda_dynamic_shared_bytes), the split's key then value codes and a spare
+// word for unaligned reads.
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int NCH = D / 8;
@@ -47,10 +57,21 @@ constexpr int TT = 256;
 constexpr int KROW = D * KB / 8;
 constexpr int VROW = D * VB / 8;
 constexpr unsigned FULL = 0xffffffffu;
+// The tensor-core path's shapes (see above).
+constexpr bool MMA = D % 16 == 0 && sizeof(T) == 2;
+constexpr int KSEG = D / 4;
+constexpr int KS = D / 16;
+constexpr int KNW = (KSEG * KB + 31) / 32;
+constexpr bool KALIGNED = (KSEG * KB) % 32 == 0 && KROW % 4 == 0;
+constexpr int VSEG = D / 8;
+constexpr int VNW = (VSEG * VB + 31) / 32;
+constexpr bool VALIGNED = (VSEG * VB) % 32 == 0 && VROW % 4 == 0;
 static_assert(QN <= WARPS, "one warp per row weighs the scores");
 __shared__ float qs[QN * D];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
+__shared__ uint32_t kt[1 << KB];
+__shared__ uint32_t vt[1 << VB];
 __shared__ float sc[QN * TT];
 __shared__ float m_s[QN];
 __shared__ float l_s[QN];
@@ -149,6 +170,10 @@ if (compressed) {
   }
   for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
   for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
+  if (MMA && compressed) {
+    for (uint32_t e = tid; e < (1u << KB); e += TG) kt[e] = tq_half_entry(k_cent, e);
+    for (uint32_t e = tid; e < (1u << VB); e += TG) vt[e] = tq_half_entry(v_cent, e);
+  }
   if (tid < uint32_t(QN)) {
     m_s[tid] = ninf;
     l_s[tid] = 0.0f;
@@ -188,65 +213,97 @@ for (uint32_t i = tid; i < uint32_t(D); i += TG) {
 }
 vq_copy_wait();
 __syncthreads();
-// Scores, in steps of STEP tokens: a group's tokens in a step are
-// st + u * GROUPS + gi, so that neighbouring groups read neighbouring rows.
-{
-  float qv[QN][CPT * 8];
+const uint32_t g = lane >> 2, tg = lane & 3u;
+if (MMA && compressed) {
+  // Scores on the tensor cores: the A fragments hold rows g (rows g + 8 and
+  // past QN are zero).
+  uint32_t qa[KS][2];
 #pragma unroll
-  for (int r = 0; r < QN; ++r) {
+  for (int ks = 0; ks < KS; ++ks) {
+    const float* x = qs + (g < uint32_t(QN) ? g : 0u) * D + tg * KSEG + 4 * ks;
+    const bool on = g < uint32_t(QN);
+    qa[ks][0] = on ? tq_half2_bits(x[0], x[1]) : 0u;
+    qa[ks][1] = on ? tq_half2_bits(x[2], x[3]) : 0u;
+  }
+  for (uint32_t n0 = warp * 8; n0 < tn; n0 += WARPS * 8) {
+    uint32_t w[KNW];
+    tq_shared_bits<KNW, KALIGNED>(ksm, (n0 + g) * (KROW * 8) + tg * (KSEG * KB), w);
+    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-    for (int k = 0; k < CPT; ++k) {
-      const uint32_t c = li + k * TPT;
+    for (int ks = 0; ks < KS; ++ks) {
+      const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
+      vq_mma(c, a, tq_pair_along<KB, KNW>(kt, w, 4 * ks), tq_pair_along<KB, KNW>(kt, w, 4 * ks + 2));
+    }
+    const uint32_t rr = tile * QN + g;
 #pragma unroll
-      for (int j = 0; j < 8; ++j) qv[r][k * 8 + j] = c < uint32_t(NCH) ? qs[r * D + c * 8 + j] : 0.0f;
+    for (int e = 0; e < 2; ++e) {
+      const uint32_t i = n0 + 2 * tg + e;
+      if (g < uint32_t(QN) && i < tn) {
+        const uint32_t pos = N_SINK + t_begin + i;
+        const bool out = rr >= head_rows || (CAUSAL && pos > total - L + rr % L);
+        sc[g * TT + i] = out ? ninf : c[e] * kn_s[i];
+      }
     }
   }
-  for (uint32_t st = 0; st < tn; st += STEP) {
-    float part[V];
+} else {
+  // Scores, in steps of STEP tokens: a group's tokens in a step are
+  // st + u * GROUPS + gi, so that neighbouring groups read neighbouring rows.
+    float qv[QN][CPT * 8];
 #pragma unroll
-    for (int u = 0; u < U; ++u) {
-      const uint32_t i = st + u * GROUPS + gi;
-      float kx[CPT * 8];
+    for (int r = 0; r < QN; ++r) {
 #pragma unroll
       for (int k = 0; k < CPT; ++k) {
         const uint32_t c = li + k * TPT;
-        tq_split_chunk<KB, KROW>(compressed, ksm, kc, wk, wks, i, c, i < tn, c < uint32_t(NCH), kx + k * 8);
-      }
 #pragma unroll
-      for (int r = 0; r < QNP; ++r) {
-        float v = 0.0f;
-        if (r < QN) {
-#pragma unroll
-          for (int j = 0; j < CPT * 8; ++j) v += qv[r][j] * kx[j];
-        }
-        part[u * QNP + r] = v;
+        for (int j = 0; j < 8; ++j) qv[r][k * 8 + j] = c < uint32_t(NCH) ? qs[r * D + c * 8 + j] : 0.0f;
       }
     }
-    uint32_t start = 0;
-    tq_group_scatter<V, TPT / 2, V>(part, li, start);
-    if (li % REP == 0) {
+    for (uint32_t st = 0; st < tn; st += STEP) {
+      float part[V];
 #pragma unroll
-      for (int k = 0; k < VL; ++k) {
-        const uint32_t idx = start + k;
-        const uint32_t u = idx / QNP, r = idx % QNP;
+      for (int u = 0; u < U; ++u) {
         const uint32_t i = st + u * GROUPS + gi;
-        const uint32_t rr = tile * QN + r;
-        if (r < uint32_t(QN) && i < tn) {
-          const uint32_t t = t_begin + i;
-          float s = part[k];
-          uint32_t pos;
-          if (compressed) {
-            s *= kn_s[i];
-            pos = N_SINK + t;
-          } else {
-            pos = t < uint32_t(N_SINK) ? t : n_comp + t;
+        float kx[CPT * 8];
+#pragma unroll
+        for (int k = 0; k < CPT; ++k) {
+          const uint32_t c = li + k * TPT;
+          tq_split_chunk<KB, KROW>(compressed, ksm, kc, wk, wks, i, c, i < tn, c < uint32_t(NCH), kx + k * 8);
+        }
+#pragma unroll
+        for (int r = 0; r < QNP; ++r) {
+          float v = 0.0f;
+          if (r < QN) {
+#pragma unroll
+            for (int j = 0; j < CPT * 8; ++j) v += qv[r][j] * kx[j];
           }
-          if (rr >= head_rows || (CAUSAL && pos > total - L + rr % L)) s = ninf;
-          sc[r * TT + i] = s;
+          part[u * QNP + r] = v;
+        }
+      }
+      uint32_t start = 0;
+      tq_group_scatter<V, TPT / 2, V>(part, li, start);
+      if (li % REP == 0) {
+#pragma unroll
+        for (int k = 0; k < VL; ++k) {
+          const uint32_t idx = start + k;
+          const uint32_t u = idx / QNP, r = idx % QNP;
+          const uint32_t i = st + u * GROUPS + gi;
+          const uint32_t rr = tile * QN + r;
+          if (r < uint32_t(QN) && i < tn) {
+            const uint32_t t = t_begin + i;
+            float s = part[k];
+            uint32_t pos;
+            if (compressed) {
+              s *= kn_s[i];
+              pos = N_SINK + t;
+            } else {
+              pos = t < uint32_t(N_SINK) ? t : n_comp + t;
+            }
+            if (rr >= head_rows || (CAUSAL && pos > total - L + rr % L)) s = ninf;
+            sc[r * TT + i] = s;
+          }
         }
       }
     }
-  }
 }
 __syncthreads();
 // Weights: warp r owns row r; the split's max and sum.
@@ -270,54 +327,95 @@ if (warp < uint32_t(QN)) {
   }
 }
 __syncthreads();
-// Values, in the same steps.
-float acc[QN][CPT * 8];
+if (MMA && compressed) {
+  // Values on the tensor cores. C holds dimensions g VSEG + 2j (rows g) and
+  // g VSEG + 2j + 1 (rows g + 8) of query rows 2tg, 2tg + 1 (columns).
+  constexpr int MT = D / 16;
+  float o[MT][4];
 #pragma unroll
-for (int r = 0; r < QN; ++r) {
+  for (int j = 0; j < MT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  for (uint32_t t0 = warp * 16; t0 < tn; t0 += WARPS * 16) {
+    const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
+    uint32_t w[4][VNW];
+    float p[4];
 #pragma unroll
-  for (int j = 0; j < CPT * 8; ++j) acc[r][j] = 0.0f;
-}
-for (uint32_t st = 0; st < tn; st += STEP) {
-#pragma unroll
-  for (int u = 0; u < U; ++u) {
-    const uint32_t i = st + u * GROUPS + gi;
-    // A token past the end weighs nothing (its weight slot was never written).
-    const bool have = i < tn;
-    float vx[CPT * 8];
-#pragma unroll
-    for (int k = 0; k < CPT; ++k) {
-      const uint32_t c = li + k * TPT;
-      tq_split_chunk<VB, VROW>(compressed, vsm, vc, wv, wvs, i, c, have, c < uint32_t(NCH), vx + k * 8);
+    for (int e = 0; e < 4; ++e) {
+      tq_shared_bits<VNW, VALIGNED>(vsm, ts[e] * (VROW * 8) + g * (VSEG * VB), w[e]);
+      // A token past the end weighs nothing (its weight slot was never written).
+      p[e] = g < uint32_t(QN) && ts[e] < tn ? sc[g * TT + ts[e]] * vn_s[ts[e]] : 0.0f;
     }
-    const float vn = compressed ? vn_s[have ? i : 0u] : 1.0f;
+    const uint32_t b0 = tq_half2_bits(p[0], p[1]), b1 = tq_half2_bits(p[2], p[3]);
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+      const uint32_t a[4] = {tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j), tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j + 1),
+                             tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j), tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j + 1)};
+      vq_mma(o[j], a, b0, b1);
+    }
+  }
+  // The codes' space becomes the per-warp sums.
+  __syncthreads();
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const uint32_t r = 2 * tg + e;
+      if (r < uint32_t(QN)) {
+        float* out = a_s + (warp * QN + r) * D + g * VSEG + 2 * j;
+        out[0] = o[j][e];
+        out[1] = o[j][2 + e];
+      }
+    }
+  }
+} else {
+  // Values, in the scores' steps.
+  float acc[QN][CPT * 8];
+#pragma unroll
+  for (int r = 0; r < QN; ++r) {
+#pragma unroll
+    for (int j = 0; j < CPT * 8; ++j) acc[r][j] = 0.0f;
+  }
+  for (uint32_t st = 0; st < tn; st += STEP) {
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t i = st + u * GROUPS + gi;
+      // A token past the end weighs nothing (its weight slot was never written).
+      const bool have = i < tn;
+      float vx[CPT * 8];
+#pragma unroll
+      for (int k = 0; k < CPT; ++k) {
+        const uint32_t c = li + k * TPT;
+        tq_split_chunk<VB, VROW>(compressed, vsm, vc, wv, wvs, i, c, have, c < uint32_t(NCH), vx + k * 8);
+      }
+      const float vn = compressed ? vn_s[have ? i : 0u] : 1.0f;
+#pragma unroll
+      for (int r = 0; r < QN; ++r) {
+        const float pv = have ? sc[r * TT + i] * vn : 0.0f;
+#pragma unroll
+        for (int j = 0; j < CPT * 8; ++j) acc[r][j] += pv * vx[j];
+      }
+    }
+  }
+  // The codes' space becomes the per-warp sums.
+  __syncthreads();
+  // Groups of one warp: lanes li, li + TPT, ... hold the same dimensions.
+#pragma unroll
+  for (int o = TPT; o < 32; o <<= 1) {
 #pragma unroll
     for (int r = 0; r < QN; ++r) {
-      const float pv = have ? sc[r * TT + i] * vn : 0.0f;
 #pragma unroll
-      for (int j = 0; j < CPT * 8; ++j) acc[r][j] += pv * vx[j];
+      for (int j = 0; j < CPT * 8; ++j) acc[r][j] += __shfl_xor_sync(FULL, acc[r][j], o);
     }
   }
-}
-// The codes' space becomes the per-warp sums.
-__syncthreads();
-// Groups of one warp: lanes li, li + TPT, ... hold the same dimensions.
+  if (lane < uint32_t(TPT)) {
 #pragma unroll
-for (int o = TPT; o < 32; o <<= 1) {
+    for (int r = 0; r < QN; ++r) {
 #pragma unroll
-  for (int r = 0; r < QN; ++r) {
+      for (int k = 0; k < CPT; ++k) {
+        const uint32_t c = lane + k * TPT;
+        if (c < uint32_t(NCH)) {
 #pragma unroll
-    for (int j = 0; j < CPT * 8; ++j) acc[r][j] += __shfl_xor_sync(FULL, acc[r][j], o);
-  }
-}
-if (lane < uint32_t(TPT)) {
-#pragma unroll
-  for (int r = 0; r < QN; ++r) {
-#pragma unroll
-    for (int k = 0; k < CPT; ++k) {
-      const uint32_t c = lane + k * TPT;
-      if (c < uint32_t(NCH)) {
-#pragma unroll
-        for (int j = 0; j < 8; ++j) a_s[(warp * QN + r) * D + c * 8 + j] = acc[r][k * 8 + j];
+          for (int j = 0; j < 8; ++j) a_s[(warp * QN + r) * D + c * 8 + j] = acc[r][k * 8 + j];
+        }
       }
     }
   }

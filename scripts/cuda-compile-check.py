@@ -43,6 +43,7 @@ using Strides = cuda::std::array<int64_t, 10>;
 
 ELEMENT = ["float", "__half", "__nv_bfloat16"]
 TQ = ["quant_common.cuh", "tq_common.cuh"]
+TQ_MMA = ["quant_common.cuh", "mma_common.cuh", "tq_common.cuh"]
 
 # kernel: (file, header files, inputs, outputs, template axes). An input or
 # output typed "T" takes the instantiation's element type; the header files
@@ -93,7 +94,7 @@ KERNELS = {
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [False]},
                    {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 3],
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [True]}]),
-    "tq_decode": ("tq_decode.cu", TQ,
+    "tq_decode": ("tq_decode.cu", TQ_MMA,
                   [("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
                    ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T")],
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
@@ -101,7 +102,10 @@ KERNELS = {
                     "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392]},
                    # the default recipe (K4/V3) at Llama's head sizes and GQA groups
                    {"T": ["__half"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4, 3, 2], "TPT": [16, 8],
-                    "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392]}]),
+                    "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392]},
+                   # other head sizes and bits: unaligned code words, single-entry tables, the scalar path
+                   {"T": ["__half"], "D": [96, 80, 72], "KB": [8, 3, 1], "VB": [8, 5, 1], "QN": [4], "TPT": [16],
+                    "N_SINK": [4], "CAUSAL": [True], "SCALE": [1040187392]}]),
     "tq_reduce": ("tq_reduce.cu", [], [("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
                   [("out", "T")], {"T": ELEMENT, "D": [128, 64, 256, 96], "ROTATE": [True, False]}),
     "window_append": ("window_append.cu", [],

@@ -215,8 +215,10 @@ impl Source {
             Source::ScalarQuantize | Source::TqEncode | Source::TqRvqEncode if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
             Source::TqDecode => match (arg("D"), arg("KB"), arg("VB")) {
                 (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(kb)), Some(TemplateArg::Int(vb))) => {
+                    // A spare word past the codes: the tensor-core path reads
+                    // whole words from any bit on.
                     let split = super::turboquant::DECODE_SPLIT_MAX as i32;
-                    split * (d * kb / 8 + d * vb / 8)
+                    split * (d * kb / 8 + d * vb / 8) + 16
                 }
                 _ => 0,
             },
@@ -260,7 +262,11 @@ impl Source {
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/tq_encode_tensor_cores.cuh")
             ),
-            Source::TqDecode => concat!(include_str!("../../cuda/quant_common.cuh"), include_str!("../../cuda/tq_common.cuh")),
+            Source::TqDecode => concat!(
+                include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/mma_common.cuh"),
+                include_str!("../../cuda/tq_common.cuh")
+            ),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             Source::QjlEncode => concat!(
                 include_str!("../../cuda/quant_common.cuh"),
