@@ -693,9 +693,13 @@ def _serve(argv: Sequence[str]) -> int:
     failed: List[BaseException] = []
 
     def load(*a, **k):
+        from . import blas
+
+        _blas_warning()
         out = orig_load(*a, **k)
         install_kv_cache(out[0], args, tokenizer=out[1])
-        _say(f"serving {a[0] if a else model} with KV cache: {describe_kv(args)}")
+        compute = blas.maybe_float32_compute(out[0])
+        _say(f"serving {a[0] if a else model} with KV cache: {describe_kv(args)}" + (f"; {compute}" if compute else ""))
         return out
 
     class ModelProvider(orig_provider):
