@@ -78,6 +78,19 @@ def test_from_jsonl_redraws_an_earlier_run(tiny_run, tmp_path):
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_memory_budget_reports_the_sequences_that_fit(tiny_run, tmp_path):
+    md = tmp_path / "capacity.md"
+    proc = run("--from-jsonl", str(tiny_run[1] / "e2e.jsonl"), "--memory-budget", "2", "--out-md", str(md))
+    assert proc.returncode == 0, proc.stderr
+    assert "## Sequences in 2 GiB" in md.read_text()
+    rows = rows_of(tiny_run[1] / "e2e.jsonl")
+    for cache in ("fp16", VQ):
+        r = next(r for r in rows if (r["context"], r["batch"], r["cache"]) == (300, 2, cache))
+        fits = int((2 * 2**30 - r["model_bytes"]) // ((r["peak_bytes"] - r["model_bytes"]) / 2))
+        assert f"| tiny | 300 | {cache} | {fits} | " in proc.stdout
+    assert "| tiny | 300 | fp16 | " in proc.stdout and "| 1.00x | " in proc.stdout
+
+
 def test_from_jsonl_names_a_missing_or_empty_file(tmp_path):
     proc = run("--from-jsonl", str(tmp_path / "absent.jsonl"))
     assert proc.returncode == 2 and "--from-jsonl" in proc.stderr
@@ -119,6 +132,7 @@ def test_unknown_cache_exits_2_naming_the_option():
         (["--contexts", "4k"], "--contexts"),
         (["--batch", "0"], "--batch"),
         (["--decode-tokens", "0"], "--decode-tokens"),
+        (["--memory-budget", "0"], "--memory-budget"),
     ],
 )
 def test_bad_arguments_exit_2(args, option, capsys):

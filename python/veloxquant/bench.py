@@ -3,7 +3,7 @@ tokens/s, KV bytes and peak memory of an mlx_lm model.
 
     veloxquant bench [--shape tiny|llama-1b|llama-8b | --model PATH|default]
         [--contexts 4096,32768] [--batch 1,8] [--caches fp16,mlx-q4,mlx-q8,veloxquant]
-        [--recipe k4v3] [--out-jsonl F] [--out-md F] [--plot F.png]
+        [--recipe k4v3] [--memory-budget GiB] [--out-jsonl F] [--out-md F] [--plot F.png]
 
 Named shapes are Llama models with random float16 weights (the speed does not
 depend on the values). Every configuration (model, context, batch, cache)
@@ -24,6 +24,10 @@ with a throwaway cache, so that every kernel is compiled), then times the prompt
 processes it (chunks of ``--prefill-step-size`` tokens, each evaluated; the
 last token through the whole model) and ``--decode-tokens`` greedy steps, the
 next step's graph built while the current one runs, as mlx_lm does.
+
+``--memory-budget GiB`` adds a capacity table: for each shape, context and
+cache, the most sequences that fit the budget, estimated from the largest
+batch measured (its peak memory less the weights, per sequence).
 """
 
 from __future__ import annotations
@@ -372,6 +376,32 @@ def markdown_table(rows: List[Dict[str, Any]]) -> str:
     return "\n".join(out)
 
 
+def capacity_table(rows: List[Dict[str, Any]], budget_gib: float) -> str:
+    """The most sequences that fit ``budget_gib`` per (shape, context, cache):
+    the weights once, then the peak memory per sequence of the largest batch
+    measured (KV cache and activations both grow with the batch)."""
+    budget = budget_gib * 2**30
+    largest: Dict[Any, Dict[str, Any]] = {}
+    for r in rows:
+        if r["error"] or not r.get("peak_bytes") or r.get("model_bytes") is None:
+            continue
+        key = (r["shape"], r["context"], r["cache"])
+        if key not in largest or r["batch"] > largest[key]["batch"]:
+            largest[key] = r
+    fits = {}
+    for key, r in largest.items():
+        per_sequence = max(r["peak_bytes"] - r["model_bytes"], 1) / r["batch"]
+        fits[key] = (max(0, int((budget - r["model_bytes"]) // per_sequence)), per_sequence, r["batch"])
+    head = ["shape", "context", "cache", f"sequences in {budget_gib:g} GiB", "vs fp16", "GiB per sequence",
+            "measured at batch"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (shape, context, cache), (n, per_sequence, batch) in fits.items():
+        base = fits.get((shape, context, "fp16"), (None,))[0]
+        cells = [shape, str(context), cache, str(n), _ratio(n, base), f"{per_sequence / 2**30:.3f}", str(batch)]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def plot(rows: List[Dict[str, Any]], path: str) -> None:
     """Decode tok/s and peak memory against context, one line per cache, a row of panels per shape and batch."""
     import matplotlib
@@ -435,6 +465,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=int, default=4, help="decode steps of the warm-up, 0 for none (default: 4)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration (default: 1800)")
     p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="MLX device (default: MLX's default)")
+    p.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
+                   help="also report the most sequences that fit this memory (weights included), per cache")
     p.add_argument("--out-jsonl", default=None, help="write one JSON object per configuration")
     p.add_argument("--out-md", default=None, help="write the markdown table")
     p.add_argument("--plot", default=None, help="write a PNG: decode tok/s and peak memory against context")
@@ -448,6 +480,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = make_parser()
     args = parser.parse_args(argv)
+    if args.memory_budget is not None and not args.memory_budget > 0:
+        parser.error(f"--memory-budget must be > 0 GiB, got {args.memory_budget}")
     if args.worker is not None:
         print(RESULT_MARK + json.dumps(run_worker(json.loads(args.worker))), flush=True)
         return 0
@@ -504,6 +538,10 @@ def report(rows: List[Dict[str, Any]], args, command: str) -> None:
     """Prints the table; writes it (`--out-md`) and the plot (`--plot`)."""
     table = markdown_table(rows)
     print(table)
+    capacity = ""
+    if args.memory_budget is not None:
+        capacity = capacity_table(rows, args.memory_budget)
+        print("\n" + capacity)
     if args.out_md:
         device = next((f"{r['device_name']} ({r['device']})" for r in rows if r.get("device_name")), "unknown")
         mlx_version = next((r["mlx"] for r in rows if r.get("mlx")), "unknown")
@@ -513,6 +551,10 @@ def report(rows: List[Dict[str, Any]], args, command: str) -> None:
                     f"Prompt of random token ids, then {tokens} greedy tokens; speed ratios are "
                     "against fp16 (above 1: faster). KV MiB: bytes the caches hold after decoding; peak: MLX's "
                     "peak memory over prefill and decode, weights included.\n\n" + table + "\n")
+            if capacity:
+                f.write(f"\n## Sequences in {args.memory_budget:g} GiB\n\nEstimated from the largest batch "
+                        "measured: the weights once, then that batch's peak memory less the weights per "
+                        "sequence.\n\n" + capacity + "\n")
     if args.plot:
         plot(rows, args.plot)
 
