@@ -166,9 +166,10 @@ def _filled(lengths, config=KVConfig(window=8, sinks=2)):
 
 def _step(batch, chunk, seed=0):
     """One chunk of ``chunk`` tokens for every sequence, then its attention."""
-    k = mx.random.normal((len(batch), 2, chunk, 64), key=mx.random.key(seed)).astype(mx.float16)
+    n = len(batch.caches)
+    k = mx.random.normal((n, 2, chunk, 64), key=mx.random.key(seed)).astype(mx.float16)
     batch.update_and_fetch(k, k)
-    q = mx.random.normal((len(batch), 4, chunk, 64), key=mx.random.key(seed + 1)).astype(mx.float16)
+    q = mx.random.normal((n, 4, chunk, 64), key=mx.random.key(seed + 1)).astype(mx.float16)
     return batch.attend_each(q, lambda q, k, v, c, m: c.attention(q, 0.125, m)), k
 
 
@@ -191,7 +192,7 @@ def test_merge_filter_extend_follow_batch_kv_cache():
             c.update_and_fetch(*_kv(n, i))
         kv.append(c)
     theirs = BatchKVCache.merge(kv)
-    assert isinstance(ours, VeloxQuantBatchCache) and len(ours) == 3
+    assert isinstance(ours, VeloxQuantBatchCache) and len(ours.caches) == 3
     assert ours.offset.tolist() == theirs.offset.tolist() == lengths
     assert ours.size() == theirs.size() == 12
 
@@ -290,7 +291,7 @@ def test_bad_batch_indices_are_named():
         batch.filter([0.5])
     with pytest.raises(IndexError, match=r"^idx: sequence -1 is out of range"):
         batch.extract(-1)
-    assert len(batch) == 2
+    assert len(batch.caches) == 2
 
 
 def test_mismatched_caches_are_refused():
@@ -309,7 +310,7 @@ def test_mismatched_caches_are_refused():
         VeloxQuantCache.merge(_filled([2]) + [wide])
     # protect="auto" may leave a layer float16 in one sequence and not in another.
     fp16 = VeloxQuantCache(KVConfig(key_method="fp16", key_bits=16))
-    assert len(VeloxQuantCache.merge([VeloxQuantCache(KVConfig(protect="auto")), fp16, VeloxQuantCache()])) == 3
+    assert len(VeloxQuantCache.merge([VeloxQuantCache(KVConfig(protect="auto")), fp16, VeloxQuantCache()]).caches) == 3
     batch = VeloxQuantCache.merge(_filled([2]))
     with pytest.raises(TypeError, match=r"^extend: other must be a VeloxQuantBatchCache, got BatchKVCache"):
         batch.extend(BatchKVCache([0]))

@@ -241,9 +241,6 @@ class VeloxQuantBatchCache(_BaseCache):
         new._chunk, new._offsets = None, None
         return new
 
-    def __len__(self) -> int:
-        return len(self.caches)
-
     def __repr__(self):
         return f"VeloxQuantBatchCache({len(self.caches)} sequences, tokens={[c.offset for c in self.caches]}, nbytes={self.nbytes})"
 
