@@ -8,10 +8,13 @@ the model defaults to SmolLM2-135M-Instruct, converted offline on first use.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 from typing import List, NoReturn, Optional, Sequence
+
+from . import distributed
 
 KV_CACHES = ("fp16", "mlx-quantized", "veloxquant")
 
@@ -337,8 +340,9 @@ class _Stats:
     last = None
 
 
-def _generate_with_stats(args):
-    """Stands in for mlx_lm.generate.generate: streams, keeps the cache, prints a summary."""
+def _generate_with_stats(args, group=None):
+    """Stands in for mlx_lm.generate.generate: streams, keeps the cache, prints a summary.
+    Under ``group`` (tensor parallel) it also reports the KV bytes of all ranks."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -375,6 +379,7 @@ def _generate_with_stats(args):
             text += r.text
             last = r
         kv = cache_nbytes(kwargs["prompt_cache"])
+        kv_all = None if group is None else distributed.total_nbytes(kv, group)
         _Stats.last = {"response": last, "kv_bytes": kv, "text": text}
         if verbose:
             print()
@@ -384,7 +389,13 @@ def _generate_with_stats(args):
             else:
                 print(f"Prefill: {last.prompt_tokens} tokens, {last.prompt_tps:.1f} tokens/s")
                 print(f"Decode: {last.generation_tokens} tokens, {last.generation_tps:.1f} tokens/s")
-            print(f"KV cache: {kv:,} bytes held ({describe_kv(args)})")
+            if kv_all is None:
+                print(f"KV cache: {kv:,} bytes held ({describe_kv(args)})")
+            else:
+                print(
+                    f"KV cache: {kv:,} bytes held on rank {group.rank()}, {kv_all:,} over "
+                    f"{group.size()} ranks (tensor parallel; {describe_kv(args)})"
+                )
             if recipe is not None:
                 print(f"KV recipe (calibrated in {calibrated:.1f} s): {recipe.summary()}")
             auto = [(i, c) for i, c in enumerate(kwargs["prompt_cache"]) if getattr(c, "outlier_error", None) is not None]
@@ -603,6 +614,12 @@ def cmd_generate(argv: Sequence[str]) -> int:
             models.check_model(args.draft_model)
         except models.ModelPathError as e:
             _usage_error(f"--draft-model: {e}")
+    group = distributed.group()
+    if group is not None:
+        for given, flag in ((args.prompt_cache_file, "--prompt-cache-file"), (args.draft_model, "--draft-model")):
+            if given is not None:
+                _usage_error(f"{flag}: not supported on {group.size()} ranks (tensor parallel); run it in one process")
+    main_rank = distributed.is_main(group)
 
     class _Parser:
         # mlx_lm's main parses sys.argv itself; hand it the arguments resolved here.
@@ -616,9 +633,18 @@ def cmd_generate(argv: Sequence[str]) -> int:
     orig_load_prompt_cache = G.load_prompt_cache
 
     def load(*a, **k):
-        _blas_warning()
-        _say(f"loading {a[0] if a else k.get('path_or_hf_repo')}")
-        out = orig_load(*a, **k)
+        if main_rank:
+            _blas_warning()
+            _say(f"loading {a[0] if a else k.get('path_or_hf_repo')}")
+        if group is not None:
+            # Load lazily so that each rank materializes only its shard.
+            out = orig_load(*a, **dict(k, lazy=True))
+            try:
+                distributed.shard_model(out[0], group)
+            except ValueError as e:
+                _usage_error(f"--model {args.model}: {str(e).removeprefix('model: ')}")
+        else:
+            out = orig_load(*a, **k)
         install_kv_cache(out[0], args)
         from . import blas
 
@@ -628,10 +654,13 @@ def cmd_generate(argv: Sequence[str]) -> int:
     def load_prompt_cache(*a, **k):
         return prompt_cache  # read and checked above
 
-    G.load, G.generate, G.setup_arg_parser = load, _generate_with_stats(args), lambda: _Parser()
+    G.load, G.generate, G.setup_arg_parser = load, _generate_with_stats(args, group), lambda: _Parser()
     G.load_prompt_cache = load_prompt_cache
     try:
-        G.main()
+        with contextlib.ExitStack() as quiet:
+            if not main_rank:  # every rank computes the same tokens; rank 0 alone writes them
+                quiet.enter_context(contextlib.redirect_stdout(quiet.enter_context(open(os.devnull, "w"))))
+            G.main()
     finally:
         G.load, G.generate, G.setup_arg_parser = orig_load, orig_generate, orig_parser
         G.load_prompt_cache = orig_load_prompt_cache
