@@ -14,9 +14,10 @@ def smollm():
     return models.load()
 
 
-@pytest.fixture(scope="session")
-def tiny_model(tmp_path_factory):
-    """A 2-layer Llama with random float16 weights and the default model's tokenizer."""
+def write_tiny_llama(out, dtype=None, matrix_scale: float = 1.0, **shape) -> str:
+    """A random-weight Llama (``shape`` overrides the sizes below) saved in ``out``
+    with the default model's tokenizer; weights cast to ``dtype`` if given and
+    2-D matrices other than the embedding scaled by ``matrix_scale``."""
     import mlx.core as mx
     from mlx.utils import tree_flatten
     from mlx_lm.models.llama import Model, ModelArgs
@@ -24,7 +25,6 @@ def tiny_model(tmp_path_factory):
     from veloxquant import models
 
     src = models.default_model_path()
-    out = tmp_path_factory.mktemp("tiny-llama")
     big = json.loads((src / "config.json").read_text())
     config = {
         "model_type": "llama",
@@ -39,12 +39,26 @@ def tiny_model(tmp_path_factory):
         "tie_word_embeddings": True,
         "bos_token_id": big["bos_token_id"],
         "eos_token_id": big["eos_token_id"],
+        **shape,
     }
     mx.random.seed(0)
     model = Model(ModelArgs.from_dict(config))
-    model.set_dtype(mx.float16)
-    mx.save_safetensors(str(out / "model.safetensors"), dict(tree_flatten(model.parameters())), {"format": "mlx"})
+    if dtype is not None:
+        model.set_dtype(dtype)
+    weights = {
+        k: v * matrix_scale if matrix_scale != 1.0 and v.ndim == 2 and "embed" not in k else v
+        for k, v in tree_flatten(model.parameters())
+    }
+    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
     (out / "config.json").write_text(json.dumps(config))
     for name in ("tokenizer.json", "tokenizer_config.json"):
         shutil.copy(src / name, out / name)
     return str(out)
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    """A 2-layer Llama with random float16 weights and the default model's tokenizer."""
+    import mlx.core as mx
+
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), dtype=mx.float16)

@@ -5,7 +5,6 @@ import json
 import os
 import random
 import re
-import shutil
 import socket
 import subprocess
 import sys
@@ -58,38 +57,15 @@ def tp_model(tmp_path_factory):
     if not LAUNCH.exists():
         pytest.skip(f"mlx.launch is not installed beside {sys.executable}")
     import mlx.core as mx
-    from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
 
-    from veloxquant import models
+    from conftest import write_tiny_llama
 
     if not mx.distributed.is_available():
         pytest.skip("this mlx build has no distributed backend")
-    src = models.default_model_path()
-    out = tmp_path_factory.mktemp("tp-llama")
-    big = json.loads((src / "config.json").read_text())
-    config = {
-        "model_type": "llama",
-        "hidden_size": 256,
-        "num_hidden_layers": 2,
-        "intermediate_size": 512,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "head_dim": 64,
-        "rms_norm_eps": 1e-5,
-        "vocab_size": big["vocab_size"],
-        "tie_word_embeddings": True,
-        "bos_token_id": big["bos_token_id"],
-        "eos_token_id": big["eos_token_id"],
-    }
-    mx.random.seed(0)
-    model = Model(ModelArgs.from_dict(config))
-    weights = {k: v * 2 if v.ndim == 2 and "embed" not in k else v for k, v in tree_flatten(model.parameters())}
-    mx.save_safetensors(str(out / "model.safetensors"), weights, {"format": "mlx"})
-    (out / "config.json").write_text(json.dumps(config))
-    for name in ("tokenizer.json", "tokenizer_config.json"):
-        shutil.copy(src / name, out / name)
-    return str(out)
+    return write_tiny_llama(
+        tmp_path_factory.mktemp("tp-llama"), matrix_scale=2.0,
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
+    )
 
 
 def _worker(tp_model, tmp_path: Path, ranks: int) -> dict:
