@@ -225,6 +225,36 @@ def test_stand_in_codecs_match_the_cache():
         assert (codecs.keys_as(c)[:, :, :4] == keys[:, :, :4].astype(mx.float32)).all()  # sinks exact
 
 
+def test_stand_in_keys_centre_on_a_first_share_as_the_cache_on_its_first_append():
+    # Keys drifting along the context: the cache keeps the mean of its first append
+    # (here the first quarter), and TurboQuant's error grows with the drift from it.
+    mx.random.seed(2)
+    n = 128
+    drift = mx.linspace(0, 6, n)[None, None, :, None] * mx.random.normal((1, 2, 1, 64))
+    keys = (mx.random.normal((1, 2, n, 64)) + drift).astype(mx.float16)
+    values = mx.random.normal((1, 2, n, 64)).astype(mx.float16)
+    from veloxquant.cache import _layer_cache_class
+
+    def rel(x):  # over the tokens after the sinks and before the one exact recent token
+        ref = keys[:, :, 4 : n - 1].astype(mx.float32)
+        d = x[:, :, 4 : n - 1].astype(mx.float32) - ref
+        return (mx.sum(d * d) / mx.sum(ref * ref)).item()
+
+    share = recipe.Codecs(keys, values, sinks=4, seed=0, mean_share=0.25)
+    whole = recipe.Codecs(keys, values, sinks=4, seed=0)
+    layer = _layer_cache_class()(64, 2, key_method="turboquant-mse", key_bits=3, value_method="fp16", value_bits=16,
+                                 window=1, sinks=4, seed=0)
+    layer.append(keys[:, :, : n // 4], values[:, :, : n // 4])
+    layer.append(keys[:, :, n // 4 :], values[:, :, n // 4 :])
+    cached = rel(layer.dequantize()[0])
+    tq3 = recipe.Choice("turboquant-mse", 3)
+    assert rel(share.keys_as(tq3)) == pytest.approx(cached, rel=0.15)
+    assert rel(whole.keys_as(tq3)) < 0.7 * cached  # the mean of every token hides the drift
+    # KIVI's per-group scales follow the drift: its error does not depend on the mean.
+    kivi3 = recipe.Choice("kivi", 3)
+    assert rel(share.keys_as(kivi3)) == pytest.approx(rel(whole.keys_as(kivi3)), rel=0.05)
+
+
 def test_errors_weigh_a_layer_by_its_share_of_the_residual_stream(tiny):
     model, _, ids = tiny
     before = recipe.measure(recipe.calibrate(model, ids), sinks=0)
@@ -370,3 +400,17 @@ def test_generate_prints_the_recipe_and_protected_layers(smollm):
     assert "protect 0,-1 at 8b" in out
     out = run("--kv-protect", "auto")
     assert "KV protect auto: float16 layers" in out
+
+
+def test_eval_rows_of_one_side_go_by_its_bits():
+    from veloxquant.eval import default_specs
+
+    bits = [(4, 4), (3, 3), (3, 2), (2, 2)]
+    specs = default_specs(["kivi/fp16", "fp16/turboquant-mse", "kivi/turboquant-mse"], bits, 16, 4, [])
+    labels = [s.label for s in specs]
+    # 3/2 repeats 3 for float16 values, and 3 for float16 keys.
+    assert labels[:4] == ["fp16", "kivi/fp16-4", "kivi/fp16-3", "kivi/fp16-2"]
+    assert labels[4:7] == ["fp16/turboquant-mse-4", "fp16/turboquant-mse-3", "fp16/turboquant-mse-2"]
+    assert labels[7:] == ["kivi/turboquant-mse-4", "kivi/turboquant-mse-3", "kivi/turboquant-mse-k3v2", "kivi/turboquant-mse-2"]
+    assert all(s.value_bits == 16 and s.value_method == "fp16" for s in specs[1:4])
+    assert [(s.bits, s.value_bits) for s in specs[4:7]] == [(16, 4), (16, 3), (16, 2)]

@@ -221,8 +221,17 @@ def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sink
     specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
     for m in methods:
         key_method, _, value_method = m.partition("/")
+        seen = set()
         for kb, vb in bits:
-            label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
+            # One side alone compressed: the other side's bits say nothing.
+            if value_method == "fp16" or key_method == "fp16":
+                kb, vb = (kb, 16) if value_method == "fp16" else (16, vb)
+                if (kb, vb) in seen:
+                    continue
+                seen.add((kb, vb))
+                label = f"{m}-{min(kb, vb)}"
+            else:
+                label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
             specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=key_method,
                                    value_method=value_method or None, window=window, sinks=sinks))
     return specs
