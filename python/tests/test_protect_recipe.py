@@ -414,3 +414,12 @@ def test_eval_rows_of_one_side_go_by_its_bits():
     assert labels[7:] == ["kivi/turboquant-mse-4", "kivi/turboquant-mse-3", "kivi/turboquant-mse-k3v2", "kivi/turboquant-mse-2"]
     assert all(s.value_bits == 16 and s.value_method == "fp16" for s in specs[1:4])
     assert [(s.bits, s.value_bits) for s in specs[4:7]] == [(16, 4), (16, 3), (16, 2)]
+
+
+def test_eval_plots_auto_recipes_apart_labelled_by_budget():
+    from veloxquant.eval import CacheSpec, bits_label, family
+
+    auto = CacheSpec("recipe-auto-3.5", "veloxquant", bits=4, method="turboquant-mse", bits_budget=3.5)
+    uniform = CacheSpec("turboquant-mse-4", "veloxquant", bits=4, method="turboquant-mse")
+    assert (family(auto), bits_label(auto)) == ("recipe-auto", "≤3.5b")
+    assert (family(uniform), bits_label(uniform)) == ("turboquant-mse", "4b")

@@ -417,6 +417,8 @@ def family(spec: CacheSpec) -> str:
     """The line a cache belongs to in the plots: its method, or mlx-affine."""
     if spec.kind != "veloxquant":
         return "mlx-affine"
+    if spec.bits_budget is not None:  # per-layer choices: not a uniform method's line
+        return "recipe-auto"
     return spec.method if spec.value_method in (None, spec.method) else f"{spec.method}/{spec.value_method}"
 
 
@@ -459,6 +461,8 @@ def pareto_plot(results: List[Result], path: Path) -> Path:
 def bits_label(spec: CacheSpec) -> str:
     """The configured width of a compressed cache: '4b', or 'k4v3' when keys
     and values differ."""
+    if spec.bits_budget is not None:
+        return f"≤{spec.bits_budget:g}b"
     kb = spec.bits
     vb = spec.value_bits if spec.value_bits is not None else kb
     if kb is None:
