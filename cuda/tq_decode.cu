@@ -35,10 +35,10 @@
 // multiple of 16, take the scalar path instead (float32 throughout): groups
 // of TPT lanes share U tokens (lane li holds chunks c = li + k * TPT,
 // k < CPT, of 8 dimensions), a group's U * QN partial dot products summed by
-// one reduce-scatter; window rows are read where they lie. Groups and warps share the split's max, so the last
-// combine is a plain sum. Products on the tensor cores take float16
-// operands (the centroids, the queries, the weights times the norms) and
-// add in float32.
+// one reduce-scatter; window rows are read where they lie. Groups and warps
+// share the split's max, so the last combine is a plain sum. Products on the
+// tensor cores take float16 operands (the centroids, the queries, the weights
+// times the norms) and add in float32.
 // Dynamic shared memory: TT * (KROW + VROW) + 16 bytes (the host's
 // cuda_dynamic_shared_bytes), the split's key then value codes and a spare
 // word for unaligned reads.
@@ -248,62 +248,62 @@ if (MMA && compressed) {
 } else {
   // Scores, in steps of STEP tokens: a group's tokens in a step are
   // st + u * GROUPS + gi, so that neighbouring groups read neighbouring rows.
-    float qv[QN][CPT * 8];
+  float qv[QN][CPT * 8];
 #pragma unroll
-    for (int r = 0; r < QN; ++r) {
+  for (int r = 0; r < QN; ++r) {
+#pragma unroll
+    for (int k = 0; k < CPT; ++k) {
+      const uint32_t c = li + k * TPT;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) qv[r][k * 8 + j] = c < uint32_t(NCH) ? qs[r * D + c * 8 + j] : 0.0f;
+    }
+  }
+  for (uint32_t st = 0; st < tn; st += STEP) {
+    float part[V];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const uint32_t i = st + u * GROUPS + gi;
+      float kx[CPT * 8];
 #pragma unroll
       for (int k = 0; k < CPT; ++k) {
         const uint32_t c = li + k * TPT;
+        tq_split_chunk<KB, KROW>(compressed, ksm, kc, wk, wks, i, c, i < tn, c < uint32_t(NCH), kx + k * 8);
+      }
 #pragma unroll
-        for (int j = 0; j < 8; ++j) qv[r][k * 8 + j] = c < uint32_t(NCH) ? qs[r * D + c * 8 + j] : 0.0f;
+      for (int r = 0; r < QNP; ++r) {
+        float v = 0.0f;
+        if (r < QN) {
+#pragma unroll
+          for (int j = 0; j < CPT * 8; ++j) v += qv[r][j] * kx[j];
+        }
+        part[u * QNP + r] = v;
       }
     }
-    for (uint32_t st = 0; st < tn; st += STEP) {
-      float part[V];
+    uint32_t start = 0;
+    tq_group_scatter<V, TPT / 2, V>(part, li, start);
+    if (li % REP == 0) {
 #pragma unroll
-      for (int u = 0; u < U; ++u) {
+      for (int k = 0; k < VL; ++k) {
+        const uint32_t idx = start + k;
+        const uint32_t u = idx / QNP, r = idx % QNP;
         const uint32_t i = st + u * GROUPS + gi;
-        float kx[CPT * 8];
-#pragma unroll
-        for (int k = 0; k < CPT; ++k) {
-          const uint32_t c = li + k * TPT;
-          tq_split_chunk<KB, KROW>(compressed, ksm, kc, wk, wks, i, c, i < tn, c < uint32_t(NCH), kx + k * 8);
-        }
-#pragma unroll
-        for (int r = 0; r < QNP; ++r) {
-          float v = 0.0f;
-          if (r < QN) {
-#pragma unroll
-            for (int j = 0; j < CPT * 8; ++j) v += qv[r][j] * kx[j];
+        const uint32_t rr = tile * QN + r;
+        if (r < uint32_t(QN) && i < tn) {
+          const uint32_t t = t_begin + i;
+          float s = part[k];
+          uint32_t pos;
+          if (compressed) {
+            s *= kn_s[i];
+            pos = N_SINK + t;
+          } else {
+            pos = t < uint32_t(N_SINK) ? t : n_comp + t;
           }
-          part[u * QNP + r] = v;
-        }
-      }
-      uint32_t start = 0;
-      tq_group_scatter<V, TPT / 2, V>(part, li, start);
-      if (li % REP == 0) {
-#pragma unroll
-        for (int k = 0; k < VL; ++k) {
-          const uint32_t idx = start + k;
-          const uint32_t u = idx / QNP, r = idx % QNP;
-          const uint32_t i = st + u * GROUPS + gi;
-          const uint32_t rr = tile * QN + r;
-          if (r < uint32_t(QN) && i < tn) {
-            const uint32_t t = t_begin + i;
-            float s = part[k];
-            uint32_t pos;
-            if (compressed) {
-              s *= kn_s[i];
-              pos = N_SINK + t;
-            } else {
-              pos = t < uint32_t(N_SINK) ? t : n_comp + t;
-            }
-            if (rr >= head_rows || (CAUSAL && pos > total - L + rr % L)) s = ninf;
-            sc[r * TT + i] = s;
-          }
+          if (rr >= head_rows || (CAUSAL && pos > total - L + rr % L)) s = ninf;
+          sc[r * TT + i] = s;
         }
       }
     }
+  }
 }
 __syncthreads();
 // Weights: warp r owns row r; the split's max and sum.
