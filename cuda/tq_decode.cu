@@ -75,11 +75,17 @@ __shared__ uint32_t vt[1 << VB];
 __shared__ float sc[QN * TT];
 __shared__ float m_s[QN];
 __shared__ float l_s[QN];
+__shared__ float al_s[QN];
 __shared__ float kn_s[TT];
 __shared__ float vn_s[TT];
 extern __shared__ __align__(16) uint8_t codes_s[];
+// Codes of TT tokens; the tensor-core path's two chunk buffers and their
+// float16 norms follow each other.
+constexpr int CBYTES = TT * (KROW + VROW);
 uint8_t* const ksm = codes_s;
 uint8_t* const vsm = codes_s + TT * KROW;
+__half* const kn_h = reinterpret_cast<__half*>(codes_s + 2 * CBYTES);
+__half* const vn_h = kn_h + 2 * TT;
 // The epilogue's per-warp sums reuse the codes' space (64 D bytes at most,
 // never more than TT * (KROW + VROW)).
 float* const a_s = reinterpret_cast<float*>(codes_s);
@@ -128,21 +134,43 @@ const int64_t wks = win_k_strides[2], wvs = win_v_strides[2];
 // A window split's first rows (its tokens are indexed from there).
 const T* wk = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1] + int64_t(t_begin) * wks;
 const T* wv = win_v + int64_t(b) * win_v_strides[0] + int64_t(hk) * win_v_strides[1] + int64_t(t_begin) * wvs;
-// The split's codes into shared memory: rows back to back in the stores
-// (the cache's layout) go as one block copy, else byte by byte.
-if (compressed) {
-  auto stage = [&](uint8_t* dst, const uint8_t* base, int64_t stride, int row) {
-    const bool rows_packed = stride == row;
-    const uint64_t offset = uint64_t(t_begin) * row;
-    if (rows_packed) {
-      const bool aligned = ((reinterpret_cast<uintptr_t>(base) + offset) & 15u) == 0;
-      vq_copy_to_shared(dst, base, offset, uint64_t(t_end) * row, int((tn * row + 15u) / 16u * 16u), aligned);
-    } else {
-      for (uint32_t y = tid; y < tn * uint32_t(row); y += TG) dst[y] = base[int64_t(t_begin + y / row) * stride + y % row];
-    }
-  };
-  stage(ksm, kp0, ks, KROW);
-  stage(vsm, vp0, vs, VROW);
+// Tokens [t0, t1) of the split's codes into shared memory: rows back to
+// back in the stores (the cache's layout) go as one block copy, else byte by
+// byte; with MMA their norms too (float16, as stored).
+auto stage = [&](uint8_t* dst, const uint8_t* base, int64_t stride, int row, uint32_t t0, uint32_t t1) {
+  const uint64_t offset = uint64_t(t0) * row;
+  if (stride == row) {
+    const bool aligned = ((reinterpret_cast<uintptr_t>(base) + offset) & 15u) == 0;
+    vq_copy_to_shared(dst, base, offset, uint64_t(t1) * row, int(((t1 - t0) * row + 15u) / 16u * 16u), aligned);
+  } else {
+    for (uint32_t y = tid; y < (t1 - t0) * uint32_t(row); y += TG) dst[y] = base[int64_t(t0 + y / row) * stride + y % row];
+  }
+};
+auto stage_norms = [&](__half* dst, const __half* base, int64_t stride, uint32_t t0, uint32_t t1) {
+  if (stride == 1) {
+    const uint8_t* src = reinterpret_cast<const uint8_t*>(base);
+    const uint64_t offset = uint64_t(t0) * 2;
+    const bool aligned = ((reinterpret_cast<uintptr_t>(src) + offset) & 15u) == 0;
+    vq_copy_to_shared(reinterpret_cast<uint8_t*>(dst), src, offset, uint64_t(t1) * 2, int(((t1 - t0) * 2 + 15u) / 16u * 16u), aligned);
+  } else {
+    for (uint32_t y = tid; y < t1 - t0; y += TG) dst[y] = base[int64_t(t0 + y) * stride];
+  }
+};
+// Chunk c of a MMA split into buffer c % 2, as one cp.async group.
+auto stage_chunk = [&](uint32_t c) {
+  const uint32_t t0 = t_begin + c * TT, t1 = min(t0 + uint32_t(TT), t_end);
+  uint8_t* buf = codes_s + (c & 1u) * CBYTES;
+  stage(buf, kp0, ks, KROW, t0, t1);
+  stage(buf + TT * KROW, vp0, vs, VROW, t0, t1);
+  stage_norms(kn_h + (c & 1u) * TT, kn0, kns, t0, t1);
+  stage_norms(vn_h + (c & 1u) * TT, vn0, vns, t0, t1);
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+};
+if (MMA && compressed) {
+  stage_chunk(0);
+} else if (compressed) {
+  stage(ksm, kp0, ks, KROW, t_begin, t_end);
+  stage(vsm, vp0, vs, VROW, t_begin, t_end);
   asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 // Norms, codebooks and raw queries: every load issued before any store.
@@ -152,7 +180,7 @@ if (compressed) {
 #pragma unroll
   for (int y = 0; y < PER; ++y) {
     const uint32_t i = tid + y * TG;
-    const bool have = compressed && i < tn;
+    const bool have = !MMA && compressed && i < tn;
     kn[y] = have ? __half2float(kn0[int64_t(t_begin + i) * kns]) : 0.0f;
     vn[y] = have ? __half2float(vn0[int64_t(t_begin + i) * vns]) : 0.0f;
   }
@@ -211,12 +239,42 @@ for (uint32_t i = tid; i < uint32_t(D); i += TG) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) qs[r * D + i] = y[r] * scale;
 }
-vq_copy_wait();
+// A chunked split waits for each chunk in the loop below.
+if (!(MMA && compressed)) vq_copy_wait();
 __syncthreads();
 const uint32_t g = lane >> 2, tg = lane & 3u;
+// Weights of n tokens' scores: warp r owns row r; an online softmax over the
+// split's chunks (m_s, l_s the running max and sum; al_s[r] what the row's
+// earlier sums are to be multiplied by).
+auto weigh = [&](uint32_t n) {
+  if (warp < uint32_t(QN)) {
+    float* row = sc + warp * TT;
+    float mx = ninf;
+    for (uint32_t i = lane; i < n; i += 32) mx = fmaxf(mx, row[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+    const float m_old = m_s[warp];
+    const float m_new = fmaxf(m_old, mx);
+    float sum = 0.0f;
+    for (uint32_t i = lane; i < n; i += 32) {
+      const float p = m_new == ninf ? 0.0f : __expf(row[i] - m_new);
+      row[i] = p;
+      sum += p;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    if (lane == 0) {
+      const float alpha = m_old == ninf ? 0.0f : __expf(m_old - m_new);
+      m_s[warp] = m_new;
+      l_s[warp] = l_s[warp] * alpha + sum;
+      al_s[warp] = alpha;
+    }
+  }
+};
 if (MMA && compressed) {
-  // Scores on the tensor cores: the A fragments hold rows g (rows g + 8 and
-  // past QN are zero).
+  // The tensor-core path, chunk by chunk: while one chunk is scored and
+  // weighed, the next one's codes are on their way (cp.async, two buffers).
+  // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero).
   uint32_t qa[KS][2];
 #pragma unroll
   for (int ks = 0; ks < KS; ++ks) {
@@ -225,23 +283,90 @@ if (MMA && compressed) {
     qa[ks][0] = on ? tq_half2_bits(x[0], x[1]) : 0u;
     qa[ks][1] = on ? tq_half2_bits(x[2], x[3]) : 0u;
   }
-  for (uint32_t n0 = warp * 8; n0 < tn; n0 += WARPS * 8) {
-    uint32_t w[KNW];
-    tq_shared_bits<KNW, KALIGNED>(ksm, (n0 + g) * (KROW * 8) + tg * (KSEG * KB), w);
-    float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+  // Values: C holds dimensions g VSEG + 2j (rows g) and g VSEG + 2j + 1
+  // (rows g + 8) of query rows 2tg, 2tg + 1 (columns).
+  constexpr int MT = D / 16;
+  float o[MT][4];
 #pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-      vq_mma(c, a, tq_pair_along<KB, KNW>(kt, w, 4 * ks), tq_pair_along<KB, KNW>(kt, w, 4 * ks + 2));
+  for (int j = 0; j < MT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  const uint32_t chunks = (tn + TT - 1) / TT;
+  for (uint32_t ch = 0; ch < chunks; ++ch) {
+    if (ch + 1 < chunks) {
+      stage_chunk(ch + 1);
+      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    } else {
+      vq_copy_wait();
     }
-    const uint32_t rr = tile * QN + g;
+    __syncthreads();
+    const uint8_t* kcodes = codes_s + (ch & 1u) * CBYTES;
+    const uint8_t* vcodes = kcodes + TT * KROW;
+    const __half* kn = kn_h + (ch & 1u) * TT;
+    const __half* vn = vn_h + (ch & 1u) * TT;
+    const uint32_t c0 = ch * TT, n = min(uint32_t(TT), tn - c0);
+    for (uint32_t n0 = warp * 8; n0 < n; n0 += WARPS * 8) {
+      uint32_t w[KNW];
+      tq_shared_bits<KNW, KALIGNED>(kcodes, (n0 + g) * (KROW * 8) + tg * (KSEG * KB), w);
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
+        vq_mma(c, a, tq_pair_along<KB, KNW>(kt, w, 4 * ks), tq_pair_along<KB, KNW>(kt, w, 4 * ks + 2));
+      }
+      const uint32_t rr = tile * QN + g;
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t i = n0 + 2 * tg + e;
+        if (g < uint32_t(QN) && i < n) {
+          const uint32_t pos = N_SINK + t_begin + c0 + i;
+          const bool out = rr >= head_rows || (CAUSAL && pos > total - L + rr % L);
+          sc[g * TT + i] = out ? ninf : c[e] * __half2float(kn[i]);
+        }
+      }
+    }
+    __syncthreads();
+    weigh(n);
+    __syncthreads();
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
-      const uint32_t i = n0 + 2 * tg + e;
-      if (g < uint32_t(QN) && i < tn) {
-        const uint32_t pos = N_SINK + t_begin + i;
-        const bool out = rr >= head_rows || (CAUSAL && pos > total - L + rr % L);
-        sc[g * TT + i] = out ? ninf : c[e] * kn_s[i];
+      const uint32_t r = 2 * tg + e;
+      const float alpha = r < uint32_t(QN) ? al_s[r] : 0.0f;
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        o[j][e] *= alpha;
+        o[j][2 + e] *= alpha;
+      }
+    }
+    for (uint32_t t0 = warp * 16; t0 < n; t0 += WARPS * 16) {
+      const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
+      uint32_t w[4][VNW];
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        tq_shared_bits<VNW, VALIGNED>(vcodes, ts[e] * (VROW * 8) + g * (VSEG * VB), w[e]);
+        // A token past the end weighs nothing (its weight slot was never written).
+        p[e] = g < uint32_t(QN) && ts[e] < n ? sc[g * TT + ts[e]] * __half2float(vn[ts[e]]) : 0.0f;
+      }
+      const uint32_t b0 = tq_half2_bits(p[0], p[1]), b1 = tq_half2_bits(p[2], p[3]);
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
+        const uint32_t a[4] = {tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j), tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j + 1),
+                               tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j), tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j + 1)};
+        vq_mma(o[j], a, b0, b1);
+      }
+    }
+    // The buffers and the scores are free for the next chunk.
+    __syncthreads();
+  }
+  // The codes' space becomes the per-warp sums.
+#pragma unroll
+  for (int j = 0; j < MT; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const uint32_t r = 2 * tg + e;
+      if (r < uint32_t(QN)) {
+        float* out = a_s + (warp * QN + r) * D + g * VSEG + 2 * j;
+        out[0] = o[j][e];
+        out[1] = o[j][2 + e];
       }
     }
   }
@@ -304,69 +429,9 @@ if (MMA && compressed) {
       }
     }
   }
-}
-__syncthreads();
-// Weights: warp r owns row r; the split's max and sum.
-if (warp < uint32_t(QN)) {
-  float* row = sc + warp * TT;
-  float mx = ninf;
-  for (uint32_t i = lane; i < tn; i += 32) mx = fmaxf(mx, row[i]);
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-  float sum = 0.0f;
-  for (uint32_t i = lane; i < tn; i += 32) {
-    const float p = mx == ninf ? 0.0f : __expf(row[i] - mx);
-    row[i] = p;
-    sum += p;
-  }
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
-  if (lane == 0) {
-    m_s[warp] = mx;
-    l_s[warp] = sum;
-  }
-}
-__syncthreads();
-if (MMA && compressed) {
-  // Values on the tensor cores. C holds dimensions g VSEG + 2j (rows g) and
-  // g VSEG + 2j + 1 (rows g + 8) of query rows 2tg, 2tg + 1 (columns).
-  constexpr int MT = D / 16;
-  float o[MT][4];
-#pragma unroll
-  for (int j = 0; j < MT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
-  for (uint32_t t0 = warp * 16; t0 < tn; t0 += WARPS * 16) {
-    const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
-    uint32_t w[4][VNW];
-    float p[4];
-#pragma unroll
-    for (int e = 0; e < 4; ++e) {
-      tq_shared_bits<VNW, VALIGNED>(vsm, ts[e] * (VROW * 8) + g * (VSEG * VB), w[e]);
-      // A token past the end weighs nothing (its weight slot was never written).
-      p[e] = g < uint32_t(QN) && ts[e] < tn ? sc[g * TT + ts[e]] * vn_s[ts[e]] : 0.0f;
-    }
-    const uint32_t b0 = tq_half2_bits(p[0], p[1]), b1 = tq_half2_bits(p[2], p[3]);
-#pragma unroll
-    for (int j = 0; j < MT; ++j) {
-      const uint32_t a[4] = {tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j), tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j + 1),
-                             tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j), tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j + 1)};
-      vq_mma(o[j], a, b0, b1);
-    }
-  }
-  // The codes' space becomes the per-warp sums.
   __syncthreads();
-#pragma unroll
-  for (int j = 0; j < MT; ++j) {
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const uint32_t r = 2 * tg + e;
-      if (r < uint32_t(QN)) {
-        float* out = a_s + (warp * QN + r) * D + g * VSEG + 2 * j;
-        out[0] = o[j][e];
-        out[1] = o[j][2 + e];
-      }
-    }
-  }
-} else {
+  weigh(tn);
+  __syncthreads();
   // Values, in the scores' steps.
   float acc[QN][CPT * 8];
 #pragma unroll

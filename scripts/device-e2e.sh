@@ -14,6 +14,8 @@
 #            stall reasons for the first launch of KERNEL (a regex) in those
 #            decode steps
 #   SKIP_BENCH  set to run the profiles alone
+#   NCU_CACHE   Nsight Compute's --cache-control for PROFILE: none (default: kernels
+#               find the caches as the step left them) or all (flushed first)
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
 mkdir -p "$OUT"
@@ -27,7 +29,7 @@ ncu_bin="$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-comp
 for spec in ${PROFILE:-}; do
   IFS=: read -r shape context cache chunk <<<"$spec"
   file="$OUT/profile_${shape}_${context}_${cache}${chunk:+_chunk$chunk}.csv"
-  "$ncu_bin" --profile-from-start off --clock-control none --metrics gpu__time_duration.sum --csv \
+  "$ncu_bin" --profile-from-start off --clock-control none --cache-control "${NCU_CACHE:-none}" --metrics gpu__time_duration.sum --csv \
     python3 scripts/profile_decode.py --shape "$shape" --context "$context" --cache "$cache" --steps 2 \
     --chunk "${chunk:-0}" >"$file" 2>&1 || status=1
   python3 scripts/kernel_times.py "$file" | tee -a "$OUT/profile_summary.txt"

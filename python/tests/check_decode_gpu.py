@@ -52,6 +52,14 @@ def main() -> int:
         ((4, 3), (8, 4), (3, 1)),
         ((1, 4, 128, 3000), (2, 1, 16, 700), (1, 8, 32, 140)),
     )) + [(256, mx.float16, (4, 3), (1, 4, 128, 3000)), (128, mx.float32, (4, 3), (1, 4, 128, 3000))]
+    # Splits long enough for the tensor-core path to read them in several
+    # chunks (a last chunk cut short, two row tiles, two sequences).
+    cases += list(itertools.product(
+        (64, 128),
+        (mx.float16, mx.bfloat16),
+        ((4, 3), (3, 1)),
+        ((1, 4, 128, 70000), (2, 8, 64, 40000)),
+    ))
     for i, (d, dtype, (kb, vb), (batch, group, window, tokens)) in enumerate(cases):
         err, finite, comp = case(d, dtype, kb, vb, batch, group, window, tokens, i)
         ok = finite and err < (2e-2 if dtype == mx.bfloat16 else 5e-3)

@@ -215,10 +215,14 @@ impl Source {
             Source::ScalarQuantize | Source::TqEncode | Source::TqRvqEncode if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
             Source::TqDecode => match (arg("D"), arg("KB"), arg("VB")) {
                 (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(kb)), Some(TemplateArg::Int(vb))) => {
-                    // A spare word past the codes: the tensor-core path reads
-                    // whole words from any bit on.
-                    let split = super::turboquant::DECODE_SPLIT_MAX as i32;
-                    split * (d * kb / 8 + d * vb / 8) + 16
+                    // The tensor-core path's two chunk buffers and their
+                    // float16 norms, else one split's codes; and a spare
+                    // word past them: the tensor-core path reads whole words
+                    // from any bit on.
+                    let chunk = super::turboquant::DECODE_SPLIT_MAX as i32;
+                    let codes = chunk * (d * kb / 8 + d * vb / 8);
+                    let tensor_cores = matches!(arg("T"), Some(TemplateArg::Dtype(t)) if super::turboquant::decode_on_tensor_cores(t, d as usize));
+                    if tensor_cores { 2 * codes + 8 * chunk + 16 } else { codes + 16 }
                 }
                 _ => 0,
             },

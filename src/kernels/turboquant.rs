@@ -411,13 +411,26 @@ pub fn decode_lanes(d: usize) -> usize {
     (d / 8).next_power_of_two().min(16)
 }
 
-/// Tokens one `tq_decode` threadgroup reads at most: a split's codes and
-/// scores stay in threadgroup memory (the CUDA kernel's `TT`).
+/// Tokens one `tq_decode` threadgroup reads at most at once: a split's codes
+/// and scores stay in threadgroup memory (the CUDA kernel's `TT`). CUDA's
+/// tensor-core path reads longer splits in chunks of this size.
 pub(crate) const DECODE_SPLIT_MAX: usize = 256;
 
 /// Threadgroups a split plan aims at: enough to fill the GPU several times
 /// over.
 const TARGET_THREADGROUPS: usize = 1024;
+
+/// Blocks CUDA's tensor-core `tq_decode` aims at. Its blocks loop over their
+/// splits a chunk at a time with the next chunk's loads in flight, so a few
+/// long splits (about two blocks per SM of an H200) beat many short ones:
+/// each block rotates its queries once, and tq_reduce merges fewer partials.
+const CHUNKED_TARGET_BLOCKS: usize = 264;
+
+/// Whether CUDA's `tq_decode` takes its tensor-core path for a cache of
+/// `dtype` and head size `d` (the kernel's `MMA`).
+pub(crate) fn decode_on_tensor_cores(dtype: Dtype, d: usize) -> bool {
+    matches!(dtype, Dtype::F16 | Dtype::BF16) && d % 16 == 0
+}
 
 /// How the compressed tokens are split: `(split_tokens, comp_splits,
 /// num_splits)` for `units` independent (batch, KV head, row tile) units,
@@ -425,7 +438,12 @@ const TARGET_THREADGROUPS: usize = 1024;
 /// several times over, each a whole number of tiles; the window slots take
 /// one split per tile after them.
 fn split_plan(sh: &AttentionShape, units: usize, max_split: usize) -> (usize, usize, usize) {
-    let wanted_splits = (TARGET_THREADGROUPS / units.max(1)).max(1);
+    split_plan_for(sh, units, max_split, TARGET_THREADGROUPS)
+}
+
+/// [`split_plan`] aiming at `target` threadgroups.
+fn split_plan_for(sh: &AttentionShape, units: usize, max_split: usize, target: usize) -> (usize, usize, usize) {
+    let wanted_splits = (target / units.max(1)).max(1);
     let split_tokens = (sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE).min(max_split);
     let comp_splits = sh.compressed.div_ceil(split_tokens);
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
@@ -493,7 +511,12 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
     let qn = head_rows.min(DECODE_TILE_ROWS);
     let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
-    let (_, _, num_splits) = split_plan(&sh, units, DECODE_SPLIT_MAX);
+    let chunked = s.backend()? == crate::stream::Backend::Cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
+    let (_, _, num_splits) = if chunked {
+        split_plan_for(&sh, units, usize::MAX, CHUNKED_TARGET_BLOCKS)
+    } else {
+        split_plan(&sh, units, DECODE_SPLIT_MAX)
+    };
     let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
     let (nc, nw) = (sh.compressed as i32, (sh.sinks + sh.recent) as i32);
     let used = |a: &Array, len: i32| -> Result<Array> {
