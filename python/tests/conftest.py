@@ -14,20 +14,26 @@ def smollm():
     return models.load()
 
 
-def write_tiny_llama(out, dtype=None, matrix_scale: float = 1.0, **shape) -> str:
-    """A random-weight Llama (``shape`` overrides the sizes below) saved in ``out``
-    with the default model's tokenizer; weights cast to ``dtype`` if given and
-    2-D matrices other than the embedding scaled by ``matrix_scale``."""
+def write_tiny_llama(out, dtype=None, matrix_scale: float = 1.0, model_type: str = "llama", **shape) -> str:
+    """A random-weight Llama (or another mlx_lm architecture of the same
+    config keys, ``model_type``; Qwen2's head size is hidden / heads) with
+    ``shape`` overriding the sizes below, saved in ``out`` with the default
+    model's tokenizer; weights cast to ``dtype`` if given and 2-D matrices
+    other than the embedding scaled by ``matrix_scale``."""
+    import importlib
+
     import mlx.core as mx
     from mlx.utils import tree_flatten
-    from mlx_lm.models.llama import Model, ModelArgs
+
+    arch = importlib.import_module(f"mlx_lm.models.{model_type}")
+    Model, ModelArgs = arch.Model, arch.ModelArgs
 
     from veloxquant import models
 
     src = models.default_model_path()
     big = json.loads((src / "config.json").read_text())
     config = {
-        "model_type": "llama",
+        "model_type": model_type,
         "hidden_size": 128,
         "num_hidden_layers": 2,
         "intermediate_size": 256,

@@ -1,8 +1,8 @@
 """Greedy generation with veloxquant's cache in one process or, under
-``mlx.launch -n N``, tensor parallel; rank 0 writes the tokens and the KV bytes
-as JSON. Used by test_distributed.py.
+``mlx.launch -n N``, tensor or pipeline parallel; rank 0 writes the tokens and
+the KV bytes as JSON. Used by test_distributed.py.
 
-usage: distributed_generate.py MODEL OUT_JSON PROMPT_TOKENS MAX_TOKENS
+usage: distributed_generate.py MODEL OUT_JSON PROMPT_TOKENS MAX_TOKENS [tensor|pipeline]
 """
 
 import json
@@ -20,11 +20,11 @@ from veloxquant.cache import KVConfig, cache_nbytes, make_prompt_cache
 CONFIG = KVConfig(window=8, sinks=4)
 
 
-def main(model_path: str, out: str, prompt_tokens: int, max_tokens: int) -> None:
+def main(model_path: str, out: str, prompt_tokens: int, max_tokens: int, parallel: str) -> None:
     group = distributed.group()
     model, tokenizer = load(model_path, lazy=group is not None)
     if group is not None:
-        distributed.shard_model(model, group)
+        distributed.shard_model(model, group, parallel)
     vocab = model.args.vocab_size
     prompt = mx.array([(i * 7919 + 13) % vocab for i in range(prompt_tokens)])
     cache = make_prompt_cache(model, CONFIG)
@@ -36,6 +36,7 @@ def main(model_path: str, out: str, prompt_tokens: int, max_tokens: int) -> None
         "tokens": tokens,
         "ranks": 1 if group is None else group.size(),
         "kv_heads": [layer.self_attn.n_kv_heads for layer in model.layers],
+        "layers": len(cache),
         "kv_bytes": kv,
         "shared_bytes": shared,
         "kv_bytes_total": kv if group is None else distributed.total_nbytes(kv, group),
@@ -46,4 +47,4 @@ def main(model_path: str, out: str, prompt_tokens: int, max_tokens: int) -> None
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5] if len(sys.argv) > 5 else "tensor")

@@ -26,6 +26,8 @@ from mlx_lm.models.cache import (
     create_attention_mask,
 )
 
+from . import distributed
+
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy")
 POLICIES = ("auto", "require", "off")
 # Chunks longer than this attend through MLX's SDPA over a transient
@@ -289,6 +291,7 @@ class VeloxQuantCache(_BaseCache):
         self.layer = None
         self._attended = True
         self._framed = None
+        self._after = None
         # protect="auto": the first chunk, held until its queries arrive
         # (observe_queries) and the layer is found to need float16 or not.
         self._pending = None
@@ -409,8 +412,26 @@ class VeloxQuantCache(_BaseCache):
             arrays, layout = self.layer.state_parts()
             state["layout"] = json.dumps(layout, sort_keys=True)
             if arrays:
+                if self._after is not None:
+                    # Evaluating the state runs what the model tied to the cache (keys' setter).
+                    name = next(iter(arrays))
+                    arrays[name] = mx.depends(arrays[name], self._after)
                 state["arrays"] = arrays
         return state
+
+    # mlx_lm's pipeline stages tie their send of the hidden state to the last
+    # layer's cache (``cache.keys = mx.depends(cache.keys, h)``) so that the
+    # prefill's ``mx.eval(c.state)`` runs it; the cache holds no float16 keys,
+    # so ``keys`` is a token array that carries such a dependency into ``state``.
+    @property
+    def keys(self) -> mx.array:
+        return self._after if self._after is not None else mx.array(0, dtype=mx.int32)
+
+    @keys.setter
+    def keys(self, value: mx.array) -> None:
+        if not isinstance(value, mx.array):
+            raise TypeError(f"VeloxQuantCache.keys: expected an mlx.core.array dependency, got {type(value).__name__}")
+        self._after = value
 
     def checksummed_state(self) -> Dict[str, Any]:
         """``state`` plus ``"crc32"``: a CRC-32 of the config, of the layout and of
@@ -451,7 +472,7 @@ class VeloxQuantCache(_BaseCache):
         arrays = v.get("arrays", {})
         if not isinstance(arrays, Mapping):
             raise TypeError(f"VeloxQuantCache.state: 'arrays' must be a dict of mlx.core.array, got {type(arrays).__name__}")
-        self._attended, self._framed, self._pending = True, None, None
+        self._attended, self._framed, self._pending, self._after = True, None, None, None
         # A state keeps the decided config, not the measurement behind it.
         self.__dict__.setdefault("outlier_error", None)
         self.__dict__.setdefault("protected", False)
@@ -586,11 +607,14 @@ def _file_note() -> str:
 
 
 def _base_caches(model) -> List[Any]:
-    original = getattr(model, "_veloxquant_make_cache", None)
+    # The model's own caches: install() keeps its make_cache (None when the
+    # model has none, mlx_lm's default then) before putting ours in its place.
+    if "_veloxquant_kind" in model.__dict__:
+        original = model.__dict__["_veloxquant_make_cache"]
+    else:
+        original = getattr(model, "make_cache", None)
     if original is not None:
         return original()
-    if hasattr(model, "make_cache"):
-        return model.make_cache()
     return [KVCache() for _ in range(len(model.layers))]
 
 
@@ -611,10 +635,13 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
     attention.install()
     attention.check_model(model)
     caches = _base_caches(model)
-    config = config.resolve(len(caches))
+    # A pipeline stage holds some of the layers: the config names layers
+    # model-wide.
+    first, total = distributed.layer_span(model, len(caches))
+    config = config.resolve(total)
     n = 0
     for i, c in enumerate(caches):
-        layer_cfg = config.for_layer(i)
+        layer_cfg = config.for_layer(first + i)
         if type(c) is KVCache and layer_cfg is not None:
             caches[i] = VeloxQuantCache(layer_cfg)
             n += 1

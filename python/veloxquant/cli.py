@@ -342,7 +342,7 @@ class _Stats:
 
 def _generate_with_stats(args, group=None):
     """Stands in for mlx_lm.generate.generate: streams, keeps the cache, prints a summary.
-    Under ``group`` (tensor parallel) it also reports the KV bytes of all ranks."""
+    Under ``group`` (tensor or pipeline parallel) it also reports the KV bytes of all ranks."""
     import mlx.core as mx
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
@@ -394,7 +394,7 @@ def _generate_with_stats(args, group=None):
             else:
                 print(
                     f"KV cache: {kv:,} bytes held on rank {group.rank()}, {kv_all:,} over "
-                    f"{group.size()} ranks (tensor parallel; {describe_kv(args)})"
+                    f"{group.size()} ranks ({args.parallel} parallel; {describe_kv(args)})"
                 )
             if recipe is not None:
                 print(f"KV recipe (calibrated in {calibrated:.1f} s): {recipe.summary()}")
@@ -584,6 +584,11 @@ def cmd_generate(argv: Sequence[str]) -> int:
                     "offline on first use)."
                 )
         add_kv_options(p, with_kv_bits=False)  # --kv-bits/--kv-group-size are mlx_lm's
+        p.add_argument(
+            "--parallel", choices=distributed.PARALLEL, default="tensor",
+            help="under mlx.launch -n N: split each layer's heads across the ranks (tensor) or the "
+            "layers themselves (pipeline: models with mlx_lm's pipeline(), e.g. Qwen2) (default: tensor)",
+        )
         return p
 
     args = make_parser().parse_args(list(argv))
@@ -618,7 +623,10 @@ def cmd_generate(argv: Sequence[str]) -> int:
     if group is not None:
         for given, flag in ((args.prompt_cache_file, "--prompt-cache-file"), (args.draft_model, "--draft-model")):
             if given is not None:
-                _usage_error(f"{flag}: not supported on {group.size()} ranks (tensor parallel); run it in one process")
+                _usage_error(f"{flag}: not supported on {group.size()} ranks ({args.parallel} parallel); run it in one process")
+        if args.parallel == "pipeline" and args.kv_cache == "veloxquant" and args.kv_recipe == "auto":
+            # Each stage would calibrate and budget its own layers alone.
+            _usage_error(f"--kv-recipe auto: not supported on {group.size()} ranks (pipeline parallel); use --parallel tensor or a fixed recipe")
     main_rank = distributed.is_main(group)
 
     class _Parser:
@@ -640,7 +648,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
             # Load lazily so that each rank materializes only its shard.
             out = orig_load(*a, **dict(k, lazy=True))
             try:
-                distributed.shard_model(out[0], group)
+                distributed.shard_model(out[0], group, args.parallel)
             except ValueError as e:
                 _usage_error(f"--model {args.model}: {str(e).removeprefix('model: ')}")
         else:

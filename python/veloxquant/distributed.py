@@ -1,11 +1,13 @@
-"""Tensor-parallel runs under ``mlx.launch``: the group, the model's
-sharding, and KV cache bytes summed over ranks.
+"""Runs under ``mlx.launch``: the group, the model's sharding (tensor or
+pipeline parallel), and KV cache bytes summed over ranks.
 
-Each rank's attention keeps n_kv_heads / N heads after sharding, and its
+Tensor parallel: each rank's attention keeps n_kv_heads / N heads, and its
 caches are built from those shapes, so every rank holds the compressed cache
-of its own heads only. Rotations and codebooks depend on the head size and
-the seed alone (not on a head's index), so every rank quantizes a head exactly
-as one process would."""
+of its own heads only. Pipeline parallel: each rank runs a contiguous share
+of the layers (mlx_lm's ``pipeline``) and holds their caches only.
+Rotations and codebooks depend on the head size and the seed alone (not on a
+head's or a layer's index), so every rank quantizes a head exactly as one
+process would."""
 
 from typing import Optional
 
@@ -21,25 +23,50 @@ def group():
     return g if g.size() > 1 else None
 
 
-def shard_model(model, group) -> None:
-    """Split ``model``'s attention heads and MLP across ``group`` by tensor
-    parallelism (mlx_lm's ``model.shard``), then materialize its weights."""
+PARALLEL = ("tensor", "pipeline")
+
+
+def shard_model(model, group, parallel: str = "tensor") -> None:
+    """Split ``model`` across ``group``: its attention heads and MLP by tensor
+    parallelism (mlx_lm's ``model.shard``) or its layers by pipeline
+    (``model.model.pipeline``), then materialize this rank's weights."""
     import mlx.core as mx
 
     kind = type(model).__module__
-    if not hasattr(model, "shard"):
-        raise ValueError(f"model: {kind} has no tensor-parallel shard(), so it cannot run on {group.size()} ranks")
     n = group.size()
-    for i, layer in enumerate(getattr(model, "layers", [])):
-        attn = getattr(layer, "self_attn", None)
-        for name, what in (("n_heads", "query heads"), ("n_kv_heads", "KV heads")):
-            heads = getattr(attn, name, None)
-            if heads is not None and heads % n:
-                raise ValueError(f"model: layer {i} has {heads} {what}, which do not divide among {n} ranks")
-    model.shard(group)
+    if parallel == "pipeline":
+        inner = getattr(model, "model", None)
+        if not hasattr(inner, "pipeline"):
+            raise ValueError(f"model: {kind} has no pipeline(), so it cannot run as a pipeline on {n} ranks")
+        layers = len(inner.layers)
+        if layers < n:
+            raise ValueError(f"model: its {layers} layers cannot fill a pipeline of {n} ranks")
+        inner.pipeline(group)
+    elif parallel == "tensor":
+        if not hasattr(model, "shard"):
+            raise ValueError(f"model: {kind} has no tensor-parallel shard(), so it cannot run on {n} ranks")
+        for i, layer in enumerate(getattr(model, "layers", [])):
+            attn = getattr(layer, "self_attn", None)
+            for name, what in (("n_heads", "query heads"), ("n_kv_heads", "KV heads")):
+                heads = getattr(attn, name, None)
+                if heads is not None and heads % n:
+                    raise ValueError(f"model: layer {i} has {heads} {what}, which do not divide among {n} ranks")
+        model.shard(group)
+    else:
+        raise ValueError(f"parallel must be one of {PARALLEL}, got {parallel!r}")
     mx.eval(model.parameters())
     # Every rank finishes loading before the first collective of the forward.
     mx.eval(mx.distributed.all_sum(mx.array(1.0), group=group, stream=mx.cpu))
+
+
+def layer_span(model, count: int):
+    """``(first, total)``: the model-wide index of the first of ``count``
+    cache layers this process holds, and the model's layer count (a pipeline
+    stage holds layers ``first .. first + count - 1`` of ``total``)."""
+    inner = getattr(model, "model", None)
+    if getattr(inner, "pipeline_size", 1) > 1:
+        return int(inner.start_idx), int(model.args.num_hidden_layers)
+    return 0, count
 
 
 def total_nbytes(nbytes: int, group) -> int:
