@@ -279,3 +279,22 @@ def test_a_pipeline_stage_configures_its_layers_by_their_model_wide_index(pp_mod
     kinds = lambda caches: [type(c).__name__ for c in caches]  # noqa: E731
     assert kinds(full) == ["VeloxQuantCache"] * 2 + ["KVCache", "VeloxQuantCache"]  # float16 for the protected layer
     assert kinds(part) == ["KVCache", "VeloxQuantCache"]
+
+
+def test_bench_on_two_ranks_reports_rank_zero_and_the_total(tmp_path):
+    """``veloxquant bench`` under mlx.launch: each configuration's workers form
+    the group (tensor parallel), rank 0 alone writes the rows."""
+    if not LAUNCH.exists():
+        pytest.skip(f"mlx.launch is not installed beside {sys.executable}")
+    out = tmp_path / "bench.jsonl"
+    args = ["-m", "veloxquant", "bench", "--shape", "tiny", "--contexts", "256", "--batch", "1",
+            "--caches", "fp16,veloxquant", "--decode-tokens", "4", "--warmup", "1", "--timeout", "120",
+            "--out-jsonl", str(out)]
+    r = _launch(2, args, timeout=300)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["cache"] for row in rows] == ["fp16", "veloxquant"]
+    for row in rows:
+        assert row["error"] is None and row["ranks"] == 2
+        assert row["kv_bytes_total"] == 2 * row["kv_bytes"]  # one of the tiny shape's two KV heads per rank
+    assert rows[1]["kv_bytes"] < rows[0]["kv_bytes"]
+    assert r.stdout.count("| KV MiB rank 0 | KV MiB, 2 ranks |") == 1  # rank 0 alone prints

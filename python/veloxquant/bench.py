@@ -28,6 +28,12 @@ next step's graph built while the current one runs, as mlx_lm does.
 ``--memory-budget GiB`` adds a capacity table: for each shape, context and
 cache, the most sequences that fit the budget, estimated from the largest
 batch measured (its peak memory less the weights, per sequence).
+
+Under ``mlx.launch -n N`` every rank runs the same plan; each configuration's
+workers (one per rank, in the ranks' own subprocesses) form the group and
+split the model (``--parallel tensor``: heads, or ``pipeline``: layers, as
+``generate``). Rank 0 alone reports; KV MiB and peak GiB are rank 0's, and
+``kv_bytes_total`` sums the KV bytes over the ranks.
 """
 
 from __future__ import annotations
@@ -41,6 +47,8 @@ import subprocess
 import sys
 import time
 from typing import Any, Dict, List, Optional
+
+from . import distributed
 
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
                 "rope_type": "llama3"}
@@ -223,7 +231,12 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         mx.set_default_device(mx.gpu if job["device"] == "gpu" else mx.cpu)
     row = device_fields()
     try:
+        # Under mlx.launch this worker joins the group its parent left alone.
+        group = distributed.group() if distributed.launched_rank() is not None else None
+        row["ranks"] = 1 if group is None else group.size()
         model = build_model(job)
+        if group is not None:
+            distributed.shard_model(model, group, job.get("parallel", "tensor"))
         # As generate, compare and eval: float32 compute where the CPU has a fast BLAS.
         from . import blas
 
@@ -252,6 +265,8 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         return {**row, "error": describe_failure(f"{type(e).__name__}: {e}")}
     compressed = [c.layer.compressed_tokens for c in cache if isinstance(c, VeloxQuantCache) and c.layer]
     tokens_done = job["batch"] * job["decode_tokens"]
+    kv = cache_nbytes(cache)
+    kv_total = kv if group is None else distributed.total_nbytes(kv, group)
     return {
         **row,
         "prefill_s": t1 - t0,
@@ -259,7 +274,8 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         "decode_s": t2 - t1,
         "decode_tok_s": tokens_done / (t2 - t1),
         "decode_tok_s_per_seq": job["decode_tokens"] / (t2 - t1),
-        "kv_bytes": cache_nbytes(cache),
+        "kv_bytes": kv,
+        "kv_bytes_total": kv_total,
         "compressed_tokens": compressed[0] if compressed else None,
         "peak_bytes": mx.get_peak_memory(),
         "model_bytes": sum(p.nbytes for _, p in tree_flatten(model.parameters())),
@@ -349,7 +365,7 @@ def plan(args, parser) -> List[Dict[str, Any]]:
     else:
         shapes = [os.path.basename(model.rstrip("/"))]
     common = {"model": model, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
-              "prefill_step_size": args.prefill_step_size, "device": args.device}
+              "prefill_step_size": args.prefill_step_size, "device": args.device, "parallel": args.parallel}
     return [{**common, "shape": shape, "context": ctx, "batch": b, "cache": c}
             for shape in shapes for ctx in contexts for b in batches for c in caches]
 
@@ -361,17 +377,22 @@ def _ratio(value, base) -> str:
 def markdown_table(rows: List[Dict[str, Any]]) -> str:
     """One line per configuration; speed ratios to the fp16 row of the same shape, context and batch."""
     fp16 = {(r["shape"], r["context"], r["batch"]): r for r in rows if r["cache"] == "fp16" and not r["error"]}
+    ranks = max((r.get("ranks") or 1 for r in rows), default=1)
+    kv_head = ["KV MiB"] if ranks == 1 else ["KV MiB rank 0", f"KV MiB, {ranks} ranks"]
     head = ["shape", "context", "batch", "cache", "prefill s", "prefill speed vs fp16", "decode tok/s",
-            "decode speed vs fp16", "KV MiB", "peak GiB", "error"]
+            "decode speed vs fp16", *kv_head, "peak GiB", "error"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in rows:
         base = fp16.get((r["shape"], r["context"], r["batch"]), {})
         if r["error"]:
-            cells = ["—"] * 6 + [r["error"]]
+            cells = ["—"] * (5 + len(kv_head)) + [r["error"]]
         else:
+            kv = [f"{r['kv_bytes'] / 2**20:.2f}"]
+            if ranks > 1:
+                kv.append(f"{(r.get('kv_bytes_total') or r['kv_bytes']) / 2**20:.2f}")
             cells = [f"{r['prefill_s']:.3f}", _ratio(base.get("prefill_s"), r["prefill_s"]),
                      f"{r['decode_tok_s']:.1f}", _ratio(r["decode_tok_s"], base.get("decode_tok_s")),
-                     f"{r['kv_bytes'] / 2**20:.2f}", f"{r['peak_bytes'] / 2**30:.3f}", ""]
+                     *kv, f"{r['peak_bytes'] / 2**30:.3f}", ""]
         out.append("| " + " | ".join([r["shape"], str(r["context"]), str(r["batch"]), r["cache"]] + cells) + " |")
     return "\n".join(out)
 
@@ -472,6 +493,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write a PNG: decode tok/s and peak memory against context")
     p.add_argument("--from-jsonl", default=None, metavar="PATH",
                    help="run nothing: print, --out-md and --plot the rows of an earlier --out-jsonl")
+    p.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
+                   help="under mlx.launch -n N: split heads (tensor) or layers (pipeline) across the ranks "
+                   "(default: tensor)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     return p
 
@@ -498,14 +522,16 @@ def main(argv: Optional[List[str]] = None) -> int:
     jobs = plan(args, parser)
     command = "veloxquant bench " + shlex.join(argv)
     rows: List[Dict[str, Any]] = []
-    jsonl = open(args.out_jsonl, "w") if args.out_jsonl else None
-    bar = _progress_bar(len(jobs))
+    # Under mlx.launch the other ranks run the same workers and stay silent.
+    main_rank = (distributed.launched_rank() or 0) == 0
+    jsonl = open(args.out_jsonl, "w") if args.out_jsonl and main_rank else None
+    bar = _progress_bar(len(jobs)) if main_rank else None
     try:
         for i, job in enumerate(jobs):
             label = f"{job['shape']} ctx {job['context']} batch {job['batch']} {job['cache']['name']}"
             if bar is not None:
                 bar.set_description(label)
-            else:
+            elif main_rank:
                 print(f"[bench {i + 1}/{len(jobs)}] {label}", file=sys.stderr, flush=True)
             last = rows[-1] if rows else {}  # device fields for a worker that died before reporting them
             row = {"device": last.get("device", args.device), "device_name": last.get("device_name"),
@@ -523,14 +549,15 @@ def main(argv: Optional[List[str]] = None) -> int:
             if bar is not None:
                 bar.write(summary, file=sys.stderr)
                 bar.update(1)
-            else:
+            elif main_rank:
                 print(f"[bench] {summary}", file=sys.stderr, flush=True)
     finally:
         if bar is not None:
             bar.close()
         if jsonl:
             jsonl.close()
-    report(rows, args, command)
+    if main_rank:
+        report(rows, args, command)
     return 0
 
 

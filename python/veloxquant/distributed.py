@@ -12,6 +12,16 @@ process would."""
 from typing import Optional
 
 
+def launched_rank() -> Optional[int]:
+    """This process's rank when ``mlx.launch`` started it (``MLX_RANK``),
+    without joining the group: a process that starts the members (``bench``'s
+    workers) must leave the group's ports to them."""
+    import os
+
+    rank = os.environ.get("MLX_RANK")
+    return int(rank) if rank is not None and rank.strip().isdigit() else None
+
+
 def group():
     """The distributed group when this process is one of several
     (``mlx.launch -n N``), else None."""
