@@ -283,6 +283,10 @@ class VeloxQuantCache(_BaseCache):
     :func:`veloxquant.attention.install` ran (``make_prompt_cache`` does it).
     """
 
+    # What a pipeline stage tied to this cache (see ``keys``); a class default
+    # too, for copies made without __init__.
+    _after: Optional[mx.array] = None
+
     def __init__(self, config: Optional[KVConfig] = None):
         config = config if config is not None else KVConfig()
         if not isinstance(config, KVConfig):
@@ -500,7 +504,7 @@ class VeloxQuantCache(_BaseCache):
         new = type(self).__new__(type(self))
         memo[id(self)] = new
         new.config = self.config  # frozen
-        new._attended, new._framed, new._pending = True, None, None
+        new._attended, new._framed, new._pending, new._after = True, None, None, None
         new.outlier_error, new.protected = self.outlier_error, self.protected
         # MLX arrays are immutable: the copy takes the same arrays, no bytes move.
         new.layer = None if self.layer is None else type(self.layer).from_state_parts(*self.layer.state_parts())

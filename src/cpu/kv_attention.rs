@@ -362,7 +362,9 @@ pub fn kv_attention<T: VqElement + FromF32>(
     assert!(rot_v.is_empty() || rot_v.len() == d * d, "rot_v size");
     assert_eq!(mask.len(), sh.batch * sh.mask_heads * sh.queries * total, "mask length");
     // Work unit: one (batch, kv head): its g query heads share every key read.
-    super::for_each_chunk(out, rows_per_kv * d, 1, |unit0, chunk| {
+    let units = sh.batch * sh.kv_heads;
+    let min_units = super::parallel::min_rows_for_work(units, units * rows_per_kv * total * 2 * d);
+    super::for_each_chunk(out, rows_per_kv * d, min_units, |unit0, chunk| {
         let mut acc = vec![0.0f32; rows_per_kv * d];
         let mut m = vec![f32::NEG_INFINITY; rows_per_kv];
         let mut l = vec![0.0f32; rows_per_kv];

@@ -1,7 +1,12 @@
-//! Splitting row-wise work over the available cores with scoped threads.
+//! Splitting row-wise work over the available cores: one rayon pool of
+//! `worker_count()` threads, kept between calls (a kernel call that started
+//! its own threads paid tens of microseconds for them, a decode step's
+//! attention many times over).
 
 use std::num::NonZeroUsize;
 use std::sync::OnceLock;
+
+use rayon::prelude::*;
 
 pub(crate) fn worker_count() -> usize {
     static WORKERS: OnceLock<usize> = OnceLock::new();
@@ -12,6 +17,37 @@ pub(crate) fn worker_count() -> usize {
             .filter(|&n| n > 0)
             .unwrap_or_else(|| std::thread::available_parallelism().map_or(1, NonZeroUsize::get))
     })
+}
+
+/// The pool the CPU kernels share; None where it could not start (the
+/// kernels then run on the calling thread).
+fn pool() -> Option<&'static rayon::ThreadPool> {
+    static POOL: OnceLock<Option<rayon::ThreadPool>> = OnceLock::new();
+    POOL.get_or_init(|| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(worker_count())
+            .thread_name(|i| format!("veloxquant-cpu-{i}"))
+            .build()
+            .ok()
+    })
+    .as_ref()
+}
+
+/// Multiply-adds below which a kernel's call stays on the calling thread:
+/// waking the pool's threads and waiting for the last of them costs
+/// microseconds, far more while MLX's or the BLAS's threads hold the cores,
+/// which a decode step's attention over a short context pays many times over.
+const PARALLEL_MIN_WORK: usize = 1 << 18;
+
+/// `min_rows_per_thread` for [`for_each_chunk`] or [`map_row_ranges`] over
+/// `rows` rows that together cost about `work` multiply-adds: one thread
+/// below [`PARALLEL_MIN_WORK`], else a row per thread at least.
+pub fn min_rows_for_work(rows: usize, work: usize) -> usize {
+    if work < PARALLEL_MIN_WORK {
+        rows.max(1)
+    } else {
+        1
+    }
 }
 
 /// Runs `f(first_row, out_chunk)` over `out` split into chunks of whole rows
@@ -32,12 +68,10 @@ where
         return;
     }
     let rows_per = rows.div_ceil(threads);
-    std::thread::scope(|scope| {
-        for (i, chunk) in out.chunks_mut(rows_per * row_len).enumerate() {
-            let f = &f;
-            scope.spawn(move || f(i * rows_per, chunk));
-        }
-    });
+    match pool() {
+        Some(p) => p.install(|| out.par_chunks_mut(rows_per * row_len).enumerate().for_each(|(i, chunk)| f(i * rows_per, chunk))),
+        None => f(0, out),
+    }
 }
 
 /// Runs `f(first_row, row_count)` over `rows` split into contiguous ranges,
@@ -57,14 +91,9 @@ where
     if threads == 1 {
         return vec![f(0, rows)];
     }
-    std::thread::scope(|scope| {
-        let handles: Vec<_> = (0..rows)
-            .step_by(rows_per)
-            .map(|first| {
-                let f = &f;
-                scope.spawn(move || f(first, rows_per.min(rows - first)))
-            })
-            .collect();
-        handles.into_iter().map(|h| h.join().expect("worker panicked")).collect()
-    })
+    let ranges: Vec<usize> = (0..rows).step_by(rows_per).collect();
+    match pool() {
+        Some(p) => p.install(|| ranges.into_par_iter().map(|first| f(first, rows_per.min(rows - first))).collect()),
+        None => vec![f(0, rows)],
+    }
 }

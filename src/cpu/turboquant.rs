@@ -310,7 +310,9 @@ pub fn tq_attention<T: VqElement + FromF32>(
     let workers = super::parallel::worker_count();
     let splits = (2 * workers).div_ceil(units).clamp(1, total.div_ceil(MIN_SPLIT_TOKENS).max(1));
     let per_split = total.div_ceil(splits).max(1);
-    let partials = super::map_row_ranges(units * splits, 1, |first, count| {
+    // Every query row reads every token: a key and a value product of d each.
+    let pieces = units * splits;
+    let partials = super::map_row_ranges(pieces, super::parallel::min_rows_for_work(pieces, units * rows * total * 2 * d), |first, count| {
         (first..first + count)
             .map(|piece| {
                 let (unit, split) = (piece / splits, piece % splits);
@@ -322,7 +324,9 @@ pub fn tq_attention<T: VqElement + FromF32>(
     .into_iter()
     .flatten()
     .collect::<Vec<_>>();
-    super::for_each_chunk(out, rows * d, 1, |unit0, chunk| {
+    // The merge: each row's partials and its rotation back (d * d).
+    let merge = super::parallel::min_rows_for_work(units, units * rows * d * (d + splits));
+    super::for_each_chunk(out, rows * d, merge, |unit0, chunk| {
         let mut acc = vec![0.0f32; d];
         for (u, out_unit) in chunk.chunks_mut(rows * d).enumerate() {
             let parts = &partials[(unit0 + u) * splits..][..splits];
