@@ -7,21 +7,18 @@ second a token on a small CPU."""
 import http.client
 import json
 import signal
-import socket
 import subprocess
 import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+from serve_load import free_port, most_at_once, wait_until_healthy  # noqa: E402
+
 CLIENTS = 64
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def stream(port, i, start, results):
@@ -45,16 +42,6 @@ def stream(port, i, start, results):
         results[i] = e
 
 
-def most_at_once(spans):
-    """The most streams between their first and last events at one time."""
-    ends = sorted([(a, 1) for a, _ in spans] + [(b, -1) for _, b in spans])
-    now = best = 0
-    for _, step in ends:
-        now += step
-        best = max(best, now)
-    return best
-
-
 def complete(port, prompt):
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
     body = json.dumps({"prompt": prompt, "max_tokens": 4, "temperature": 0})
@@ -62,22 +49,6 @@ def complete(port, prompt):
     reply = json.loads(conn.getresponse().read())
     conn.close()
     return reply
-
-
-def wait_until_healthy(proc, port, seconds=60):
-    deadline = time.time() + seconds
-    while True:
-        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=2)
-        try:
-            conn.request("GET", "/health")
-            if conn.getresponse().status == 200:
-                return
-        except OSError:
-            pass
-        finally:
-            conn.close()
-        assert proc.poll() is None and time.time() < deadline, "server did not start"
-        time.sleep(0.2)
 
 
 @pytest.mark.parametrize("extra", [["--kv-cache", "veloxquant", "--kv-window", "4"], []], ids=["veloxquant", "fp16"])
@@ -93,7 +64,7 @@ def test_burst_of_streams_all_complete_and_ctrl_c_stops_cleanly(tiny_model, extr
             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         try:
-            wait_until_healthy(proc, port)
+            wait_until_healthy(proc, port, seconds=60)
             start = threading.Barrier(CLIENTS)
             results = [None] * CLIENTS
             clients = [threading.Thread(target=stream, args=(port, i, start, results)) for i in range(CLIENTS)]
