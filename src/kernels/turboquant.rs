@@ -420,12 +420,6 @@ pub(crate) const DECODE_SPLIT_MAX: usize = 256;
 /// over.
 const TARGET_THREADGROUPS: usize = 1024;
 
-/// Blocks CUDA's tensor-core `tq_decode` aims at. Its blocks loop over their
-/// splits a chunk at a time with the next chunk's loads in flight, so a few
-/// long splits (about two blocks per SM of an H200) beat many short ones:
-/// each block rotates its queries once, and tq_reduce merges fewer partials.
-const CHUNKED_TARGET_BLOCKS: usize = 264;
-
 /// Whether CUDA's `tq_decode` takes its tensor-core path for a cache of
 /// `dtype` and head size `d` (the kernel's `MMA`).
 pub(crate) fn decode_on_tensor_cores(dtype: Dtype, d: usize) -> bool {
@@ -513,7 +507,7 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
     let chunked = s.backend()? == crate::stream::Backend::Cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
     let (_, _, num_splits) = if chunked {
-        split_plan_for(&sh, units, usize::MAX, CHUNKED_TARGET_BLOCKS)
+        split_plan_for(&sh, units, usize::MAX, super::decode_blocks()?)
     } else {
         split_plan(&sh, units, DECODE_SPLIT_MAX)
     };
