@@ -48,13 +48,9 @@ def _launch(n: int, args, check: bool = True, timeout: int = 120) -> subprocess.
     return r
 
 
-@pytest.fixture(scope="module")
-def tp_model(tmp_path_factory):
-    """A 2-layer Llama with 4 query and 4 KV heads (2 per rank on 2 ranks) and
-    float32 weights: the sharded and the whole model then differ only in the
-    order of float32 sums. Its matrices are scaled up from mlx's small random
-    init so that greedy tokens depend on the context (at mlx's init every
-    token is the same one)."""
+def _ring_model(tmp_path_factory, name: str, **shape) -> str:
+    """A tiny model (conftest.write_tiny_llama with ``shape``) for runs on the
+    ring backend; skips where mlx.launch or a distributed backend is missing."""
     if not LAUNCH.exists():
         pytest.skip(f"mlx.launch is not installed beside {sys.executable}")
     import mlx.core as mx
@@ -63,8 +59,18 @@ def tp_model(tmp_path_factory):
 
     if not mx.distributed.is_available():
         pytest.skip("this mlx build has no distributed backend")
-    return write_tiny_llama(
-        tmp_path_factory.mktemp("tp-llama"), matrix_scale=2.0,
+    return write_tiny_llama(tmp_path_factory.mktemp(name), **shape)
+
+
+@pytest.fixture(scope="module")
+def tp_model(tmp_path_factory):
+    """A 2-layer Llama with 4 query and 4 KV heads (2 per rank on 2 ranks) and
+    float32 weights: the sharded and the whole model then differ only in the
+    order of float32 sums. Its matrices are scaled up from mlx's small random
+    init so that greedy tokens depend on the context (at mlx's init every
+    token is the same one)."""
+    return _ring_model(
+        tmp_path_factory, "tp-llama", matrix_scale=2.0,
         hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=4,
     )
 
@@ -73,16 +79,8 @@ def tp_model(tmp_path_factory):
 def pp_model(tmp_path_factory):
     """A 4-layer Qwen2 (k_proj with a bias; mlx_lm runs it as a pipeline) with
     4 query and 4 KV heads, float32, matrices scaled as tp_model's."""
-    if not LAUNCH.exists():
-        pytest.skip(f"mlx.launch is not installed beside {sys.executable}")
-    import mlx.core as mx
-
-    from conftest import write_tiny_llama
-
-    if not mx.distributed.is_available():
-        pytest.skip("this mlx build has no distributed backend")
-    return write_tiny_llama(
-        tmp_path_factory.mktemp("pp-qwen2"), matrix_scale=2.0, model_type="qwen2",
+    return _ring_model(
+        tmp_path_factory, "pp-qwen2", matrix_scale=2.0, model_type="qwen2",
         hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4,
     )
 

@@ -493,7 +493,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--plot", default=None, help="write a PNG: decode tok/s and peak memory against context")
     p.add_argument("--from-jsonl", default=None, metavar="PATH",
                    help="run nothing: print, --out-md and --plot the rows of an earlier --out-jsonl")
-    p.add_argument("--parallel", choices=("tensor", "pipeline"), default="tensor",
+    p.add_argument("--parallel", choices=distributed.PARALLEL, default="tensor",
                    help="under mlx.launch -n N: split heads (tensor) or layers (pipeline) across the ranks "
                    "(default: tensor)")
     p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
