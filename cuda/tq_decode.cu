@@ -13,8 +13,11 @@
 // count of window tokens.
 // Rows of a KV head are r = h * L + l (its G heads, L queries); a tile holds
 // QN consecutive rows. The grid is B * Hkv * tiles * splits blocks; window
-// slots take ceil(n_win / 128) splits of 128, compressed tokens the rest,
-// each a whole number of 128-token tiles.
+// slots take ceil(n_win / WT) splits of WT = 128, compressed tokens the rest,
+// each a whole number of WT-token tiles. Blocks of the tensor-core path have
+// 256 threads (eight warps: twice the warps an SM holds at two blocks of
+// 128 registers a thread, the occupancy its chained mma and shared-memory
+// reads wait on), every other block 128 (the host's decode_threads).
 // A split holds at most TT tokens (the host's split plan). Its codes are
 // copied into shared memory first, all at once (cp.async, 16 bytes a
 // request, so that a block keeps tens of kilobytes in flight), with the
@@ -42,7 +45,10 @@
 // Dynamic shared memory: TT * (KROW + VROW) + 16 bytes (the host's
 // cuda_dynamic_shared_bytes), the split's key then value codes and a spare
 // word for unaligned reads.
-constexpr int TG = 128;
+// The tensor-core path's shapes (see above).
+constexpr bool MMA = D % 16 == 0 && sizeof(T) == 2;
+constexpr int TG = MMA ? 256 : 128;
+constexpr int WT = 128;
 constexpr int WARPS = TG / 32;
 constexpr int NCH = D / 8;
 constexpr int CPT = (NCH + TPT - 1) / TPT;
@@ -57,8 +63,6 @@ constexpr int TT = 256;
 constexpr int KROW = D * KB / 8;
 constexpr int VROW = D * VB / 8;
 constexpr unsigned FULL = 0xffffffffu;
-// The tensor-core path's shapes (see above).
-constexpr bool MMA = D % 16 == 0 && sizeof(T) == 2;
 constexpr int KSEG = D / 4;
 constexpr int KS = D / 16;
 constexpr int KNW = (KSEG * KB + 31) / 32;
@@ -86,8 +90,9 @@ uint8_t* const ksm = codes_s;
 uint8_t* const vsm = codes_s + TT * KROW;
 __half* const kn_h = reinterpret_cast<__half*>(codes_s + 2 * CBYTES);
 __half* const vn_h = kn_h + 2 * TT;
-// The epilogue's per-warp sums reuse the codes' space (64 D bytes at most,
-// never more than TT * (KROW + VROW)).
+// The epilogue's per-warp sums reuse the codes' space (4 WARPS QN D bytes:
+// 64 D at most without MMA, 128 D with it, never more than the one or two
+// buffers of TT * (KROW + VROW) >= 64 D bytes).
 float* const a_s = reinterpret_cast<float*>(codes_s);
 const uint32_t Bn = q_shape[0], Hq = q_shape[1], L = q_shape[2];
 const uint32_t Hkv = win_k_shape[1];
@@ -97,10 +102,10 @@ const uint32_t G = Hq / Hkv;
 const uint32_t head_rows = G * L;
 const uint32_t tiles = (head_rows + QN - 1) / QN;
 const uint32_t total = n_comp + n_win;
-const uint32_t win_splits = (n_win + TG - 1) / TG;
+const uint32_t win_splits = (n_win + WT - 1) / WT;
 const uint32_t num_splits = gridDim.x / (Bn * Hkv * tiles);
 const uint32_t comp_splits = num_splits - win_splits;
-const uint32_t split_tokens = comp_splits == 0 ? 0u : ((n_comp + comp_splits - 1) / comp_splits + TG - 1) / TG * TG;
+const uint32_t split_tokens = comp_splits == 0 ? 0u : ((n_comp + comp_splits - 1) / comp_splits + WT - 1) / WT * WT;
 const uint32_t tid = threadIdx.x;
 const uint32_t lane = tid & 31u, warp = tid >> 5;
 uint32_t blk = blockIdx.x;
@@ -118,8 +123,8 @@ if (compressed) {
   t_begin = split * split_tokens;
   t_end = min(t_begin + split_tokens, n_comp);
 } else {
-  t_begin = (split - comp_splits) * TG;
-  t_end = min(t_begin + uint32_t(TG), n_win);
+  t_begin = (split - comp_splits) * WT;
+  t_end = min(t_begin + uint32_t(WT), n_win);
 }
 // The split's tokens are [t_begin, t_end), at most TT of them.
 const uint32_t tn = t_end > t_begin ? t_end - t_begin : 0u;
@@ -218,26 +223,39 @@ if (MMA && compressed) {
   }
 }
 __syncthreads();
-// The tile's queries, rotated and scaled: qs = SCALE * Π q; each thread
-// owns output dimensions i and reads row i of Π once, as float4, for all
-// QN rows.
+// The tile's queries, rotated and scaled: qs = SCALE * Π q; RP neighbouring
+// lanes own output dimension i, each reading a 1/RP share of row i of Π (as
+// float4) for all QN rows, their sums added by shuffles. Every thread runs
+// every round, so that the shuffles see whole warps.
 const float scale = __int_as_float(SCALE);
-for (uint32_t i = tid; i < uint32_t(D); i += TG) {
-  const float4* ri = reinterpret_cast<const float4*>(rot + uint64_t(i) * D);
+constexpr int RP = (TG >= 4 * D && (D / 4) % 4 == 0) ? 4 : ((TG >= 2 * D && (D / 4) % 2 == 0) ? 2 : 1);
+for (uint32_t base = 0; base < uint32_t(D * RP); base += TG) {
+  const uint32_t e = base + tid;
+  const bool on = e < uint32_t(D * RP);
+  const uint32_t i = on ? e / RP : 0u, part = e % RP;
+  const float4* ri = reinterpret_cast<const float4*>(rot + uint64_t(i) * D) + part * (D / 4 / RP);
+  const float* xs = sc + part * (D / RP);
   float y[QN];
 #pragma unroll
   for (int r = 0; r < QN; ++r) y[r] = 0.0f;
 #pragma unroll 8
-  for (int j4 = 0; j4 < D / 4; ++j4) {
+  for (int j4 = 0; j4 < D / 4 / RP; ++j4) {
     const float4 w = ri[j4];
 #pragma unroll
     for (int r = 0; r < QN; ++r) {
-      const float* x = sc + r * D + 4 * j4;
+      const float* x = xs + r * D + 4 * j4;
       y[r] += w.x * x[0] + w.y * x[1] + w.z * x[2] + w.w * x[3];
     }
   }
 #pragma unroll
-  for (int r = 0; r < QN; ++r) qs[r * D + i] = y[r] * scale;
+  for (int o = 1; o < RP; o <<= 1) {
+#pragma unroll
+    for (int r = 0; r < QN; ++r) y[r] += __shfl_xor_sync(FULL, y[r], o);
+  }
+  if (on && part == 0) {
+#pragma unroll
+    for (int r = 0; r < QN; ++r) qs[r * D + i] = y[r] * scale;
+  }
 }
 // A chunked split waits for each chunk in the loop below.
 if (!(MMA && compressed)) vq_copy_wait();
@@ -306,12 +324,16 @@ if (MMA && compressed) {
     for (uint32_t n0 = warp * 8; n0 < n; n0 += WARPS * 8) {
       uint32_t w[KNW];
       tq_shared_bits<KNW, KALIGNED>(kcodes, (n0 + g) * (KROW * 8) + tg * (KSEG * KB), w);
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      // Two accumulators, alternate steps: each mma waits on the one before
+      // the last, not the last.
+      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-        vq_mma(c, a, tq_pair_along<KB, KNW>(kt, w, 4 * ks), tq_pair_along<KB, KNW>(kt, w, 4 * ks + 2));
+        vq_mma(ks % 2 == 0 ? c : c2, a, tq_pair_along<KB, KNW>(kt, w, 4 * ks), tq_pair_along<KB, KNW>(kt, w, 4 * ks + 2));
       }
+      c[0] += c2[0];
+      c[1] += c2[1];
       const uint32_t rr = tile * QN + g;
 #pragma unroll
       for (int e = 0; e < 2; ++e) {

@@ -18,6 +18,21 @@
 // dimensions of every other slot of each side, copied.
 constexpr int NCH = D / 8;
 constexpr int KS = 8;
+// 8 consecutive elements as 16-byte words where they lie back to back on a
+// 16-byte boundary (the windows' and frames' layout), else one at a time.
+constexpr int WORDS = 8 * int(sizeof(T)) / 16;
+auto load8 = [](const T* p, int64_t stride, float out[8]) {
+  if (stride == 1 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
+    T v[8];
+#pragma unroll
+    for (int w = 0; w < WORDS; ++w) reinterpret_cast<uint4*>(v)[w] = reinterpret_cast<const uint4*>(p)[w];
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(v[j]);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(p[int64_t(j) * stride]);
+  }
+};
 constexpr int SHARE = D / KS;
 const uint32_t Bn = win_k_shape[0], Hn = win_k_shape[1], W = win_k_shape[2];
 const uint32_t L = keys_shape[2];
@@ -57,9 +72,10 @@ if (e < new_pad) {
   for (int k = 0; k < SHARE; ++k) {
     const int i = int(sub) * SHARE + k;
     const float xi = static_cast<float>(x[int64_t(i) * x3]);
-    const T* row = frame + int64_t(i) * f0;
+    float fr[8];
+    load8(frame + int64_t(i) * f0 + int64_t(c * 8) * f1, f1, fr);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += xi * static_cast<float>(row[int64_t(c * 8 + j) * f1]);
+    for (int j = 0; j < 8; ++j) acc[j] += xi * fr[j];
   }
 #pragma unroll
   for (int o = KS / 2; o > 0; o >>= 1) {
@@ -103,5 +119,10 @@ const T* src = is_v
     ? win_v + int64_t(b) * win_v_strides[0] + int64_t(h) * win_v_strides[1] + int64_t(slot) * win_v_strides[2]
     : win_k + int64_t(b) * win_k_strides[0] + int64_t(h) * win_k_strides[1] + int64_t(slot) * win_k_strides[2];
 const int64_t s3 = is_v ? win_v_strides[3] : win_k_strides[3];
+if (s3 == 1 && ((reinterpret_cast<uintptr_t>(src + c * 8) | reinterpret_cast<uintptr_t>(dst)) & 15u) == 0) {
+#pragma unroll
+  for (int w = 0; w < WORDS; ++w) reinterpret_cast<uint4*>(dst)[w] = reinterpret_cast<const uint4*>(src + c * 8)[w];
+  return;
+}
 #pragma unroll
 for (int j = 0; j < 8; ++j) dst[j] = src[int64_t(c * 8 + j) * s3];

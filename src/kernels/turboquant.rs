@@ -426,6 +426,12 @@ pub(crate) fn decode_on_tensor_cores(dtype: Dtype, d: usize) -> bool {
     matches!(dtype, Dtype::F16 | Dtype::BF16) && d % 16 == 0
 }
 
+/// Threads of a `tq_decode` block: eight warps on CUDA's tensor-core path
+/// (the kernel's `TG`), four elsewhere.
+fn decode_threads(tensor_cores: bool) -> usize {
+    if tensor_cores { 2 * ATTENTION_THREADS } else { ATTENTION_THREADS }
+}
+
 /// How the compressed tokens are split: `(split_tokens, comp_splits,
 /// num_splits)` for `units` independent (batch, KV head, row tile) units,
 /// splits of at most `max_split` tokens. Enough splits to fill the GPU
@@ -520,7 +526,8 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     };
     let rows = (sh.batch * sh.q_heads * sh.queries) as i32;
     let blocks = units * num_splits;
-    let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
+    let per_block = decode_threads(chunked);
+    let threads = i32::try_from(blocks * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let sp = num_splits as i32;
     debug_assert_eq!(layer.win_k.shape()[..2], [b, h]);
     gpu::launch(
@@ -530,7 +537,7 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
                       layer.v_norms, layer.v_centroids, &used(layer.win_k, nw)?, layer.win_v],
             outputs: &[(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
-            threadgroup: (ATTENTION_THREADS as i32, 1, 1),
+            threadgroup: (per_block as i32, 1, 1),
             template: &[
                 ("T", TemplateArg::Dtype(q.dtype())),
                 ("D", TemplateArg::Int(d)),
