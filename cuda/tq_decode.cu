@@ -18,22 +18,26 @@
 // 256 threads (eight warps: twice the warps an SM holds at two blocks of
 // 128 registers a thread, the occupancy its chained mma and shared-memory
 // reads wait on), every other block 128 (the host's decode_threads).
-// A split holds at most TT tokens (the host's split plan). Its codes are
-// copied into shared memory first, all at once (cp.async, 16 bytes a
-// request, so that a block keeps tens of kilobytes in flight), with the
-// norms and the rotated queries beside them; then three passes with barriers
-// between them, so that no pass carries another's registers:
-//   scores: S = Q K^T on the tensor cores (D a multiple of 16): warps take
-//     tiles of 8 tokens; in a tile lane 4g + q decodes token g's dimensions
-//     [q D/4, (q + 1) D/4) into B fragments through a float16 table (the k
-//     index of the mma maps to those dimensions, the queries' A fragments
-//     the same way); each token's sum is scaled by its norm and masked;
-//   weights: warp r turns row r's scores into e^(s - m), m the split's max;
-//   values: O^T = V^T P^T on the tensor cores: warps take steps of 16
-//     tokens; lane 4g + q decodes dimensions [g D/8, (g + 1) D/8) of tokens
-//     2q, 2q + 1, 2q + 8, 2q + 9 of the step, two tokens' codes of one
-//     dimension to an A register (the mma's k index runs over tokens); the
-//     weights, times each token's value norm, are the B fragments.
+// Compressed splits on the tensor cores (D a multiple of 16, 16-bit types)
+// read their tokens in chunks of TT, copied into shared memory (cp.async,
+// 16 bytes a request, the next chunk in flight while one is read) with their
+// norms. Each warp takes steps of 16 tokens and keeps its own online softmax
+// in registers:
+//   scores: S = Q K^T for two 8-token tiles: in a tile lane 4g + q decodes
+//     token g's dimensions [q D/4, (q + 1) D/4) into B fragments through a
+//     float16 table (the k index of the mma maps to those dimensions, the
+//     queries' A fragments the same way); each score is scaled by its
+//     token's norm and masked;
+//   weights: e^(s - m) with m the warp's running max of the row, taken over
+//     the quad that holds it; the C fragments of the two tiles are then the
+//     B fragments of the values' product as they lie;
+//   values: O^T = V^T P^T: lane 4g + q decodes dimensions [g D/8,
+//     (g + 1) D/8) of tokens 2q, 2q + 1, 2q + 8, 2q + 9 of the step, two
+//     tokens' codes of one dimension to an A register (the mma's k index
+//     runs over tokens); the weights, times each token's value norm, are
+//     the B fragments.
+// The warps' maxima, sums and accumulators merge at the end.
+// Other splits hold at most TT tokens, copied into shared memory at once.
 // Window splits, and every split of a float32 cache or where D is not a
 // multiple of 16, take the scalar path instead (float32 throughout): groups
 // of TPT lanes share U tokens (lane li holds chunks c = li + k * TPT,
@@ -80,6 +84,9 @@ __shared__ float sc[QN * TT];
 __shared__ float m_s[QN];
 __shared__ float l_s[QN];
 __shared__ float al_s[QN];
+// The tensor-core path's per-warp row maxima and sums.
+__shared__ float mw_s[WARPS * QN];
+__shared__ float lw_s[WARPS * QN];
 __shared__ float kn_s[TT];
 __shared__ float vn_s[TT];
 extern __shared__ __align__(16) uint8_t codes_s[];
@@ -290,8 +297,12 @@ auto weigh = [&](uint32_t n) {
   }
 };
 if (MMA && compressed) {
-  // The tensor-core path, chunk by chunk: while one chunk is scored and
-  // weighed, the next one's codes are on their way (cp.async, two buffers).
+  // The tensor-core path: each warp takes steps of 16 tokens of a chunk and
+  // keeps its own online softmax in registers, so that scores never leave
+  // them: the scores' C fragments (row g, tokens 2tg, 2tg + 1 of two 8-token
+  // tiles) are, once weighed, the values' B fragments as they stand. While
+  // a chunk is read, the next one's codes are on their way (cp.async, two
+  // buffers); one barrier a chunk. The warps' states merge at the end.
   // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero).
   uint32_t qa[KS][2];
 #pragma unroll
@@ -307,66 +318,75 @@ if (MMA && compressed) {
   float o[MT][4];
 #pragma unroll
   for (int j = 0; j < MT; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.0f;
+  // Row g's running max (alike in the four lanes of a quad) and this lane's
+  // share of its sum.
+  float m_run = ninf, l_run = 0.0f;
+  const uint32_t rr = tile * QN + g;
+  const bool row_on = g < uint32_t(QN) && rr < head_rows;
+  const uint32_t last = total - L + rr % L;
   const uint32_t chunks = (tn + TT - 1) / TT;
   for (uint32_t ch = 0; ch < chunks; ++ch) {
-    if (ch + 1 < chunks) {
-      stage_chunk(ch + 1);
-      asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    } else {
-      vq_copy_wait();
-    }
+    vq_copy_wait();
+    // Every warp is done with the chunk before last: its buffer is free.
     __syncthreads();
+    if (ch + 1 < chunks) stage_chunk(ch + 1);
     const uint8_t* kcodes = codes_s + (ch & 1u) * CBYTES;
     const uint8_t* vcodes = kcodes + TT * KROW;
     const __half* kn = kn_h + (ch & 1u) * TT;
     const __half* vn = vn_h + (ch & 1u) * TT;
     const uint32_t c0 = ch * TT, n = min(uint32_t(TT), tn - c0);
-    for (uint32_t n0 = warp * 8; n0 < n; n0 += WARPS * 8) {
-      uint32_t w[KNW];
-      tq_shared_bits<KNW, KALIGNED>(kcodes, (n0 + g) * (KROW * 8) + tg * (KSEG * KB), w);
-      // Two accumulators, alternate steps: each mma waits on the one before
-      // the last, not the last.
-      float c[4] = {0.0f, 0.0f, 0.0f, 0.0f}, c2[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+    for (uint32_t t0 = warp * 16; t0 < n; t0 += WARPS * 16) {
+      // Scores of tokens t0 + 8h + (2tg, 2tg + 1), h = 0, 1: two tiles, two
+      // independent mma chains.
+      uint32_t w0[KNW], w1[KNW];
+      tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + g) * (KROW * 8) + tg * (KSEG * KB), w0);
+      tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + 8 + g) * (KROW * 8) + tg * (KSEG * KB), w1);
+      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
         const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-        vq_mma(ks % 2 == 0 ? c : c2, a, tq_pair_along<KB, KNW>(kt, w, 4 * ks), tq_pair_along<KB, KNW>(kt, w, 4 * ks + 2));
+        vq_mma(s0, a, tq_pair_along<KB, KNW>(kt, w0, 4 * ks), tq_pair_along<KB, KNW>(kt, w0, 4 * ks + 2));
+        vq_mma(s1, a, tq_pair_along<KB, KNW>(kt, w1, 4 * ks), tq_pair_along<KB, KNW>(kt, w1, 4 * ks + 2));
       }
-      c[0] += c2[0];
-      c[1] += c2[1];
-      const uint32_t rr = tile * QN + g;
+      const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
+      float sv[4] = {s0[0], s0[1], s1[0], s1[1]};
+      float mx = ninf;
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        const uint32_t i = n0 + 2 * tg + e;
-        if (g < uint32_t(QN) && i < n) {
-          const uint32_t pos = N_SINK + t_begin + c0 + i;
-          const bool out = rr >= head_rows || (CAUSAL && pos > total - L + rr % L);
-          sc[g * TT + i] = out ? ninf : c[e] * __half2float(kn[i]);
+      for (int e = 0; e < 4; ++e) {
+        // A token past the end, masked, or of a row past the tile's scores -inf.
+        const uint32_t pos = N_SINK + t_begin + c0 + ts[e];
+        const bool in = row_on && ts[e] < n && (!CAUSAL || pos <= last);
+        sv[e] = in ? sv[e] * __half2float(kn[in ? ts[e] : 0u]) : ninf;
+        mx = fmaxf(mx, sv[e]);
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+      const float m_new = fmaxf(m_run, mx);
+      const float alpha = m_run == ninf ? 0.0f : __expf(m_run - m_new);
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) p[e] = m_new == ninf ? 0.0f : __expf(sv[e] - m_new);
+      l_run = l_run * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+      m_run = m_new;
+      // Columns 2tg + e of the accumulators take their row's factor, from
+      // that row's quad; most steps leave every max as it was.
+      const float a0 = __shfl_sync(FULL, alpha, 8 * tg), a1 = __shfl_sync(FULL, alpha, 8 * tg + 4);
+      if (__any_sync(FULL, a0 != 1.0f || a1 != 1.0f)) {
+#pragma unroll
+        for (int j = 0; j < MT; ++j) {
+          o[j][0] *= a0;
+          o[j][2] *= a0;
+          o[j][1] *= a1;
+          o[j][3] *= a1;
         }
       }
-    }
-    __syncthreads();
-    weigh(n);
-    __syncthreads();
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const uint32_t r = 2 * tg + e;
-      const float alpha = r < uint32_t(QN) ? al_s[r] : 0.0f;
-#pragma unroll
-      for (int j = 0; j < MT; ++j) {
-        o[j][e] *= alpha;
-        o[j][2 + e] *= alpha;
-      }
-    }
-    for (uint32_t t0 = warp * 16; t0 < n; t0 += WARPS * 16) {
-      const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
+      // The weights times the value norms as the B fragments: row g, tokens
+      // ts (a token past the end weighs nothing).
       uint32_t w[4][VNW];
-      float p[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         tq_shared_bits<VNW, VALIGNED>(vcodes, ts[e] * (VROW * 8) + g * (VSEG * VB), w[e]);
-        // A token past the end weighs nothing (its weight slot was never written).
-        p[e] = g < uint32_t(QN) && ts[e] < n ? sc[g * TT + ts[e]] * __half2float(vn[ts[e]]) : 0.0f;
+        p[e] *= __half2float(vn[ts[e] < n ? ts[e] : 0u]);
       }
       const uint32_t b0 = tq_half2_bits(p[0], p[1]), b1 = tq_half2_bits(p[2], p[3]);
 #pragma unroll
@@ -376,21 +396,47 @@ if (MMA && compressed) {
         vq_mma(o[j], a, b0, b1);
       }
     }
-    // The buffers and the scores are free for the next chunk.
-    __syncthreads();
   }
-  // The codes' space becomes the per-warp sums.
+  // The warps' states: each warp's row max and sum, then its accumulators
+  // scaled to the block's max into the codes' space (free once every warp
+  // is past this barrier).
+  l_run += __shfl_xor_sync(FULL, l_run, 1);
+  l_run += __shfl_xor_sync(FULL, l_run, 2);
+  if (tg == 0 && g < uint32_t(QN)) {
+    mw_s[warp * QN + g] = m_run;
+    lw_s[warp * QN + g] = l_run;
+  }
+  __syncthreads();
+  auto block_max = [&](uint32_t r) {
+    float m = ninf;
 #pragma unroll
-  for (int j = 0; j < MT; ++j) {
+    for (int w = 0; w < WARPS; ++w) m = fmaxf(m, mw_s[w * QN + r]);
+    return m;
+  };
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const uint32_t r = 2 * tg + e;
-      if (r < uint32_t(QN)) {
+  for (int e = 0; e < 2; ++e) {
+    const uint32_t r = 2 * tg + e;
+    if (r < uint32_t(QN)) {
+      const float mw = mw_s[warp * QN + r];
+      const float f = mw == ninf ? 0.0f : __expf(mw - block_max(r));
+#pragma unroll
+      for (int j = 0; j < MT; ++j) {
         float* out = a_s + (warp * QN + r) * D + g * VSEG + 2 * j;
-        out[0] = o[j][e];
-        out[1] = o[j][2 + e];
+        out[0] = o[j][e] * f;
+        out[1] = o[j][2 + e] * f;
       }
     }
+  }
+  if (tid < uint32_t(QN)) {
+    const float m = block_max(tid);
+    float l = 0.0f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float mw = mw_s[w * QN + tid];
+      l += mw == ninf ? 0.0f : lw_s[w * QN + tid] * __expf(mw - m);
+    }
+    m_s[tid] = m;
+    l_s[tid] = l;
   }
 } else {
   // Scores, in steps of STEP tokens: a group's tokens in a step are
