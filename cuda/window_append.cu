@@ -10,27 +10,26 @@
 // [B, Hkv, W, D]; filled [B, Hkv, at, D], a view whose length is the slot
 // of the first new token. Without OFFSET or ROTATE_V the unused input is a
 // stand-in, its values never used. Outputs out_k, out_v [B, Hkv, W, D], contiguous.
-// Threads: first the new slots' products, KS lanes (an aligned group of a
-// warp) per 8 output dimensions of one new slot of one side, each summing a
-// D / KS share of the inputs, the shares then added by shuffles (a thread
-// that summed all D inputs alone waited on D loads in turn and set the
-// kernel's time); padded to whole warps. Then one thread per 8 consecutive
-// dimensions of every other slot of each side, copied.
+// Threads: first the new slots' products, KS lanes (a whole warp where D is
+// a multiple of 32, else an aligned group of 8) per 8 output dimensions of
+// one new slot of one side, each summing a D / KS share of the inputs with
+// every load issued before the first product, the shares then added by
+// shuffles (the products' latency, on a few SMs, sets the kernel's time:
+// with fewer lanes each waited on its loads in turn); padded to whole warps.
+// Then one thread per 8 consecutive dimensions of every other slot of each
+// side, copied. The host's window_lanes gives KS.
 constexpr int NCH = D / 8;
-constexpr int KS = 8;
+constexpr int KS = D % 32 == 0 ? 32 : 8;
 // 8 consecutive elements as 16-byte words where they lie back to back on a
 // 16-byte boundary (the windows' and frames' layout), else one at a time.
 constexpr int WORDS = 8 * int(sizeof(T)) / 16;
-auto load8 = [](const T* p, int64_t stride, float out[8]) {
-  if (stride == 1 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0) {
-    T v[8];
+auto load8 = [](const T* p, bool words, int64_t stride, T out[8]) {
+  if (words) {
 #pragma unroll
-    for (int w = 0; w < WORDS; ++w) reinterpret_cast<uint4*>(v)[w] = reinterpret_cast<const uint4*>(p)[w];
-#pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(v[j]);
+    for (int w = 0; w < WORDS; ++w) reinterpret_cast<uint4*>(out)[w] = reinterpret_cast<const uint4*>(p)[w];
   } else {
 #pragma unroll
-    for (int j = 0; j < 8; ++j) out[j] = static_cast<float>(p[int64_t(j) * stride]);
+    for (int j = 0; j < 8; ++j) out[j] = p[int64_t(j) * stride];
   }
 };
 constexpr int SHARE = D / KS;
@@ -45,7 +44,7 @@ if (e < new_pad) {
   // Whole warps: every lane runs the shuffles; a padding lane redoes item 0
   // and writes nothing.
   const bool valid = e < new_items;
-  uint64_t r = valid ? e : 0;
+  uint32_t r = valid ? uint32_t(e) : 0u;
   const uint32_t sub = r % KS;
   r /= KS;
   const uint32_t c = r % NCH;
@@ -65,17 +64,25 @@ if (e < new_pad) {
   const T* frame = is_v ? value_frame : key_frame;
   const int64_t f0 = is_v ? value_frame_strides[0] : key_frame_strides[0];
   const int64_t f1 = is_v ? value_frame_strides[1] : key_frame_strides[1];
+  // The share's frame rows as 16-byte words where the frame is row-major on
+  // a 16-byte boundary (one test, outside the loads).
+  const T* f = frame + int64_t(sub) * SHARE * f0 + int64_t(c * 8) * f1;
+  const bool words = f1 == 1 && f0 % 8 == 0 && (reinterpret_cast<uintptr_t>(f) & 15u) == 0;
+  T xs[SHARE];
+  T fr[SHARE][8];
+#pragma unroll
+  for (int k = 0; k < SHARE; ++k) {
+    xs[k] = x[int64_t(sub * SHARE + k) * x3];
+    load8(f + int64_t(k) * f0, words, f1, fr[k]);
+  }
   float acc[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
 #pragma unroll
   for (int k = 0; k < SHARE; ++k) {
-    const int i = int(sub) * SHARE + k;
-    const float xi = static_cast<float>(x[int64_t(i) * x3]);
-    float fr[8];
-    load8(frame + int64_t(i) * f0 + int64_t(c * 8) * f1, f1, fr);
+    const float xi = static_cast<float>(xs[k]);
 #pragma unroll
-    for (int j = 0; j < 8; ++j) acc[j] += xi * fr[j];
+    for (int j = 0; j < 8; ++j) acc[j] += xi * static_cast<float>(fr[k][j]);
   }
 #pragma unroll
   for (int o = KS / 2; o > 0; o >>= 1) {
@@ -104,7 +111,7 @@ if (e - new_pad >= 2 * per_side) {
   return;
 }
 const bool is_v = e - new_pad >= per_side;
-uint64_t r = is_v ? e - new_pad - per_side : e - new_pad;
+uint32_t r = uint32_t(is_v ? e - new_pad - per_side : e - new_pad);
 const uint32_t c = r % NCH;
 r /= NCH;
 const uint32_t slot = r % W;

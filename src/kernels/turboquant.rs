@@ -513,7 +513,15 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
     let chunked = s.backend()? == crate::stream::Backend::Cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
     let (_, _, num_splits) = if chunked {
-        split_plan_for(&sh, units, usize::MAX, super::decode_blocks()?)
+        // Where the window's splits are a few, they take their slots out of
+        // the blocks aimed at, so that the grid runs in one wave (a second
+        // wave of a few blocks left most SMs idle for a fifth of the call at
+        // llama-8b 32K); where they are many (batches), a short split each,
+        // they would leave the compressed tokens too few splits.
+        let target = super::decode_blocks()?;
+        let window_blocks = units * (sh.sinks + sh.recent).div_ceil(TILE);
+        let aim = if 4 * window_blocks <= target { target - window_blocks } else { target };
+        split_plan_for(&sh, units, usize::MAX, aim)
     } else {
         split_plan(&sh, units, DECODE_SPLIT_MAX)
     };

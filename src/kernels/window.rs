@@ -152,15 +152,23 @@ fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, A
     Ok((outs.next().expect("two outputs"), outs.next().expect("two outputs")))
 }
 
+/// Lanes of CUDA's `window_append` per 8 output dimensions of a new slot
+/// (the body's `KS`): a whole warp where the head size allows.
+fn cuda_window_lanes(d: usize) -> usize {
+    if d % 32 == 0 { 32 } else { 8 }
+}
+
 fn on_gpu(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, Array)> {
     let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
     // The slot travels as the length of a view (no host array per call).
     let filled = ops::slice(a.win_k, &[0, 0, 0, 0], &[b, h, sh.at as i32, d], s)?;
     let copies = 2 * sh.batch * sh.heads * sh.slots * (sh.dim / 8);
-    // CUDA's body first gives each new slot's 8-dimension chunk 8 lanes, in
-    // whole warps, then copies (metal/ and cuda/ say how).
+    // CUDA's body first gives each new slot's 8-dimension chunk a group of
+    // lanes, in whole warps, then copies (metal/ and cuda/ say how).
     let items = match s.backend()? {
-        crate::stream::Backend::Cuda => (2 * sh.batch * sh.heads * sh.tokens * sh.dim).div_ceil(32) * 32 + copies,
+        crate::stream::Backend::Cuda => {
+            (2 * sh.batch * sh.heads * sh.tokens * (sh.dim / 8) * cuda_window_lanes(sh.dim)).div_ceil(32) * 32 + copies
+        }
         _ => copies,
     };
     let (grid, threadgroup) = grid_1d("win_k", items)?;
