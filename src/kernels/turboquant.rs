@@ -434,19 +434,28 @@ fn decode_threads(tensor_cores: bool) -> usize {
 
 /// How the compressed tokens are split: `(split_tokens, comp_splits,
 /// num_splits)` for `units` independent (batch, KV head, row tile) units,
-/// splits of at most `max_split` tokens. Enough splits to fill the GPU
-/// several times over, each a whole number of tiles; the window slots take
-/// one split per tile after them.
-fn split_plan(sh: &AttentionShape, units: usize, max_split: usize) -> (usize, usize, usize) {
-    split_plan_for(sh, units, max_split, TARGET_THREADGROUPS)
-}
-
-/// [`split_plan`] aiming at `target` threadgroups.
-fn split_plan_for(sh: &AttentionShape, units: usize, max_split: usize, target: usize) -> (usize, usize, usize) {
+/// splits of at most `max_split` tokens, aiming at `target` threadgroups
+/// ([`TARGET_THREADGROUPS`] fills the GPU several times over; CUDA's chunked
+/// `tq_decode` aims at its own). Each split is a whole number of tiles; the
+/// window slots take one split per tile after them.
+fn split_plan(sh: &AttentionShape, units: usize, max_split: usize, target: usize) -> (usize, usize, usize) {
     let wanted_splits = (target / units.max(1)).max(1);
     let split_tokens = (sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE).min(max_split);
     let comp_splits = sh.compressed.div_ceil(split_tokens);
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
+}
+
+/// [`split_plan`] of CUDA's chunked `tq_decode`, whose blocks loop over
+/// splits of any length, aiming at `target` blocks in all. Where the
+/// window's splits are a few, they take their slots out of the target, so
+/// that the grid runs in one wave (a second wave of a few blocks left most
+/// SMs idle for a fifth of the call at llama-8b 32K); where they are many
+/// (batches: a short split each), they would leave the compressed tokens
+/// too few splits, and the target is the compressed tokens' alone.
+fn chunked_split_plan(sh: &AttentionShape, units: usize, target: usize) -> (usize, usize, usize) {
+    let window_blocks = units * (sh.sinks + sh.recent).div_ceil(TILE);
+    let aim = if 4 * window_blocks <= target { target - window_blocks } else { target };
+    split_plan(sh, units, usize::MAX, aim)
 }
 
 fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usize, usize)>, s: &Stream) -> Result<Array> {
@@ -513,17 +522,9 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
     let chunked = s.backend()? == crate::stream::Backend::Cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
     let (_, _, num_splits) = if chunked {
-        // Where the window's splits are a few, they take their slots out of
-        // the blocks aimed at, so that the grid runs in one wave (a second
-        // wave of a few blocks left most SMs idle for a fifth of the call at
-        // llama-8b 32K); where they are many (batches), a short split each,
-        // they would leave the compressed tokens too few splits.
-        let target = super::decode_blocks()?;
-        let window_blocks = units * (sh.sinks + sh.recent).div_ceil(TILE);
-        let aim = if 4 * window_blocks <= target { target - window_blocks } else { target };
-        split_plan_for(&sh, units, usize::MAX, aim)
+        chunked_split_plan(&sh, units, super::decode_blocks()?)
     } else {
-        split_plan(&sh, units, DECODE_SPLIT_MAX)
+        split_plan(&sh, units, DECODE_SPLIT_MAX, TARGET_THREADGROUPS)
     };
     let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
     let (nc, nw) = (sh.compressed as i32, (sh.sinks + sh.recent) as i32);
@@ -568,7 +569,7 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let sh = layer.shape;
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
-    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units, usize::MAX);
+    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units, usize::MAX, TARGET_THREADGROUPS);
     let rows = sh.batch * sh.q_heads * sh.queries;
     let p = split_sizes(
         s.backend()?,
@@ -670,6 +671,32 @@ fn attention_reference(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn llama_8b_decode(batch: usize, compressed: usize) -> AttentionShape {
+        AttentionShape {
+            batch, q_heads: 32, kv_heads: 8, queries: 1, dim: 128, key_bits: 4, value_bits: 3, sinks: 4, compressed,
+            recent: 256, capacity: compressed, window_capacity: 260, causal: false,
+        }
+    }
+
+    #[test]
+    fn the_chunked_decode_plan_runs_in_one_wave_at_batch_one_and_keeps_splits_at_batch_eight() {
+        // llama-8b at 32K on 132 SMs aiming at two blocks each: 8 units of
+        // 3 window splits take 24 of the 264 slots, the compressed tokens
+        // the rest, so that every block starts at once.
+        let sh = llama_8b_decode(1, 32500);
+        let (tokens, comp, all) = chunked_split_plan(&sh, 8, 264);
+        assert_eq!(all - comp, 3);
+        assert!(8 * all <= 264, "{} blocks", 8 * all);
+        assert!(comp * tokens >= sh.compressed && tokens % TILE == 0);
+        // At batch 8 the window's 192 blocks would leave one split per unit:
+        // the compressed tokens keep the whole target.
+        let (_, comp, _) = chunked_split_plan(&llama_8b_decode(8, 32500), 64, 264);
+        assert_eq!(comp, 4);
+        // Few compressed tokens: one split, never none.
+        let (_, comp, all) = chunked_split_plan(&llama_8b_decode(1, 10), 8, 264);
+        assert_eq!((comp, all), (1, 4));
+    }
 
     #[test]
     fn reduce_threads_are_whole_warps_of_at_least_one_part() {
