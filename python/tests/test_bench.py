@@ -148,6 +148,9 @@ def test_recipe_syntax():
     cfg = bench.recipe_config("k4v3", ":qjl/mse:k3")  # variant parts replace the base's; values follow keys
     assert (cfg.key_method, cfg.value_method, cfg.key_bits, cfg.value_bits) == ("qjl", "turboquant-mse", 3, 3)
     assert bench.recipe_config("k4v3:w64", "kivi").window == 64
+    assert bench.recipe_config("k4v3", "kivi/mse:g128").key_group == 128
+    with pytest.raises(ValueError, match="key_group must be a multiple of 8"):
+        bench.recipe_config("k4v3", "kivi:g100")
 
 
 def test_failing_configurations_are_rows(tmp_path):

@@ -65,6 +65,7 @@ def test_generate_quiet_prints_only_the_text():
         (["generate", "--kv-cache", "mlx-quantized", "--kv-bits", "7"], "--kv-bits for mlx-quantized must be"),
         (["generate", "--kv-cache", "fp16", "--kv-value-bits", "3"], "--kv-value-bits applies only to --kv-cache veloxquant"),
         (["generate", "--kv-cache", "veloxquant", "--kv-window", "-2"], "window must be an integer >= 0"),
+        (["generate", "--kv-cache", "veloxquant", "--kv-key-group", "12"], "key_group must be a multiple of 8"),
         (["compare", "--caches", "fp16,gz"], "--caches: unknown"),
         (["eval", "--needle-depths", "2"], "--needle-depths: depths must be between 0 and 1"),
         (["eval", "--kv-window", "8", "--chunk", "16"], "--chunk 16 exceeds --kv-window 8"),

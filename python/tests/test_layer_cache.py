@@ -199,6 +199,9 @@ def test_wrong_types_are_type_errors_naming_the_argument(call, message):
         (lambda: LayerCache(64, 2, key_method="zip"), r'^key_method: "zip" is not one of "fp16", "turboquant-mse", "kivi"'),
         (lambda: LayerCache(64, 2, value_method="zip"), r'^value_method: "zip" is not one of "fp16"'),
         (lambda: LayerCache(64, 2, device="tpu"), r'^device: "tpu" is not one of "cpu", "gpu"$'),
+        (lambda: LayerCache(64, 2, key_group=100), r"^key_group: 100 is not a multiple of 8 from 8 to 1024 tokens$"),
+        (lambda: LayerCache(64, 2, key_group=2048), r"^key_group: 2048 is not a multiple of 8 from 8 to 1024 tokens$"),
+        (lambda: LayerCache(64, 2, key_group=-8), r"^key_group: -8 is out of range; expected a multiple of 8 from 8 to 1024 tokens$"),
         (lambda: _filled_small().trim(-1), r"^n: -1 is out of range; expected a number of tokens >= 0$"),
         (lambda: LayerCache.from_state_parts({}, {"format": "veloxquant-layer-cache", "version": "2"}), r'^state: version "2" is not supported: this veloxquant reads version 5'),
         (lambda: LayerCache.from_state_parts({}, {"version": "4"}), r'^state: no format field \(expected "veloxquant-layer-cache"\)'),
@@ -278,3 +281,37 @@ def test_mixed_methods_errors_name_the_argument():
         LayerCache(64, 2, key_method="turboquant-prod", key_bits=1)
     with pytest.raises(ValueError, match=r"^value_bits: 8 is not supported by turboquant-rvq"):
         LayerCache(64, 2, value_method="turboquant-rvq", value_bits=8)
+
+
+@pytest.mark.parametrize("group", [8, 128])
+def test_kivi_key_groups_attend_like_decode_then_sdpa_and_cost_their_bits(group):
+    """A KIVI key group of `group` tokens: the fused attention reads what
+    dequantize gives, flushes compress whole groups, the state keeps the
+    group, and the keys' scale and zero bytes shrink as the group grows."""
+    def make(g):
+        cache = LayerCache(64, 2, key_method="kivi", key_bits=3, value_method="turboquant-mse", value_bits=3,
+                           window=32, sinks=4, key_group=g, policy="require")
+        k = mx.random.normal((1, 2, 700, 64), key=mx.random.key(1))
+        v = mx.random.normal((1, 2, 700, 64), key=mx.random.key(2))
+        cache.append(k, v)
+        for i in range(3):  # decode appends after the prefill
+            cache.append(k[:, :, i : i + 1], v[:, :, i : i + 1])
+        return cache, k
+    cache, k = make(group)
+    assert cache.config["key_group"] == group
+    assert cache.compressed_tokens % group == 0 and cache.compressed_tokens > 0
+    kd, vd = cache.dequantize()
+    q = mx.random.normal((1, 8, 1, 64), key=mx.random.key(3))
+    assert rel_err(cache.attention(q, 0.125), mx.fast.scaled_dot_product_attention(q, kd, vd, scale=0.125)) < 1e-5
+    n = cache.compressed_tokens
+    assert rel_err(kd[:, :, 4 : 4 + n], k[:, :, 4 : 4 + n]) < 0.3
+    back = LayerCache.from_bytes(cache.to_bytes())
+    assert back.config["key_group"] == group and back.to_bytes() == cache.to_bytes()
+    # The data stored differs from groups of 32 (the default) by the keys'
+    # scale and zero (float16) per head, channel and group alone.
+    # (Groups of 8 flush at other boundaries: 664 tokens compressed, not 640.)
+    if group == 128:
+        base, _ = make(32)
+        assert base.compressed_tokens == n == 640 and base.offset == cache.offset
+        per_group = 2 * 64 * 2 * 2  # heads x channels x (scale, zero) x bytes
+        assert base.data_nbytes - cache.data_nbytes == per_group * (n // 32 - n // group)

@@ -200,7 +200,9 @@ class LayerCache:
     (1, 2 or 4 bits per element), ``"turboquant-rvq"`` (2 to 5 bits: ``bits - 1``
     then 1 on the residual), and for keys only the unbiased score estimators
     ``"qjl"`` (1 to 4 sketch bits per element) and ``"turboquant-prod"``
-    (2 to 5 bits: ``bits - 1`` MSE bits + 1 QJL sign bit).
+    (2 to 5 bits: ``bits - 1`` MSE bits + 1 QJL sign bit). ``key_group``:
+    tokens of a KIVI key group (a float16 scale and zero per channel and
+    group), a multiple of 8 from 8 to 1024.
 
     A cache may be made, used and dropped on any thread. MLX streams are per
     thread: work a cache queued on one thread must be evaluated there before
@@ -220,6 +222,7 @@ class LayerCache:
         seed: int = 0,
         policy: _Policy = "auto",
         device: _Device = None,
+        key_group: int = 32,
     ) -> None: ...
     def append(self, keys: mx.array, values: mx.array) -> None: ...
     def attention(

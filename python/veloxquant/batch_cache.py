@@ -272,7 +272,7 @@ def _settings_key(c: VeloxQuantCache):
     """The settings sequences of one layer share. Methods and bits are left
     out for a cache whose protect="auto" decision may have made them fp16."""
     cfg = c.config
-    fixed = (cfg.window, cfg.sinks, cfg.seed, cfg.policy)
+    fixed = (cfg.window, cfg.sinks, cfg.seed, cfg.policy, cfg.key_group)
     if cfg.protect == "auto" or cfg.key_method == cfg.value_method == "fp16":
         return fixed, None
     return fixed, (cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits)

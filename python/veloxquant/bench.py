@@ -71,7 +71,7 @@ METHODS = {"mse": "turboquant-mse", "kivi": "kivi", "pq": "pq", "qjl": "qjl", "p
            "rvq": "turboquant-rvq", "fp16": "fp16"}
 POLICIES = ("auto", "require", "off")
 RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, or KEYS/VALUES), kKvV bits, wN window, "
-               f"sN sinks, {'/'.join(POLICIES)}")
+               f"sN sinks, gN KIVI key group, {'/'.join(POLICIES)}")
 CACHE_HELP = f"fp16, mlx-q{{{','.join(map(str, MLX_BITS))}}}, veloxquant, veloxquant:RECIPE (RECIPE: {RECIPE_HELP})"
 SEED = 0
 RESULT_MARK = "VELOXQUANT_BENCH_ROW "  # prefixes the worker's result line on stdout
@@ -88,12 +88,12 @@ def parse_recipe(text: str) -> Dict[str, Any]:
     out: Dict[str, Any] = {}
     for part in filter(None, text.split(":")):
         bits = re.fullmatch(r"k(\d+)(?:v(\d+))?", part)
-        count = re.fullmatch(r"([ws])(\d+)", part)
+        count = re.fullmatch(r"([wsg])(\d+)", part)
         if bits:
             out["key_bits"] = int(bits[1])
             out["value_bits"] = int(bits[2]) if bits[2] else None
         elif count:
-            out["window" if count[1] == "w" else "sinks"] = int(count[2])
+            out[{"w": "window", "s": "sinks", "g": "key_group"}[count[1]]] = int(count[2])
         elif part in POLICIES:
             out["policy"] = part
         elif all(m in METHODS or m in METHODS.values() for m in part.split("/")) and part.count("/") <= 1:

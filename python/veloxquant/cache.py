@@ -28,7 +28,7 @@ from mlx_lm.models.cache import (
 
 from . import distributed
 
-_FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy")
+_FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group")
 POLICIES = ("auto", "require", "off")
 # Chunks longer than this attend through MLX's SDPA over a transient
 # dequantized buffer (prefill); shorter ones (decode, speculative
@@ -62,6 +62,12 @@ class KVConfig:
     compressed as configured, change their attention output by more than
     ``AUTO_PROTECT_ERROR`` on the first chunk they see (decided before they
     compress anything). :meth:`auto` measures a per-layer recipe instead.
+
+    ``key_group``: tokens of a KIVI key group (one float16 scale and zero
+    per channel and group: ``32 / key_group`` bits per element), a multiple
+    of 8 from 8 to 1024; other methods ignore it. At equal bits, groups of
+    128 disturb attention less than TurboQuant keys
+    (``docs/results/key-error-smollm2.md``).
     """
 
     key_method: str = "turboquant-mse"
@@ -75,6 +81,7 @@ class KVConfig:
     layers: Mapping[int, Optional[Mapping[str, Any]]] = dataclasses.field(default_factory=dict)
     protect: Union[str, Tuple[int, ...]] = ()
     protect_bits: Optional[int] = None
+    key_group: int = 32
 
     def __post_init__(self):
         if self.value_method is None:
@@ -98,6 +105,9 @@ class KVConfig:
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"KVConfig.{name} must be an integer >= 0, got {v!r}")
+        g = self.key_group
+        if isinstance(g, bool) or not isinstance(g, int) or not 8 <= g <= 1024 or g % 8:
+            raise ValueError(f"KVConfig.key_group must be a multiple of 8 from 8 to 1024 (tokens), got {g!r}")
         if self.policy not in POLICIES:
             raise ValueError(f"KVConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.layers, Mapping):

@@ -39,6 +39,7 @@ VELOXQUANT_DEFAULTS = {
     "kv_value_bits": None,
     "kv_window": 128,
     "kv_sinks": 4,
+    "kv_key_group": 32,
     "kv_seed": 0,
     "kv_policy": "auto",
     "kv_layers": None,
@@ -136,6 +137,8 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
     g.add_argument("--kv-value-bits", type=int, default=None, help="veloxquant bits per value element (default: --kv-bits)")
     g.add_argument("--kv-window", type=int, default=None, help="recent tokens kept in float16 (default: 128)")
     g.add_argument("--kv-sinks", type=int, default=None, help="first tokens kept in float16 (default: 4)")
+    g.add_argument("--kv-key-group", type=int, default=None,
+                   help="tokens of a KIVI key group: one scale and zero per channel and group (default: 32)")
     g.add_argument("--kv-seed", type=int, default=None, help="seed of veloxquant's rotations (default: 0)")
     g.add_argument("--kv-policy", choices=("auto", "require", "off"), default=None, help="fused kernel policy (default: auto)")
     g.add_argument(
@@ -205,6 +208,7 @@ def kv_config_from_args(args):
             value_bits=args.kv_value_bits,
             window=_kv(args, "kv_window"),
             sinks=_kv(args, "kv_sinks"),
+            key_group=_kv(args, "kv_key_group"),
             seed=_kv(args, "kv_seed"),
             policy=_kv(args, "kv_policy"),
             layers=layers,
@@ -428,6 +432,7 @@ _CONFIG_FIELDS = {
     "kv_value_bits": "value_bits",
     "kv_window": "window",
     "kv_sinks": "sinks",
+    "kv_key_group": "key_group",
     "kv_seed": "seed",
     "kv_policy": "policy",
 }

@@ -149,6 +149,9 @@ pub struct CacheConfig {
     pub window: usize,
     /// First tokens kept in float16 (attention sinks).
     pub sinks: usize,
+    /// Tokens of a KIVI key group: one float16 scale and zero per channel
+    /// and group, `32 / key_group` bits per element.
+    pub key_group: usize,
     /// Seed of the random rotation.
     pub seed: u64,
     pub policy: Policy,
@@ -165,6 +168,7 @@ impl CacheConfig {
             value_bits: 4,
             window: 128,
             sinks: 4,
+            key_group: KIVI_GROUP,
             seed: 0,
             policy: Policy::Auto,
         }
@@ -187,6 +191,12 @@ impl CacheConfig {
                 format!("{} estimates attention scores and stores keys only; choose another method for values", self.value_method),
             ));
         }
+        if !(8..=MAX_KIVI_KEY_GROUP).contains(&self.key_group) || self.key_group % 8 != 0 {
+            return Err(Error::invalid(
+                "key_group",
+                format!("{} is not a multiple of 8 from 8 to {MAX_KIVI_KEY_GROUP} tokens", self.key_group),
+            ));
+        }
         if self.compressed() && self.window == 0 {
             return Err(Error::invalid("window", "must be at least 1 token for a compressed method"));
         }
@@ -200,8 +210,8 @@ impl CacheConfig {
 
     /// Float16 slots for recent tokens: the window plus room to gather a
     /// flush. A flush compresses whole token groups of the keys' codec (KIVI:
-    /// 32 tokens), so the room is at least one group: `window + max(window,
-    /// group)`.
+    /// `key_group` tokens), so the room is at least one group: `window +
+    /// max(window, group)`.
     pub fn recent_capacity(&self) -> usize {
         let key = self.key_codec();
         let group = if key.codec == Codec::KiviPerChannel { key.group } else { 0 };
@@ -227,9 +237,9 @@ impl CacheConfig {
         let (codec, group) = match method {
             Method::Fp16 => (Codec::Dense, 1),
             Method::TurboQuantMse => (Codec::TurboQuantMse, 1),
-            // Keys: KIVI's groups of 32 tokens; the recent slots hold at
-            // least one group beyond the window (`recent_capacity`).
-            Method::Kivi if keys => (Codec::KiviPerChannel, KIVI_GROUP),
+            // Keys: KIVI's groups of `key_group` tokens; the recent slots
+            // hold at least one group beyond the window (`recent_capacity`).
+            Method::Kivi if keys => (Codec::KiviPerChannel, self.key_group),
             // Values: the largest multiple of 8 up to 32 channels dividing the head.
             Method::Kivi => {
                 (Codec::KiviPerToken, (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| self.head_dim % g == 0).unwrap_or(8))
@@ -243,5 +253,7 @@ impl CacheConfig {
     }
 }
 
-/// KIVI's group size (tokens for keys, channels for values).
+/// KIVI's group size (tokens for keys by default, channels for values).
 pub const KIVI_GROUP: usize = 32;
+/// The longest KIVI key group a cache takes (tokens).
+pub const MAX_KIVI_KEY_GROUP: usize = 1024;

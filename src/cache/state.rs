@@ -1416,6 +1416,7 @@ mod state_io {
             ("value_bits", c.value_bits.to_string()),
             ("window", c.window.to_string()),
             ("sinks", c.sinks.to_string()),
+            ("key_group", c.key_group.to_string()),
             ("seed", c.seed.to_string()),
             ("batch", cache.batch.to_string()),
             ("dtype", cache.dtype.to_string()),
@@ -1584,6 +1585,10 @@ mod state_io {
         cfg.value_bits = field(&meta, "value_bits")?;
         cfg.window = field(&meta, "window")?;
         cfg.sinks = field(&meta, "sinks")?;
+        // States written before the key group was a setting held KIVI's 32.
+        if meta.contains_key("key_group") {
+            cfg.key_group = field(&meta, "key_group")?;
+        }
         cfg.seed = field(&meta, "seed")?;
         let mut cache = LayerCache::new(cfg, stream).map_err(|e| corrupt(e.to_string()))?;
         let batch: usize = field(meta, "batch")?;

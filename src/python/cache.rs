@@ -71,9 +71,9 @@ impl PyLayerCache {
     #[new]
     #[pyo3(
         signature = (head_dim, n_kv_heads, key_method = None, key_bits = None, value_method = None, value_bits = None,
-                     window = None, sinks = None, seed = None, policy = None, device = None),
+                     window = None, sinks = None, seed = None, policy = None, device = None, key_group = None),
         text_signature = "(head_dim, n_kv_heads, key_method='turboquant-mse', key_bits=4, value_method='turboquant-mse', \
-                          value_bits=4, window=128, sinks=4, seed=0, policy='auto', device=None)"
+                          value_bits=4, window=128, sinks=4, seed=0, policy='auto', device=None, key_group=32)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -88,6 +88,7 @@ impl PyLayerCache {
         seed: Option<&Bound<'_, PyAny>>,
         policy: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
+        key_group: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         fn given<'py>(o: Option<&Bound<'py, PyAny>>) -> Option<Bound<'py, PyAny>> {
             o.filter(|o| !o.is_none()).cloned()
@@ -112,6 +113,7 @@ impl PyLayerCache {
         };
         cfg.window = size(window, "window", 128, "a number of tokens >= 0 (>= 1 for a compressed method)")?;
         cfg.sinks = size(sinks, "sinks", 4, "a number of tokens >= 0")?;
+        cfg.key_group = size(key_group, "key_group", crate::cache::KIVI_GROUP, "a multiple of 8 from 8 to 1024 tokens")?;
         cfg.seed = match given(seed) {
             None => 0,
             Some(o) => {
@@ -301,6 +303,7 @@ impl PyLayerCache {
         d.set_item("value_bits", c.value_bits)?;
         d.set_item("window", c.window)?;
         d.set_item("sinks", c.sinks)?;
+        d.set_item("key_group", c.key_group)?;
         d.set_item("seed", c.seed)?;
         d.set_item("policy", c.policy.to_string())?;
         Ok(d)
