@@ -66,6 +66,7 @@ class CacheSpec:
     window: int = 0
     sinks: int = 0
     seed: int = 0
+    key_group: int = 32  # tokens of a KIVI key group
     protect: Optional[str] = None  # "auto": KVConfig(protect="auto")
     bits_budget: Optional[float] = None  # KVConfig.auto over `calibration`, within this budget
     calibration: Optional[List[int]] = None
@@ -83,7 +84,8 @@ class CacheSpec:
         if self.kind == "mlx-quantized":
             return make_mlx_quantized_cache(model, self.bits, self.group_size)
         cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_method=self.value_method,
-                       value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed)
+                       value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed,
+                       key_group=self.key_group)
         import dataclasses
 
         if self.protect:
@@ -216,24 +218,35 @@ def needle_run(
 METHODS = ("fp16", "turboquant-mse", "kivi", "pq", "qjl", "turboquant-prod", "turboquant-rvq")
 
 
-def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sinks: int, mlx_bits: Sequence[int]):
+def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sinks: int, mlx_bits: Sequence[int],
+                  key_groups: Sequence[int] = (32,)):
     specs = [CacheSpec("fp16", "fp16")]
     specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
     for m in methods:
         key_method, _, value_method = m.partition("/")
-        seen = set()
-        for kb, vb in bits:
-            # One side alone compressed: the other side's bits say nothing.
-            if value_method == "fp16" or key_method == "fp16":
-                kb, vb = (kb, 16) if value_method == "fp16" else (16, vb)
-                if (kb, vb) in seen:
-                    continue
-                seen.add((kb, vb))
-                label = f"{m}-{min(kb, vb)}"
-            else:
-                label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
-            specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=key_method,
-                                   value_method=value_method or None, window=window, sinks=sinks))
+        # KIVI keys: a row per key group (labelled when not the default 32 alone).
+        groups = key_groups if key_method == "kivi" else (32,)
+        for g in groups:
+            named = f"{m}-g{g}" if key_method == "kivi" and tuple(key_groups) != (32,) else m
+            specs += _method_specs(named, key_method, value_method, bits, window, sinks, g)
+    return specs
+
+
+def _method_specs(m: str, key_method: str, value_method: str, bits, window: int, sinks: int, key_group: int):
+    """The rows of one method pair (labelled ``m``) at each bit pair."""
+    specs, seen = [], set()
+    for kb, vb in bits:
+        # One side alone compressed: the other side's bits say nothing.
+        if value_method == "fp16" or key_method == "fp16":
+            kb, vb = (kb, 16) if value_method == "fp16" else (16, vb)
+            if (kb, vb) in seen:
+                continue
+            seen.add((kb, vb))
+            label = f"{m}-{min(kb, vb)}"
+        else:
+            label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
+        specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=key_method,
+                               value_method=value_method or None, window=window, sinks=sinks, key_group=key_group))
     return specs
 
 
@@ -405,6 +418,7 @@ def json_rows(results: List[Result], meta: dict) -> List[dict]:
             "value_method": s.value_method or s.method, "key_bits": s.bits,
             "value_bits": s.value_bits if s.value_bits is not None else s.bits,
             "window": s.window if s.kind == "veloxquant" else None, "sinks": s.sinks if s.kind == "veloxquant" else None,
+            "key_group": s.key_group if s.kind == "veloxquant" and s.method == "kivi" else None,
             "bits_per_element": r.bits_per_element, "held_bits_per_element": r.held_bits_per_element,
             "kv_bytes": r.kv_bytes, "data_bytes": r.data_bytes, "compressed_share": r.compressed_share,
             "ppl": r.ppl, "delta_ppl_pct": 100 * (r.ppl / fp.ppl - 1), "kl": r.kl, "top1": r.top1,
@@ -585,6 +599,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument("--mlx-bits", default="2,3,4,8", help="mlx_lm affine bit widths, group 64 (default: 2,3,4,8; empty: none)")
     p.add_argument("--kv-window", type=int, default=16, help="float16 window of recent tokens (default: 16)")
     p.add_argument("--kv-sinks", type=int, default=0, help="float16 first tokens (default 0)")
+    p.add_argument("--kv-key-group", default="32",
+                   help="tokens of a KIVI key group, comma-separated: a row per group for KIVI keys (default: 32)")
     p.add_argument("--tokens", type=int, default=1024, help="tokens of text for perplexity (default: 1024)")
     p.add_argument("--prefix", type=int, default=256, help="tokens before scoring starts (default: 256)")
     p.add_argument("--chunk", type=int, default=16,
@@ -635,7 +651,15 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     compute = blas.maybe_float32_compute(model)
     if compute:
         _say(f"CPU: {compute}")
-    specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits)
+    from .cache import KVConfig
+
+    try:
+        key_groups = [int(g) for g in args.kv_key_group.split(",") if g.strip()]
+        for g in key_groups:
+            KVConfig(key_method="kivi", key_group=g)
+    except ValueError as e:
+        raise SystemExit(f"--kv-key-group: {e}")
+    specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits, key_groups or [32])
     import dataclasses
 
     from .recipe import MAX_TOKENS
@@ -682,6 +706,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "chunk": args.chunk,
         "window": args.kv_window,
         "sinks": args.kv_sinks,
+        "key_groups": key_groups or [32],
         "device": str(mx.default_device()),
         "cpu_compute": compute,
         "skipped": skipped,
