@@ -381,3 +381,22 @@ def test_outlier_split_picks_the_loud_channels():
     # Loud channels at 4 bits beat a plain 2-bit quantizer on the same rows.
     plain = quant.TurboQuantMSE(D, 2)
     assert mask_error < 0.5 * mse(x, plain.decode(plain.encode(x)))
+
+
+def test_sphere_codebook_approaches_gaussian_levels_and_checks_its_arguments():
+    from veloxquant import _native
+
+    levels = np.array(_native.sphere_codebook(64, 3))
+    # 2^bits ascending levels, symmetric about 0 (the coordinate's density is).
+    assert levels.shape == (8,) and np.all(np.diff(levels) > 0)
+    np.testing.assert_allclose(levels, -levels[::-1], atol=1e-6)
+    # In many dimensions a coordinate is nearly Gaussian with variance 1/dim:
+    # the levels approach Gaussian Lloyd-Max levels over sqrt(dim).
+    np.testing.assert_allclose(np.array(_native.sphere_codebook(4096, 1)) * 64, [-0.7979, 0.7979], atol=1e-3)
+    np.testing.assert_allclose(np.array(_native.sphere_codebook(4096, 2)) * 64, [-1.5104, -0.4528, 0.4528, 1.5104],
+                               atol=2e-3)
+    for args, message in [((1, 2), "dim: 1"), ((64, 0), "bits: 0"), ((64, 9), "bits: 9"), ((-3, 2), "dim: -3")]:
+        with pytest.raises(ValueError, match=message):
+            _native.sphere_codebook(*args)
+    with pytest.raises(TypeError, match="bits: expected an int"):
+        _native.sphere_codebook(64, 2.5)

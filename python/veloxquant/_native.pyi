@@ -11,6 +11,9 @@ MLX_VERSION: str
 _Policy = Literal["auto", "require", "off"]
 _Device = Optional[Literal["cpu", "gpu"]]
 
+def sphere_codebook(dim: int, bits: int) -> list[float]:
+    """TurboQuant-MSE's Lloyd-Max levels for a rotated, normalised coordinate (ascending)."""
+    ...
 def bit_pack(codes: mx.array, bits: int, *, policy: _Policy = "auto", device: _Device = None) -> mx.array: ...
 def bit_unpack(
     packed: mx.array, bits: int, n: int, *, policy: _Policy = "auto", device: _Device = None

@@ -52,6 +52,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
+from . import _native
+
 # Key candidates: TurboQuant-MSE and KIVI (per-channel keys) at these bits,
 # and float16; value candidates: TurboQuant-MSE, and float16. 8-bit
 # TurboQuant is left out: its 256-entry codebook takes the cache most of a
@@ -239,25 +241,9 @@ def calibrate(model, tokens: Sequence[int]) -> List[LayerSample]:
 @functools.lru_cache(maxsize=None)
 def sphere_codebook(head_dim: int, bits: int) -> Tuple[float, ...]:
     """Lloyd-Max levels for one coordinate of a uniformly random unit vector
-    in ``head_dim`` dimensions (density ∝ (1 - t²)^((D - 3) / 2)): what
-    TurboQuant-MSE quantizes its rotated, normalised coordinates with."""
-    import numpy as np
-
-    sd = 1.0 / math.sqrt(head_dim)
-    t = np.linspace(-min(1.0, 12 * sd), min(1.0, 12 * sd), 20001)
-    w = np.clip(1.0 - t * t, 0.0, None) ** ((head_dim - 3) / 2)
-    cdf = np.cumsum(w) / w.sum()
-    levels = np.interp((np.arange(2**bits) + 0.5) / 2**bits, cdf, t)
-    for _ in range(200):
-        edges = (levels[1:] + levels[:-1]) / 2
-        cell = np.searchsorted(edges, t)
-        mass = np.bincount(cell, w, 2**bits)
-        new = np.bincount(cell, w * t, 2**bits) / np.maximum(mass, 1e-300)
-        if np.max(np.abs(new - levels)) < 1e-9 * sd:
-            levels = new
-            break
-        levels = new
-    return tuple(float(x) for x in levels)
+    in ``head_dim`` dimensions: the codebook TurboQuant-MSE quantizes its
+    rotated, normalised coordinates with (the crate's, as the cache uses)."""
+    return tuple(_native.sphere_codebook(head_dim, bits))
 
 
 @functools.lru_cache(maxsize=None)

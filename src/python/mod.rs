@@ -155,6 +155,16 @@ fn stream_for(device: Option<&str>) -> PyResult<Option<Stream>> {
     })
 }
 
+/// The Lloyd–Max levels TurboQuant-MSE quantizes a rotated, normalised
+/// coordinate of a `dim`-dimensional vector with (`bits` bits, ascending).
+#[pyfunction]
+fn sphere_codebook(dim: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>) -> PyResult<Vec<f32>> {
+    let dim = size_arg(dim, "dim", "a vector size >= 2")?;
+    let bits = bits_arg(bits, "bits", "1 to 8")?;
+    let book = crate::quant::ScalarCodebook::sphere(dim, bits).map_err(|e| to_py_err(e.into()))?;
+    Ok(book.centroids().to_vec())
+}
+
 #[pyfunction]
 #[pyo3(signature = (codes, bits, *, policy = None, device = None))]
 fn bit_pack(py: Python<'_>, codes: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>, policy: Option<&Bound<'_, PyAny>>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
@@ -563,6 +573,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         return Err(PyErr::take(m.py()).unwrap_or_else(|| PyImportError::new_err("nanobind bridge to mlx failed")));
     }
     m.add("MLX_VERSION", mlx_compiled_version())?;
+    m.add_function(wrap_pyfunction!(sphere_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;
     m.add_function(wrap_pyfunction!(vq_quantize, m)?)?;
