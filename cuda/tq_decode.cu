@@ -83,7 +83,6 @@ __shared__ uint32_t vt[1 << VB];
 __shared__ float sc[QN * TT];
 __shared__ float m_s[QN];
 __shared__ float l_s[QN];
-__shared__ float al_s[QN];
 // The tensor-core path's per-warp row maxima and sums.
 __shared__ float mw_s[WARPS * QN];
 __shared__ float lw_s[WARPS * QN];
@@ -214,10 +213,6 @@ if (MMA && compressed) {
     for (uint32_t e = tid; e < (1u << KB); e += TG) kt[e] = tq_half_entry(k_cent, e);
     for (uint32_t e = tid; e < (1u << VB); e += TG) vt[e] = tq_half_entry(v_cent, e);
   }
-  if (tid < uint32_t(QN)) {
-    m_s[tid] = ninf;
-    l_s[tid] = 0.0f;
-  }
 #pragma unroll
   for (int y = 0; y < PER; ++y) {
     kn_s[tid + y * TG] = kn[y];
@@ -268,34 +263,6 @@ for (uint32_t base = 0; base < uint32_t(D * RP); base += TG) {
 if (!(MMA && compressed)) vq_copy_wait();
 __syncthreads();
 const uint32_t g = lane >> 2, tg = lane & 3u;
-// Weights of n tokens' scores: warp r owns row r; an online softmax over the
-// split's chunks (m_s, l_s the running max and sum; al_s[r] what the row's
-// earlier sums are to be multiplied by).
-auto weigh = [&](uint32_t n) {
-  if (warp < uint32_t(QN)) {
-    float* row = sc + warp * TT;
-    float mx = ninf;
-    for (uint32_t i = lane; i < n; i += 32) mx = fmaxf(mx, row[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
-    const float m_old = m_s[warp];
-    const float m_new = fmaxf(m_old, mx);
-    float sum = 0.0f;
-    for (uint32_t i = lane; i < n; i += 32) {
-      const float p = m_new == ninf ? 0.0f : __expf(row[i] - m_new);
-      row[i] = p;
-      sum += p;
-    }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
-    if (lane == 0) {
-      const float alpha = m_old == ninf ? 0.0f : __expf(m_old - m_new);
-      m_s[warp] = m_new;
-      l_s[warp] = l_s[warp] * alpha + sum;
-      al_s[warp] = alpha;
-    }
-  }
-};
 if (MMA && compressed) {
   // The tensor-core path: each warp takes steps of 16 tokens of a chunk and
   // keeps its own online softmax in registers, so that scores never leave
@@ -498,7 +465,27 @@ if (MMA && compressed) {
     }
   }
   __syncthreads();
-  weigh(tn);
+  // Weights: warp r turns row r's scores into e^(s - m), m_s and l_s the
+  // split's max and sum.
+  if (warp < uint32_t(QN)) {
+    float* row = sc + warp * TT;
+    float mx = ninf;
+    for (uint32_t i = lane; i < tn; i += 32) mx = fmaxf(mx, row[i]);
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+    float sum = 0.0f;
+    for (uint32_t i = lane; i < tn; i += 32) {
+      const float p = mx == ninf ? 0.0f : __expf(row[i] - mx);
+      row[i] = p;
+      sum += p;
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    if (lane == 0) {
+      m_s[warp] = mx;
+      l_s[warp] = sum;
+    }
+  }
   __syncthreads();
   // Values, in the scores' steps.
   float acc[QN][CPT * 8];

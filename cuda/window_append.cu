@@ -17,7 +17,7 @@
 // shuffles (the products' latency, on a few SMs, sets the kernel's time:
 // with fewer lanes each waited on its loads in turn); padded to whole warps.
 // Then one thread per 8 consecutive dimensions of every other slot of each
-// side, copied. The host's window_lanes gives KS.
+// side, copied. The host's cuda_window_lanes gives KS.
 constexpr int NCH = D / 8;
 constexpr int KS = D % 32 == 0 ? 32 : 8;
 // 8 consecutive elements as 16-byte words where they lie back to back on a

@@ -654,12 +654,12 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     from .cache import KVConfig
 
     try:
-        key_groups = [int(g) for g in args.kv_key_group.split(",") if g.strip()]
+        key_groups = [int(g) for g in args.kv_key_group.split(",") if g.strip()] or [32]
         for g in key_groups:
             KVConfig(key_method="kivi", key_group=g)
     except ValueError as e:
         raise SystemExit(f"--kv-key-group: {e}")
-    specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits, key_groups or [32])
+    specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits, key_groups)
     import dataclasses
 
     from .recipe import MAX_TOKENS
@@ -706,7 +706,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "chunk": args.chunk,
         "window": args.kv_window,
         "sinks": args.kv_sinks,
-        "key_groups": key_groups or [32],
+        "key_groups": key_groups,
         "device": str(mx.default_device()),
         "cpu_compute": compute,
         "skipped": skipped,

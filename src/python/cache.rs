@@ -113,7 +113,8 @@ impl PyLayerCache {
         };
         cfg.window = size(window, "window", 128, "a number of tokens >= 0 (>= 1 for a compressed method)")?;
         cfg.sinks = size(sinks, "sinks", 4, "a number of tokens >= 0")?;
-        cfg.key_group = size(key_group, "key_group", crate::cache::KIVI_GROUP, "a multiple of 8 from 8 to 1024 tokens")?;
+        let groups = format!("a multiple of 8 from 8 to {} tokens", crate::cache::MAX_KIVI_KEY_GROUP);
+        cfg.key_group = size(key_group, "key_group", crate::cache::KIVI_GROUP, &groups)?;
         cfg.seed = match given(seed) {
             None => 0,
             Some(o) => {
