@@ -649,6 +649,15 @@ __device__ __forceinline__ uint32_t tq_pair_across(const uint32_t* table, const 
   return __byte_perm(table[tq_word_code<B, NW>(lo, j)], table[tq_word_code<B, NW>(hi, j)], 0x5410);
 }
 
+// e^x of x <= 0 by the SFU's 2^x, subnormal results flushed to zero (a
+// weight below 2^-126 of the row's largest is nothing to a float32 sum;
+// __expf would spend six instructions keeping them).
+__device__ __forceinline__ float tq_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
 // Two floats as a half2 word (lo in the low half).
 __device__ __forceinline__ uint32_t tq_half2_bits(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);

@@ -3,10 +3,11 @@
 // softmax, in the rotated frame (tq_reduce finishes).
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
-// CAUSAL, SCALE (the score scale's float32 bits).
+// CAUSAL, SCALE (the score scale's float32 bits), ROTATED.
 // Inputs, read through their shapes and strides (no parameter buffer, no
-// copies): q [B, Hq, L, D] as the model gives it; rot [D, D] float32, the
-// keys' rotation Π; the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
+// copies): q [B, Hq, L, D] as the model gives it, or with ROTATED already
+// rotated and scaled by tq_rotate (float32; rot is then not read); rot
+// [D, D] float32, the keys' rotation Π; the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
 // v_norms [B, Hkv, CAP]; k_norms [B, Hkv, n_comp], a view whose length is the
 // compressed count; the codebooks; the rotated windows (sinks first) win_v
 // [B, Hkv, WCAP, D] and win_k [B, Hkv, n_win, D], a view whose length is the
@@ -78,7 +79,15 @@ static_assert(QN <= WARPS, "one warp per row weighs the scores");
 __shared__ float qs[QN * D];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
-__shared__ uint32_t kt[1 << KB];
+// With 4-bit keys a byte of two codes indexes a table of their two
+// centroids as a half2 word: one lookup a B register instead of two and a
+// PRMT (a fifth of the loop's instructions; 43.1 -> 41.2 us a call at
+// llama-8b 32K on the H200).
+constexpr bool KPAIR = KB == 4;
+__shared__ uint32_t kt[KPAIR ? 256 : 1 << KB];
+// The queries' A fragments, alike in every warp: read from here each step
+// rather than held (16 registers that the loop's occupancy wants back).
+__shared__ uint4 qa_s[MMA ? (D / 16) * 32 : 1];
 __shared__ uint32_t vt[1 << VB];
 __shared__ float sc[QN * TT];
 __shared__ float m_s[QN];
@@ -210,7 +219,11 @@ if (MMA && compressed) {
   for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
   for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
   if (MMA && compressed) {
-    for (uint32_t e = tid; e < (1u << KB); e += TG) kt[e] = tq_half_entry(k_cent, e);
+    if (KPAIR) {
+      for (uint32_t e = tid; e < 256u; e += TG) kt[e] = tq_half_entry(k_cent, e & 15u) | (tq_half_entry(k_cent, e >> 4) << 16);
+    } else {
+      for (uint32_t e = tid; e < (1u << KB); e += TG) kt[e] = tq_half_entry(k_cent, e);
+    }
     for (uint32_t e = tid; e < (1u << VB); e += TG) vt[e] = tq_half_entry(v_cent, e);
   }
 #pragma unroll
@@ -218,10 +231,11 @@ if (MMA && compressed) {
     kn_s[tid + y * TG] = kn[y];
     vn_s[tid + y * TG] = vn[y];
   }
-  // The raw rows wait in the scores' space (QN * D <= QN * TT floats).
+  // The raw rows wait in the scores' space (QN * D <= QN * TT floats);
+  // rows tq_rotate rotated and scaled are the queries.
 #pragma unroll
   for (int y = 0; y < QPER; ++y) {
-    if (tid + y * TG < uint32_t(QN * D)) sc[tid + y * TG] = x[y];
+    if (tid + y * TG < uint32_t(QN * D)) (ROTATED ? qs : sc)[tid + y * TG] = x[y];
   }
 }
 __syncthreads();
@@ -231,7 +245,7 @@ __syncthreads();
 // every round, so that the shuffles see whole warps.
 const float scale = __int_as_float(SCALE);
 constexpr int RP = (TG >= 4 * D && (D / 4) % 4 == 0) ? 4 : ((TG >= 2 * D && (D / 4) % 2 == 0) ? 2 : 1);
-for (uint32_t base = 0; base < uint32_t(D * RP); base += TG) {
+for (uint32_t base = 0; !ROTATED && base < uint32_t(D * RP); base += TG) {
   const uint32_t e = base + tid;
   const bool on = e < uint32_t(D * RP);
   const uint32_t i = on ? e / RP : 0u, part = e % RP;
@@ -271,14 +285,22 @@ if (MMA && compressed) {
   // a chunk is read, the next one's codes are on their way (cp.async, two
   // buffers); one barrier a chunk. The warps' states merge at the end.
   // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero).
-  uint32_t qa[KS][2];
+  if (warp == 0) {
 #pragma unroll
-  for (int ks = 0; ks < KS; ++ks) {
-    const float* x = qs + (g < uint32_t(QN) ? g : 0u) * D + tg * KSEG + 4 * ks;
-    const bool on = g < uint32_t(QN);
-    qa[ks][0] = on ? tq_half2_bits(x[0], x[1]) : 0u;
-    qa[ks][1] = on ? tq_half2_bits(x[2], x[3]) : 0u;
+    for (int ks = 0; ks < KS; ++ks) {
+      const float* x = qs + (g < uint32_t(QN) ? g : 0u) * D + tg * KSEG + 4 * ks;
+      const bool on = g < uint32_t(QN);
+      qa_s[ks * 32 + lane] = make_uint4(on ? tq_half2_bits(x[0], x[1]) : 0u, 0u, on ? tq_half2_bits(x[2], x[3]) : 0u, 0u);
+    }
   }
+  // Codes j, j + 1 of a key row's words as a half2 B register.
+  auto key_pair = [&](const uint32_t(&w)[KNW], int j) -> uint32_t {
+    if constexpr (KPAIR) {
+      return kt[(w[j / 8] >> (4 * (j % 8))) & 0xffu];
+    } else {
+      return tq_pair_along<KB, KNW>(kt, w, j);
+    }
+  };
   // Values: C holds dimensions g VSEG + 2j (rows g) and g VSEG + 2j + 1
   // (rows g + 8) of query rows 2tg, 2tg + 1 (columns).
   constexpr int MT = D / 16;
@@ -311,9 +333,10 @@ if (MMA && compressed) {
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const uint32_t a[4] = {qa[ks][0], 0u, qa[ks][1], 0u};
-        vq_mma(s0, a, tq_pair_along<KB, KNW>(kt, w0, 4 * ks), tq_pair_along<KB, KNW>(kt, w0, 4 * ks + 2));
-        vq_mma(s1, a, tq_pair_along<KB, KNW>(kt, w1, 4 * ks), tq_pair_along<KB, KNW>(kt, w1, 4 * ks + 2));
+        const uint4 qa = qa_s[ks * 32 + lane];
+        const uint32_t a[4] = {qa.x, qa.y, qa.z, qa.w};
+        vq_mma(s0, a, key_pair(w0, 4 * ks), key_pair(w0, 4 * ks + 2));
+        vq_mma(s1, a, key_pair(w1, 4 * ks), key_pair(w1, 4 * ks + 2));
       }
       const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
       float sv[4] = {s0[0], s0[1], s1[0], s1[1]};
@@ -329,10 +352,10 @@ if (MMA && compressed) {
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
       const float m_new = fmaxf(m_run, mx);
-      const float alpha = m_run == ninf ? 0.0f : __expf(m_run - m_new);
+      const float alpha = m_run == ninf ? 0.0f : tq_exp(m_run - m_new);
       float p[4];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) p[e] = m_new == ninf ? 0.0f : __expf(sv[e] - m_new);
+      for (int e = 0; e < 4; ++e) p[e] = m_new == ninf ? 0.0f : tq_exp(sv[e] - m_new);
       l_run = l_run * alpha + (p[0] + p[1]) + (p[2] + p[3]);
       m_run = m_new;
       // Columns 2tg + e of the accumulators take their row's factor, from

@@ -58,6 +58,10 @@ fn decode_kernel() -> MetalKernel {
     )
 }
 
+fn rotate_kernel() -> MetalKernel {
+    MetalKernel::new("veloxquant_tq_rotate", &["q", "rot"], &["out"], &read("metal/tq_rotate.metal"))
+}
+
 fn reduce_kernel() -> MetalKernel {
     MetalKernel::new(
         "veloxquant_tq_reduce",
@@ -619,4 +623,38 @@ fn tq_decode_head_dims_bits_and_groups_match_cpu() {
     check_attention_q::<f16>(shape(1, 8, 2, 1, 128, (4, 300, 40), true), 1e-2, 230, true);
     check_attention_q::<bf16>(shape(1, 8, 2, 1, 64, (4, 300, 40), true), 1e-2, 231, true);
     check_attention_q::<f32>(shape(1, 4, 2, 1, 64, (3, 0, 2), true), 1e-5, 232, true);
+}
+
+/// `kernels::turboquant::rotate_queries`: blocks of 4 rows x 32 output
+/// dimensions, 256 threads; out = scale * Π q per row, queries read through
+/// transposed strides (rows that do not fill the last block, D not a
+/// multiple of 32 on this backend).
+#[test]
+fn tq_rotate_matches_cpu() {
+    for (i, (b, hq, d)) in [(1usize, 8usize, 128usize), (2, 3, 64), (1, 5, 80)].into_iter().enumerate() {
+        let mut rng = ChaCha8Rng::seed_from_u64(300 + i as u64);
+        let rot = rotation_matrix(d, 7 + i as u64);
+        let q = gaussian(&mut rng, b * hq * d, 1.0);
+        let scale = (d as f32).powf(-0.5);
+        let rows = b * hq;
+        let blocks = rows.div_ceil(4) * d.div_ceil(32);
+        let out = rotate_kernel()
+            .launch()
+            .input(HostArray::heads_transposed([b, hq, 1, d], &conv::<f16>(&q)))
+            .input(HostArray::new(&[d, d], &rot))
+            .output(&[b, hq, 1, d], Dtype::F32)
+            .template("T", TemplateArg::Dtype(Dtype::F16))
+            .template("D", TemplateArg::Int(d as i32))
+            .template("QR", TemplateArg::Int(4))
+            .template("SCALE", TemplateArg::Int(scale.to_bits() as i32))
+            .grid((blocks * 256) as u32, 1, 1)
+            .threadgroup(256, 1, 1)
+            .run()
+            .unwrap_or_else(|e| panic!("tq_rotate D={d}: {e}"));
+        let q16: Vec<f32> = conv::<f16>(&q).iter().map(|v| v.to_f32()).collect();
+        let want: Vec<f32> = rotate(&rot, &q16, d).iter().map(|v| v * scale).collect();
+        let got: Vec<f32> = out[0].to_vec();
+        let err = got.iter().zip(&want).map(|(g, w)| (g - w).abs()).fold(0.0f32, f32::max);
+        assert!(err <= 1e-5, "tq_rotate B={b} Hq={hq} D={d}: max error {err:e}");
+    }
 }

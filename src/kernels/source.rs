@@ -12,6 +12,7 @@ pub enum Source {
     TqAttention,
     TqDecode,
     TqReduce,
+    TqRotate,
     KvAttention,
     TqProdEncode,
     TqProdDecode,
@@ -40,6 +41,7 @@ impl Source {
             Source::TqAttention => "veloxquant_tq_attention",
             Source::TqDecode => "veloxquant_tq_decode",
             Source::TqReduce => "veloxquant_tq_reduce",
+            Source::TqRotate => "veloxquant_tq_rotate",
             Source::KvAttention => "veloxquant_kv_attention",
             Source::TqProdEncode => "veloxquant_tq_prod_encode",
             Source::TqProdDecode => "veloxquant_tq_prod_decode",
@@ -67,6 +69,7 @@ impl Source {
             Source::TqAttention => include_str!("../../metal/tq_attention.metal"),
             Source::TqDecode => include_str!("../../metal/tq_decode.metal"),
             Source::TqReduce => include_str!("../../metal/tq_reduce.metal"),
+            Source::TqRotate => include_str!("../../metal/tq_rotate.metal"),
             Source::KvAttention => include_str!("../../metal/kv_attention.metal"),
             Source::TqProdEncode => include_str!("../../metal/tq_prod_encode.metal"),
             Source::TqProdDecode => include_str!("../../metal/tq_prod_decode.metal"),
@@ -94,6 +97,7 @@ impl Source {
             Source::TqAttention => include_str!("../../cuda/tq_attention.cu"),
             Source::TqDecode => include_str!("../../cuda/tq_decode.cu"),
             Source::TqReduce => include_str!("../../cuda/tq_reduce.cu"),
+            Source::TqRotate => include_str!("../../cuda/tq_rotate.cu"),
             Source::KvAttention => include_str!("../../cuda/kv_attention.cu"),
             Source::TqProdEncode => include_str!("../../cuda/tq_prod_encode.cu"),
             Source::TqProdDecode => include_str!("../../cuda/tq_prod_decode.cu"),
@@ -134,6 +138,7 @@ impl Source {
                 "q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v",
             ],
             Source::TqReduce => &["part_m", "part_l", "part_acc", "rot_v"],
+            Source::TqRotate => &["q", "rot"],
             Source::KvAttention => &[
                 "qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k",
                 "win_v", "mask", "params",
@@ -164,7 +169,7 @@ impl Source {
             Source::VqQuantize => &["indices"],
             Source::TqEncode => &["codes", "norms"],
             Source::TqAttention | Source::TqDecode | Source::KvAttention => &["m_out", "l_out", "acc_out"],
-            Source::TqReduce => &["out"],
+            Source::TqReduce | Source::TqRotate => &["out"],
             Source::TqProdEncode => &["codes", "signs", "norms", "residual_norms"],
             Source::TqProdDecode => &["y"],
             Source::TqRvqEncode => &["codes1", "codes2", "norms"],
@@ -311,11 +316,11 @@ impl Source {
     }
 
     /// Whether MLX must hand the inputs over row-contiguous (copying views).
-    /// `tq_decode` and `window_append` read their inputs through their
-    /// strides, so that views of the cache's stores and transposed queries
-    /// cost no copy.
+    /// `tq_decode`, `tq_rotate` and `window_append` read their inputs
+    /// through their strides, so that views of the cache's stores and
+    /// transposed queries cost no copy.
     pub fn row_contiguous(self) -> bool {
-        !matches!(self, Source::TqDecode | Source::WindowAppend)
+        !matches!(self, Source::TqDecode | Source::TqRotate | Source::WindowAppend)
     }
 }
 

@@ -534,6 +534,16 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
         ops::slice(a, &vec![0; stop.len()], &stop, s)
     };
     let rows = (sh.batch * sh.q_heads * sh.queries) as i32;
+    // CUDA's chunked blocks take the queries rotated and scaled by one
+    // tq_rotate per call; elsewhere each block rotates its own.
+    let rotated = chunked && sh.dim % 32 == 0;
+    let q_rot;
+    let q_in = if rotated {
+        q_rot = rotate_queries(q, layer.rot_k, scale, s)?;
+        &q_rot
+    } else {
+        q
+    };
     let blocks = units * num_splits;
     let per_block = decode_threads(chunked);
     let threads = i32::try_from(blocks * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
@@ -542,7 +552,7 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     gpu::launch(
         &Launch {
             source: Source::TqDecode,
-            inputs: &[q, layer.rot_k, layer.k_codes, &used(layer.k_norms, nc)?, layer.k_centroids, layer.v_codes,
+            inputs: &[q_in, layer.rot_k, layer.k_codes, &used(layer.k_norms, nc)?, layer.k_centroids, layer.v_codes,
                       layer.v_norms, layer.v_centroids, &used(layer.win_k, nw)?, layer.win_v],
             outputs: &[(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),
@@ -557,10 +567,40 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
                 ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
                 ("CAUSAL", TemplateArg::Bool(sh.causal)),
                 ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
+                ("ROTATED", TemplateArg::Bool(rotated)),
             ],
         },
         s,
     )
+}
+
+/// Query rows a `tq_rotate` block serves.
+const ROTATE_ROWS: usize = 4;
+
+/// `scale * Π q` for every row of `q` [B, Hq, L, D] (read through its
+/// strides; D a multiple of 32), float32 in `q`'s shape: `tq_rotate`.
+fn rotate_queries(q: &Array, rot: &Array, scale: f32, s: &Stream) -> Result<Array> {
+    let shape = q.shape();
+    let d = shape[3] as usize;
+    let rows: usize = shape[..3].iter().map(|&x| x as usize).product();
+    let blocks = rows.div_ceil(ROTATE_ROWS) * d.div_ceil(32);
+    Ok(gpu::launch(
+        &Launch {
+            source: Source::TqRotate,
+            inputs: &[q, rot],
+            outputs: &[(shape, Dtype::F32)],
+            grid: ((blocks * 256) as i32, 1, 1),
+            threadgroup: (256, 1, 1),
+            template: &[
+                ("T", TemplateArg::Dtype(q.dtype())),
+                ("D", TemplateArg::Int(d as i32)),
+                ("QR", TemplateArg::Int(ROTATE_ROWS as i32)),
+                ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
+            ],
+        },
+        s,
+    )?
+    .remove(0))
 }
 
 /// Several queries per head (prefill, verification): tiles of up to 16 rows
