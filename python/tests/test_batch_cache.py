@@ -340,3 +340,56 @@ def test_bad_padding_and_chunks_are_named():
         k = mx.zeros((2, 2, 1, 64), dtype=mx.float16)
         batch.update_and_fetch(k, k)
         base.scaled_dot_product_attention(mx.zeros((2, 4, 1, 64)), k, k, batch, 1.0, None, sinks=mx.zeros((4,)))
+
+
+def _layer_holding(n, **kw):
+    from veloxquant import LayerCache
+
+    c = LayerCache(64, 2, window=16, sinks=4, device="cpu", **kw)
+    c.append(*(mx.random.normal((1, 2, n, 64)).astype(mx.float16) for _ in range(2)))
+    return c
+
+
+@pytest.mark.parametrize("kw", [{}, {"key_method": "kivi", "key_bits": 4}], ids=["turboquant", "kivi-keys"])
+def test_attention_each_equals_each_sequence_alone(kw):
+    # One operation for the batch (TurboQuant), or sequence by sequence
+    # (another method): either way each row is its cache's own attention.
+    from veloxquant import LayerCache
+
+    mx.random.seed(3)
+    caches = [_layer_holding(n, **kw) for n in (5, 40, 300, 777)]
+    q = mx.random.normal((4, 8, 1, 64)).astype(mx.float16)
+    out = LayerCache.attention_each(caches, q, 0.125)
+    want = mx.concatenate([c.attention(q[i : i + 1], 0.125) for i, c in enumerate(caches)], axis=0)
+    assert out.shape == (4, 8, 1, 64)
+    assert mx.array_equal(out, want).item()
+
+
+def test_batch_decode_attends_in_one_call(tiny, monkeypatch):
+    # A decode step of every sequence goes through attention_each once a layer.
+    model, ids = tiny
+    caches = []
+    for p in (ids[:40], ids[100:117]):
+        c = make_prompt_cache(model, KVConfig())
+        model(mx.array(p)[None], cache=c)
+        caches.append(c)
+    batch = [VeloxQuantBatchCache.merge([a, b]) for a, b in zip(*caches)]
+    calls = []
+    each = VeloxQuantCache.attention_each
+    monkeypatch.setattr(VeloxQuantCache, "attention_each", staticmethod(lambda c, q, s: calls.append(len(c)) or each(c, q, s)))
+    mx.eval(model(mx.array([[1], [2]]), cache=batch))
+    assert calls == [2] * len(batch)
+
+
+def test_attention_each_names_bad_arguments():
+    from veloxquant import LayerCache
+
+    caches = [_layer_holding(20), _layer_holding(30)]
+    with pytest.raises(ValueError, match="queries"):
+        LayerCache.attention_each(caches, mx.zeros((3, 8, 1, 64), dtype=mx.float16), 0.125)
+    with pytest.raises(ValueError, match="queries"):
+        LayerCache.attention_each(caches, mx.zeros((2, 8, 2, 64), dtype=mx.float16), 0.125)
+    with pytest.raises(ValueError, match="caches"):
+        LayerCache.attention_each([], mx.zeros((0, 8, 1, 64), dtype=mx.float16), 0.125)
+    with pytest.raises(TypeError):
+        LayerCache.attention_each([object()], mx.zeros((1, 8, 1, 64), dtype=mx.float16), 0.125)

@@ -234,6 +234,11 @@ class LayerCache:
         """Attention over the cache. `mask`: None, "causal", or an mx.array
         (boolean, true attends; or additive) broadcastable to
         `[B, n_heads, L, offset]`."""
+    @staticmethod
+    def attention_each(caches: Sequence["LayerCache"], queries: mx.array, scale: float) -> mx.array:
+        """Decode attention of a batch, row `b` of `queries` `[B, n_heads, 1,
+        head_dim]` over `caches[b]`; one operation for CPU TurboQuant caches
+        of one configuration."""
     @property
     def offset(self) -> int: ...
     @property

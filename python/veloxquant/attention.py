@@ -94,7 +94,7 @@ def _wrap(original):
         if isinstance(cache, VeloxQuantBatchCache):
             # Each sequence over its own cache, as it would attend alone.
             _refuse_sinks(sinks)
-            return cache.attend_each(queries, lambda q, k, v, c, m: attend(q, k, v, c, scale, m))
+            return cache.attend_each(queries, lambda q, k, v, c, m: attend(q, k, v, c, scale, m), scale)
         observe = getattr(cache, "observe_queries", None)
         if observe is not None:
             # A calibration's recorder, or a cache that decides its layout from the first queries.

@@ -94,17 +94,23 @@ class VeloxQuantBatchCache(_BaseCache):
         self._offsets = None
         return keys, values
 
-    def attend_each(self, queries: mx.array, attend: Callable[..., mx.array]) -> mx.array:
+    def attend_each(self, queries: mx.array, attend: Callable[..., mx.array], scale: Optional[float] = None) -> mx.array:
         """Attention of the last chunk's queries, sequence by sequence:
         ``attend(q, keys, values, cache, mask)`` with sequence ``i``'s queries
         of its real tokens, what its cache's ``update_and_fetch`` returned,
-        its cache and a causal mask. Padded query positions get zeros."""
+        its cache and a causal mask. Padded query positions get zeros. A
+        decode step of every sequence, given ``scale``, attends in one call
+        (``LayerCache.attention_each``)."""
         chunk, self._chunk = self._chunk, None
         if chunk is None:
             raise RuntimeError("VeloxQuantBatchCache: attention without a chunk just added (update_and_fetch)")
         B, H, n, D = queries.shape
         if B != len(chunk):
             raise ValueError(f"queries: batch {B}, but the cache holds {len(chunk)} sequences")
+        if scale is not None and n == 1 and all(
+            part is not None and c.decoding() for c, part in zip(self.caches, chunk)
+        ):
+            return VeloxQuantCache.attention_each(self.caches, queries, scale)
         outs = []
         for i, (c, part) in enumerate(zip(self.caches, chunk)):
             if part is None:

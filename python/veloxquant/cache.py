@@ -401,6 +401,20 @@ class VeloxQuantCache(_BaseCache):
             return self.layer.attend_framed(queries, framed[0], framed[1], scale, mask)
         return self.layer.attention(queries, scale, mask)
 
+    def decoding(self) -> bool:
+        """Whether the chunk just added was one decode token the layer holds
+        (nothing pending, no framed prefill buffer): what ``attention_each`` takes."""
+        return self.layer is not None and self._pending is None and self._framed is None
+
+    @staticmethod
+    def attention_each(caches: Sequence["VeloxQuantCache"], queries: mx.array, scale: float) -> mx.array:
+        """One decode query per cache (row ``b`` of ``queries`` over ``caches[b]``),
+        attended in one call of the native layers (``LayerCache.attention_each``)."""
+        out = _layer_cache_class().attention_each([c.layer for c in caches], queries, scale)
+        for c in caches:
+            c._attended = True
+        return out
+
     def attended_elsewhere(self) -> None:
         """Record that the chunk just added was attended outside the cache.
 

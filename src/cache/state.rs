@@ -1074,6 +1074,48 @@ impl LayerCache {
         }
     }
 
+    /// Decode attention of a batch whose sequences each have their own
+    /// cache: `queries` `[B, Hq, 1, D]`, row `b` over `caches[b]` (batch 1
+    /// each, any lengths), `[B, Hq, 1, D]` out. Caches on the CPU holding
+    /// TurboQuant-MSE codes with one configuration attend as one operation
+    /// ([`turboquant::tq_attention_each`]); any other set sequence by
+    /// sequence, concatenated.
+    pub fn attention_each(caches: &[&LayerCache], queries: &Array, scale: f32) -> Result<Array> {
+        let Some(first) = caches.first() else {
+            return Err(Error::invalid("caches", "no cache given"));
+        };
+        let qs = queries.shape();
+        if qs.len() != 4 || qs[0] as usize != caches.len() || qs[2] != 1 {
+            return Err(Error::invalid(
+                "queries",
+                format!("shape {qs:?}, expected [{}, heads, 1, head_dim]: one decode query per cache", caches.len()),
+            ));
+        }
+        let s = &first.stream()?;
+        let fused = s.backend()? == crate::stream::Backend::Cpu
+            && caches.iter().all(|c| {
+                c.batch == 1
+                    && c.cfg == first.cfg
+                    && c.device == first.device
+                    && Self::turboquant_only(&c.cfg)
+                    && matches!(c.store, Some(Store::Compressed(_)))
+            });
+        if fused {
+            let layers = caches.iter().map(|c| c.tq_layer(qs[1] as usize, 1, false)).collect::<Result<Vec<_>>>()?;
+            return turboquant::tq_attention_each(queries, &layers, scale, s);
+        }
+        let (hq, d) = (qs[1], qs[3]);
+        let outs = caches
+            .iter()
+            .enumerate()
+            .map(|(b, c)| {
+                let q = ops::slice(queries, &[b as i32, 0, 0, 0], &[b as i32 + 1, hq, 1, d], s)?;
+                c.attention(&q, scale, false)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ops::concatenate(&outs, 0, s)
+    }
+
     /// The cache's keys and values followed by a chunk `keys`/`values`
     /// `[B, Hkv, T, D]` about to be appended, `[B, Hkv, offset + T, D]` in
     /// each side's attention frame (rotated for the rotating codecs, keys less

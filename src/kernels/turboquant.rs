@@ -381,6 +381,86 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
     }
 }
 
+/// Decode attention of a batch whose sequences each have their own cache:
+/// `q` `[B, Hq, 1, D]`, row `b` over `layers[b]` (each of batch 1, lengths
+/// free), as one CPU primitive for the whole batch instead of one per
+/// sequence (a batch's graph holds one node a layer, not `B`). The same
+/// arithmetic as [`tq_attention`] sequence by sequence.
+pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: &Stream) -> Result<Array> {
+    check_float("queries", q)?;
+    let Some(first) = layers.first() else {
+        return Err(Error::invalid("caches", "no cache given"));
+    };
+    let sh0 = first.shape;
+    let want = [layers.len() as i32, sh0.q_heads as i32, 1, sh0.dim as i32];
+    if q.shape() != want {
+        return Err(Error::invalid("queries", format!("shape {:?}, expected {want:?} (one decode query per sequence)", q.shape())));
+    }
+    for (b, l) in layers.iter().enumerate() {
+        let sh = l.shape;
+        let same = (sh.batch, sh.queries, sh.q_heads, sh.kv_heads, sh.dim, sh.key_bits, sh.value_bits)
+            == (1, 1, sh0.q_heads, sh0.kv_heads, sh0.dim, sh0.key_bits, sh0.value_bits);
+        if !same {
+            return Err(Error::invalid("caches", format!("cache {b} differs from cache 0 in heads, head size or bits, or holds a batch")));
+        }
+        if l.win_k.dtype() != q.dtype() {
+            return Err(Error::Dtype { argument: "queries", found: q.dtype().to_string(), expected: format!("{} (the caches' dtype)", l.win_k.dtype()) });
+        }
+    }
+    if stream.backend()? != crate::stream::Backend::Cpu {
+        return Err(Error::Unsupported("tq_attention_each runs on the CPU".into()));
+    }
+    let mut inputs: Vec<&Array> = vec![q];
+    for l in layers {
+        inputs.extend([l.rot_k, l.rot_v, l.k_codes, l.k_norms, l.k_centroids, l.v_codes, l.v_norms, l.v_centroids, l.win_k, l.win_v]);
+    }
+    let shapes: Vec<AttentionShape> = layers.iter().map(|l| l.shape).collect();
+    let dtype = q.dtype();
+    let row = sh0.q_heads * sh0.dim;
+    cpu_primitive::apply(
+        "veloxquant_tq_attention_each",
+        &inputs,
+        &[(want.to_vec(), dtype)],
+        stream,
+        Box::new(move |ins, outs| {
+            macro_rules! run {
+                ($t:ty) => {{
+                    let q = ins[0].as_slice::<$t>()?;
+                    let out = outs[0].as_mut_slice::<$t>()?;
+                    for (b, sh) in shapes.iter().enumerate() {
+                        let i = &ins[1 + 10 * b..11 + 10 * b];
+                        let dst = &mut out[b * row..(b + 1) * row];
+                        if sh.total() == 0 {
+                            dst.fill(<$t>::default());
+                            continue;
+                        }
+                        let inp = AttentionInputs {
+                            rot_k: i[0].as_slice::<f32>()?,
+                            rot_v: i[1].as_slice::<f32>()?,
+                            k_codes: i[2].as_slice::<u8>()?,
+                            k_norms: i[3].as_slice::<f16>()?,
+                            k_centroids: i[4].as_slice::<f32>()?,
+                            v_codes: i[5].as_slice::<u8>()?,
+                            v_norms: i[6].as_slice::<f16>()?,
+                            v_centroids: i[7].as_slice::<f32>()?,
+                            win_k: i[8].as_slice::<$t>()?,
+                            win_v: i[9].as_slice::<$t>()?,
+                        };
+                        tq::tq_attention(&q[b * row..(b + 1) * row], &inp, sh, scale, dst);
+                    }
+                }};
+            }
+            match dtype {
+                Dtype::F32 => run!(f32),
+                Dtype::F16 => run!(f16),
+                _ => run!(bf16),
+            }
+            Ok(())
+        }),
+    )
+    .map(|mut v| v.remove(0))
+}
+
 /// Threads of an attention threadgroup, and tokens per tile.
 const TILE: usize = ATTENTION_THREADS;
 

@@ -148,6 +148,27 @@ impl PyLayerCache {
         array_out(py, out)
     }
 
+    /// Decode attention of a batch whose sequences each have their own cache:
+    /// `queries` `[B, n_heads, 1, head_dim]`, row `b` over `caches[b]`. CPU
+    /// caches with TurboQuant-MSE codes and one configuration attend in one
+    /// operation; others sequence by sequence.
+    #[staticmethod]
+    fn attention_each(py: Python<'_>, caches: Vec<PyRef<'_, PyLayerCache>>, queries: &Bound<'_, PyAny>, scale: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
+        let q = array_arg(queries, "queries")?;
+        let scale = float_arg(scale, "scale")? as f32;
+        let out = guarded("attention_each", || {
+            let mut guards = Vec::with_capacity(caches.len());
+            for (i, c) in caches.iter().enumerate() {
+                guards.push(c.inner.try_lock().map_err(|_| {
+                    PyRuntimeError::new_err(format!("LayerCache.attention_each: cache {i} is in use by another call or unusable"))
+                })?);
+            }
+            let refs: Vec<&LayerCache> = guards.iter().map(|g| &**g).collect();
+            LayerCache::attention_each(&refs, &q, scale).map_err(to_py_err)
+        })?;
+        array_out(py, out)
+    }
+
     /// The cache's keys and values followed by the chunk `keys`/`values`
     /// about to be appended, in the cache's attention frame (a transient
     /// buffer for `attend_framed`). Call before `append`.
