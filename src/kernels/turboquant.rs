@@ -350,18 +350,7 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
                 Box::new(move |ins, outs| {
                     macro_rules! run {
                         ($t:ty) => {{
-                            let inp = AttentionInputs {
-                                rot_k: ins[1].as_slice::<f32>()?,
-                                rot_v: ins[2].as_slice::<f32>()?,
-                                k_codes: ins[3].as_slice::<u8>()?,
-                                k_norms: ins[4].as_slice::<f16>()?,
-                                k_centroids: ins[5].as_slice::<f32>()?,
-                                v_codes: ins[6].as_slice::<u8>()?,
-                                v_norms: ins[7].as_slice::<f16>()?,
-                                v_centroids: ins[8].as_slice::<f32>()?,
-                                win_k: ins[9].as_slice::<$t>()?,
-                                win_v: ins[10].as_slice::<$t>()?,
-                            };
+                            let inp = attention_inputs::<$t>(&ins[1..11])?;
                             tq::tq_attention(ins[0].as_slice::<$t>()?, &inp, &sh, scale_copy, outs[0].as_mut_slice::<$t>()?)
                         }};
                     }
@@ -379,6 +368,24 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
             attention_gpu(q, layer, scale, tiles, &stream)
         }
     }
+}
+
+/// A layer's ten CPU buffers in `TqLayer` order after the queries (rot_k,
+/// rot_v, key codes, norms and centroids, value codes, norms and centroids,
+/// the two windows) as the CPU attention reads them.
+fn attention_inputs<'a, T: crate::dtype::Element>(i: &'a [cpu_primitive::Tensor<'a>]) -> std::result::Result<AttentionInputs<'a, T>, String> {
+    Ok(AttentionInputs {
+        rot_k: i[0].as_slice::<f32>()?,
+        rot_v: i[1].as_slice::<f32>()?,
+        k_codes: i[2].as_slice::<u8>()?,
+        k_norms: i[3].as_slice::<f16>()?,
+        k_centroids: i[4].as_slice::<f32>()?,
+        v_codes: i[5].as_slice::<u8>()?,
+        v_norms: i[6].as_slice::<f16>()?,
+        v_centroids: i[7].as_slice::<f32>()?,
+        win_k: i[8].as_slice::<T>()?,
+        win_v: i[9].as_slice::<T>()?,
+    })
 }
 
 /// Decode attention of a batch whose sequences each have their own cache:
@@ -428,24 +435,12 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
                     let q = ins[0].as_slice::<$t>()?;
                     let out = outs[0].as_mut_slice::<$t>()?;
                     for (b, sh) in shapes.iter().enumerate() {
-                        let i = &ins[1 + 10 * b..11 + 10 * b];
                         let dst = &mut out[b * row..(b + 1) * row];
                         if sh.total() == 0 {
                             dst.fill(<$t>::default());
                             continue;
                         }
-                        let inp = AttentionInputs {
-                            rot_k: i[0].as_slice::<f32>()?,
-                            rot_v: i[1].as_slice::<f32>()?,
-                            k_codes: i[2].as_slice::<u8>()?,
-                            k_norms: i[3].as_slice::<f16>()?,
-                            k_centroids: i[4].as_slice::<f32>()?,
-                            v_codes: i[5].as_slice::<u8>()?,
-                            v_norms: i[6].as_slice::<f16>()?,
-                            v_centroids: i[7].as_slice::<f32>()?,
-                            win_k: i[8].as_slice::<$t>()?,
-                            win_v: i[9].as_slice::<$t>()?,
-                        };
+                        let inp = attention_inputs::<$t>(&ins[1 + 10 * b..11 + 10 * b])?;
                         tq::tq_attention(&q[b * row..(b + 1) * row], &inp, sh, scale, dst);
                     }
                 }};
