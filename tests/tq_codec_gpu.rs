@@ -17,7 +17,7 @@ use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::turboquant::code_at;
 use veloxquant::kernels::{
     encode_tensor_core_parts, prod_decode_tensor_cores, prod_encode_tensor_core_parts, rvq_decode_path, tq_prod_decode, tq_prod_encode, tq_rvq_decode,
-    tq_rvq_encode, CudaDecodePath, ProdCodes, RotationKind, RvqCodes, PROD_BITS,
+    tq_rvq_encode, CudaDecodePath, ProdCodes, RotationInput, RvqCodes, PROD_BITS,
 };
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
@@ -336,7 +336,7 @@ fn gpu_rvq_matches_cpu() {
                 assert_rvq_encodings_match(tc, &x, rotate, (&c1, &c2), bits, &g, &c, &tag);
                 let yg = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
                 let yc = tq_rvq_decode(&c, rotation, &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
-                let kind = if rotation.is_some() { RotationKind::Dense } else { RotationKind::None };
+                let kind = if rotation.is_some() { RotationInput::Dense } else { RotationInput::None };
                 let tensor_cores = rvq_decode_path(dtype, d, kind) == CudaDecodePath::TensorCores;
                 assert_decode_matches(&yg, &yc, dtype, d, tensor_cores, &tag);
             }
@@ -482,7 +482,7 @@ fn gpu_rvq_decode_walks_many_tiles() {
             let tag = format!("d={d} bits={bits:?} {dtype} n={n}");
             let yg = tq_rvq_decode(&enc, Some(&rot), &c1, &c2, bits, d, dtype, &on(&gpu)).unwrap();
             let yc = tq_rvq_decode(&enc, Some(&rot), &c1, &c2, bits, d, dtype, &on(&Stream::cpu())).unwrap();
-            let tensor_cores = rvq_decode_path(dtype, d, RotationKind::Dense) == CudaDecodePath::TensorCores;
+            let tensor_cores = rvq_decode_path(dtype, d, RotationInput::Dense) == CudaDecodePath::TensorCores;
             assert_decode_matches(&yg, &yc, dtype, d, tensor_cores, &tag);
         }
     }
@@ -517,7 +517,7 @@ fn gpu_rvq_decode_rows_match_cpu() {
         let c2 = ScalarCodebook::sphere_residual(d, bits.0, bits.1).unwrap().centroids().to_vec();
         let (c1, c2) = (f32_array(&c1, &[c1.len() as i32]), f32_array(&c2, &[c2.len() as i32]));
         let enc = tq_rvq_encode(&x, signs.as_ref(), &c1, &c2, bits, &on(&gpu)).unwrap();
-        let kind = if hadamard { RotationKind::Hadamard } else { RotationKind::None };
+        let kind = if hadamard { RotationInput::Hadamard } else { RotationInput::None };
         let rows = d % 32 == 0 && d <= 128;
         assert_eq!(rvq_decode_path(Dtype::F16, d, kind) == CudaDecodePath::Rows, rows, "path d={d}");
         for dtype in [Dtype::F32, Dtype::F16, Dtype::BF16] {

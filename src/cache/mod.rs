@@ -63,17 +63,8 @@ pub enum Method {
 pub const METHODS: [Method; 7] =
     [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq, Method::Qjl, Method::TurboQuantProd, Method::TurboQuantRvq];
 
-/// Bits per element of product quantization (8-bit codes of 8, 4, 2 channels).
-pub const PQ_BITS: [u32; 3] = [1, 2, 4];
 /// Bits of a product-quantization code (a codebook of 256 entries).
 pub const PQ_CODE_BITS: u32 = 8;
-/// Bits per element of QJL keys: sketch rows per channel (`m = bits * D`).
-pub const QJL_BITS: [u32; 4] = [1, 2, 3, 4];
-/// Bits per element of TurboQuant-Prod: `bits − 1` MSE bits (1 to 4) + 1 sign bit.
-pub const PROD_BITS: [u32; 4] = [2, 3, 4, 5];
-/// Bits per element of TurboQuant-RVQ: `bits − 1` first-stage bits (1 to 4)
-/// + 1 residual bit.
-pub const RVQ_BITS: [u32; 4] = [2, 3, 4, 5];
 
 impl Method {
     /// Parses `s` as the method an argument names (`key_method`,
@@ -89,10 +80,13 @@ impl Method {
             Method::Fp16 => return None,
             Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
             Method::Kivi => &crate::cpu::SUPPORTED_BITS,
-            Method::Pq => &PQ_BITS,
-            Method::Qjl => &QJL_BITS,
-            Method::TurboQuantProd => &PROD_BITS,
-            Method::TurboQuantRvq => &RVQ_BITS,
+            // 8-bit codes of 8, 4 or 2 channels.
+            Method::Pq => &[1, 2, 4],
+            // Sketch rows per channel (m = bits * D).
+            Method::Qjl => &[1, 2, 3, 4],
+            // bits - 1 MSE bits (1 to 4) + 1 sign bit; RVQ: bits - 1
+            // first-stage bits + 1 residual bit.
+            Method::TurboQuantProd | Method::TurboQuantRvq => &[2, 3, 4, 5],
         })
     }
 

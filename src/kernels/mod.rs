@@ -30,7 +30,7 @@ pub use quant::{
     scalar_dequantize, scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
 pub use source::Source;
-pub use tq_codec::{prod_decode_tensor_cores, prod_encode_tensor_core_parts, rvq_decode_path, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, CudaDecodePath, ProdCodes, RotationKind, RvqCodes, PROD_BITS};
+pub use tq_codec::{prod_decode_tensor_cores, prod_encode_tensor_core_parts, rvq_decode_path, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, CudaDecodePath, ProdCodes, RotationInput, RvqCodes, PROD_BITS};
 pub use turboquant::{encode_code_table, encode_tensor_core_parts, tq_encode};
 pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
 

@@ -164,17 +164,18 @@ pub enum CudaDecodePath {
 /// [`prod_decode_tensor_cores`]; Hadamard signs or no rotation in lane rows
 /// for `d` a multiple of 32 up to 128 (a lane holds 32 coordinates, a
 /// vector `d / 32` lanes); the tiles otherwise.
-pub fn rvq_decode_path(dtype: Dtype, d: usize, rotation: RotationKind) -> CudaDecodePath {
+pub fn rvq_decode_path(dtype: Dtype, d: usize, rotation: RotationInput) -> CudaDecodePath {
     match rotation {
-        RotationKind::Dense if prod_decode_tensor_cores(dtype, d) => CudaDecodePath::TensorCores,
-        RotationKind::Hadamard | RotationKind::None if d % 32 == 0 && d <= 128 => CudaDecodePath::Rows,
+        RotationInput::Dense if prod_decode_tensor_cores(dtype, d) => CudaDecodePath::TensorCores,
+        RotationInput::Hadamard | RotationInput::None if d % 32 == 0 && d <= 128 => CudaDecodePath::Rows,
         _ => CudaDecodePath::Tiles,
     }
 }
 
-/// The rotation a codec is given.
+/// The form of the rotation a codec kernel is given (not
+/// `quant::RotationKind`, which says how a quantizer draws its rotation).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum RotationKind {
+pub enum RotationInput {
     /// A float32 `[d, d]` matrix.
     Dense,
     /// The ±1 signs `[d]` of a Hadamard rotation.
@@ -183,12 +184,12 @@ pub enum RotationKind {
     None,
 }
 
-impl RotationKind {
+impl RotationInput {
     fn of(rotation: Option<&Array>, hadamard: bool) -> Self {
         match (rotation, hadamard) {
-            (None, _) => RotationKind::None,
-            (Some(_), true) => RotationKind::Hadamard,
-            (Some(_), false) => RotationKind::Dense,
+            (None, _) => RotationInput::None,
+            (Some(_), true) => RotationInput::Hadamard,
+            (Some(_), false) => RotationInput::Dense,
         }
     }
 }
@@ -729,7 +730,7 @@ pub fn tq_rvq_decode(
                 ("HADAMARD", TemplateArg::Bool(hadamard)),
             ];
             let inputs = [&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p];
-            let path = rvq_decode_path(dtype, d, RotationKind::of(rotation, hadamard));
+            let path = rvq_decode_path(dtype, d, RotationInput::of(rotation, hadamard));
             launch_decoder(imp, Source::TqRvqDecode, &inputs, &outputs, (n, d), template, path, s)?
         }
     };
@@ -754,7 +755,7 @@ mod tests {
     #[test]
     fn rvq_decode_paths() {
         use CudaDecodePath::*;
-        use RotationKind::{Dense, Hadamard};
+        use RotationInput::{Dense, Hadamard};
         assert_eq!(rvq_decode_path(Dtype::F16, 128, Dense), TensorCores);
         assert_eq!(rvq_decode_path(Dtype::BF16, 64, Dense), TensorCores);
         assert_eq!(rvq_decode_path(Dtype::F32, 128, Dense), Tiles);
@@ -763,8 +764,8 @@ mod tests {
             assert_eq!(rvq_decode_path(dtype, 128, Hadamard), Rows);
             assert_eq!(rvq_decode_path(dtype, 32, Hadamard), Rows);
             assert_eq!(rvq_decode_path(dtype, 256, Hadamard), Tiles);
-            assert_eq!(rvq_decode_path(dtype, 96, RotationKind::None), Rows);
-            assert_eq!(rvq_decode_path(dtype, 72, RotationKind::None), Tiles);
+            assert_eq!(rvq_decode_path(dtype, 96, RotationInput::None), Rows);
+            assert_eq!(rvq_decode_path(dtype, 72, RotationInput::None), Tiles);
             assert_eq!(rvq_decode_path(dtype, 16, Hadamard), Tiles);
         }
     }
