@@ -85,8 +85,9 @@ __shared__ float vc[1 << VB];
 // llama-8b 32K on the H200).
 constexpr bool KPAIR = KB == 4;
 __shared__ uint32_t kt[KPAIR ? 256 : 1 << KB];
-// The queries' A fragments, alike in every warp: read from here each step
-// rather than held (16 registers that the loop's occupancy wants back).
+// The queries' A fragments, alike in every warp, with their zero rows: one
+// 16-byte load a k-step instead of 16 registers held and two moves (with
+// tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
 __shared__ uint4 qa_s[MMA ? (D / 16) * 32 : 1];
 __shared__ uint32_t vt[1 << VB];
 __shared__ float sc[QN * TT];
