@@ -389,6 +389,10 @@ def test_attention_each_names_bad_arguments():
         LayerCache.attention_each(caches, mx.zeros((3, 8, 1, 64), dtype=mx.float16), 0.125)
     with pytest.raises(ValueError, match="queries"):
         LayerCache.attention_each(caches, mx.zeros((2, 8, 2, 64), dtype=mx.float16), 0.125)
+    with pytest.raises(ValueError, match="not a multiple of the cache's 2 KV heads"):
+        LayerCache.attention_each(caches, mx.zeros((2, 5, 1, 64), dtype=mx.float16), 0.125)
+    with pytest.raises(ValueError, match="queries"):
+        LayerCache.attention_each(caches, mx.zeros((2, 8, 1, 32), dtype=mx.float16), 0.125)
     with pytest.raises(ValueError, match="caches"):
         LayerCache.attention_each([], mx.zeros((0, 8, 1, 64), dtype=mx.float16), 0.125)
     with pytest.raises(TypeError):

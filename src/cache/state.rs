@@ -1014,10 +1014,9 @@ impl LayerCache {
         self.attention_with_mask(queries, scale, if causal { AttentionMask::Causal } else { AttentionMask::None })
     }
 
-    /// Attention of `queries` `[B, Hq, L, D]` over the cache under `mask`.
-    pub fn attention_with_mask(&self, queries: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
-        let causal = matches!(mask, AttentionMask::Causal);
-        let qs = queries.shape();
+    /// `queries`' shape `qs` is `[batch, heads, queries, head_dim]` with
+    /// heads a multiple of the cache's KV heads.
+    fn check_query_heads(&self, qs: &[i32]) -> Result<()> {
         if qs.len() != 4 || qs[3] as usize != self.cfg.head_dim {
             return Err(Error::invalid("queries", format!("shape {qs:?}, expected [batch, heads, queries, {}]", self.cfg.head_dim)));
         }
@@ -1025,6 +1024,14 @@ impl LayerCache {
         if hq % self.cfg.kv_heads != 0 {
             return Err(Error::invalid("queries", format!("{hq} heads are not a multiple of the cache's {} KV heads", self.cfg.kv_heads)));
         }
+        Ok(())
+    }
+
+    /// Attention of `queries` `[B, Hq, L, D]` over the cache under `mask`.
+    pub fn attention_with_mask(&self, queries: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
+        let causal = matches!(mask, AttentionMask::Causal);
+        let qs = queries.shape();
+        self.check_query_heads(&qs)?;
         let Some(store) = &self.store else {
             return Err(Error::invalid("queries", "the cache is empty: append keys and values first"));
         };
@@ -1101,6 +1108,8 @@ impl LayerCache {
                     && matches!(c.store, Some(Store::Compressed(_)))
             });
         if fused {
+            // The per-sequence path checks in `attention`; this one here.
+            first.check_query_heads(&qs)?;
             let layers = caches.iter().map(|c| c.tq_layer(qs[1] as usize, 1, false)).collect::<Result<Vec<_>>>()?;
             return turboquant::tq_attention_each(queries, &layers, scale, s);
         }
