@@ -7,6 +7,7 @@ import mlx.core as mx
 import numpy as np
 
 MLX_VERSION: str
+MAX_KIVI_KEY_GROUP: int  # the longest KIVI key group a cache takes (tokens)
 
 _Policy = Literal["auto", "require", "off"]
 _Device = Optional[Literal["cpu", "gpu"]]

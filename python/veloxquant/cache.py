@@ -27,6 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from . import distributed
+from ._native import MAX_KIVI_KEY_GROUP
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group")
 POLICIES = ("auto", "require", "off")
@@ -106,8 +107,10 @@ class KVConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"KVConfig.{name} must be an integer >= 0, got {v!r}")
         g = self.key_group
-        if isinstance(g, bool) or not isinstance(g, int) or not 8 <= g <= 1024 or g % 8:
-            raise ValueError(f"KVConfig.key_group must be a multiple of 8 from 8 to 1024 (tokens), got {g!r}")
+        if isinstance(g, bool) or not isinstance(g, int) or not 8 <= g <= MAX_KIVI_KEY_GROUP or g % 8:
+            raise ValueError(
+                f"KVConfig.key_group must be a multiple of 8 from 8 to {MAX_KIVI_KEY_GROUP} (tokens), got {g!r}"
+            )
         if self.policy not in POLICIES:
             raise ValueError(f"KVConfig.policy must be one of {POLICIES}, got {self.policy!r}")
         if not isinstance(self.layers, Mapping):

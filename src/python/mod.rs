@@ -573,6 +573,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         return Err(PyErr::take(m.py()).unwrap_or_else(|| PyImportError::new_err("nanobind bridge to mlx failed")));
     }
     m.add("MLX_VERSION", mlx_compiled_version())?;
+    m.add("MAX_KIVI_KEY_GROUP", crate::cache::MAX_KIVI_KEY_GROUP)?;
     m.add_function(wrap_pyfunction!(sphere_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;
