@@ -1,13 +1,15 @@
 // tq_decode: attention of QN query rows of one (batch, KV head) over one
 // split of the layer's tokens -> the split's max, sum and accumulator of the
-// softmax, in the rotated frame (tq_reduce finishes).
+// softmax, in the rotated frame; tq_reduce finishes, or with REDUCE the
+// last block of each tile (out [B, Hq, L, D], T).
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
-// CAUSAL, SCALE (the score scale's float32 bits), ROTATED.
+// CAUSAL, SCALE (the score scale's float32 bits), ROTATED, REDUCE.
 // Inputs, read through their shapes and strides (no parameter buffer, no
 // copies): q [B, Hq, L, D] as the model gives it, or with ROTATED already
-// rotated and scaled by tq_rotate (float32; rot is then not read); rot
-// [D, D] float32, the keys' rotation Π; the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
+// rotated and scaled by tq_rotate (float32); rot [D, D] float32, the keys'
+// and values' rotation Π (row-major); counters, with REDUCE, one uint32 a
+// tile, zero (and left zero); the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
 // v_norms [B, Hkv, CAP]; k_norms [B, Hkv, n_comp], a view whose length is the
 // compressed count; the codebooks; the rotated windows (sinks first) win_v
 // [B, Hkv, WCAP, D] and win_k [B, Hkv, n_win, D], a view whose length is the
@@ -578,4 +580,76 @@ for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
     m_out[row * num_splits + split] = m_s[r];
     l_out[row * num_splits + split] = l_s[r];
   }
+}
+if (!REDUCE) {
+  return;
+}
+// The last block of a tile to finish merges the tile's splits and rotates
+// them back (tq_reduce's work, one launch less a layer). counters holds one
+// word a tile, zero between calls: each block adds one after its partials
+// are visible, and the block that makes it num_splits resets it.
+__shared__ bool last_s;
+__threadfence();
+__syncthreads();
+if (tid == 0) {
+  uint32_t* const counter = const_cast<uint32_t*>(counters) + (uint64_t(b) * Hkv + hk) * tiles + tile;
+  last_s = atomicAdd(counter, 1u) + 1u == num_splits;
+  if (last_s) atomicExch(counter, 0u);
+}
+__syncthreads();
+if (!last_s) {
+  return;
+}
+__threadfence();
+// Per row: the splits' max M (warp r) and the softmax's sum, then
+// a_i = sum_s e^(m_s - M) acc_s,i / sum_s e^(m_s - M) l_s into a_s.
+float* const ma_s = mw_s;
+float* const den_s = lw_s;
+if (warp < uint32_t(QN)) {
+  const uint32_t rr = tile * QN + warp;
+  float M = ninf, den = 0.0f;
+  if (rr < head_rows) {
+    const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+    for (uint32_t t = lane; t < num_splits; t += 32) M = fmaxf(M, __ldcg(m_out + row * num_splits + t));
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+    if (M != ninf) {
+      for (uint32_t t = lane; t < num_splits; t += 32) {
+        den += __expf(__ldcg(m_out + row * num_splits + t) - M) * __ldcg(l_out + row * num_splits + t);
+      }
+    }
+#pragma unroll
+    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(FULL, den, o);
+  }
+  if (lane == 0) {
+    ma_s[warp] = M;
+    den_s[warp] = den;
+  }
+}
+__syncthreads();
+for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
+  const uint32_t r = e / D, i = e % D;
+  const uint32_t rr = tile * QN + r;
+  const float M = ma_s[r], den = den_s[r];
+  float a = 0.0f;
+  if (rr < head_rows && M != ninf && den > 0.0f) {
+    const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+    for (uint32_t t = 0; t < num_splits; ++t) {
+      a += __expf(__ldcg(m_out + row * num_splits + t) - M) * __ldcg(acc_out + (row * num_splits + t) * D + i);
+    }
+    a /= den;
+  }
+  a_s[r * D + i] = a;
+}
+__syncthreads();
+// out_i = sum_j a_j rot[j][i]: the values' frame back to the model's.
+for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
+  const uint32_t r = e / D, i = e % D;
+  const uint32_t rr = tile * QN + r;
+  if (rr >= head_rows) continue;
+  float y = 0.0f;
+#pragma unroll 8
+  for (int j = 0; j < D; ++j) y += a_s[r * D + j] * rot[j * D + i];
+  const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+  out[row * D + i] = static_cast<T>(y);
 }

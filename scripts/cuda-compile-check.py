@@ -2,10 +2,11 @@
 """Compiles the quantizer and TurboQuant codec CUDA kernel bodies with NVRTC, without a GPU.
 
 Each body is wrapped the way MLX's `cuda_kernel` wraps it (docs: the kernel
-contract): MLX's device utilities (a stand-in header here), the kernel's
-header, then `__global__ void NAME(inputs..., outputs...)` in
-`mlx::core::cu` with the template arguments as the first body lines. Every
-listed instantiation must compile to sm_90 machine code (the H200), so
+contract), its comments dropped as the crate drops them: MLX's device
+utilities (a stand-in header here), the kernel's header, then
+`__global__ void NAME(inputs..., outputs...)` in `mlx::core::cu` with the
+template arguments as the first body lines. Every listed instantiation
+must compile to sm_90 machine code (the H200), so
 that ptxas limits such as static shared memory are checked too. `--verbose`
 prints ptxas's registers, spills and shared memory per instantiation;
 `--cubin OUT` writes each instantiation's machine code to OUT, to be read
@@ -96,16 +97,19 @@ KERNELS = {
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [True]}]),
     "tq_decode": ("tq_decode.cu", TQ_MMA,
                   [("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
-                   ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T")],
-                  [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
+                   ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T"),
+                   ("counters", "uint32_t")],
+                  [("m_out", "float"), ("l_out", "float"), ("acc_out", "float"), ("out", "T")],
                   [{"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
-                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392], "ROTATED": [False, True]},
+                    "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392], "ROTATED": [False, True],
+                    "REDUCE": [False, True]},
                    # the default recipe (K4/V3) at Llama's head sizes and GQA groups
                    {"T": ["__half"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4, 3, 2], "TPT": [16, 8],
-                    "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392], "ROTATED": [True, False]},
+                    "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392], "ROTATED": [True, False],
+                    "REDUCE": [True, False]},
                    # other head sizes and bits: unaligned code words, single-entry tables, the scalar path
                    {"T": ["__half"], "D": [96, 80, 72], "KB": [8, 3, 1], "VB": [8, 5, 1], "QN": [4], "TPT": [16],
-                    "N_SINK": [4], "CAUSAL": [True], "SCALE": [1040187392], "ROTATED": [False]}]),
+                    "N_SINK": [4], "CAUSAL": [True], "SCALE": [1040187392], "ROTATED": [False], "REDUCE": [False]}]),
     "tq_rotate": ("tq_rotate.cu", [], [("q", "T"), ("rot", "float")], [("out", "float")],
                   {"T": ELEMENT, "D": [128, 64, 256, 96], "QR": [4, 1], "SCALE": [1040187392]}),
     "tq_reduce": ("tq_reduce.cu", [], [("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
@@ -207,10 +211,17 @@ def template_lines(args):
     return "\n".join(out)
 
 
+def compact(text):
+    """The text without comments, indentation and blank lines, as the crate
+    hands its sources to MLX (kernels::compact_source)."""
+    lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
+    return "".join(line + "\n" for line in lines if line)
+
+
 def source(name, spec, args):
     file, headers, inputs, outputs, _ = spec
     t = args.get("T", "float")
-    body = (ROOT / "cuda" / file).read_text()
+    body = compact((ROOT / "cuda" / file).read_text())
     params = []
     for n, ty in inputs:
         params.append(f"    const {t if ty == 'T' else ty}* {n}")
@@ -221,7 +232,7 @@ def source(name, spec, args):
     params += [f"    {t if ty == 'T' else ty}* {n}" for n, ty in outputs]
     if callable(headers):
         headers = headers(args)
-    header = "".join((ROOT / "cuda" / h).read_text() for h in headers)
+    header = compact("".join((ROOT / "cuda" / h).read_text() for h in headers))
     return (
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         + header

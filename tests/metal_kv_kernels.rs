@@ -21,8 +21,7 @@ use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
 use veloxquant::kernels::turboquant::reduce_threads;
 
 fn read(rel: &str) -> String {
-    let path = metal_emulator::repo_root().join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    metal_emulator::kernel_source(rel)
 }
 
 // Names as `Source::{name, input_names, output_names, metal_header}` give them to MLX.

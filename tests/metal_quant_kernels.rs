@@ -15,7 +15,7 @@ use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::{self, Float};
 
 fn body(name: &str) -> String {
-    std::fs::read_to_string(metal_emulator::repo_root().join("metal").join(format!("{name}.metal"))).unwrap()
+    metal_emulator::kernel_source(&format!("metal/{name}.metal"))
 }
 
 fn kernel(name: &str, inputs: &[&str], outputs: &[&str]) -> MetalKernel {

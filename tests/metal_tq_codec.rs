@@ -21,8 +21,7 @@ use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
 
 fn read(rel: &str) -> String {
-    let path = metal_emulator::repo_root().join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    metal_emulator::kernel_source(rel)
 }
 
 /// The header `Source::metal_header` gives these kernels.

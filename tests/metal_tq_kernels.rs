@@ -24,8 +24,7 @@ use veloxquant::kernels::turboquant::reduce_threads;
 use veloxquant::quant::ScalarCodebook;
 
 fn read(rel: &str) -> String {
-    let path = metal_emulator::repo_root().join(rel);
-    std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+    metal_emulator::kernel_source(rel)
 }
 
 // Names as `Source::{name, input_names, output_names}` give them to MLX.
@@ -395,7 +394,7 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     (out[0].to_vec(), num_splits)
 }
 
-/// `kernels::turboquant::decode_partials`: the query as given, the stores,
+/// `kernels::turboquant::decode`: the query as given, the stores,
 /// leading-slice views of the key norms and the key window for the lengths,
 /// no parameter buffer.
 fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32, q_transposed: bool) -> Vec<HostArray> {

@@ -15,12 +15,11 @@ use veloxquant::cpu::window::{window_append, WindowShape};
 use veloxquant::cpu::{Float, VqElement};
 
 fn kernel() -> MetalKernel {
-    let path = metal_emulator::repo_root().join("metal/window_append.metal");
     MetalKernel::new(
         "veloxquant_window_append",
         &["keys", "values", "key_frame", "value_frame", "key_offset", "win_k", "win_v", "filled"],
         &["out_k", "out_v"],
-        &std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display())),
+        &metal_emulator::kernel_source("metal/window_append.metal"),
     )
 }
 

@@ -50,11 +50,14 @@ def test_counts_memory_trim_and_state():
     # slot of a store sized by need (264 compressed tokens, rounded up to 64
     # slots), and the float16 windows (4 sinks + 2 x 32 recent slots) of keys
     # and values, and the keys' float32 channel means and their float16
-    # offsets in the rotated frame.
+    # offsets in the rotated frame; and the decode kernel's 16 uint32
+    # counters per KV head (scratch, not data).
     heads, slots, window_slots = 2, 320, 4 + 2 * 32
     assert cache.nbytes == (
         heads * slots * (32 + 16 + 2 + 2) + 2 * heads * window_slots * 64 * 2 + heads * 64 * 4 + heads * 64 * 2
+        + heads * 16 * 4
     )
+    assert cache.data_nbytes < cache.nbytes
     data = cache.to_bytes()
     back = LayerCache.from_bytes(data)
     assert back.to_bytes() == data and back.offset == 300

@@ -489,6 +489,9 @@ struct Compressed {
     len: usize,
     n_sink: usize,
     n_recent: usize,
+    /// Scratch of the decode kernel (`turboquant::decode_counters`): not
+    /// data, zero between calls.
+    decode_counters: Array,
 }
 
 impl Compressed {
@@ -655,6 +658,7 @@ impl LayerCache {
                 .chain(c.values.arrays())
                 .chain(c.k_mean.as_ref())
                 .chain(c.k_offset.as_ref())
+                .chain([&c.decode_counters])
                 .collect(),
         }
     }
@@ -669,6 +673,7 @@ impl LayerCache {
                     + c.values.nbytes()
                     + c.k_mean.as_ref().map_or(0, Array::nbytes)
                     + c.k_offset.as_ref().map_or(0, Array::nbytes)
+                    + c.decode_counters.nbytes()
             }
         }
     }
@@ -823,6 +828,7 @@ impl LayerCache {
             len: 0,
             n_sink: 0,
             n_recent: 0,
+            decode_counters: kernels::turboquant::decode_counters(batch, self.cfg.kv_heads)?,
         }));
         Ok(())
     }
@@ -1257,6 +1263,7 @@ impl LayerCache {
             v_centroids: table(&sh.v_table),
             win_k: &c.keys.window,
             win_v: &c.values.window,
+            counters: &c.decode_counters,
         })
     }
 

@@ -86,6 +86,24 @@ fn strings(names: &[&str]) -> Result<ffi::mlx_vector_string> {
     Ok(v)
 }
 
+/// `text` without its comments, indentation and blank lines. MLX assembles
+/// a kernel's whole source and names it by a hash of it at every launch,
+/// which on the H200 cost about 0.25 µs of host time per KB of source
+/// (a 93 KB kernel 31.6 µs a launch against 9.2 for a small one); the
+/// sources are written with a `//` comment on lines of their own or after
+/// code, never inside a string.
+pub fn compact_source(text: &str) -> String {
+    let mut out = String::with_capacity(text.len());
+    for line in text.lines() {
+        let code = line.find("//").map_or(line, |i| &line[..i]).trim();
+        if !code.is_empty() {
+            out.push_str(code);
+            out.push('\n');
+        }
+    }
+    out
+}
+
 fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateArg)]) -> Result<Handle> {
     let name = CString::new(source.name()).expect("static name");
     let body = match backend {
@@ -93,15 +111,17 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
         Backend::Cuda => source.cuda(),
         Backend::Cpu => return Err(Error::Unsupported("no GPU kernel on the CPU back-end".into())),
     };
-    let body = CString::new(body).map_err(|_| Error::invalid("source", "contains NUL"))?;
+    let body = CString::new(compact_source(body)).map_err(|_| Error::invalid("source", "contains NUL"))?;
     let header = if backend == Backend::Metal { source.metal_header() } else { source.cuda_header_for(template) };
-    let header = CString::new(header).map_err(|_| Error::invalid("header", "contains NUL"))?;
+    let header = CString::new(compact_source(header)).map_err(|_| Error::invalid("header", "contains NUL"))?;
     let mut input_names = source.input_names().to_vec();
+    let mut output_names = source.output_names().to_vec();
     if backend == Backend::Cuda {
         input_names.extend_from_slice(source.cuda_extra_input_names());
+        output_names.extend_from_slice(source.cuda_extra_output_names());
     }
     let inputs = strings(&input_names)?;
-    let outputs = strings(source.output_names())?;
+    let outputs = strings(&output_names)?;
     // SAFETY: all pointers are valid for the call; MLX copies the strings.
     let handle = unsafe {
         match backend {
@@ -206,4 +226,15 @@ pub(crate) fn launch(launch: &Launch<'_>, stream: &Stream) -> Result<Vec<Array>>
         ),
     }?;
     super::take_vector(outs)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn compact_sources_keep_code_and_lines_and_drop_comments() {
+        let text = "// a kernel\n#define W 4 \\\n  + 1\n\n  float x = 1.0f;  // why\n    // more\nasm(\"a;\\n\" ::: \"memory\");\n";
+        assert_eq!(compact_source(text), "#define W 4 \\\n+ 1\nfloat x = 1.0f;\nasm(\"a;\\n\" ::: \"memory\");\n");
+    }
 }

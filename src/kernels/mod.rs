@@ -24,7 +24,7 @@ use std::str::FromStr;
 use std::sync::OnceLock;
 
 pub use bitpack::{bit_pack, bit_unpack};
-pub use gpu::{cached_kernel_count, TemplateArg};
+pub use gpu::{cached_kernel_count, compact_source, TemplateArg};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,
     scalar_dequantize, scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,

@@ -117,10 +117,21 @@ impl Source {
     }
 
     /// Inputs the CUDA body takes after [`Source::input_names`]: the
-    /// attention kernels' second size carrier (`kernels::split_sizes`).
+    /// attention kernels' second size carrier (`kernels::split_sizes`),
+    /// `tq_decode`'s counters of finished splits (its `REDUCE`).
     pub fn cuda_extra_input_names(self) -> &'static [&'static str] {
         match self {
             Source::TqAttention | Source::KvAttention => &["params_hi"],
+            Source::TqDecode => &["counters"],
+            _ => &[],
+        }
+    }
+
+    /// Outputs of the CUDA body only: `tq_decode`'s splits merged in the
+    /// kernel (its `REDUCE`).
+    pub fn cuda_extra_output_names(self) -> &'static [&'static str] {
+        match self {
+            Source::TqDecode => &["out"],
             _ => &[],
         }
     }

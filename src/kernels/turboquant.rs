@@ -272,6 +272,22 @@ pub struct TqLayer<'a> {
     pub v_centroids: &'a Array,
     pub win_k: &'a Array,
     pub win_v: &'a Array,
+    /// `DECODE_COUNTERS` uint32 zeros per (batch, KV head), which CUDA's
+    /// decode mutates and leaves zero ([`decode_counters`]); the layer's
+    /// own, since two decodes sharing them must not overlap.
+    pub counters: &'a Array,
+}
+
+/// Tiles of query rows per (batch, KV head) that a layer's decode counters
+/// serve: GQA groups of up to `DECODE_COUNTERS * DECODE_TILE_ROWS` query heads
+/// a KV head merge their splits in the decode kernel itself.
+pub const DECODE_COUNTERS: usize = 16;
+
+/// The zeroed counters a layer of `batch` x `kv_heads` hands the decode
+/// (`TqLayer::counters`).
+pub fn decode_counters(batch: usize, kv_heads: usize) -> Result<Array> {
+    let n = batch * kv_heads * DECODE_COUNTERS;
+    Array::from_slice(&vec![0u32; n], &[n as i32])
 }
 
 /// Rows per threadgroup tile: the query heads of one KV head times as many
@@ -534,12 +550,11 @@ fn chunked_split_plan(sh: &AttentionShape, units: usize, target: usize) -> (usiz
 }
 
 fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usize, usize)>, s: &Stream) -> Result<Array> {
-    let parts = if layer.shape.queries == 1 {
-        decode_partials(q, layer, scale, s)?
-    } else {
-        let (per_tile, rows) = tiles.expect("several queries run only where tiles fit");
-        tile_partials(q, layer, scale, per_tile, rows, s)?
-    };
+    if layer.shape.queries == 1 {
+        return decode(q, layer, scale, s);
+    }
+    let (per_tile, rows) = tiles.expect("several queries run only where tiles fit");
+    let parts = tile_partials(q, layer, scale, per_tile, rows, s)?;
     reduce_partials(&parts, Some(layer.rot_v), q, s)
 }
 
@@ -586,16 +601,20 @@ pub(crate) fn reduce_partials(parts: &[Array], rot_v: Option<&Array>, q: &Array,
     .remove(0))
 }
 
-/// One decode query per head: `tq_decode` reads the query as given (it
-/// rotates and scales it itself) and the stores through their strides; two
-/// views carry the lengths (the compressed norms, the keys' window), so that
-/// a call creates no host array and copies nothing.
-fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Vec<Array>> {
+/// One decode query per head: `tq_decode` reads the query as given (or as
+/// `tq_rotate` rotated and scaled it) and the stores through their strides;
+/// two views carry the lengths (the compressed norms, the keys' window), so
+/// that a call creates no host array and copies nothing. CUDA's tensor-core
+/// path merges the splits in its last block of each tile (`REDUCE`); other
+/// paths hand the partials to `tq_reduce`.
+fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Array> {
     let sh = layer.shape;
     let head_rows = sh.q_heads / sh.kv_heads * sh.queries;
     let qn = head_rows.min(DECODE_TILE_ROWS);
-    let units = sh.batch * sh.kv_heads * head_rows.div_ceil(qn);
-    let chunked = s.backend()? == crate::stream::Backend::Cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
+    let tiles = head_rows.div_ceil(qn);
+    let units = sh.batch * sh.kv_heads * tiles;
+    let cuda = s.backend()? == crate::stream::Backend::Cuda;
+    let chunked = cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
     let (_, _, num_splits) = if chunked {
         chunked_split_plan(&sh, units, super::decode_blocks()?)
     } else {
@@ -609,9 +628,13 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
         ops::slice(a, &vec![0; stop.len()], &stop, s)
     };
     let rows = (sh.batch * sh.q_heads * sh.queries) as i32;
-    // CUDA's chunked blocks take the queries rotated and scaled by one
-    // tq_rotate per call; elsewhere each block rotates its own.
-    let rotated = chunked && sh.dim % 32 == 0;
+    // CUDA's chunked blocks of a batch take the queries rotated and scaled
+    // by one tq_rotate per call; elsewhere each block rotates its own. One
+    // sequence's decode is bound by the host, where the launch costs more
+    // than the blocks' rotations (a fifth of tq_decode's GPU time).
+    let rotated = chunked && sh.dim % 32 == 0 && rotate_apart(sh.batch);
+    // The values share the keys' rotation (the kernel rotates back with it).
+    let reduce = chunked && tiles <= DECODE_COUNTERS && std::ptr::eq(layer.rot_k, layer.rot_v);
     let q_rot;
     let q_in = if rotated {
         q_rot = rotate_queries(q, layer.rot_k, scale, s)?;
@@ -624,29 +647,51 @@ fn decode_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Re
     let threads = i32::try_from(blocks * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let sp = num_splits as i32;
     debug_assert_eq!(layer.win_k.shape()[..2], [b, h]);
-    gpu::launch(
+    let (k_norms, win_k) = (used(layer.k_norms, nc)?, used(layer.win_k, nw)?);
+    let mut inputs = vec![q_in, layer.rot_k, layer.k_codes, &k_norms, layer.k_centroids, layer.v_codes,
+                          layer.v_norms, layer.v_centroids, &win_k, layer.win_v];
+    let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)];
+    let mut template = vec![
+        ("T", TemplateArg::Dtype(q.dtype())),
+        ("D", TemplateArg::Int(d)),
+        ("KB", TemplateArg::Int(sh.key_bits as i32)),
+        ("VB", TemplateArg::Int(sh.value_bits as i32)),
+        ("QN", TemplateArg::Int(qn as i32)),
+        ("TPT", TemplateArg::Int(decode_lanes(sh.dim) as i32)),
+        ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
+        ("CAUSAL", TemplateArg::Bool(sh.causal)),
+        ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
+        ("ROTATED", TemplateArg::Bool(rotated)),
+    ];
+    if cuda {
+        // CUDA's signature has the counters and the merged output; without
+        // REDUCE the kernel leaves both alone.
+        inputs.push(layer.counters);
+        outputs.push((q.shape(), q.dtype()));
+        template.push(("REDUCE", TemplateArg::Bool(reduce)));
+    }
+    let mut parts = gpu::launch(
         &Launch {
             source: Source::TqDecode,
-            inputs: &[q_in, layer.rot_k, layer.k_codes, &used(layer.k_norms, nc)?, layer.k_centroids, layer.v_codes,
-                      layer.v_norms, layer.v_centroids, &used(layer.win_k, nw)?, layer.win_v],
-            outputs: &[(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)],
+            inputs: &inputs,
+            outputs: &outputs,
             grid: (threads, 1, 1),
             threadgroup: (per_block as i32, 1, 1),
-            template: &[
-                ("T", TemplateArg::Dtype(q.dtype())),
-                ("D", TemplateArg::Int(d)),
-                ("KB", TemplateArg::Int(sh.key_bits as i32)),
-                ("VB", TemplateArg::Int(sh.value_bits as i32)),
-                ("QN", TemplateArg::Int(qn as i32)),
-                ("TPT", TemplateArg::Int(decode_lanes(sh.dim) as i32)),
-                ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
-                ("CAUSAL", TemplateArg::Bool(sh.causal)),
-                ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
-                ("ROTATED", TemplateArg::Bool(rotated)),
-            ],
+            template: &template,
         },
         s,
-    )
+    )?;
+    if reduce {
+        return Ok(parts.remove(3));
+    }
+    parts.truncate(3);
+    reduce_partials(&parts, Some(layer.rot_v), q, s)
+}
+
+/// Whether a decode of `batch` sequences rotates its queries in a launch of
+/// its own (`tq_rotate`) rather than in every `tq_decode` block.
+fn rotate_apart(batch: usize) -> bool {
+    batch > 1
 }
 
 /// Query rows a `tq_rotate` block serves.

@@ -333,3 +333,11 @@ pub fn repo_root() -> PathBuf {
     let this = Path::new(env!("CARGO_MANIFEST_DIR")).join(file!());
     this.ancestors().nth(3).expect("tests/metal_emulator/mod.rs has a repository root").to_path_buf()
 }
+
+/// The text of a kernel file `rel` (from the repository root) as the crate
+/// hands it to MLX: without comments (`kernels::compact_source`).
+pub fn kernel_source(rel: &str) -> String {
+    let path = repo_root().join(rel);
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+    veloxquant::kernels::compact_source(&text)
+}
