@@ -649,6 +649,18 @@ __device__ __forceinline__ uint32_t tq_pair_across(const uint32_t* table, const 
   return __byte_perm(table[tq_word_code<B, NW>(lo, j)], table[tq_word_code<B, NW>(hi, j)], 0x5410);
 }
 
+// The max and the sum of x over a warp's 32 lanes, in every lane.
+__device__ __forceinline__ float tq_warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float tq_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
 // e^x of x <= 0 by the SFU's 2^x, subnormal results flushed to zero (a
 // weight below 2^-126 of the row's largest is nothing to a float32 sum;
 // __expf would spend six instructions keeping them).

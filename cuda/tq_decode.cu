@@ -497,16 +497,14 @@ if (MMA && compressed) {
     float* row = sc + warp * TT;
     float mx = ninf;
     for (uint32_t i = lane; i < tn; i += 32) mx = fmaxf(mx, row[i]);
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, o));
+    mx = tq_warp_max(mx);
     float sum = 0.0f;
     for (uint32_t i = lane; i < tn; i += 32) {
       const float p = mx == ninf ? 0.0f : __expf(row[i] - mx);
       row[i] = p;
       sum += p;
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) sum += __shfl_xor_sync(FULL, sum, o);
+    sum = tq_warp_sum(sum);
     if (lane == 0) {
       m_s[warp] = mx;
       l_s[warp] = sum;
@@ -611,15 +609,13 @@ if (warp < uint32_t(QN)) {
   if (rr < head_rows) {
     const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
     for (uint32_t t = lane; t < num_splits; t += 32) M = fmaxf(M, __ldcg(m_out + row * num_splits + t));
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) M = fmaxf(M, __shfl_xor_sync(FULL, M, o));
+    M = tq_warp_max(M);
     if (M != ninf) {
       for (uint32_t t = lane; t < num_splits; t += 32) {
         den += __expf(__ldcg(m_out + row * num_splits + t) - M) * __ldcg(l_out + row * num_splits + t);
       }
     }
-#pragma unroll
-    for (int o = 16; o > 0; o >>= 1) den += __shfl_xor_sync(FULL, den, o);
+    den = tq_warp_sum(den);
   }
   if (lane == 0) {
     ma_s[warp] = M;

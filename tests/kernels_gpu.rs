@@ -1,6 +1,6 @@
 //! The kernels on the GPU stream (CUDA on the NVIDIA machine, Metal on a Mac)
 //! against the CPU kernels. Ignored where MLX has no GPU back-end; run them on
-//! the GPU machine with `--ignored` (scripts/device-run.sh; results are kept
+//! the GPU machine with `--ignored` (`CHECKS=tests bash scripts/gpu/device-checks.sh`; results are kept
 //! in docs/results/).
 
 use half::{bf16, f16};

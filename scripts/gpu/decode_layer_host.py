@@ -3,7 +3,7 @@ attention as a model calls them (``update_and_fetch``, then mlx_lm's
 ``scaled_dot_product_attention`` through veloxquant's dispatch), float16
 against the compressed cache, and the compressed cache's parts alone.
 
-    python3 scripts/decode_layer_host.py --heads 32,8 --head-dim 64 --context 1024 --layers 16
+    python3 scripts/gpu/decode_layer_host.py --heads 32,8 --head-dim 64 --context 1024 --layers 16
 
 ``--layers`` independent layer caches are stepped as one model step (one
 evaluation each step), at a short context so that the GPU's part is small.

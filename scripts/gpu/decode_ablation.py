@@ -1,6 +1,6 @@
 """Where a decode step's time goes: host (graph build and launch) or GPU.
 
-    python3 scripts/decode_ablation.py --shape llama-1b --context 32768 [--steps 64]
+    python3 scripts/gpu/decode_ablation.py --shape llama-1b --context 32768 [--steps 64]
 
 For one prefilled random-weight model, times greedy decode steps of fp16 and
 the compressed cache, and variants of the compressed cache with a part of

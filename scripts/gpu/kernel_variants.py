@@ -5,7 +5,7 @@ arguments, grids or stores, and kernels that only move bytes (the ceiling a
 body can reach in this harness). Each variant's output is checked equal to
 the library's before it is timed.
 
-    PYTHONPATH=<mlx cuda + veloxquant> python3 scripts/kernel_variants.py [--n N] [--rounds R] [--only TEXT]
+    PYTHONPATH=<mlx cuda + veloxquant> python3 scripts/gpu/kernel_variants.py [--n N] [--rounds R] [--only TEXT]
 
 Every variant is timed once per round, in turn, so that the GPU's drift falls
 on all alike; a round's figure is the median of 5 samples of 20 back-to-back
@@ -27,7 +27,7 @@ import numpy as np
 
 import veloxquant.kernels as K
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 COMMON = (ROOT / "cuda" / "quant_common.cuh").read_text()
 HBM = 4.8e12
 D = 128

@@ -1,7 +1,7 @@
 """Summarises Nsight Compute's CSV of `gpu__time_duration.sum` (one row per
 kernel launch): total GPU time, launches, and the kernels that take most.
 
-    python3 scripts/kernel_times.py profile.csv [--top 12]
+    python3 scripts/gpu/kernel_times.py profile.csv [--top 12]
 """
 
 from __future__ import annotations

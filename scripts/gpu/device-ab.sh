@@ -10,7 +10,7 @@
 #   ROUNDS  runs of each build (default 3); pass --fused-only to skip the references
 #
 # The benches are the arguments before the first one that starts with "--".
-# Build each on its branch with scripts/build-cuda.sh and copy its
+# Build each on its branch with scripts/gpu/build-cuda.sh and copy its
 # .device/build/quant_kernels_bench aside before building the next; carry
 # them all.
 set -uo pipefail

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the NVIDIA GPU machine, after .device/b/install.sh put MLX's CUDA
-# build into /root/site (see scripts/build-cuda.sh): the quantizer benchmark,
+# build into /root/site (see scripts/gpu/build-cuda.sh): the quantizer benchmark,
 # Nsight Compute profiles, the GPU kernel tests, the Python GPU checks and the
 # other benchmarks. Output goes to $OUT.
 #

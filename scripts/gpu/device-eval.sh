@@ -2,7 +2,7 @@
 # `veloxquant eval` on the NVIDIA GPU machine: SmolLM2-135M at 2K context
 # (default windows, and a 32-token window) and at 8K (the model's limit).
 # Needs MLX's CUDA build and the veloxquant wheel in /root/site (installed by
-# scripts/device-checks.sh), mlx_lm's package under .device/pylib (the GPU
+# scripts/gpu/device-checks.sh), mlx_lm's package under .device/pylib (the GPU
 # machine has its dependencies but not mlx_lm itself) and the SmolLM2 GGUF
 # at $VELOXQUANT_GGUF. Output: $OUT/eval-h200-*/. RUNS picks a subset of
 # 2k, 2k-window32 and 8k (default: all).

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the NVIDIA GPU machine, after .device/b/install.sh put MLX's CUDA
-# build into /root/site (see scripts/build-cuda.sh, ONLY=wheel is enough):
+# build into /root/site (see scripts/gpu/build-cuda.sh, ONLY=wheel is enough):
 # installs the veloxquant wheel from .device/build with this checkout's Python
 # files over it, then the end-to-end benchmark and, with PROFILE set, the GPU
 # time of each kernel in decode steps (Nsight Compute). mlx_lm comes from
@@ -8,7 +8,7 @@
 # but not mlx_lm). Output goes to $OUT.
 #
 #   BENCH    arguments of `veloxquant bench` (default: the H200 record's)
-#   PROFILE  entries SHAPE:CONTEXT:CACHE[:CHUNK] for scripts/profile_decode.py
+#   PROFILE  entries SHAPE:CONTEXT:CACHE[:CHUNK] for scripts/gpu/profile_decode.py
 #            under ncu (with CHUNK: one prefill chunk of CHUNK tokens)
 #   NCU      entries SHAPE:CONTEXT:CACHE:KERNEL: Nsight Compute's sections and
 #            stall reasons for the first launch of KERNEL (a regex) in those
@@ -30,9 +30,9 @@ for spec in ${PROFILE:-}; do
   IFS=: read -r shape context cache chunk <<<"$spec"
   file="$OUT/profile_${shape}_${context}_${cache}${chunk:+_chunk$chunk}.csv"
   "$ncu_bin" --profile-from-start off --clock-control none --cache-control "${NCU_CACHE:-none}" --metrics gpu__time_duration.sum --csv \
-    python3 scripts/profile_decode.py --shape "$shape" --context "$context" --cache "$cache" --steps 2 \
+    python3 scripts/gpu/profile_decode.py --shape "$shape" --context "$context" --cache "$cache" --steps 2 \
     --chunk "${chunk:-0}" >"$file" 2>&1 || status=1
-  python3 scripts/kernel_times.py "$file" | tee -a "$OUT/profile_summary.txt"
+  python3 scripts/gpu/kernel_times.py "$file" | tee -a "$OUT/profile_summary.txt"
 done
 for spec in ${NCU:-}; do
   IFS=: read -r shape context cache kernel <<<"$spec"
@@ -40,7 +40,7 @@ for spec in ${NCU:-}; do
   "$ncu_bin" --profile-from-start off --clock-control none -k "regex:$kernel" -c 1 --section SpeedOfLight \
     --section Occupancy --section LaunchStats --section WarpStateStats --section SchedulerStats \
     --section MemoryWorkloadAnalysis --metrics "regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio" \
-    python3 scripts/profile_decode.py --shape "$shape" --context "$context" --cache "$cache" --steps 1 >"$file" 2>&1 || status=1
+    python3 scripts/gpu/profile_decode.py --shape "$shape" --context "$context" --cache "$cache" --steps 1 >"$file" 2>&1 || status=1
   grep -E "Duration|Registers Per|Achieved Occupancy|Theoretical Occupancy|Block Limit|Waves Per SM|Issue Slots Busy|Memory Throughput|stalled_(long|short|wait|math|barrier|lg|mio|no_inst|not_sel|selected|branch|dispatch|drain|imc|membar|sleep|tex)" "$file" | head -40
 done
 [ -n "${SKIP_BENCH:-}" ] && exit $status

@@ -12,7 +12,7 @@
 #
 # Default command: python3 -m veloxquant.bench_attention --device gpu
 # --iters 20 --contexts 32768 131072. Build each wheel with
-# `ONLY=wheel bash scripts/build-cuda.sh` on its branch, copy it aside
+# `ONLY=wheel bash scripts/gpu/build-cuda.sh` on its branch, copy it aside
 # (say .device/ab/a.whl, .device/ab/b.whl) and carry .device/ab.
 set -uo pipefail
 wheels=()

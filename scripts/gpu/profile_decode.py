@@ -3,7 +3,7 @@ random-weight Llama model, for Nsight Compute on the NVIDIA machine.
 
     ncu --profile-from-start off --clock-control none \\
         --metrics gpu__time_duration.sum --csv \\
-        python3 scripts/profile_decode.py --shape llama-1b --context 32768 --cache veloxquant
+        python3 scripts/gpu/profile_decode.py --shape llama-1b --context 32768 --cache veloxquant
 
 Prefills `--context` tokens, decodes a few warm-up tokens, then brackets
 `--steps` decode steps (with `--chunk N`: one more prefill chunk of N

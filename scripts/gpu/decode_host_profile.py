@@ -5,7 +5,7 @@ evaluated, profiled after ten warm-up steps. Prints the calls by own time;
 `LayerCache.attention` and `LayerCache.append` are the compressed cache's
 graph building per layer (divide by layers x steps).
 
-    python3 scripts/decode_host_profile.py --shape llama-1b --context 8192 --steps 64
+    python3 scripts/gpu/decode_host_profile.py --shape llama-1b --context 8192 --steps 64
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ prints ptxas's registers, spills and shared memory per instantiation;
 `--cubin OUT` writes each instantiation's machine code to OUT, to be read
 with `nvdisasm -c` (PyPI's nvidia-cuda-nvdisasm).
 
-    python3 scripts/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [--cubin OUT] [kernel ...]
+    python3 scripts/gpu/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [--cubin OUT] [kernel ...]
 
 DIR holds NVRTC and the CUDA headers as NVIDIA's wheels lay them out
 (`include/`, `lib/libnvrtc.so.13`); default .device/nvrtc/cu13. `--fetch`
@@ -30,7 +30,7 @@ import sys
 import tempfile
 import zipfile
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 UTILS_STAND_IN = """
 #include <cuda_fp16.h>

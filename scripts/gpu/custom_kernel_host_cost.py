@@ -5,7 +5,7 @@ crate dropped their comments) and that kernel with ten inputs. Each op is
 chained 64 times; `build` is graph building and `eval` the evaluation
 (launches and the tiny kernels' run), per op, median of ten rounds.
 
-    python3 scripts/custom_kernel_host_cost.py
+    python3 scripts/gpu/custom_kernel_host_cost.py
 """
 
 import statistics
