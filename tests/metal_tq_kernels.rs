@@ -70,7 +70,7 @@ fn reduce_kernel() -> MetalKernel {
     )
 }
 
-/// Row-major `Π` as `src/cache/state.rs` builds it: Hadamard where the size
+/// Row-major `Π` as `src/cache/layer/tables.rs` builds it: Hadamard where the size
 /// allows, else dense; column j is `forward(e_j)`.
 fn rotation_matrix(dim: usize, seed: u64) -> Vec<f32> {
     veloxquant::cache::rotation_matrix(dim, seed).unwrap()

@@ -8,12 +8,12 @@
 //! No float16 copy of a compressed token is kept. `fp16` for both keys and
 //! values is the uncompressed control: dense buffers and MLX's fused attention.
 
-mod state;
+mod layer;
 
 use std::fmt;
 use std::str::FromStr;
 
-pub use state::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, total_nbytes, LayerCache};
+pub use layer::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, total_nbytes, LayerCache};
 
 use crate::array::Array;
 

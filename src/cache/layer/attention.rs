@@ -1,0 +1,300 @@
+//! A layer's attention over what it holds: the fused kernels for decode,
+//! MLX's SDPA over a framed transient buffer for a prefill chunk.
+
+use super::*;
+
+/// MLX's SDPA of dense keys and values under a prepared additive mask (see
+/// `kv_attention::prepare_mask`), or causal (for more than one query), or none.
+fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>, causal: bool, s: &Stream) -> Result<Array> {
+    match mask {
+        // MLX takes an additive mask in the queries' dtype.
+        Some(m) => ops::scaled_dot_product_attention_masked(q, k, v, scale, &ops::astype(m, q.dtype(), s)?, s),
+        None => ops::scaled_dot_product_attention(q, k, v, scale, causal && q.shape()[2] > 1, s),
+    }
+}
+
+impl LayerCache {
+    /// Attention of `queries` `[B, Hq, L, D]` over the cache. With `causal`,
+    /// query `l` sits at position `offset - L + l` and sees tokens up to it.
+    pub fn attention(&self, queries: &Array, scale: f32, causal: bool) -> Result<Array> {
+        self.attention_with_mask(queries, scale, if causal { AttentionMask::Causal } else { AttentionMask::None })
+    }
+
+    /// `queries`' shape `qs` is `[batch, heads, queries, head_dim]` with
+    /// heads a multiple of the cache's KV heads.
+    pub(super) fn check_query_heads(&self, qs: &[i32]) -> Result<()> {
+        if qs.len() != 4 || qs[3] as usize != self.cfg.head_dim {
+            return Err(Error::invalid("queries", format!("shape {qs:?}, expected [batch, heads, queries, {}]", self.cfg.head_dim)));
+        }
+        let hq = qs[1] as usize;
+        if hq % self.cfg.kv_heads != 0 {
+            return Err(Error::invalid("queries", format!("{hq} heads are not a multiple of the cache's {} KV heads", self.cfg.kv_heads)));
+        }
+        Ok(())
+    }
+
+    /// Attention of `queries` `[B, Hq, L, D]` over the cache under `mask`.
+    pub fn attention_with_mask(&self, queries: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
+        let causal = matches!(mask, AttentionMask::Causal);
+        let qs = queries.shape();
+        self.check_query_heads(&qs)?;
+        let Some(store) = &self.store else {
+            return Err(Error::invalid("queries", "the cache is empty: append keys and values first"));
+        };
+        if qs[0] as usize != self.batch {
+            return Err(Error::invalid("queries", format!("batch {} but the cache holds batch {}", qs[0], self.batch)));
+        }
+        if causal && qs[2] as usize > self.offset() {
+            return Err(Error::invalid("queries", format!("{} causal queries but only {} tokens are cached", qs[2], self.offset())));
+        }
+        let s = &self.stream()?;
+        let (hq, l) = (qs[1] as usize, qs[2] as usize);
+        // Unrotated compressed keys are held as `k/F`.
+        let scale = match store {
+            Store::Compressed(c) if !c.keys.codec.codec.rotated() => scale * frame_scale(self.cfg.head_dim),
+            _ => scale,
+        };
+        let prepared = match mask {
+            AttentionMask::Array(m) => Some(kv_attention::prepare_mask(m, self.batch, hq, l, self.offset(), s)?),
+            _ => None,
+        };
+        match store {
+            Store::Dense(d) => {
+                if queries.dtype() != self.dtype {
+                    return Err(Error::Dtype { argument: "queries", found: queries.dtype().to_string(), expected: self.dtype.to_string() });
+                }
+                let (b, h, dim) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
+                let k = ops::slice(&d.keys, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
+                let v = ops::slice(&d.values, &[0, 0, 0, 0], &[b, h, d.len as i32, dim], s)?;
+                sdpa(queries, &k, &v, scale, prepared.as_ref().map(|(m, _)| m), causal, s)
+            }
+            Store::Compressed(_) if prepared.is_some() => {
+                // Only the generic kernel reads a mask.
+                let (m, heads) = prepared.as_ref().expect("matched");
+                let mut layer = self.kv_layer(hq, l, false)?;
+                layer.shape.mask_heads = *heads;
+                layer.mask = Some(m);
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s))
+            }
+            Store::Compressed(_) if Self::turboquant_only(&self.cfg) => {
+                let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
+                turboquant::tq_attention(queries, &layer, scale, &self.opts(s))
+            }
+            Store::Compressed(_) => {
+                let layer = self.kv_layer(qs[1] as usize, qs[2] as usize, causal)?;
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s))
+            }
+        }
+    }
+
+    /// Decode attention of a batch whose sequences each have their own
+    /// cache: `queries` `[B, Hq, 1, D]`, row `b` over `caches[b]` (batch 1
+    /// each, any lengths), `[B, Hq, 1, D]` out. Caches on the CPU holding
+    /// TurboQuant-MSE codes with one configuration attend as one operation
+    /// ([`turboquant::tq_attention_each`]); any other set sequence by
+    /// sequence, concatenated.
+    pub fn attention_each(caches: &[&LayerCache], queries: &Array, scale: f32) -> Result<Array> {
+        let Some(first) = caches.first() else {
+            return Err(Error::invalid("caches", "no cache given"));
+        };
+        let qs = queries.shape();
+        if qs.len() != 4 || qs[0] as usize != caches.len() || qs[2] != 1 {
+            return Err(Error::invalid(
+                "queries",
+                format!("shape {qs:?}, expected [{}, heads, 1, head_dim]: one decode query per cache", caches.len()),
+            ));
+        }
+        let s = &first.stream()?;
+        let fused = s.backend()? == crate::stream::Backend::Cpu
+            && caches.iter().all(|c| {
+                c.batch == 1
+                    && c.cfg == first.cfg
+                    && c.device == first.device
+                    && Self::turboquant_only(&c.cfg)
+                    && matches!(c.store, Some(Store::Compressed(_)))
+            });
+        if fused {
+            // The per-sequence path checks in `attention`; this one here.
+            first.check_query_heads(&qs)?;
+            let layers = caches.iter().map(|c| c.tq_layer(qs[1] as usize, 1, false)).collect::<Result<Vec<_>>>()?;
+            return turboquant::tq_attention_each(queries, &layers, scale, s);
+        }
+        let (hq, d) = (qs[1], qs[3]);
+        let outs = caches
+            .iter()
+            .enumerate()
+            .map(|(b, c)| {
+                let q = ops::slice(queries, &[b as i32, 0, 0, 0], &[b as i32 + 1, hq, 1, d], s)?;
+                c.attention(&q, scale, false)
+            })
+            .collect::<Result<Vec<_>>>()?;
+        ops::concatenate(&outs, 0, s)
+    }
+
+    /// The cache's keys and values followed by a chunk `keys`/`values`
+    /// `[B, Hkv, T, D]` about to be appended, `[B, Hkv, offset + T, D]` in
+    /// each side's attention frame (rotated for the rotating codecs, keys less
+    /// their channel mean) and the cache's dtype: a transient buffer that
+    /// [`attend_framed`](Self::attend_framed) reads with MLX's SDPA, so that a
+    /// prefill chunk attends at float16 speed, its own tokens exactly. Call
+    /// it before appending the chunk.
+    pub fn framed_with(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let shape = self.check_pair(keys, values)?;
+        if self.store.is_none() {
+            self.init(shape[0] as usize, keys.dtype(), shape[2] as usize)?;
+        }
+        let s = self.stream()?;
+        let (b, h, d) = (shape[0], shape[1], shape[3]);
+        let join = |mut parts: Vec<Array>, chunk: &Array| -> Result<Array> {
+            if parts.is_empty() {
+                return Ok(chunk.clone());
+            }
+            parts.push(chunk.clone());
+            ops::concatenate(&parts, 2, &s)
+        };
+        match self.store.as_ref().expect("initialised above") {
+            Store::Dense(x) => {
+                let held = |a: &Array| -> Result<Vec<Array>> {
+                    Ok(if x.len == 0 { Vec::new() } else { vec![ops::slice(a, &[0, 0, 0, 0], &[b, h, x.len as i32, d], &s)?] })
+                };
+                Ok((join(held(&x.keys)?, keys)?, join(held(&x.values)?, values)?))
+            }
+            Store::Compressed(c) => {
+                let shared = self.shared.as_ref().expect("initialised with the store");
+                let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
+                let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
+                let opts = self.opts(&s);
+                let sh = &layer.shape;
+                let framed_k = kv_attention::framed_parts(&layer.keys, &sh.key, sh, self.dtype, &opts)?;
+                let framed_v = kv_attention::framed_parts(&layer.values, &sh.value, sh, self.dtype, &opts)?;
+                Ok((join(framed_k, &rk)?, join(framed_v, &rv)?))
+            }
+        }
+    }
+
+    /// Attention of `queries` `[B, Hq, L, D]` over `keys`/`values` from
+    /// [`framed_with`](Self::framed_with), with MLX's SDPA: the queries enter
+    /// the keys' frame and the output leaves the values' frame, one matmul of
+    /// `L` rows each. Query `l` sits at position `total - L + l` (`Causal`).
+    pub fn attend_framed(&self, queries: &Array, keys: &Array, values: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
+        let qs = queries.shape();
+        let ks = keys.shape();
+        if qs.len() != 4 || qs[0] as usize != self.batch || qs[3] as usize != self.cfg.head_dim || qs[1] as usize % self.cfg.kv_heads != 0 {
+            return Err(Error::invalid(
+                "queries",
+                format!("shape {qs:?}, expected [{}, a multiple of {} heads, queries, {}]", self.batch, self.cfg.kv_heads, self.cfg.head_dim),
+            ));
+        }
+        if queries.dtype() != self.dtype {
+            return Err(Error::Dtype { argument: "queries", found: queries.dtype().to_string(), expected: format!("{} (the cache's dtype)", self.dtype) });
+        }
+        if ks.len() != 4 || ks != values.shape() || ks[0] != qs[0] || ks[1] as usize != self.cfg.kv_heads || ks[3] != qs[3] || ks[2] < qs[2] {
+            return Err(Error::invalid("keys", format!("shape {ks:?} (values {:?}) is not the buffer framed_with returns for {} queries", values.shape(), qs[2])));
+        }
+        let s = &self.stream()?;
+        let (compressed, key_rotated, value_rotated) = match &self.store {
+            Some(Store::Compressed(c)) => (true, c.keys.codec.codec.rotated(), c.values.codec.codec.rotated()),
+            _ => (false, false, false),
+        };
+        // A compressed layer's buffer holds keys as `k·Πᵀ/F` or `k/F`, and
+        // rotated values as `v·Πᵀ/F`: a query entering the rotated key frame
+        // the same way gets its scores back with `scale·F²` (unrotated keys:
+        // `scale·F`), and the output leaves the value frame as `out·Π·F`.
+        let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref());
+        let f = frame_scale(self.cfg.head_dim);
+        let q = match rotation_t.filter(|_| key_rotated) {
+            Some(r) => ops::matmul(queries, r, s)?,
+            None => queries.clone(),
+        };
+        let scale = match (compressed, key_rotated) {
+            (true, true) => scale * f * f,
+            (true, false) => scale * f,
+            _ => scale,
+        };
+        let prepared = match mask {
+            AttentionMask::Array(m) => Some(kv_attention::prepare_mask(m, self.batch, qs[1] as usize, qs[2] as usize, ks[2] as usize, s)?.0),
+            _ => None,
+        };
+        let out = sdpa(&q, keys, values, scale, prepared.as_ref(), matches!(mask, AttentionMask::Causal), s)?;
+        match rotation_t.filter(|_| value_rotated) {
+            Some(r) => {
+                let back = ops::matmul(&out, &ops::transpose(r, &[1, 0], s)?, s)?;
+                ops::multiply(&back, &ops::astype(&Array::scalar_f32(f * f)?, self.dtype, s)?, s)
+            }
+            None => Ok(out),
+        }
+    }
+
+    pub(super) fn tq_layer(&self, q_heads: usize, queries: usize, causal: bool) -> Result<TqLayer<'_>> {
+        let Some(Store::Compressed(c)) = &self.store else {
+            return Err(Error::invalid("method", "not a compressed cache"));
+        };
+        let sh = self.shared.as_ref().expect("initialised");
+        let rot = sh.rotation.as_ref().expect("TurboQuant rotates");
+        fn norms(side: &Side) -> &Array {
+            side.scales.as_ref().expect("TurboQuant has norms")
+        }
+        fn table(t: &Option<Array>) -> &Array {
+            t.as_ref().expect("TurboQuant has centroids")
+        }
+        Ok(TqLayer {
+            shape: AttentionShape {
+                batch: self.batch,
+                q_heads,
+                kv_heads: self.cfg.kv_heads,
+                queries,
+                dim: self.cfg.head_dim,
+                key_bits: self.cfg.key_bits,
+                value_bits: self.cfg.value_bits,
+                sinks: c.n_sink,
+                compressed: c.len,
+                recent: c.n_recent,
+                capacity: c.capacity,
+                window_capacity: c.window_slots,
+                causal,
+            },
+            rot_k: rot,
+            rot_v: rot,
+            k_codes: &c.keys.codes,
+            k_norms: norms(&c.keys),
+            k_centroids: table(&sh.k_table),
+            v_codes: &c.values.codes,
+            v_norms: norms(&c.values),
+            v_centroids: table(&sh.v_table),
+            win_k: &c.keys.window,
+            win_v: &c.values.window,
+            counters: &c.decode_counters,
+        })
+    }
+
+    pub(super) fn kv_layer(&self, q_heads: usize, queries: usize, causal: bool) -> Result<KvLayer<'_>> {
+        let Some(Store::Compressed(c)) = &self.store else {
+            return Err(Error::invalid("method", "not a compressed cache"));
+        };
+        let sh = self.shared.as_ref().expect("initialised");
+        let key = c.keys.codec;
+        Ok(KvLayer {
+            shape: KvShape {
+                batch: self.batch,
+                q_heads,
+                kv_heads: self.cfg.kv_heads,
+                queries,
+                dim: self.cfg.head_dim,
+                key,
+                value: c.values.codec,
+                query_features: kv_attention::query_features(self.cfg.head_dim, &key),
+                sinks: c.n_sink,
+                compressed: c.len,
+                recent: c.n_recent,
+                capacity: c.capacity,
+                window_capacity: c.window_slots,
+                causal,
+                mask_heads: 0,
+            },
+            rotation: sh.rotation.as_ref(),
+            keys: c.keys.arrays_for_kernel(sh.k_table.as_ref()),
+            values: c.values.arrays_for_kernel(sh.v_table.as_ref()),
+            mask: None,
+        })
+    }
+}
