@@ -34,7 +34,9 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-    from veloxquant import bench, blas, models
+    from veloxquant import blas
+
+    from veloxquant.tools import bench, models
     from veloxquant.batch_cache import VeloxQuantBatchCache
     from veloxquant.cache import KVConfig, make_prompt_cache
 

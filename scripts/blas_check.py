@@ -27,8 +27,10 @@ def measure(tokens: int, chunk: int, repeats: int) -> dict:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache
 
-    from veloxquant import blas, models
-    from veloxquant.texts import alice
+    from veloxquant import blas
+
+    from veloxquant.tools import models
+    from veloxquant.tools.texts import alice
 
     st = blas.status()
     gflops = blas.matmul_gflops()

@@ -41,8 +41,9 @@ def main() -> None:
     import mlx.core as mx
     import numpy as np
 
-    from veloxquant import eval as vq_eval
-    from veloxquant import models, quant
+    from veloxquant.tools import eval as vq_eval
+    from veloxquant import quant
+    from veloxquant.tools import models
 
     model, tokenizer = models.load(args.model)
     ids = vq_eval.encode_text(tokenizer, vq_eval.english_text())[: args.tokens]

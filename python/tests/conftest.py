@@ -9,7 +9,7 @@ import pytest
 
 @pytest.fixture(scope="session")
 def smollm():
-    from veloxquant import models
+    from veloxquant.tools import models
 
     return models.load()
 
@@ -28,7 +28,7 @@ def write_tiny_llama(out, dtype=None, matrix_scale: float = 1.0, model_type: str
     arch = importlib.import_module(f"mlx_lm.models.{model_type}")
     Model, ModelArgs = arch.Model, arch.ModelArgs
 
-    from veloxquant import models
+    from veloxquant.tools import models
 
     src = models.default_model_path()
     big = json.loads((src / "config.json").read_text())

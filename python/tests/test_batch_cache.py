@@ -17,7 +17,7 @@ from mlx_lm.models.cache import BatchKVCache, KVCache, load_prompt_cache, save_p
 
 from veloxquant.batch_cache import VeloxQuantBatchCache
 from veloxquant.cache import KVConfig, VeloxQuantCache, cache_nbytes, install, make_prompt_cache, uninstall
-from veloxquant.texts import alice
+from veloxquant.tools.texts import alice
 
 STEP = 16  # prefill step: the longer prompts take several right-padded chunks
 

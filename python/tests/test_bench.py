@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from veloxquant import bench
+from veloxquant.tools import bench
 
 REQUIRED = ("device", "device_name", "mlx", "shape", "context", "batch", "cache", "recipe", "prefill_s",
             "decode_tok_s", "decode_tok_s_per_seq", "kv_bytes", "peak_bytes", "error", "command")

@@ -428,7 +428,7 @@ def test_prompt_cache_file_with_flipped_bits_is_refused(tmp_path):
 
 
 def test_prompt_cache_file_cut_short_is_refused(tmp_path, capsys):
-    from veloxquant import cli
+    from veloxquant.tools import cli
 
     cache, path, data = _saved_prompt_cache(tmp_path)
     bad = tmp_path / "bad.safetensors"

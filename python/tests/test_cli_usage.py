@@ -21,7 +21,7 @@ import mlx.core as mx
 import pytest
 
 import veloxquant
-from veloxquant import cli
+from veloxquant.tools import cli
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -171,7 +171,7 @@ def test_missing_draft_model_is_one_line(tmp_path, tiny_model):
 
 
 def test_model_path_errors(tmp_path):
-    from veloxquant import models
+    from veloxquant.tools import models
 
     with pytest.raises(models.ModelPathError, match="no config.json"):
         models.resolve_model(str(tmp_path))
@@ -205,7 +205,8 @@ def test_eval_unknown_method_is_an_error(methods):
 
 
 def test_eval_methods_are_the_cache_methods():
-    from veloxquant import LayerCache, eval as ev
+    from veloxquant import LayerCache
+    from veloxquant.tools import eval as ev
 
     for m in ev.METHODS:
         LayerCache(64, 1, key_method=m, key_bits=4)

@@ -6,11 +6,11 @@ import json
 import subprocess
 import sys
 
-from veloxquant import texts
+from veloxquant.tools import texts
 
 
 def test_shipped_text_is_long_real_prose():
-    from veloxquant import models
+    from veloxquant.tools import models
 
     text = texts.alice()
     assert text.startswith("ALICE'S ADVENTURES IN WONDERLAND") and text.rstrip().endswith("THE END")
@@ -57,7 +57,7 @@ def test_compare_rejects_a_tiny_token_budget():
 
 
 def test_progress_without_tqdm(monkeypatch, capsys):
-    from veloxquant.compare import Progress
+    from veloxquant.tools.compare import Progress
 
     monkeypatch.setitem(sys.modules, "tqdm", None)  # import tqdm fails
     bar = Progress("fp16", 10)

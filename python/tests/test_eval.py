@@ -9,7 +9,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from PIL import Image
 
-from veloxquant import eval as ev
+from veloxquant.tools import eval as ev
 
 
 def _results(needle_keys):

@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from mlx_lm.models.cache import make_prompt_cache
 
-from veloxquant import eval as ev
-from veloxquant import models
+from veloxquant.tools import eval as ev
+from veloxquant.tools import models
 
 
 def llama_cpp_permute(w, n_head):

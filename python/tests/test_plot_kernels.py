@@ -4,7 +4,7 @@
 import mlx.core as mx
 import pytest
 
-from veloxquant import plot_kernels
+from veloxquant.tools import plot_kernels
 
 
 @pytest.mark.parametrize("dtype", [mx.float32, mx.float16])

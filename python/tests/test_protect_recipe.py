@@ -8,7 +8,9 @@ from mlx_lm import load
 from mlx_lm.generate import generate
 from mlx_lm.models.cache import KVCache
 
-from veloxquant import cli, recipe
+from veloxquant import recipe
+
+from veloxquant.tools import cli
 from veloxquant.cache import (
     AUTO_PROTECT_ERROR,
     KVConfig,
@@ -18,7 +20,7 @@ from veloxquant.cache import (
     make_prompt_cache,
     uninstall,
 )
-from veloxquant.texts import alice
+from veloxquant.tools.texts import alice
 
 
 @pytest.fixture(scope="module")
@@ -403,7 +405,7 @@ def test_generate_prints_the_recipe_and_protected_layers(smollm):
 
 
 def test_eval_rows_of_one_side_go_by_its_bits():
-    from veloxquant.eval import default_specs
+    from veloxquant.tools.eval import default_specs
 
     bits = [(4, 4), (3, 3), (3, 2), (2, 2)]
     specs = default_specs(["kivi/fp16", "fp16/turboquant-mse", "kivi/turboquant-mse"], bits, 16, 4, [])
@@ -417,7 +419,7 @@ def test_eval_rows_of_one_side_go_by_its_bits():
 
 
 def test_eval_plots_auto_recipes_apart_labelled_by_budget():
-    from veloxquant.eval import CacheSpec, bits_label, family
+    from veloxquant.tools.eval import CacheSpec, bits_label, family
 
     auto = CacheSpec("recipe-auto-3.5", "veloxquant", bits=4, method="turboquant-mse", bits_budget=3.5)
     uniform = CacheSpec("turboquant-mse-4", "veloxquant", bits=4, method="turboquant-mse")

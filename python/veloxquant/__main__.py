@@ -1,7 +1,7 @@
-"""``python -m veloxquant``: the command line (see ``veloxquant.cli``)."""
+"""``python -m veloxquant``: the command line (see ``veloxquant.tools.cli``)."""
 
 import sys
 
-from .cli import main
+from .tools.cli import main
 
 sys.exit(main())

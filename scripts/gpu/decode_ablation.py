@@ -19,7 +19,7 @@ import time
 
 import mlx.core as mx
 
-from veloxquant import bench
+from veloxquant.tools import bench
 from veloxquant.cache import VeloxQuantCache
 
 

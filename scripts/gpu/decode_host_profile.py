@@ -28,7 +28,7 @@ def main() -> None:
     import mlx.core as mx
     from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-    from veloxquant import bench
+    from veloxquant.tools import bench
     from veloxquant.cache import KVConfig, make_prompt_cache
 
     model = bench.build_model({"shape": args.shape})

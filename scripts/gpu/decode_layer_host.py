@@ -41,7 +41,7 @@ def main() -> None:
     from mlx_lm.models.cache import KVCache
 
     from veloxquant import attention as vq_attention
-    from veloxquant import bench
+    from veloxquant.tools import bench
     from veloxquant.cache import VeloxQuantCache
 
     vq_attention.install()

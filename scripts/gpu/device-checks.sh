@@ -72,9 +72,9 @@ if want vq; then
   .device/build/vq_quantize_bench --device gpu --dtype f16 1048576:256:4 262144:256:8 2>&1 | tee "$OUT/vq_quantize_cuda.txt" || status=1
 fi
 if want attention; then
-  python3 -m veloxquant.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
+  python3 -m veloxquant.tools.bench_attention --device gpu --out "$OUT/attention_cuda.md" 2>&1 | tail -3 || status=1
 fi
 if want plot; then
-  python3 -m veloxquant.plot_kernels --device gpu --max-n 1048576 --out "$OUT/kernels_cuda.png" 2>&1 | tee "$OUT/kernels_cuda.txt" || status=1
+  python3 -m veloxquant.tools.plot_kernels --device gpu --max-n 1048576 --out "$OUT/kernels_cuda.png" 2>&1 | tee "$OUT/kernels_cuda.txt" || status=1
 fi
 exit $status

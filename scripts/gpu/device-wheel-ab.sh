@@ -10,7 +10,7 @@
 #   device-wheel-ab.sh WHEEL_A WHEEL_B [...] [-- python module and arguments]
 #   ROUNDS  runs of each build (default 2)
 #
-# Default command: python3 -m veloxquant.bench_attention --device gpu
+# Default command: python3 -m veloxquant.tools.bench_attention --device gpu
 # --iters 20 --contexts 32768 131072. Build each wheel with
 # `ONLY=wheel bash scripts/gpu/build-cuda.sh` on its branch, copy it aside
 # (say .device/ab/a.whl, .device/ab/b.whl) and carry .device/ab.
@@ -23,7 +23,7 @@ done
 [ $# -gt 0 ] && shift
 [ ${#wheels[@]} -ge 2 ] || { echo "usage: $0 WHEEL_A WHEEL_B [...] [-- module args]" >&2; exit 2; }
 cmd=("$@")
-[ ${#cmd[@]} -gt 0 ] || cmd=(veloxquant.bench_attention --device gpu --iters 20 --contexts 32768 131072)
+[ ${#cmd[@]} -gt 0 ] || cmd=(veloxquant.tools.bench_attention --device gpu --iters 20 --contexts 32768 131072)
 OUT="${OUT:-/tmp/vq-out}"
 mkdir -p "$OUT"
 export LD_LIBRARY_PATH=/root/site/mlx/lib PYTHONUNBUFFERED=1

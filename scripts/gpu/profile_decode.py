@@ -20,7 +20,7 @@ import time
 
 import mlx.core as mx
 
-from veloxquant import bench
+from veloxquant.tools import bench
 
 
 def _cuda_profiler():

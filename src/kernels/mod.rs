@@ -249,7 +249,7 @@ pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<LaunchShap
 /// append of a decoding step does) gets that call's array back. On the H200
 /// an array of sizes made for every launch cost a 0.1 ms `scalar_dequantize`
 /// 9–15 us, and up to 11 us at 4096 vectors, against one made once
-/// (`scripts/kernel_variants.py`, docs/results/cuda_quant_kernels.md).
+/// (`scripts/gpu/kernel_variants.py`, docs/results/cuda_quant_kernels.md).
 pub(crate) fn sizes(imp: Implementation, argument: &'static str, values: &[usize]) -> Result<Array> {
     if imp != Implementation::Cuda {
         return params(argument, values);

@@ -48,7 +48,7 @@ import sys
 import time
 from typing import Any, Dict, List, Optional
 
-from . import distributed
+from .. import distributed
 
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
                 "rope_type": "llama3"}
@@ -107,7 +107,7 @@ def parse_recipe(text: str) -> Dict[str, Any]:
 
 def recipe_config(base: str, variant: str):
     """The KVConfig of ``--recipe`` with ``variant``'s parts replacing its own, checked."""
-    from .cache import KVConfig
+    from ..cache import KVConfig
 
     settings = parse_recipe(base)
     settings.update(parse_recipe(variant))
@@ -161,7 +161,7 @@ def build_model(job: Dict[str, Any]):
 def make_cache(model, spec: Dict[str, Any]) -> List[Any]:
     from mlx_lm.models.cache import make_prompt_cache as mlx_prompt_cache
 
-    from .cache import KVConfig, make_mlx_quantized_cache, make_prompt_cache
+    from ..cache import KVConfig, make_mlx_quantized_cache, make_prompt_cache
 
     if spec["kind"] == "fp16":
         return mlx_prompt_cache(model)
@@ -210,7 +210,7 @@ def device_fields() -> Dict[str, Any]:
     import mlx.core as mx
     import mlx_lm
 
-    from . import __version__
+    from .. import __version__
 
     dev = mx.default_device()
     try:
@@ -225,7 +225,7 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
     import mlx.core as mx
     from mlx.utils import tree_flatten
 
-    from .cache import VeloxQuantCache, cache_nbytes
+    from ..cache import VeloxQuantCache, cache_nbytes
 
     if job.get("device"):
         mx.set_default_device(mx.gpu if job["device"] == "gpu" else mx.cpu)
@@ -238,7 +238,7 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         if group is not None:
             distributed.shard_model(model, group, job.get("parallel", "tensor"))
         # As generate, compare and eval: float32 compute where the CPU has a fast BLAS.
-        from . import blas
+        from .. import blas
 
         row["compute"] = blas.maybe_float32_compute(model) or "the model's dtype"
         vocab = model.args.vocab_size
@@ -295,7 +295,7 @@ def describe_failure(text: str) -> str:
 
 
 def run_job(job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
-    cmd = [sys.executable, "-m", "veloxquant.bench", "--worker", json.dumps(job)]
+    cmd = [sys.executable, "-m", "veloxquant.tools.bench", "--worker", json.dumps(job)]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

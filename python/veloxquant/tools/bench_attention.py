@@ -1,7 +1,7 @@
 """Decode attention over a compressed cache against MLX's float16 attention
 and mlx_lm's 4-bit QuantizedKVCache attention, side by side in one run.
 
-    python -m veloxquant.bench_attention [--device gpu] [--contexts 4096 32768 131072]
+    python -m veloxquant.tools.bench_attention [--device gpu] [--contexts 4096 32768 131072]
         [--key-bits 4] [--value-bits 3] [--out results.md]
 
 Shape: batch 1, 32 query heads, 8 KV heads, head_dim 128, float16 queries, one
@@ -24,7 +24,7 @@ import time
 
 import mlx.core as mx
 
-from ._native import LayerCache
+from .._native import LayerCache
 
 PEAK_BYTES_PER_S = 4.8e12
 
@@ -62,7 +62,7 @@ def _median_time_batched(fn, queries, iters: int) -> float:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m veloxquant.bench_attention", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m veloxquant.tools.bench_attention", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--heads", type=int, default=32)

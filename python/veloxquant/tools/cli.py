@@ -14,7 +14,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional, Sequence
 
-from . import distributed
+from .. import distributed
 
 KV_CACHES = ("fp16", "mlx-quantized", "veloxquant")
 
@@ -181,7 +181,7 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
 
 
 def kv_config_from_args(args):
-    from .cache import KVConfig
+    from ..cache import KVConfig
 
     layers = {}
     for k, v in (args.kv_layers or {}).items():
@@ -226,7 +226,7 @@ def kv_config_from_args(args):
 
 def kv_recipe_config(model, args, tokens):
     """--kv-recipe auto's config, measured on ``tokens``, and its recipe (veloxquant.recipe)."""
-    from .recipe import auto_recipe
+    from ..recipe import auto_recipe
 
     budget = _kv(args, "kv_bits_budget") or DEFAULT_BITS_BUDGET
     try:
@@ -239,7 +239,7 @@ def kv_recipe_config(model, args, tokens):
 def calibration_tokens(tokenizer, prompt=None):
     """The tokens --kv-recipe auto calibrates on: the prompt's first ones,
     and the shipped English text after a prompt too short to say much."""
-    from .recipe import MAX_TOKENS, MIN_TOKENS
+    from ..recipe import MAX_TOKENS, MIN_TOKENS
     from .texts import alice, leading_tokens
 
     ids = [int(t) for t in (prompt if prompt is not None else [])][:MAX_TOKENS]
@@ -284,7 +284,7 @@ def install_kv_cache(model, args, tokenizer=None) -> None:
     """Install --kv-cache's caches in ``model``. --kv-recipe auto calibrates on
     the shipped text when ``tokenizer`` is given (serve), else installs the
     base config (generate calibrates on its prompt later)."""
-    from .cache import install
+    from ..cache import install
 
     if args.kv_cache == "veloxquant":
         cfg = kv_config_from_args(args)
@@ -351,12 +351,12 @@ def _generate_with_stats(args, group=None):
     from mlx_lm.generate import stream_generate
     from mlx_lm.models.cache import make_prompt_cache
 
-    from .cache import cache_nbytes
+    from ..cache import cache_nbytes
 
     def generate(model, tokenizer, prompt, verbose: bool = False, **kwargs):
         recipe = None
         if kwargs.get("prompt_cache") is None and args.kv_cache == "veloxquant" and args.kv_recipe == "auto":
-            from .cache import install
+            from ..cache import install
 
             import time
 
@@ -417,7 +417,7 @@ def _generate_with_stats(args, group=None):
 
 
 def _protect_threshold() -> float:
-    from .cache import AUTO_PROTECT_ERROR
+    from ..cache import AUTO_PROTECT_ERROR
 
     return AUTO_PROTECT_ERROR
 
@@ -450,7 +450,7 @@ def load_prompt_cache_file(path: str):
 
     from mlx_lm.models.cache import load_prompt_cache
 
-    from . import cache  # noqa: F401  (makes VeloxQuantCache known to load_prompt_cache)
+    from .. import cache  # noqa: F401  (makes VeloxQuantCache known to load_prompt_cache)
 
     if not os.path.exists(path):
         _usage_error(f"--prompt-cache-file: {path}: no such file")
@@ -476,7 +476,7 @@ def prompt_cache_kind(caches) -> str:
     """fp16, mlx-quantized or veloxquant: the --kv-cache that made these caches."""
     from mlx_lm.models.cache import QuantizedKVCache
 
-    from .cache import VeloxQuantCache
+    from ..cache import VeloxQuantCache
 
     if any(isinstance(c, VeloxQuantCache) for c in caches):
         return "veloxquant"
@@ -492,7 +492,7 @@ def prompt_cache_config(caches):
 
     from mlx_lm.models.cache import KVCache
 
-    from .cache import KVConfig, VeloxQuantCache
+    from ..cache import KVConfig, VeloxQuantCache
 
     per_layer = {i: c.config.settings() for i, c in enumerate(caches) if isinstance(c, VeloxQuantCache)}
     counts = Counter(tuple(sorted(d.items())) for d in per_layer.values())
@@ -527,7 +527,7 @@ def adopt_prompt_cache(args, caches, argv: Sequence[str]) -> None:
             if v is not None and v != getattr(cfg, field):
                 _usage_error(f"{_flag(dest)} {v}: {where} with {field} {getattr(cfg, field)}, used as saved")
         if args.kv_layers is not None:
-            from .cache import KVConfig
+            from ..cache import KVConfig
 
             try:
                 want = KVConfig(**cfg.settings(), layers={int(k): v for k, v in args.kv_layers.items()})
@@ -659,7 +659,7 @@ def cmd_generate(argv: Sequence[str]) -> int:
         else:
             out = orig_load(*a, **k)
         install_kv_cache(out[0], args)
-        from . import blas
+        from .. import blas
 
         blas.maybe_float32_compute(out[0])
         return out
@@ -735,7 +735,7 @@ def _serve(argv: Sequence[str]) -> int:
     failed: List[BaseException] = []
 
     def load(*a, **k):
-        from . import blas
+        from .. import blas
 
         _blas_warning()
         out = orig_load(*a, **k)
@@ -831,7 +831,7 @@ def _exit_now(status: int) -> NoReturn:
 
 
 def _blas_warning() -> None:
-    from . import blas
+    from .. import blas
 
     w = blas.warning()
     if w:
@@ -895,8 +895,9 @@ def cmd_compare(argv: Sequence[str]) -> int:
 
     import mlx.core as mx
 
-    from . import blas, models
-    from .cache import _base_caches, cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
+    from .. import blas
+    from . import models
+    from ..cache import _base_caches, cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
 
     path = models.resolve_model(args.model)
     _blas_warning()
@@ -1016,7 +1017,7 @@ def cmd_doctor(argv: Sequence[str]) -> int:
 
     import mlx.core as mx
 
-    from . import __version__, blas
+    from .. import __version__, blas
 
     def version(name: str) -> str:
         try:
@@ -1058,7 +1059,7 @@ COMMANDS = {
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in ("-V", "--version"):
-        from . import __version__
+        from .. import __version__
 
         print(f"veloxquant {__version__}")
         return 0
@@ -1075,7 +1076,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     try:
         return COMMANDS[name][0](rest) or 0
     except ValueError as e:
-        # Every command finds its model through veloxquant.models: a wrong
+        # Every command finds its model through veloxquant.tools.models: a wrong
         # --model is one line, not the Hugging Face hub's traceback.
         models = sys.modules.get(__package__ + ".models")
         if models is None or not isinstance(e, models.ModelPathError):

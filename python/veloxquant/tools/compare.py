@@ -181,7 +181,7 @@ def run_one(model, tokenizer, ids: List[int], make_cache: Callable, kind: str, m
 
 def windows_line(cache, config) -> Optional[str]:
     """What the float16 windows of veloxquant's layers hold, from the first compressed layer."""
-    from .cache import VeloxQuantCache
+    from ..cache import VeloxQuantCache
 
     layer = next((c for c in cache if isinstance(c, VeloxQuantCache) and c.layer is not None), None)
     if layer is None:

@@ -1,6 +1,6 @@
 """Compress a key tensor through the fused kernels and report sizes and parity.
 
-    python -m veloxquant.demo [--tokens N] [--centroids K] [--sub-dim d]
+    python -m veloxquant.tools.demo [--tokens N] [--centroids K] [--sub-dim d]
 
 Keys shaped like one layer's cache (8 heads x N tokens x head_dim 128,
 float16) are split into sub-vectors of d elements; each sub-vector is replaced
@@ -19,8 +19,8 @@ import time
 import mlx.core as mx
 import numpy as np
 
-from . import _native
-from . import kernels as K
+from .. import _native
+from .. import kernels as K
 
 
 def _timed(fn):
@@ -31,7 +31,7 @@ def _timed(fn):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m veloxquant.demo", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m veloxquant.tools.demo", description=__doc__.split("\n")[0])
     p.add_argument("--tokens", type=int, default=1024)
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)

@@ -77,7 +77,7 @@ class CacheSpec:
     def make(self, model):
         from mlx_lm.models.cache import make_prompt_cache as mlx_make
 
-        from .cache import KVConfig, make_mlx_quantized_cache, make_prompt_cache
+        from ..cache import KVConfig, make_mlx_quantized_cache, make_prompt_cache
 
         if self.kind == "fp16":
             return mlx_make(model)
@@ -92,7 +92,7 @@ class CacheSpec:
             cfg = dataclasses.replace(cfg, protect=self.protect)
         if self.bits_budget is not None:
             if self.recipe is None:  # one calibration per spec
-                from .recipe import auto_recipe
+                from ..recipe import auto_recipe
 
                 chosen, recipe = auto_recipe(
                     model, self.calibration, self.bits_budget,
@@ -268,7 +268,7 @@ def evaluate(
         raise ValueError(f"--tokens: the text has only {len(ids)} tokens after the offset")
     filler = text_ids[text_offset + tokens :]
     targets = mx.array(ids[prefix:])
-    from .cache import cache_data_nbytes, cache_nbytes
+    from ..cache import cache_data_nbytes, cache_nbytes
 
     needles = []  # (name, key, prompt, max_tokens), the same for every spec
     for n in needle_lengths:
@@ -641,7 +641,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     from . import models
 
-    from . import blas
+    from .. import blas
 
     path = models.resolve_model(args.model)
     w = blas.warning()
@@ -651,7 +651,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     compute = blas.maybe_float32_compute(model)
     if compute:
         _say(f"CPU: {compute}")
-    from .cache import KVConfig
+    from ..cache import KVConfig
 
     try:
         key_groups = [int(g) for g in args.kv_key_group.split(",") if g.strip()] or [32]
@@ -662,7 +662,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     specs = default_specs(methods, bits, args.kv_window, args.kv_sinks, mlx_bits, key_groups)
     import dataclasses
 
-    from .recipe import MAX_TOKENS
+    from ..recipe import MAX_TOKENS
 
     auto = [a.strip() for a in args.auto.split(",") if a.strip()]
     try:

@@ -1,7 +1,7 @@
 """Throughput of the fused kernels against their reference graphs as N grows,
 one PNG per back-end.
 
-    python -m veloxquant.plot_kernels [--device cpu|gpu] [--max-n 65536] [--out kernels_cpu.png]
+    python -m veloxquant.tools.plot_kernels [--device cpu|gpu] [--max-n 65536] [--out kernels_cpu.png]
 
 Vectors of d = 128 in float16 (float32 on the CPU); each point is the median
 of 5 evaluated calls. Throughput counts input vectors per second.
@@ -15,7 +15,7 @@ import time
 
 import mlx.core as mx
 
-from . import kernels as K
+from .. import kernels as K
 
 
 def _time(fn, reps: int = 5) -> float:
@@ -44,7 +44,7 @@ def _cases(dtype):
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m veloxquant.plot_kernels", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m veloxquant.tools.plot_kernels", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "gpu"], default="cpu")
     p.add_argument("--max-n", type=int, default=65536)
     p.add_argument("--out", default=None, help="PNG path (default: kernels_<device>.png)")

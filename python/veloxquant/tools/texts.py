@@ -15,7 +15,7 @@ from typing import List
 
 def alice() -> str:
     """The whole book (``veloxquant/data/alice.txt``)."""
-    return resources.files(__package__).joinpath("data", "alice.txt").read_text(encoding="utf-8")
+    return resources.files("veloxquant").joinpath("data", "alice.txt").read_text(encoding="utf-8")
 
 
 def paragraphs(text: str) -> List[str]:
