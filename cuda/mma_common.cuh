@@ -10,15 +10,6 @@
 // column of B is first scaled by a power of two (exact) that puts its
 // largest entry in [2^14, 2^15), inside float16's range with room to spare.
 
-// c += a b for one m16n8k16 tile.
-__device__ __forceinline__ void vq_mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
 // 16-bit element helpers by tag (the tag's value is never read).
 __device__ __forceinline__ __half vq_round(const __half*, float a) { return __float2half_rn(a); }
 __device__ __forceinline__ __nv_bfloat16 vq_round(const __nv_bfloat16*, float a) { return __float2bfloat16_rn(a); }
@@ -28,24 +19,6 @@ __device__ __forceinline__ uint32_t vq_bits16(__nv_bfloat16 a) { return __bfloat
 // float16's range is narrow, bfloat16's that of float32.
 __device__ constexpr bool vq_narrow_range(const __half*) { return true; }
 __device__ constexpr bool vq_narrow_range(const __nv_bfloat16*) { return false; }
-
-// c += a b for one m16n8k16 tile of bfloat16 operands.
-__device__ __forceinline__ void vq_mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};\n"
-      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-}
-
-// c += a b with operands of the tag's type.
-__device__ __forceinline__ void vq_mma(const __half*, float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-  vq_mma(c, a, b0, b1);
-}
-__device__ __forceinline__ void vq_mma(const __nv_bfloat16*, float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                       uint32_t b1) {
-  vq_mma_bf16(c, a, b0, b1);
-}
 
 // Two float32 entries as PARTS fragment registers of the tag's type: part 0
 // their rounding, each next part the rounding of what the earlier parts

@@ -43,51 +43,52 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 ELEMENT = ["float", "__half", "__nv_bfloat16"]
-TQ = ["quant_common.cuh", "tq_common.cuh"]
-TQ_MMA = ["quant_common.cuh", "mma_common.cuh", "tq_common.cuh"]
+TQ = ["quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh"]
+# tq_decode: only what it reads (Source::cuda_header)
+TQ_DECODE = ["quant_load.cuh", "mma.cuh", "tq_decode_common.cuh"]
 
 # kernel: (file, header files, inputs, outputs, template axes). An input or
 # output typed "T" takes the instantiation's element type; the header files
 # may be a function of the instantiation's arguments.
 KERNELS = {
-    "bit_pack": ("bit_pack.cu", ["quant_common.cuh"], [("codes", "uint8_t"), ("params", "uint32_t")],
+    "bit_pack": ("bit_pack.cu", ["quant_load.cuh", "quant_common.cuh"], [("codes", "uint8_t"), ("params", "uint32_t")],
                  [("packed", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
-    "bit_unpack": ("bit_unpack.cu", ["quant_common.cuh"], [("packed", "uint8_t"), ("params", "uint32_t")],
+    "bit_unpack": ("bit_unpack.cu", ["quant_load.cuh", "quant_common.cuh"], [("packed", "uint8_t"), ("params", "uint32_t")],
                    [("codes", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
-    "scalar_quantize": ("scalar_quantize.cu", ["quant_common.cuh"],
+    "scalar_quantize": ("scalar_quantize.cu", ["quant_load.cuh", "quant_common.cuh"],
                         [("x", "T"), ("codebook", "float"), ("params", "uint32_t")], [("packed", "uint8_t")],
                         [{"T": ELEMENT, "B_BITS": [1, 3, 4, 8], "ITEMS": [4], "TABLE": [False]},
                          {"T": ["__half", "__nv_bfloat16"], "B_BITS": [4, 1, 2, 3, 5, 8], "ITEMS": [4], "TABLE": [True]}]),
-    "scalar_dequantize": ("scalar_dequantize.cu", ["quant_common.cuh"],
+    "scalar_dequantize": ("scalar_dequantize.cu", ["quant_load.cuh", "quant_common.cuh"],
                           [("packed", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")], [("y", "T")],
                           {"T": ELEMENT, "B_BITS": [1, 3, 4, 8]}),
-    "kivi_quantize": ("kivi_quantize.cu", ["quant_common.cuh"], [("x", "T"), ("params", "uint32_t")],
+    "kivi_quantize": ("kivi_quantize.cu", ["quant_load.cuh", "quant_common.cuh"], [("x", "T"), ("params", "uint32_t")],
                       [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half")],
                       {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False]}),
-    "kivi_dequantize": ("kivi_dequantize.cu", ["quant_common.cuh"],
+    "kivi_dequantize": ("kivi_dequantize.cu", ["quant_load.cuh", "quant_common.cuh"],
                         [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half"), ("params", "uint32_t")],
                         [("y", "T")], {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False], "ITEMS": [4]}),
-    "qjl_encode": ("qjl_encode.cu", ["quant_common.cuh", "mma_common.cuh", "qjl_tensor_cores.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
+    "qjl_encode": ("qjl_encode.cu", ["quant_load.cuh", "quant_common.cuh", "mma.cuh", "mma_common.cuh", "qjl_tensor_cores.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
                    [("signs", "uint8_t"), ("norms", "__half")],
                    {"T,TC_D,TC_M": [(t, 0, 0) for t in ELEMENT]
                     + [("__half", dd, mm) for dd, mm in [(128, 256), (128, 128), (64, 64), (96, 160), (16, 64)]]}),
-    "qjl_sketch_query": ("qjl_sketch_query.cu", ["quant_common.cuh"], [("q", "T"), ("sketch", "float"), ("params", "uint32_t")],
+    "qjl_sketch_query": ("qjl_sketch_query.cu", ["quant_load.cuh", "quant_common.cuh"], [("q", "T"), ("sketch", "float"), ("params", "uint32_t")],
                          [("sq", "float")], {"T": ELEMENT}),
-    "qjl_score": ("qjl_score.cu", ["quant_common.cuh"],
+    "qjl_score": ("qjl_score.cu", ["quant_load.cuh", "quant_common.cuh"],
                   [("sq", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
                   [("scores", "float")], {}),
-    "vq_quantize": ("vq_quantize.cu", ["quant_common.cuh"], [("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
+    "vq_quantize": ("vq_quantize.cu", ["quant_load.cuh", "quant_common.cuh"], [("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
                     [("indices", "uint32_t")], {"T": ELEMENT, "D": [2, 4, 8]}),
-    "pq_encode": ("pq_encode.cu", ["quant_common.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],
+    "pq_encode": ("pq_encode.cu", ["quant_load.cuh", "quant_common.cuh", "mma.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],
                   [("x", "T"), ("codebook", "float"), ("params", "uint32_t")],
                   [("packed", "uint8_t"), ("packed_hi", "uint8_t")],
                   [{"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [4, 8, 10], "STAGED": [True, False], "TC": [False]},
                    {"T": ["__half", "__nv_bfloat16"], "S,C_BITS": [(4, 8), (4, 10), (2, 10), (8, 9), (8, 1), (2, 5), (4, 4)],
                     "STAGED": [False], "TC": [True]}]),
-    "pq_decode": ("pq_decode.cu", ["quant_common.cuh"],
+    "pq_decode": ("pq_decode.cu", ["quant_load.cuh", "quant_common.cuh"],
                   [("packed", "uint8_t"), ("packed_hi", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")],
                   [("y", "T")], {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [3, 4, 5, 6, 8, 10, 12], "TABLE_BYTES,ITEMS,QUADS": [(4096, 16, 0), (16384, 1, 4), (0, 2, 0)]}),
-    "tq_encode": ("tq_encode.cu", TQ + ["mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh"], [("x", "T"), ("rotation", "float"), ("centroids", "float")],
+    "tq_encode": ("tq_encode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh"], [("x", "T"), ("rotation", "float"), ("centroids", "float")],
                   [("codes", "uint8_t"), ("norms", "__half")],
                   [{"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 3], "ROTATE": [True, False],
                     "HADAMARD": [False, True], "TC": [0], "TABLE": [False]},
@@ -95,7 +96,7 @@ KERNELS = {
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [False]},
                    {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 3],
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [True]}]),
-    "tq_decode": ("tq_decode.cu", TQ_MMA,
+    "tq_decode": ("tq_decode.cu", TQ_DECODE,
                   [("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
                    ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T"),
                    ("counters", "uint32_t")],
@@ -136,7 +137,7 @@ KERNELS = {
                       "VM,VB,VG": [(3, 2, 32), (4, 8, 4), (1, 4, 1)], "QN": [4, 1]}),
     # The tensor-core path alone takes the two-blocks register bound (Source::cuda_header_for).
     "tq_prod_encode": ("tq_prod_encode.cu",
-                       lambda a: TQ + ["mma_common.cuh", "tq_encode_tensor_cores.cuh"]
+                       lambda a: TQ + ["mma.cuh", "mma_common.cuh", "tq_encode_tensor_cores.cuh"]
                        + (["two_blocks_per_sm.cuh"] if a.get("TC", 0) > 0 else []),
                        [("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
                         ("params", "uint32_t")],
@@ -145,7 +146,7 @@ KERNELS = {
                          "HADAMARD": [False, True], "TC": [0]},
                         {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 2, 3, 5, 9],
                          "ROTATE": [True], "HADAMARD": [False, True]}]),
-    "tq_prod_decode": ("tq_prod_decode.cu", TQ + ["mma_common.cuh", "tq_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
+    "tq_prod_decode": ("tq_prod_decode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
                         ("rotation", "float"), ("centroids", "float"), ("sketch", "float"), ("params", "uint32_t")],
                        [("y", "T")],
@@ -153,7 +154,7 @@ KERNELS = {
                          "HADAMARD": [False, True], "TC": [False]},
                         {"TC": [True], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 1, 2, 9],
                          "ROTATE": [True, False], "HADAMARD": [False, True]}]),
-    "tq_rvq_encode": ("tq_rvq_encode.cu", TQ + ["mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
+    "tq_rvq_encode": ("tq_rvq_encode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
                       [("x", "T"), ("rotation", "float"), ("centroids1", "float"), ("centroids2", "float"),
                        ("params", "uint32_t")],
                       [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half")],
@@ -163,7 +164,7 @@ KERNELS = {
                         "B2_BITS": [2, 3, 4, 8], "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [False]},
                        {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B1_BITS": [3, 4],
                         "B2_BITS": [2, 1], "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [True]}]),
-    "tq_rvq_decode": ("tq_rvq_decode.cu", TQ + ["mma_common.cuh", "tq_tensor_cores.cuh"],
+    "tq_rvq_decode": ("tq_rvq_decode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_tensor_cores.cuh"],
                       [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half"), ("rotation", "float"),
                        ("centroids1", "float"), ("centroids2", "float"), ("params", "uint32_t")],
                       [("y", "T")],

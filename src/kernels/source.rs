@@ -257,44 +257,62 @@ impl Source {
     pub fn cuda_header(self) -> &'static str {
         match self {
             Source::TqProdDecode => concat!(
+                include_str!("../../cuda/quant_load.cuh"),
                 include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_decode_common.cuh"),
                 include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/tq_tensor_cores.cuh"),
                 include_str!("../../cuda/two_blocks_per_sm.cuh")
             ),
             Source::TqRvqDecode => concat!(
+                include_str!("../../cuda/quant_load.cuh"),
                 include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_decode_common.cuh"),
                 include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/tq_tensor_cores.cuh")
             ),
             Source::TqEncode | Source::TqRvqEncode => concat!(
+                include_str!("../../cuda/quant_load.cuh"),
                 include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_decode_common.cuh"),
                 include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/tq_encode_tensor_cores.cuh"),
                 include_str!("../../cuda/two_blocks_per_sm.cuh")
             ),
             Source::TqProdEncode => concat!(
+                include_str!("../../cuda/quant_load.cuh"),
                 include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/tq_decode_common.cuh"),
                 include_str!("../../cuda/tq_common.cuh"),
+                include_str!("../../cuda/mma.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/tq_encode_tensor_cores.cuh")
             ),
+            // Only what the decode reads: MLX's host time per launch grows
+            // with the source's length (gpu::compact_source).
             Source::TqDecode => concat!(
-                include_str!("../../cuda/quant_common.cuh"),
-                include_str!("../../cuda/mma_common.cuh"),
-                include_str!("../../cuda/tq_common.cuh")
+                include_str!("../../cuda/quant_load.cuh"),
+                include_str!("../../cuda/mma.cuh"),
+                include_str!("../../cuda/tq_decode_common.cuh")
             ),
             Source::KvAttention => include_str!("../../cuda/kv_common.cuh"),
             Source::QjlEncode => concat!(
+                include_str!("../../cuda/quant_load.cuh"),
                 include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/mma.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/qjl_tensor_cores.cuh")
             ),
             Source::PqEncode => concat!(
+                include_str!("../../cuda/quant_load.cuh"),
                 include_str!("../../cuda/quant_common.cuh"),
+                include_str!("../../cuda/mma.cuh"),
                 include_str!("../../cuda/mma_common.cuh"),
                 include_str!("../../cuda/pq_encode_tensor_cores.cuh")
             ),
@@ -307,7 +325,7 @@ impl Source {
             | Source::KiviDequantize
             | Source::QjlSketchQuery
             | Source::QjlScore
-            | Source::PqDecode => include_str!("../../cuda/quant_common.cuh"),
+            | Source::PqDecode => concat!(include_str!("../../cuda/quant_load.cuh"), include_str!("../../cuda/quant_common.cuh")),
             _ => "",
         }
     }

@@ -1,0 +1,138 @@
+// The decode attention's helpers (tq_decode): codes read from words and
+// shared memory, centroid tables, the lanes' reduce-scatter, the warp's max
+// and sum, e^x. tq_common.cuh follows it where TurboQuant's codecs need it.
+
+// Code b of BITS-bit codes packed from bit 0 of w (b a constant once
+// unrolled, so w stays in registers; a code may cross a word boundary where
+// BITS does not divide 32).
+template <int BITS, int WORDS>
+__device__ __forceinline__ unsigned tq_word_code(const unsigned (&w)[WORDS], int b) {
+  const int bit = BITS * b;
+  const int k = bit / 32;
+  const unsigned v = (bit % 32) + BITS > 32 ? __funnelshift_r(w[k], w[k + 1 < WORDS ? k + 1 : k], bit % 32)
+                                            : w[k] >> (bit % 32);
+  return v & ((1u << BITS) - 1u);
+}
+
+// ---------------------------------------------------------------------------
+// Reduce-scatter across the TPT lanes of a group (lanes li = 0..TPT-1 of
+// aligned groups in a warp): each lane holds V partial sums; at each of the
+// log2(TPT) butterfly stages a lane sends the half of its values it gives
+// up and adds its partner's copy of the half it keeps, so that V sums cost
+// V - 1 shuffles instead of V log2(TPT). After it, v[0 .. max(V / TPT, 1))
+// hold the group's full sums of indices start, start + 1, ... (V < TPT:
+// lanes differing only in the low bits hold the same sum).
+template <int CUR, int O, int V>
+__device__ __forceinline__ void tq_group_scatter(float (&v)[V], uint32_t li, uint32_t& start) {
+  if constexpr (O > 0) {
+    if constexpr (CUR > 1) {
+      constexpr int H = CUR / 2;
+      const bool up = (li & uint32_t(O)) != 0;
+#pragma unroll
+      for (int i = 0; i < H; ++i) {
+        const float send = up ? v[i] : v[H + i];
+        const float keep = up ? v[H + i] : v[i];
+        v[i] = keep + __shfl_xor_sync(0xffffffffu, send, O);
+      }
+      if (up) start += H;
+      tq_group_scatter<H, O / 2, V>(v, li, start);
+    } else {
+      v[0] += __shfl_xor_sync(0xffffffffu, v[0], O);
+      tq_group_scatter<1, O / 2, V>(v, li, start);
+    }
+  }
+}
+
+// The 8 values of chunk c of split token i on one side of tq_decode: its
+// B-bit codes (ROW bytes a token, in shared memory) through `table`, or
+// with !compressed the window row where it lies (`win` + i * stride), or
+// zeros past the split's end (`have` false, window only: a code row past
+// the end decodes to values no one reads) or the head size (`in_dim` false).
+template <int B, int ROW, typename T>
+__device__ __forceinline__ void tq_split_chunk(bool compressed, const uint8_t* codes, const float* table, const T* win,
+                                               int64_t stride, uint32_t i, uint32_t c, bool have, bool in_dim,
+                                               float* out) {
+  if (compressed) {
+    const vq_word_t<B> w = in_dim ? vq_word_t<B>(vq_load_bytes<B>(codes + i * ROW + c * B)) : 0;
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = table[vq_code<B>(w, j)];
+  } else if (have && in_dim) {
+    vq_load8(win + int64_t(i) * stride + c * 8, out);
+  } else {
+#pragma unroll
+    for (int j = 0; j < 8; ++j) out[j] = 0.0f;
+  }
+}
+
+// ---------------------------------------------------------------------------
+// tq_decode on the tensor cores: codes become float16 fragment registers
+// through a table in shared memory, one word per centroid (its float16 bits
+// low), two lookups and a byte permute per register. A table of at most 32
+// words lies in distinct banks, so a warp's lookups never conflict; a table
+// of every pair of centroids (one lookup a register, but bank conflicts on a
+// skewed code distribution) took the same time on the H200.
+
+// The NW 32-bit words of a shared-memory bit stream from bit `bit` on, as
+// code rows are packed (little-endian): with ALIGNED (bit a multiple of 32)
+// NW loads, else NW + 1 aligned loads and a funnel shift each (the stream
+// holds a spare word past its end for that).
+template <int NW, bool ALIGNED>
+__device__ __forceinline__ void tq_shared_bits(const uint8_t* base, uint32_t bit, uint32_t (&w)[NW]) {
+  const uint32_t* p = reinterpret_cast<const uint32_t*>(base) + (bit >> 5);
+  if constexpr (ALIGNED) {
+#pragma unroll
+    for (int k = 0; k < NW; ++k) w[k] = p[k];
+  } else {
+    uint32_t x[NW + 1];
+#pragma unroll
+    for (int k = 0; k <= NW; ++k) x[k] = p[k];
+    const uint32_t sh = bit & 31u;
+#pragma unroll
+    for (int k = 0; k < NW; ++k) w[k] = __funnelshift_r(x[k], x[k + 1], sh);
+  }
+}
+
+// Table word e: centroid e's float16 bits.
+__device__ __forceinline__ uint32_t tq_half_entry(const float* cent, uint32_t e) {
+  return __half_as_ushort(__float2half_rn(cent[e]));
+}
+
+// Codes j and j + 1 of one row's words as a half2 word.
+template <int B, int NW>
+__device__ __forceinline__ uint32_t tq_pair_along(const uint32_t* table, const uint32_t (&w)[NW], int j) {
+  return __byte_perm(table[tq_word_code<B, NW>(w, j)], table[tq_word_code<B, NW>(w, j + 1)], 0x5410);
+}
+
+// Code j of two rows' words (lo's in the low half) as a half2 word.
+template <int B, int NW>
+__device__ __forceinline__ uint32_t tq_pair_across(const uint32_t* table, const uint32_t (&lo)[NW],
+                                                   const uint32_t (&hi)[NW], int j) {
+  return __byte_perm(table[tq_word_code<B, NW>(lo, j)], table[tq_word_code<B, NW>(hi, j)], 0x5410);
+}
+
+// The max and the sum of x over a warp's 32 lanes, in every lane.
+__device__ __forceinline__ float tq_warp_max(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, o));
+  return x;
+}
+__device__ __forceinline__ float tq_warp_sum(float x) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) x += __shfl_xor_sync(0xffffffffu, x, o);
+  return x;
+}
+
+// e^x of x <= 0 by the SFU's 2^x, subnormal results flushed to zero (a
+// weight below 2^-126 of the row's largest is nothing to a float32 sum;
+// __expf would spend six instructions keeping them).
+__device__ __forceinline__ float tq_exp(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x * 1.4426950408889634f));
+  return y;
+}
+
+// Two floats as a half2 word (lo in the low half).
+__device__ __forceinline__ uint32_t tq_half2_bits(float lo, float hi) {
+  const __half2 h = __floats2half2_rn(lo, hi);
+  return *reinterpret_cast<const uint32_t*>(&h);
+}
