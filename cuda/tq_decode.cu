@@ -134,6 +134,8 @@ blk /= tiles;
 const uint32_t hk = blk % Hkv;
 const uint32_t b = blk / Hkv;
 const float ninf = -__int_as_float(0x7f800000);
+// Row rr of this tile's KV head (its G heads times L queries) among q's rows.
+auto row_of = [&](uint32_t rr) -> uint64_t { return (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L; };
 const uint32_t li = tid % TPT, gi = tid / TPT;
 const bool compressed = split < comp_splits;
 uint32_t t_begin, t_end;
@@ -572,7 +574,7 @@ for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
   float a = 0.0f;
 #pragma unroll
   for (int w = 0; w < WARPS; ++w) a += a_s[(w * QN + r) * D + i];
-  const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+  const uint64_t row = row_of(rr);
   acc_out[(row * num_splits + split) * D + i] = a;
   if (i == 0) {
     m_out[row * num_splits + split] = m_s[r];
@@ -607,7 +609,7 @@ if (warp < uint32_t(QN)) {
   const uint32_t rr = tile * QN + warp;
   float M = ninf, den = 0.0f;
   if (rr < head_rows) {
-    const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+    const uint64_t row = row_of(rr);
     for (uint32_t t = lane; t < num_splits; t += 32) M = fmaxf(M, __ldcg(m_out + row * num_splits + t));
     M = tq_warp_max(M);
     if (M != ninf) {
@@ -629,7 +631,7 @@ for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
   const float M = ma_s[r], den = den_s[r];
   float a = 0.0f;
   if (rr < head_rows && M != ninf && den > 0.0f) {
-    const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+    const uint64_t row = row_of(rr);
     for (uint32_t t = 0; t < num_splits; ++t) {
       a += __expf(__ldcg(m_out + row * num_splits + t) - M) * __ldcg(acc_out + (row * num_splits + t) * D + i);
     }
@@ -646,6 +648,6 @@ for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
   float y = 0.0f;
 #pragma unroll 8
   for (int j = 0; j < D; ++j) y += a_s[r * D + j] * rot[j * D + i];
-  const uint64_t row = (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L;
+  const uint64_t row = row_of(rr);
   out[row * D + i] = static_cast<T>(y);
 }
