@@ -86,12 +86,13 @@ fn strings(names: &[&str]) -> Result<ffi::mlx_vector_string> {
     Ok(v)
 }
 
-/// `text` without its comments, indentation and blank lines. MLX assembles
-/// a kernel's whole source and names it by a hash of it at every launch,
-/// which on the H200 cost about 0.25 µs of host time per KB of source
-/// (a 93 KB kernel 31.6 µs a launch against 9.2 for a small one); the
-/// sources are written with a `//` comment on lines of their own or after
-/// code, never inside a string.
+/// `text` without its comments, indentation and blank lines. MLX's
+/// `cuda_kernel` assembles a kernel's whole source at every launch, and its
+/// host time per launch grew with the source's length on the H200 (about
+/// 0.25 µs per KB: a 93 KB kernel 31.6 µs a launch against 9.2 for a small
+/// one, scripts/gpu/custom_kernel_host_cost.py); the sources are written
+/// with a `//` comment on lines of their own or after code, never inside a
+/// string.
 pub fn compact_source(text: &str) -> String {
     let mut out = String::with_capacity(text.len());
     for line in text.lines() {
