@@ -48,12 +48,12 @@ def main() -> None:
     hq, hkv = (int(x) for x in args.heads.split(","))
     d, n = args.head_dim, args.layers
     scale = d**-0.5
-    key = mx.random.key(0)
-    prompt_k = mx.random.normal((1, hkv, args.context, d), key=key).astype(mx.float16)
-    prompt_v = mx.random.normal((1, hkv, args.context, d), key=mx.random.key(1)).astype(mx.float16)
-    q = mx.random.normal((1, hq, 1, d), key=mx.random.key(2)).astype(mx.float16)
-    k1 = mx.random.normal((1, hkv, 1, d), key=mx.random.key(3)).astype(mx.float16)
-    v1 = mx.random.normal((1, hkv, 1, d), key=mx.random.key(4)).astype(mx.float16)
+
+    def normal(shape, seed):
+        return mx.random.normal(shape, key=mx.random.key(seed)).astype(mx.float16)
+
+    prompt_k, prompt_v = normal((1, hkv, args.context, d), 0), normal((1, hkv, args.context, d), 1)
+    q, k1, v1 = normal((1, hq, 1, d), 2), normal((1, hkv, 1, d), 3), normal((1, hkv, 1, d), 4)
     mx.eval(prompt_k, prompt_v, q, k1, v1)
     config = bench.recipe_config(args.recipe, "")
 

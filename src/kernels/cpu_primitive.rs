@@ -120,6 +120,25 @@ unsafe extern "C" fn free_payload(payload: *mut c_void) {
     drop(unsafe { Box::from_raw(payload as *mut Payload) });
 }
 
+/// `$run!(T)` with `T` the element type of the float `dtype` (float32,
+/// float16, else bfloat16): the dispatch of the CPU attention and window
+/// closures, whose `run!` instantiates the kernel for one type.
+macro_rules! for_float_dtype {
+    ($dtype:expr, $run:ident) => {
+        match $dtype {
+            crate::dtype::Dtype::F32 => $run!(f32),
+            crate::dtype::Dtype::F16 => $run!(half::f16),
+            _ => $run!(half::bf16),
+        }
+    };
+}
+pub(crate) use for_float_dtype;
+
+/// [`apply`] for a primitive of one output: that output.
+pub fn apply_one(name: &str, inputs: &[&Array], output: (Vec<i32>, Dtype), stream: &Stream, kernel: Box<CpuKernel>) -> Result<Array> {
+    apply(name, inputs, &[output], stream, kernel).map(|mut v| v.remove(0))
+}
+
 /// Builds the outputs of a CPU primitive named `name` on the CPU `stream`.
 pub fn apply(
     name: &str,

@@ -6,7 +6,7 @@
 //! `tq_reduce` combines the splits and rotates the output back where the
 //! value frame is rotated.
 
-use half::{bf16, f16};
+use half::f16;
 
 use super::gpu::{self, Launch, TemplateArg};
 use super::{check_float, cpu_primitive, select, split_sizes, Implementation, KernelSpec, Options, Policy, Source};
@@ -236,10 +236,10 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
             let masked = layer.mask.is_some();
             let inputs = [&qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
                           layer.values.window, &rot_input, &mask];
-            cpu_primitive::apply(
+            cpu_primitive::apply_one(
                 "veloxquant_kv_attention",
                 &inputs,
-                &[(want.to_vec(), dtype)],
+                (want.to_vec(), dtype),
                 &stream,
                 Box::new(move |ins, outs| {
                     macro_rules! side {
@@ -263,15 +263,10 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
                             kv::kv_attention(ins[0].as_slice::<f32>()?, &keys, &values, rot, mask, &sh, outs[0].as_mut_slice::<$t>()?)
                         }};
                     }
-                    match dtype {
-                        Dtype::F32 => run!(f32),
-                        Dtype::F16 => run!(f16),
-                        _ => run!(bf16),
-                    }
+                    cpu_primitive::for_float_dtype!(dtype, run);
                     Ok(())
                 }),
             )
-            .map(|mut v| v.remove(0))
         }
         _ => {
             let (per_tile, rows) = tiles.expect("checked above");

@@ -357,11 +357,11 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
         Implementation::Cpu => {
             let dtype = q.dtype();
             let scale_copy = scale;
-            cpu_primitive::apply(
+            cpu_primitive::apply_one(
                 "veloxquant_tq_attention",
                 &[q, layer.rot_k, layer.rot_v, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes,
                   layer.v_norms, layer.v_centroids, layer.win_k, layer.win_v],
-                &[(want.to_vec(), dtype)],
+                (want.to_vec(), dtype),
                 &stream,
                 Box::new(move |ins, outs| {
                     macro_rules! run {
@@ -370,15 +370,10 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
                             tq::tq_attention(ins[0].as_slice::<$t>()?, &inp, &sh, scale_copy, outs[0].as_mut_slice::<$t>()?)
                         }};
                     }
-                    match dtype {
-                        Dtype::F32 => run!(f32),
-                        Dtype::F16 => run!(f16),
-                        _ => run!(bf16),
-                    }
+                    cpu_primitive::for_float_dtype!(dtype, run);
                     Ok(())
                 }),
             )
-            .map(|mut v| v.remove(0))
         }
         Implementation::Metal | Implementation::Cuda => {
             attention_gpu(q, layer, scale, tiles, &stream)
@@ -440,10 +435,10 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
     let shapes: Vec<AttentionShape> = layers.iter().map(|l| l.shape).collect();
     let dtype = q.dtype();
     let row = sh0.q_heads * sh0.dim;
-    cpu_primitive::apply(
+    cpu_primitive::apply_one(
         "veloxquant_tq_attention_each",
         &inputs,
-        &[(want.to_vec(), dtype)],
+        (want.to_vec(), dtype),
         stream,
         Box::new(move |ins, outs| {
             macro_rules! run {
@@ -461,15 +456,10 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
                     }
                 }};
             }
-            match dtype {
-                Dtype::F32 => run!(f32),
-                Dtype::F16 => run!(f16),
-                _ => run!(bf16),
-            }
+            cpu_primitive::for_float_dtype!(dtype, run);
             Ok(())
         }),
     )
-    .map(|mut v| v.remove(0))
 }
 
 /// Threads of an attention threadgroup, and tokens per tile.

@@ -10,11 +10,9 @@ use super::gpu::{self, Launch, TemplateArg};
 use super::{check_float, cpu_primitive, grid_1d, select, Implementation, KernelSpec, Options, Source};
 use crate::array::Array;
 use crate::cpu::window::{self as cpu_window, WindowShape};
-use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-use half::{bf16, f16};
 
 const SPEC: KernelSpec = KernelSpec { name: "window_append", gpu: Some(Source::WindowAppend), cpu: true };
 
@@ -140,11 +138,7 @@ fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, A
                     cpu_window::window_append(ins[1].as_slice::<$t>()?, vf, None, ins[4].as_slice::<$t>()?, &sh, ov[0].as_mut_slice::<$t>()?);
                 }};
             }
-            match dtype {
-                Dtype::F32 => run!(f32),
-                Dtype::F16 => run!(f16),
-                _ => run!(bf16),
-            }
+            cpu_primitive::for_float_dtype!(dtype, run);
             Ok(())
         }),
     )?;
