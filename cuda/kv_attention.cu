@@ -75,7 +75,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
   uint32_t pos = 0xffffffffu;
-  if (compressed && tid < count && KM == 4) {
+  if (compressed && tid < count && KM == KV_PRODUCT_QUANTIZED) {
     pos = n_sink + t;
     // Product quantization: one lookup per sub-vector in each row's table.
     constexpr int KROW = (D / KG * KB + 7) / 8;
@@ -88,7 +88,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     const float n = kv_float(k_scales[head * CAP + t]);
 #pragma unroll
     for (int r = 0; r < QN; ++r) s[r] *= n;
-  } else if (compressed && tid < count && KM == 5) {
+  } else if (compressed && tid < count && KM == KV_QJL) {
     pos = n_sink + t;
     // QJL: ±(c S q)_r by the sign bit r of the key, times its norm.
     const uint8_t* krow = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + t) * ((D * KB + 7) / 8);
@@ -103,7 +103,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     const float n = kv_float(k_scales[head * CAP + t]);
 #pragma unroll
     for (int r = 0; r < QN; ++r) s[r] *= n;
-  } else if (compressed && tid < count && KM == 6) {
+  } else if (compressed && tid < count && KM == KV_TURBOQUANT_PROD) {
     pos = n_sink + t;
     // TurboQuant-Prod: norm * (<Πq, c[code]> + residual norm * Σ ±(c S Πq)_j).
     constexpr int KROW = (D * KB + 7) / 8, MSE_ROW = (D * (KB - 1) + 7) / 8;

@@ -1,9 +1,10 @@
 // Shared by the kv_attention bodies: decoding one element of a compressed
-// token for each codec (0 dense, 1 TurboQuant-MSE, 2 KIVI per channel over
-// groups of G tokens, 3 KIVI per token over groups of G channels, 4 product
-// quantization with sub-vectors of G channels, 7 TurboQuant-RVQ: B-1 bits then
-// 1 residual bit, the first codebook then the second in `table`; 5 QJL and 6
-// TurboQuant-Prod are keys only and scored in kv_attention.cu).
+// token for each codec, named by the KV_* ids the crate defines from its
+// `Codec` (KIVI per channel over groups of G tokens, KIVI per token over
+// groups of G channels, product quantization with sub-vectors of G channels,
+// TurboQuant-RVQ: B-1 bits then 1 residual bit, the first codebook then the
+// second in `table`; QJL and TurboQuant-Prod are keys only and scored in
+// kv_attention.cu).
 
 template <typename X>
 __device__ inline float kv_float(X x) {
@@ -31,13 +32,13 @@ template <int M, int B, int G, int D, typename C, typename S>
 __device__ inline float kv_element(const C* codes, const S* scales, const S* zeros, const float* table,
                                    uint64_t head, uint64_t ct, uint64_t cap, int j) {
   const uint64_t slot = head * cap + ct;
-  if constexpr (M == 0) {
+  if constexpr (M == KV_DENSE) {
     return kv_float(codes[slot * D + j]);
-  } else if constexpr (M == 4) {
+  } else if constexpr (M == KV_PRODUCT_QUANTIZED) {
     constexpr int ROW = (D / G * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j) / G, unsigned(B));
     return table[c * G + j % G] * kv_float(scales[slot]);
-  } else if constexpr (M == 7) {
+  } else if constexpr (M == KV_TURBOQUANT_RVQ) {
     constexpr int ROW = (D * B + 7) / 8, FIRST = (D * (B - 1) + 7) / 8;
     const uint8_t* row = reinterpret_cast<const uint8_t*>(codes) + slot * ROW;
     const unsigned c1 = kv_code_at(row, unsigned(j), unsigned(B - 1));
@@ -46,10 +47,10 @@ __device__ inline float kv_element(const C* codes, const S* scales, const S* zer
   } else {
     constexpr int ROW = (D * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));
-    if constexpr (M == 1) {
+    if constexpr (M == KV_TURBOQUANT_MSE) {
       return table[c] * kv_float(scales[slot]);
     } else {
-      const uint64_t p = M == 2 ? (head * ((cap + G - 1) / G) + ct / G) * D + j : slot * (D / G) + j / G;
+      const uint64_t p = M == KV_KIVI_PER_CHANNEL ? (head * ((cap + G - 1) / G) + ct / G) * D + j : slot * (D / G) + j / G;
       return kv_float(zeros[p]) + kv_float(scales[p]) * float(c);
     }
   }

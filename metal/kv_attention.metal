@@ -24,8 +24,8 @@ constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
 // Prod and RVQ rows (B-1 bits then 1 bit per channel) and QJL rows (KB * D
 // sign bits) are (D * B + 7) / 8 bytes too.
-constexpr int KROW = KM == 0 ? D : KM == 4 ? (D / KG * KB + 7) / 8 : (D * KB + 7) / 8;
-constexpr int VROW = VM == 0 ? D : VM == 4 ? (D / VG * VB + 7) / 8 : (D * VB + 7) / 8;
+constexpr int KROW = KM == KV_DENSE ? D : KM == KV_PRODUCT_QUANTIZED ? (D / KG * KB + 7) / 8 : (D * KB + 7) / 8;
+constexpr int VROW = VM == KV_DENSE ? D : VM == KV_PRODUCT_QUANTIZED ? (D / VG * VB + 7) / 8 : (D * VB + 7) / 8;
 threadgroup float qs[QN * D];
 threadgroup float p_s[QN * TG];
 threadgroup float red[QN * WARPS];
@@ -87,7 +87,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
   float s[QN];
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
   uint pos = 0xffffffffu;
-  if (compressed && uint(tid) < count && KM == 4) {
+  if (compressed && uint(tid) < count && KM == KV_PRODUCT_QUANTIZED) {
     pos = n_sink + t;
     // Product quantization: one lookup per sub-vector in each row's table.
     for (int p = 0; p < D / KG; ++p) {
@@ -95,7 +95,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
       for (int r = 0; r < QN; ++r) s[r] += qf[qrow[r] + D + uint(p) * (1u << KB) + c];
     }
     for (int r = 0; r < QN; ++r) s[r] *= float(k_scales[head * CAP + t]);
-  } else if (compressed && uint(tid) < count && KM == 5) {
+  } else if (compressed && uint(tid) < count && KM == KV_QJL) {
     pos = n_sink + t;
     // QJL: ±(c S q)_r by the sign bit r of the key, times its norm.
     for (int i = 0; i < KB * D; ++i) {
@@ -106,7 +106,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
       }
     }
     for (int r = 0; r < QN; ++r) s[r] *= float(k_scales[head * CAP + t]);
-  } else if (compressed && uint(tid) < count && KM == 6) {
+  } else if (compressed && uint(tid) < count && KM == KV_TURBOQUANT_PROD) {
     pos = n_sink + t;
     // TurboQuant-Prod: norm * (<Πq, c[code]> + residual norm * Σ ±(c S Πq)_j).
     constexpr int MSE_ROW = (D * (KB - 1) + 7) / 8;

@@ -1,7 +1,7 @@
 //! `graph::pending_primitives`: the nodes MLX would run, before evaluation.
 
 use veloxquant::graph::pending_primitives;
-use veloxquant::kernels::{tq_prod_encode, tq_rvq_encode};
+use veloxquant::kernels::{Kernel, tq_prod_encode, tq_rvq_encode};
 use veloxquant::quant::qjl::Sketch;
 use veloxquant::quant::ScalarCodebook;
 use veloxquant::{ops, Array, Options, Policy, Stream};
@@ -40,12 +40,12 @@ fn a_fused_kernel_is_one_node_for_all_its_outputs() {
     let e = tq_prod_encode(&x, None, Some(&cb), &sk, 3, &Options::on(s.clone(), Policy::Require)).unwrap();
     let outs = [e.codes.as_ref().unwrap(), &e.signs, &e.norms, e.residual_norms.as_ref().unwrap()];
     let names = pending_primitives(&outs).unwrap();
-    assert_eq!(names.iter().filter(|n| *n == "veloxquant_tq_prod_encode").count(), 1, "{names:?}");
+    assert_eq!(names.iter().filter(|n| *n == Kernel::TqProdEncode.name()).count(), 1, "{names:?}");
     // The reference graph runs many more nodes for the same result.
     let r = tq_rvq_encode(&x, None, &cb, &cb, (2, 2), &Options::on(s.clone(), Policy::Off)).unwrap();
     let fused = tq_rvq_encode(&x, None, &cb, &cb, (2, 2), &Options::on(s, Policy::Require)).unwrap();
     let n_ref = pending_primitives(&[&r.codes1, &r.codes2, &r.norms]).unwrap().len();
     let n_fused = pending_primitives(&[&fused.codes1, &fused.codes2, &fused.norms]).unwrap();
-    assert_eq!(n_fused.iter().filter(|n| *n == "veloxquant_tq_rvq_encode").count(), 1, "{n_fused:?}");
+    assert_eq!(n_fused.iter().filter(|n| *n == Kernel::TqRvqEncode.name()).count(), 1, "{n_fused:?}");
     assert!(n_ref > 2 * n_fused.len(), "reference {n_ref} nodes, fused {n_fused:?}");
 }

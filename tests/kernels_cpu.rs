@@ -4,7 +4,7 @@
 use half::{bf16, f16};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use veloxquant::kernels::{self, bit_pack, bit_unpack, vq_quantize, Implementation, KernelSpec, Source};
+use veloxquant::kernels::{self, bit_pack, bit_unpack, vq_quantize, Implementation, Kernel};
 use veloxquant::{cpu, Array, Dtype, Error, Options, Policy, Stream};
 
 fn opts(policy: Policy) -> Options {
@@ -127,13 +127,14 @@ fn bad_input_names_the_argument() {
 #[test]
 fn policy_selects_and_require_refuses_a_missing_kernel() {
     let s = Stream::cpu();
-    let full = KernelSpec { name: "k", gpu: Some(Source::BitPack), cpu: true };
-    let gpu_only = KernelSpec { name: "gpu_only", gpu: Some(Source::BitPack), cpu: false };
-    assert_eq!(kernels::select(&full, Policy::Auto, &s).unwrap(), Implementation::Cpu);
-    assert_eq!(kernels::select(&full, Policy::Off, &s).unwrap(), Implementation::Reference);
-    assert_eq!(kernels::select(&gpu_only, Policy::Auto, &s).unwrap(), Implementation::Reference);
-    let err = kernels::select(&gpu_only, Policy::Require, &s).unwrap_err().to_string();
-    assert!(err.contains("gpu_only") && err.contains("require") && err.contains("cpu"), "{err}");
+    let full = Kernel::BitPack;
+    // Declared with GPU bodies only.
+    let gpu_only = Kernel::TqDecode;
+    assert_eq!(kernels::select(full, Policy::Auto, &s).unwrap(), Implementation::Cpu);
+    assert_eq!(kernels::select(full, Policy::Off, &s).unwrap(), Implementation::Reference);
+    assert_eq!(kernels::select(gpu_only, Policy::Auto, &s).unwrap(), Implementation::Reference);
+    let err = kernels::select(gpu_only, Policy::Require, &s).unwrap_err().to_string();
+    assert!(err.contains("tq_decode") && err.contains("require") && err.contains("cpu"), "{err}");
 }
 
 #[test]

@@ -6,25 +6,23 @@
 mod metal_emulator;
 
 use half::{bf16, f16};
+use veloxquant::kernels::Kernel;
 use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::{self, VqElement};
 
-const BIT_PACK: &str = include_str!("../metal/bit_pack.metal");
-const BIT_UNPACK: &str = include_str!("../metal/bit_unpack.metal");
-const VQ_QUANTIZE: &str = include_str!("../metal/vq_quantize.metal");
 
 fn bit_pack_kernel() -> MetalKernel {
-    MetalKernel::new("bit_pack", &["codes", "params"], &["packed"], BIT_PACK)
+    metal_emulator::declared(Kernel::BitPack)
 }
 
 fn bit_unpack_kernel() -> MetalKernel {
-    MetalKernel::new("bit_unpack", &["packed", "params"], &["codes"], BIT_UNPACK)
+    metal_emulator::declared(Kernel::BitUnpack)
 }
 
 fn vq_kernel() -> MetalKernel {
-    MetalKernel::new("vq_quantize", &["x", "codebook", "params"], &["indices"], VQ_QUANTIZE)
+    metal_emulator::declared(Kernel::VqQuantize)
 }
 
 /// (rows, n, threadgroup): empty rows, a single code, rows whose last byte is

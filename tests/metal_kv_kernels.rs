@@ -11,7 +11,8 @@
 mod metal_emulator;
 
 use half::f16;
-use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
+use veloxquant::kernels::Kernel;
+use metal_emulator::{Dtype, Element, HostArray, TemplateArg};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
@@ -19,30 +20,6 @@ use veloxquant::cpu::turboquant::{self as tq, FromF32};
 use veloxquant::cpu::{Float, VqElement};
 use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
 use veloxquant::kernels::turboquant::reduce_threads;
-
-fn read(rel: &str) -> String {
-    metal_emulator::kernel_source(rel)
-}
-
-// Names as `Source::{name, input_names, output_names, metal_header}` give them to MLX.
-fn attention_kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_kv_attention",
-        &["qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k", "win_v", "mask", "params"],
-        &["m_out", "l_out", "acc_out"],
-        &read("metal/kv_attention.metal"),
-    )
-    .with_header(&(read("metal/tq_common.h") + &read("metal/kv_common.h")))
-}
-
-fn reduce_kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_tq_reduce",
-        &["part_m", "part_l", "part_acc", "rot_v"],
-        &["out"],
-        &read("metal/tq_reduce.metal"),
-    )
-}
 
 /// Roughly Gaussian values (sum of uniforms), standard deviation `scale`.
 fn gaussian(rng: &mut ChaCha8Rng, len: usize, scale: f32) -> Vec<f32> {
@@ -247,7 +224,7 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
     .map(|&x| x as u32)
     .collect();
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    let kernel = attention_kernel();
+    let kernel = metal_emulator::declared(Kernel::KvAttention);
     let mut launch = kernel.launch().input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, sh.query_features], qf));
     for a in k.inputs(sh).into_iter().chain(v.inputs(sh)) {
         launch = launch.input(a);
@@ -282,7 +259,7 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
     let rotate_back = sh.value.codec.rotated();
     // Without a rotation the host hands over the maxima as the unread `rot_v`.
     let rot_v = if rotate_back { HostArray::new(&[d, d], rot) } else { parts[0].clone() };
-    let out = reduce_kernel()
+    let out = metal_emulator::declared(Kernel::TqReduce)
         .launch()
         .input(parts[0].clone())
         .input(parts[1].clone())

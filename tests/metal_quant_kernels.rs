@@ -9,18 +9,11 @@ mod common;
 mod metal_emulator;
 
 use half::{bf16, f16};
-use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
+use veloxquant::kernels::Kernel;
+use metal_emulator::{Dtype, Element, HostArray, TemplateArg};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::{self, Float};
-
-fn body(name: &str) -> String {
-    metal_emulator::kernel_source(&format!("metal/{name}.metal"))
-}
-
-fn kernel(name: &str, inputs: &[&str], outputs: &[&str]) -> MetalKernel {
-    MetalKernel::new(name, inputs, outputs, &body(name))
-}
 
 fn data(seed: u64, len: usize, scale: f32) -> Vec<f32> {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
@@ -54,7 +47,7 @@ fn scalar<T: Float + Element>(n: usize, d: usize, bits: u32, tg: u32, round_up: 
     cpu::scalar_quantize(&x, n, d, &cb, bits, &mut want);
     let groups = n * d.div_ceil(8);
     let tag = format!("{:?} n={n} d={d} bits={bits} tg={tg}", T::DTYPE);
-    let out = kernel("scalar_quantize", &["x", "codebook", "params"], &["packed"])
+    let out = metal_emulator::declared(Kernel::ScalarQuantize)
         .launch()
         .input(HostArray::new(&[n, d], &x))
         .input(HostArray::new(&[1 << bits], &cb))
@@ -69,7 +62,7 @@ fn scalar<T: Float + Element>(n: usize, d: usize, bits: u32, tg: u32, round_up: 
     assert_eq!(out[0].to_vec::<u8>(), want, "scalar_quantize {tag}");
     let mut expect = vec![T::default(); n * d];
     cpu::scalar_dequantize(&want, n, d, &cb, bits, &mut expect);
-    let out = kernel("scalar_dequantize", &["packed", "codebook", "params"], &["y"])
+    let out = metal_emulator::declared(Kernel::ScalarDequantize)
         .launch()
         .input(HostArray::new(&[n, nbytes], &want))
         .input(HostArray::new(&[1 << bits], &cb))
@@ -107,7 +100,7 @@ fn kivi<T: Float + Element>(per_channel: bool, n: usize, d: usize, bits: u32, gr
     let items = if per_channel { n.div_ceil(group) * d.div_ceil(8) } else { n * d / group };
     let params = [n as u32, d as u32, nbytes as u32, group as u32];
     let tag = format!("{:?} per_channel={per_channel} n={n} d={d} bits={bits} G={group}", T::DTYPE);
-    let out = kernel("kivi_quantize", &["x", "params"], &["packed", "scales", "zeros"])
+    let out = metal_emulator::declared(Kernel::KiviQuantize)
         .launch()
         .input(HostArray::new(&[n, d], &x))
         .input(HostArray::new(&[4], &params))
@@ -126,7 +119,7 @@ fn kivi<T: Float + Element>(per_channel: bool, n: usize, d: usize, bits: u32, gr
     assert_eq!(out[0].to_vec::<u8>(), codes, "codes {tag}");
     let mut expect = vec![T::default(); n * d];
     cpu::kivi_dequantize(&codes, &scales, &zeros, n, d, bits, group, per_channel, &mut expect);
-    let out = kernel("kivi_dequantize", &["packed", "scales", "zeros", "params"], &["y"])
+    let out = metal_emulator::declared(Kernel::KiviDequantize)
         .launch()
         .input(HostArray::new(&[n, nbytes], &codes))
         .input(HostArray::new(&pshape, &scales))
@@ -166,7 +159,7 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     cpu::qjl_encode(&k, n, d, &s, m, &mut signs, &mut norms);
     let tag = format!("{:?} n={n} d={d} m={m} Q={nq}", T::DTYPE);
     let threads = (n * 32) as u32;
-    let out = kernel("qjl_encode", &["k", "sketch", "params"], &["signs", "norms"])
+    let out = metal_emulator::declared(Kernel::QjlEncode)
         .launch()
         .input(HostArray::new(&[n, d], &k))
         .input(HostArray::new(&[m, d], &s))
@@ -182,7 +175,7 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
     assert_eq!(out[1].to_vec::<f16>(), norms, "norms {tag}");
     let mut want = vec![0.0f32; nq * n];
     cpu::qjl_score(&q, nq, d, &s, m, &signs, &norms, n, &mut want);
-    let sq = kernel("qjl_sketch_query", &["q", "sketch", "params"], &["sq"])
+    let sq = metal_emulator::declared(Kernel::QjlSketchQuery)
         .launch()
         .input(HostArray::new(&[nq, d], &q))
         .input(HostArray::new(&[m, d], &s))
@@ -203,7 +196,7 @@ fn qjl<T: Float + Element>(n: usize, d: usize, m: usize, nq: usize) {
         }
     }
     for (tg, round_up) in [(64u32, false), (32, true)] {
-        let out = kernel("qjl_score", &["sq", "signs", "norms", "params"], &["scores"])
+        let out = metal_emulator::declared(Kernel::QjlScore)
             .launch()
             .input(HostArray::new(&[nq, m], &sq))
             .input(HostArray::new(&[n, nb], &signs))
@@ -250,7 +243,7 @@ fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32, tg:
     let staged = k * s <= PQ_STAGE_FLOATS;
     let tag = format!("{:?} n={n} d={d} s={s} K={k} bits={bits} staged={staged}", T::DTYPE);
     let items = n * per.div_ceil(8);
-    let out = kernel("pq_encode", &["x", "codebook", "params"], &["packed", "packed_hi"])
+    let out = metal_emulator::declared(Kernel::PqEncode)
         .launch()
         .input(HostArray::new(&[n, d], &x))
         .input(HostArray::new(&[k, s], &cb))
@@ -272,7 +265,7 @@ fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32, tg:
     let mut expect = vec![T::default(); n * d];
     cpu::pq_decode(&want, &want_hi, n, d, &cb, s, bits, &mut expect);
     let hi_input = if hi > 0 { HostArray::new(&[n, nbytes_hi], &want_hi) } else { HostArray::new(&[1], &[0u8]) };
-    let out = kernel("pq_decode", &["packed", "packed_hi", "codebook", "params"], &["y"])
+    let out = metal_emulator::declared(Kernel::PqDecode)
         .launch()
         .input(HostArray::new(&[n, nbytes], &want))
         .input(hi_input)

@@ -11,6 +11,7 @@
 mod metal_emulator;
 
 use half::{bf16, f16};
+use veloxquant::kernels::Kernel;
 use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
 use rand::SeedableRng;
 use rand_chacha::ChaCha8Rng;
@@ -24,15 +25,9 @@ fn read(rel: &str) -> String {
     metal_emulator::kernel_source(rel)
 }
 
-/// The header `Source::metal_header` gives these kernels.
+/// The header the TurboQuant-Prod and -RVQ kernels are declared with.
 fn header() -> String {
     read("metal/tq_common.h") + &read("metal/tq_norm.h")
-}
-
-// Names as `Source::{name, input_names, output_names}` give them to MLX.
-fn kernel(name: &str, inputs: &[&str], outputs: &[&str]) -> MetalKernel {
-    MetalKernel::new(&format!("veloxquant_{name}"), inputs, outputs, &read(&format!("metal/{name}.metal")))
-        .with_header(&header())
 }
 
 fn input(n: usize, d: usize, seed: u64, big: bool) -> Vec<f32> {
@@ -92,11 +87,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool, ha
         return;
     }
     let cent_in = if mb > 0 { HostArray::new(&[1 << mb], &cent) } else { HostArray::new(&[1], &[0.0f32]) };
-    let out = kernel(
-        "tq_prod_encode",
-        &["x", "rotation", "centroids", "sketch", "params"],
-        &["codes", "signs", "norms", "residual_norms"],
-    )
+    let out = metal_emulator::declared(Kernel::TqProdEncode)
     .launch()
         .input(HostArray::new(&[n, d], &x))
         .input(maybe_rotation(rot, d))
@@ -132,11 +123,7 @@ fn prod_case<T: Float + Element>(n: usize, d: usize, bits: u32, rotate: bool, ha
     let scale = tq::prod_scale(d);
     let mut want = vec![T::default(); n * d];
     tq::tq_prod_decode(&codes, &signs, &norms, &rnorms, dec_rot, &cent, &sketch, d, mb, scale, &mut want);
-    let out = kernel(
-        "tq_prod_decode",
-        &["codes", "signs", "norms", "residual_norms", "rotation", "centroids", "sketch", "params"],
-        &["y"],
-    )
+    let out = metal_emulator::declared(Kernel::TqProdDecode)
     .launch()
     .input(if mb > 0 { HostArray::new(&[n, cb], &codes) } else { HostArray::new(&[1], &[0u8]) })
     .input(HostArray::new(&[n, d / 8], &signs))
@@ -197,7 +184,7 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
         ("B2_BITS", TemplateArg::Int(bits.1 as i32)),
         ("ROTATE", TemplateArg::Bool(rotate)),
     ];
-    let enc = kernel("tq_rvq_encode", &["x", "rotation", "centroids1", "centroids2", "params"], &["codes1", "codes2", "norms"]);
+    let enc = metal_emulator::declared(Kernel::TqRvqEncode);
     let mut run = enc
         .launch()
         .input(HostArray::new(&[n, d], &x))
@@ -223,11 +210,7 @@ fn rvq_case<T: Float + Element>(n: usize, d: usize, bits: (u32, u32), rotate: bo
     assert_eq!(bits_of(&out[2].to_vec::<f16>()), bits_of(&norms), "norms {tag}");
     let mut want = vec![T::default(); n * d];
     tq::tq_rvq_decode(&k1, &k2, &norms, dec_rot, &c1, &c2, d, bits, &mut want);
-    let dec = kernel(
-        "tq_rvq_decode",
-        &["codes1", "codes2", "norms", "rotation", "centroids1", "centroids2", "params"],
-        &["y"],
-    );
+    let dec = metal_emulator::declared(Kernel::TqRvqDecode);
     let mut run = dec
         .launch()
     .input(HostArray::new(&[n, b1], &k1))

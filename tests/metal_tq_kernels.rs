@@ -15,60 +15,14 @@
 mod metal_emulator;
 
 use half::{bf16, f16};
-use metal_emulator::{Dtype, Element, HostArray, MetalKernel, TemplateArg};
+use veloxquant::kernels::Kernel;
+use metal_emulator::{Dtype, Element, HostArray, TemplateArg};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape, FromF32};
 use veloxquant::cpu::{Float, VqElement};
 use veloxquant::kernels::turboquant::reduce_threads;
 use veloxquant::quant::ScalarCodebook;
-
-fn read(rel: &str) -> String {
-    metal_emulator::kernel_source(rel)
-}
-
-// Names as `Source::{name, input_names, output_names}` give them to MLX.
-fn encode_kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_tq_encode",
-        &["x", "rotation", "centroids"],
-        &["codes", "norms"],
-        &read("metal/tq_encode.metal"),
-    )
-    .with_header(&read("metal/tq_norm.h"))
-}
-
-fn attention_kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_tq_attention",
-        &["qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params"],
-        &["m_out", "l_out", "acc_out"],
-        &read("metal/tq_attention.metal"),
-    )
-    .with_header(&read("metal/tq_common.h"))
-}
-
-fn decode_kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_tq_decode",
-        &["q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v"],
-        &["m_out", "l_out", "acc_out"],
-        &read("metal/tq_decode.metal"),
-    )
-}
-
-fn rotate_kernel() -> MetalKernel {
-    MetalKernel::new("veloxquant_tq_rotate", &["q", "rot"], &["out"], &read("metal/tq_rotate.metal"))
-}
-
-fn reduce_kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_tq_reduce",
-        &["part_m", "part_l", "part_acc", "rot_v"],
-        &["out"],
-        &read("metal/tq_reduce.metal"),
-    )
-}
 
 /// Row-major `Π` as `src/cache/layer/tables.rs` builds it: Hadamard where the size
 /// allows, else dense; column j is `forward(e_j)`.
@@ -124,7 +78,7 @@ fn gpu_encode<T: Element>(
         // The host passes the codebook as the unread placeholder.
         None => HostArray::new(&[1 << bits], cent),
     };
-    let out = encode_kernel()
+    let out = metal_emulator::declared(Kernel::TqEncode)
         .launch()
         .input(HostArray::new(&[n, d], x))
         .input(rotation)
@@ -377,7 +331,7 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     let parts = if sh.queries == 1 { decode_partials(q, layer, sh, scale, q_transposed) } else { tile_partials(q, layer, sh, scale) };
     let num_splits = parts[0].shape[1];
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    let out = reduce_kernel()
+    let out = metal_emulator::declared(Kernel::TqReduce)
         .launch()
         .input(parts[0].clone())
         .input(parts[1].clone())
@@ -418,7 +372,7 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
     };
     let rows = b * hq * l;
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    decode_kernel()
+    metal_emulator::declared(Kernel::TqDecode)
         .launch()
         .input(q_arr)
         .input(HostArray::new(&[d, d], &layer.rot))
@@ -487,7 +441,7 @@ fn tile_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
     let blocks = units * num_splits;
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    attention_kernel()
+    metal_emulator::declared(Kernel::TqAttention)
         .launch()
         .input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, d], &qr))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, kb], &layer.k_codes))
@@ -637,7 +591,7 @@ fn tq_rotate_matches_cpu() {
         let scale = (d as f32).powf(-0.5);
         let rows = b * hq;
         let blocks = rows.div_ceil(4) * d.div_ceil(32);
-        let out = rotate_kernel()
+        let out = metal_emulator::declared(Kernel::TqRotate)
             .launch()
             .input(HostArray::heads_transposed([b, hq, 1, d], &conv::<f16>(&q)))
             .input(HostArray::new(&[d, d], &rot))

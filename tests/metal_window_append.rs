@@ -8,20 +8,12 @@
 mod metal_emulator;
 
 use half::f16;
-use metal_emulator::{Element, HostArray, MetalKernel, TemplateArg};
+use veloxquant::kernels::Kernel;
+use metal_emulator::{Element, HostArray, TemplateArg};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::window::{window_append, WindowShape};
 use veloxquant::cpu::{Float, VqElement};
-
-fn kernel() -> MetalKernel {
-    MetalKernel::new(
-        "veloxquant_window_append",
-        &["keys", "values", "key_frame", "value_frame", "key_offset", "win_k", "win_v", "filled"],
-        &["out_k", "out_v"],
-        &metal_emulator::kernel_source("metal/window_append.metal"),
-    )
-}
 
 fn case<T: Element + Float + VqElement>(d: usize, t: usize, offset: bool, rotate_v: bool, tol: f32) {
     let mut rng = ChaCha8Rng::seed_from_u64((d * 8 + t) as u64);
@@ -38,7 +30,7 @@ fn case<T: Element + Float + VqElement>(d: usize, t: usize, offset: bool, rotate
     let wk = HostArray::new(&[b, h, w, d], &win_k);
     let filled = HostArray::leading_slice(&wk, &[b, h, at, d]);
     let items = 2 * b * h * w * (d / 8);
-    let out = kernel()
+    let out = metal_emulator::declared(Kernel::WindowAppend)
         .launch()
         .input(HostArray::heads_transposed([b, h, t, d], &keys))
         .input(HostArray::heads_transposed([b, h, t, d], &values))

@@ -205,13 +205,19 @@ def test_eval_unknown_method_is_an_error(methods):
 
 
 def test_eval_methods_are_the_cache_methods():
+    # eval and KVConfig take the methods from the crate (_native.CACHE_METHODS).
     from veloxquant import LayerCache
-    from veloxquant.tools import eval as ev
+    from veloxquant.cache import KEY_ONLY_METHODS, METHODS
 
-    for m in ev.METHODS:
+    for m in METHODS:
         LayerCache(64, 1, key_method=m, key_bits=4)
-    with pytest.raises(ValueError, match='is not one of "fp16", "turboquant-mse"'):
+    with pytest.raises(ValueError, match='is not one of "fp16", "turboquant-mse"') as e:
         LayerCache(64, 1, key_method="bogus")
+    assert all(f'"{m}"' in str(e.value) for m in METHODS) and str(e.value).count('"') == 2 * len(METHODS) + 2
+    assert set(KEY_ONLY_METHODS) == {"qjl", "turboquant-prod"}
+    for m in KEY_ONLY_METHODS:
+        with pytest.raises(ValueError, match="stores keys only"):
+            LayerCache(64, 1, value_method=m, value_bits=4)
 
 
 # --- 20 and 4: --prompt-cache-file -----------------------------------------------

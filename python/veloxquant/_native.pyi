@@ -8,6 +8,15 @@ import numpy as np
 
 MLX_VERSION: str
 MAX_KIVI_KEY_GROUP: int  # the longest KIVI key group a cache takes (tokens)
+# The cache's methods: name -> (supported bits, or None where bits are ignored; keys only).
+CACHE_METHODS: Dict[str, Tuple[Optional[list[int]], bool]]
+# The kernels' argument ranges.
+SUPPORTED_BITS: list[int]
+PROD_BITS: list[int]
+PQ_BITS: list[int]
+PQ_SUB_DIMS: list[int]
+VQ_DIMS: list[int]
+MAX_CODEBOOK_SIZE: int
 
 _Policy = Literal["auto", "require", "off"]
 _Device = Optional[Literal["cpu", "gpu"]]

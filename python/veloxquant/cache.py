@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from . import distributed
-from ._native import MAX_KIVI_KEY_GROUP
+from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group")
 POLICIES = ("auto", "require", "off")
@@ -35,8 +35,10 @@ POLICIES = ("auto", "require", "off")
 # dequantized buffer (prefill); shorter ones (decode, speculative
 # verification) through the fused kernels reading the codes.
 FUSED_MAX_QUERIES = 8
+# The cache's methods, in the crate's order (`cache::METHODS`).
+METHODS = tuple(CACHE_METHODS)
 # Methods that store keys only (attention-score estimators).
-KEY_ONLY_METHODS = ("qjl", "turboquant-prod")
+KEY_ONLY_METHODS = tuple(m for m, (_, keys_only) in CACHE_METHODS.items() if keys_only)
 # protect="auto": a layer whose keys, compressed as configured, change its
 # attention output by more than this (relative squared error, measured on its
 # first chunk: veloxquant.recipe.outlier_error) keeps float16. SmolLM2-135M's

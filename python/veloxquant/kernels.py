@@ -47,12 +47,13 @@ __all__ = [
     "MAX_CODEBOOK_SIZE",
 ]
 
-SUPPORTED_BITS = (1, 2, 3, 4, 8)
-VQ_DIMS = (2, 4, 8)
-MAX_CODEBOOK_SIZE = 4096
-PQ_SUB_DIMS = (2, 4, 8)
-PQ_BITS = tuple(range(1, 13))
-PROD_BITS = (1, 2, 3, 4, 5, 9)
+# The kernels' argument ranges as the crate defines them.
+SUPPORTED_BITS = tuple(_native.SUPPORTED_BITS)
+VQ_DIMS = tuple(_native.VQ_DIMS)
+MAX_CODEBOOK_SIZE = _native.MAX_CODEBOOK_SIZE
+PQ_SUB_DIMS = tuple(_native.PQ_SUB_DIMS)
+PQ_BITS = tuple(_native.PQ_BITS)
+PROD_BITS = tuple(_native.PROD_BITS)
 
 
 def _device(device: Device) -> Optional[str]:

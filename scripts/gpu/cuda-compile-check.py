@@ -2,8 +2,10 @@
 """Compiles the quantizer and TurboQuant codec CUDA kernel bodies with NVRTC, without a GPU.
 
 Each body is wrapped the way MLX's `cuda_kernel` wraps it (docs: the kernel
-contract), its comments dropped as the crate drops them: MLX's device
-utilities (a stand-in header here), the kernel's header, then
+contract), body and header taken from the crate as it hands them to MLX
+(`cargo run --example kernel_sources`: comments dropped, the generated codec
+ids, the declared header files): MLX's device utilities (a stand-in header
+here), the kernel's header, then
 `__global__ void NAME(inputs..., outputs...)` in `mlx::core::cu` with the
 template arguments as the first body lines. Every listed instantiation
 must compile to sm_90 machine code (the H200), so
@@ -23,6 +25,7 @@ from PyPI and unpacks them there first.
 import argparse
 import ctypes
 import itertools
+import os
 import pathlib
 import re
 import subprocess
@@ -43,52 +46,45 @@ using Strides = cuda::std::array<int64_t, 10>;
 """
 
 ELEMENT = ["float", "__half", "__nv_bfloat16"]
-TQ = ["quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh"]
-# tq_decode: only what it reads (Source::cuda_header)
-TQ_DECODE = ["quant_load.cuh", "mma.cuh", "tq_decode_common.cuh"]
 
-# kernel: (file, header files, inputs, outputs, template axes). An input or
-# output typed "T" takes the instantiation's element type; the header files
-# may be a function of the instantiation's arguments.
+# kernel: (inputs, outputs, template axes), the inputs and outputs with their
+# element types (their names must be the kernel's declared ones, checked
+# against the crate's). An input or output typed "T" takes the
+# instantiation's element type. Bodies and headers come from the crate
+# (examples/kernel_sources.rs).
 KERNELS = {
-    "bit_pack": ("bit_pack.cu", ["quant_load.cuh", "quant_common.cuh"], [("codes", "uint8_t"), ("params", "uint32_t")],
+    "bit_pack": ([("codes", "uint8_t"), ("params", "uint32_t")],
                  [("packed", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
-    "bit_unpack": ("bit_unpack.cu", ["quant_load.cuh", "quant_common.cuh"], [("packed", "uint8_t"), ("params", "uint32_t")],
+    "bit_unpack": ([("packed", "uint8_t"), ("params", "uint32_t")],
                    [("codes", "uint8_t")], {"B_BITS": [1, 2, 3, 4, 5, 8]}),
-    "scalar_quantize": ("scalar_quantize.cu", ["quant_load.cuh", "quant_common.cuh"],
-                        [("x", "T"), ("codebook", "float"), ("params", "uint32_t")], [("packed", "uint8_t")],
+    "scalar_quantize": ([("x", "T"), ("codebook", "float"), ("params", "uint32_t")], [("packed", "uint8_t")],
                         [{"T": ELEMENT, "B_BITS": [1, 3, 4, 8], "ITEMS": [4], "TABLE": [False]},
                          {"T": ["__half", "__nv_bfloat16"], "B_BITS": [4, 1, 2, 3, 5, 8], "ITEMS": [4], "TABLE": [True]}]),
-    "scalar_dequantize": ("scalar_dequantize.cu", ["quant_load.cuh", "quant_common.cuh"],
-                          [("packed", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")], [("y", "T")],
+    "scalar_dequantize": ([("packed", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")], [("y", "T")],
                           {"T": ELEMENT, "B_BITS": [1, 3, 4, 8]}),
-    "kivi_quantize": ("kivi_quantize.cu", ["quant_load.cuh", "quant_common.cuh"], [("x", "T"), ("params", "uint32_t")],
+    "kivi_quantize": ([("x", "T"), ("params", "uint32_t")],
                       [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half")],
                       {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False]}),
-    "kivi_dequantize": ("kivi_dequantize.cu", ["quant_load.cuh", "quant_common.cuh"],
-                        [("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half"), ("params", "uint32_t")],
+    "kivi_dequantize": ([("packed", "uint8_t"), ("scales", "__half"), ("zeros", "__half"), ("params", "uint32_t")],
                         [("y", "T")], {"T": ELEMENT, "B_BITS": [1, 2, 3, 4, 8], "PER_CHANNEL": [True, False], "ITEMS": [4]}),
-    "qjl_encode": ("qjl_encode.cu", ["quant_load.cuh", "quant_common.cuh", "mma.cuh", "mma_common.cuh", "qjl_tensor_cores.cuh"], [("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
+    "qjl_encode": ([("k", "T"), ("sketch", "float"), ("params", "uint32_t")],
                    [("signs", "uint8_t"), ("norms", "__half")],
                    {"T,TC_D,TC_M": [(t, 0, 0) for t in ELEMENT]
                     + [("__half", dd, mm) for dd, mm in [(128, 256), (128, 128), (64, 64), (96, 160), (16, 64)]]}),
-    "qjl_sketch_query": ("qjl_sketch_query.cu", ["quant_load.cuh", "quant_common.cuh"], [("q", "T"), ("sketch", "float"), ("params", "uint32_t")],
+    "qjl_sketch_query": ([("q", "T"), ("sketch", "float"), ("params", "uint32_t")],
                          [("sq", "float")], {"T": ELEMENT}),
-    "qjl_score": ("qjl_score.cu", ["quant_load.cuh", "quant_common.cuh"],
-                  [("sq", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
+    "qjl_score": ([("sq", "float"), ("signs", "uint8_t"), ("norms", "__half"), ("params", "uint32_t")],
                   [("scores", "float")], {}),
-    "vq_quantize": ("vq_quantize.cu", ["quant_load.cuh", "quant_common.cuh"], [("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
+    "vq_quantize": ([("x", "T"), ("codebook", "T"), ("params", "uint32_t")],
                     [("indices", "uint32_t")], {"T": ELEMENT, "D": [2, 4, 8]}),
-    "pq_encode": ("pq_encode.cu", ["quant_load.cuh", "quant_common.cuh", "mma.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],
-                  [("x", "T"), ("codebook", "float"), ("params", "uint32_t")],
+    "pq_encode": ([("x", "T"), ("codebook", "float"), ("params", "uint32_t")],
                   [("packed", "uint8_t"), ("packed_hi", "uint8_t")],
                   [{"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [4, 8, 10], "STAGED": [True, False], "TC": [False]},
                    {"T": ["__half", "__nv_bfloat16"], "S,C_BITS": [(4, 8), (4, 10), (2, 10), (8, 9), (8, 1), (2, 5), (4, 4)],
                     "STAGED": [False], "TC": [True]}]),
-    "pq_decode": ("pq_decode.cu", ["quant_load.cuh", "quant_common.cuh"],
-                  [("packed", "uint8_t"), ("packed_hi", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")],
+    "pq_decode": ([("packed", "uint8_t"), ("packed_hi", "uint8_t"), ("codebook", "float"), ("params", "uint32_t")],
                   [("y", "T")], {"T": ELEMENT, "S": [2, 4, 8], "C_BITS": [3, 4, 5, 6, 8, 10, 12], "TABLE_BYTES,ITEMS,QUADS": [(4096, 16, 0), (16384, 1, 4), (0, 2, 0)]}),
-    "tq_encode": ("tq_encode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh"], [("x", "T"), ("rotation", "float"), ("centroids", "float")],
+    "tq_encode": ([("x", "T"), ("rotation", "float"), ("centroids", "float")],
                   [("codes", "uint8_t"), ("norms", "__half")],
                   [{"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 3], "ROTATE": [True, False],
                     "HADAMARD": [False, True], "TC": [0], "TABLE": [False]},
@@ -96,8 +92,7 @@ KERNELS = {
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [False]},
                    {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 3],
                     "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [True]}]),
-    "tq_decode": ("tq_decode.cu", TQ_DECODE,
-                  [("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
+    "tq_decode": ([("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
                    ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T"),
                    ("counters", "uint32_t")],
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float"), ("out", "T")],
@@ -111,51 +106,44 @@ KERNELS = {
                    # other head sizes and bits: unaligned code words, single-entry tables, the scalar path
                    {"T": ["__half"], "D": [96, 80, 72], "KB": [8, 3, 1], "VB": [8, 5, 1], "QN": [4], "TPT": [16],
                     "N_SINK": [4], "CAUSAL": [True], "SCALE": [1040187392], "ROTATED": [False], "REDUCE": [False]}]),
-    "tq_rotate": ("tq_rotate.cu", [], [("q", "T"), ("rot", "float")], [("out", "float")],
+    "tq_rotate": ([("q", "T"), ("rot", "float")], [("out", "float")],
                   {"T": ELEMENT, "D": [128, 64, 256, 96], "QR": [4, 1], "SCALE": [1040187392]}),
-    "tq_reduce": ("tq_reduce.cu", [], [("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
+    "tq_reduce": ([("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],
                   [("out", "T")], {"T": ELEMENT, "D": [128, 64, 256, 96], "ROTATE": [True, False]}),
-    "window_append": ("window_append.cu", [],
-                      [("keys", "T"), ("values", "T"), ("key_frame", "T"), ("value_frame", "T"),
+    "window_append": ([("keys", "T"), ("values", "T"), ("key_frame", "T"), ("value_frame", "T"),
                        ("key_offset", "T"), ("win_k", "T"), ("win_v", "T"), ("filled", "T")],
                       [("out_k", "T"), ("out_v", "T")],
                       {"T": ELEMENT, "D": [128, 64, 256, 96], "OFFSET": [True, False], "ROTATE_V": [True, False]}),
     # The attention kernels: sizes in two carriers (kernels::split_sizes).
-    "tq_attention": ("tq_attention.cu", [],
-                     [("qr", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
+    "tq_attention": ([("qr", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
                       ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"),
                       ("win_v", "T"), ("params", "uint32_t"), ("params_hi", "uint32_t")],
                      [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
                      {"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 1, 8], "VB": [3, 2], "QN": [4, 1, 16]}),
-    "kv_attention": ("kv_attention.cu", ["kv_common.cuh"],
-                     [("qf", "float"), ("k_codes", "uint8_t"), ("k_scales", "__half"), ("k_zeros", "__half"),
+    "kv_attention": ([("qf", "float"), ("k_codes", "uint8_t"), ("k_scales", "__half"), ("k_zeros", "__half"),
                       ("k_table", "float"), ("v_codes", "uint8_t"), ("v_scales", "__half"), ("v_zeros", "__half"),
                       ("v_table", "float"), ("win_k", "T"), ("win_v", "T"), ("mask", "float"),
                       ("params", "uint32_t"), ("params_hi", "uint32_t")],
                      [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
-                     {"T": ELEMENT, "D": [128, 64], "KM,KB,KG,QF": [(2, 2, 32, 128), (0, 16, 1, 128), (5, 1, 256, 256)],
-                      "VM,VB,VG": [(3, 2, 32), (4, 8, 4), (1, 4, 1)], "QN": [4, 1]}),
-    # The tensor-core path alone takes the two-blocks register bound (Source::cuda_header_for).
-    "tq_prod_encode": ("tq_prod_encode.cu",
-                       lambda a: TQ + ["mma.cuh", "mma_common.cuh", "tq_encode_tensor_cores.cuh"]
-                       + (["two_blocks_per_sm.cuh"] if a.get("TC", 0) > 0 else []),
-                       [("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
+                     {"T": ELEMENT, "D": [128, 64], "KM,KB,KG,QF": [("KV_KIVI_PER_CHANNEL", 2, 32, 128), ("KV_DENSE", 16, 1, 128),
+                                                         ("KV_QJL", 1, 256, 256)],
+                      "VM,VB,VG": [("KV_KIVI_PER_TOKEN", 2, 32), ("KV_PRODUCT_QUANTIZED", 8, 4),
+                                   ("KV_TURBOQUANT_MSE", 4, 1)], "QN": [4, 1]}),
+    "tq_prod_encode": ([("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
                         ("params", "uint32_t")],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half")],
                        [{"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False],
                          "HADAMARD": [False, True], "TC": [0]},
                         {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 2, 3, 5, 9],
                          "ROTATE": [True], "HADAMARD": [False, True]}]),
-    "tq_prod_decode": ("tq_prod_decode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
-                       [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
+    "tq_prod_decode": ([("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half"),
                         ("rotation", "float"), ("centroids", "float"), ("sketch", "float"), ("params", "uint32_t")],
                        [("y", "T")],
                        [{"T": ELEMENT, "D": [128, 64, 256], "B_BITS": [4, 1, 2], "ROTATE": [True, False],
                          "HADAMARD": [False, True], "TC": [False]},
                         {"TC": [True], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B_BITS": [4, 1, 2, 9],
                          "ROTATE": [True, False], "HADAMARD": [False, True]}]),
-    "tq_rvq_encode": ("tq_rvq_encode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh"],
-                      [("x", "T"), ("rotation", "float"), ("centroids1", "float"), ("centroids2", "float"),
+    "tq_rvq_encode": ([("x", "T"), ("rotation", "float"), ("centroids1", "float"), ("centroids2", "float"),
                        ("params", "uint32_t")],
                       [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half")],
                       [{"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
@@ -164,8 +152,7 @@ KERNELS = {
                         "B2_BITS": [2, 3, 4, 8], "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [False]},
                        {"TC": [1, 2], "T": ["__half", "__nv_bfloat16"], "D": [128, 64], "B1_BITS": [3, 4],
                         "B2_BITS": [2, 1], "ROTATE": [True], "HADAMARD": [False, True], "TABLE": [True]}]),
-    "tq_rvq_decode": ("tq_rvq_decode.cu", TQ + ["mma.cuh", "mma_common.cuh", "tq_tensor_cores.cuh"],
-                      [("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half"), ("rotation", "float"),
+    "tq_rvq_decode": ([("codes1", "uint8_t"), ("codes2", "uint8_t"), ("norms", "__half"), ("rotation", "float"),
                        ("centroids1", "float"), ("centroids2", "float"), ("params", "uint32_t")],
                       [("y", "T")],
                       [{"T": ELEMENT, "D": [128, 64, 256], "B1_BITS": [2, 1, 4], "B2_BITS": [2, 1, 4],
@@ -212,17 +199,23 @@ def template_lines(args):
     return "\n".join(out)
 
 
-def compact(text):
-    """The text without comments, indentation and blank lines, as the crate
-    hands its sources to MLX (kernels::compact_source)."""
-    lines = (line.split("//", 1)[0].strip() for line in text.splitlines())
-    return "".join(line + "\n" for line in lines if line)
+def crate_sources(out: pathlib.Path):
+    """Every CUDA kernel's body, header and argument names as the crate hands
+    them to MLX, written to `out` by examples/kernel_sources.rs."""
+    env = dict(os.environ)
+    env.setdefault("VELOXQUANT_PYTHON", str(ROOT / ".venv/bin/python"))
+    subprocess.run(["cargo", "run", "--release", "--quiet", "--example", "kernel_sources", "--", str(out)],
+                   cwd=ROOT, env=env, check=True)
 
 
-def source(name, spec, args):
-    file, headers, inputs, outputs, _ = spec
+def source(name, spec, args, crate: pathlib.Path):
+    inputs, outputs, _ = spec
+    declared = (crate / f"{name}.args").read_text().splitlines()
+    listed = [" ".join(n for n, _ in inputs), " ".join(n for n, _ in outputs)]
+    if listed != declared:
+        sys.exit(f"{name}: this script lists {listed}, the crate declares {declared}")
     t = args.get("T", "float")
-    body = compact((ROOT / "cuda" / file).read_text())
+    body = (crate / f"{name}.cu").read_text()
     params = []
     for n, ty in inputs:
         params.append(f"    const {t if ty == 'T' else ty}* {n}")
@@ -231,9 +224,9 @@ def source(name, spec, args):
             params += [f"    const __grid_constant__ Shape {n}_shape", f"    const __grid_constant__ Strides {n}_strides",
                        f"    const __grid_constant__ int {n}_ndim"]
     params += [f"    {t if ty == 'T' else ty}* {n}" for n, ty in outputs]
-    if callable(headers):
-        headers = headers(args)
-    header = compact("".join((ROOT / "cuda" / h).read_text() for h in headers))
+    # Kernel::header: the tensor-core instantiations (TC > 0) may take another.
+    tensor_cores = crate / f"{name}.tc.cuh"
+    header = (tensor_cores if args.get("TC", 0) > 0 and tensor_cores.exists() else crate / f"{name}.cuh").read_text()
     return (
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         + header
@@ -300,19 +293,21 @@ def main():
     # NVRTC opens its builtins library by name: load it first, globally.
     ctypes.CDLL(str(base / "lib/libnvrtc-builtins.so.13.0"), mode=ctypes.RTLD_GLOBAL)
     nvrtc = ctypes.CDLL(str(base / "lib/libnvrtc.so.13"))
+    crate = pathlib.Path(tempfile.mkdtemp(prefix="kernel_sources_"))
+    crate_sources(crate)
     failed = 0
     for name in a.kernels or KERNELS:
         spec = KERNELS[name]
         # Template axes: one family, or a list of families whose arguments
         # are valid only within each.
-        families = spec[4] if isinstance(spec[4], list) else [spec[4]]
+        families = spec[2] if isinstance(spec[2], list) else [spec[2]]
         for args in [x for axes in families for x in instantiations(axes, a.all)]:
             label = f"{name}{args}"
             cubin = None
             if a.cubin is not None:
                 a.cubin.mkdir(parents=True, exist_ok=True)
                 cubin = a.cubin / (re.sub(r"[^A-Za-z0-9]+", "_", label).strip("_") + ".cubin")
-            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args), name + ".cu", a.verbose, cubin)
+            rc, log = compile_one(nvrtc, base / "include", source(name, spec, args, crate), name + ".cu", a.verbose, cubin)
             if a.verbose and rc == 0:
                 print(f"{label}\n{log}")
             if rc != 0:

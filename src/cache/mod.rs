@@ -90,6 +90,12 @@ impl Method {
         })
     }
 
+    /// Whether the method only estimates attention scores, so it can hold
+    /// keys but not values.
+    pub fn keys_only(self) -> bool {
+        matches!(self, Method::Qjl | Method::TurboQuantProd)
+    }
+
     pub fn name(self) -> &'static str {
         match self {
             Method::Fp16 => "fp16",
@@ -179,7 +185,7 @@ impl CacheConfig {
                 return Err(Error::invalid(arg, format!("{bits} is not supported by {method}; use one of {supported:?}")));
             }
         }
-        if self.value_codec().codec.keys_only() {
+        if self.value_method.keys_only() {
             return Err(Error::invalid(
                 "value_method",
                 format!("{} estimates attention scores and stores keys only; choose another method for values", self.value_method),

@@ -50,29 +50,46 @@ pub enum Codec {
 }
 
 impl Codec {
+    /// Every codec, in the order of its id.
+    pub const ALL: [Codec; 8] = [
+        Codec::Dense,
+        Codec::TurboQuantMse,
+        Codec::KiviPerChannel,
+        Codec::KiviPerToken,
+        Codec::ProductQuantized,
+        Codec::Qjl,
+        Codec::TurboQuantProd,
+        Codec::TurboQuantRvq,
+    ];
+
     /// The number the GPU bodies know the codec by (template `KM` / `VM`).
     pub fn id(self) -> i32 {
+        Codec::ALL.iter().position(|&c| c == self).expect("every codec is listed") as i32
+    }
+
+    /// The macro the GPU bodies name the codec's id by.
+    pub fn gpu_name(self) -> &'static str {
         match self {
-            Codec::Dense => 0,
-            Codec::TurboQuantMse => 1,
-            Codec::KiviPerChannel => 2,
-            Codec::KiviPerToken => 3,
-            Codec::ProductQuantized => 4,
-            Codec::Qjl => 5,
-            Codec::TurboQuantProd => 6,
-            Codec::TurboQuantRvq => 7,
+            Codec::Dense => "KV_DENSE",
+            Codec::TurboQuantMse => "KV_TURBOQUANT_MSE",
+            Codec::KiviPerChannel => "KV_KIVI_PER_CHANNEL",
+            Codec::KiviPerToken => "KV_KIVI_PER_TOKEN",
+            Codec::ProductQuantized => "KV_PRODUCT_QUANTIZED",
+            Codec::Qjl => "KV_QJL",
+            Codec::TurboQuantProd => "KV_TURBOQUANT_PROD",
+            Codec::TurboQuantRvq => "KV_TURBOQUANT_RVQ",
         }
+    }
+
+    /// The codec ids as the GPU bodies read them: one `#define` each, put
+    /// before the header of every kernel declared with `codec_ids`.
+    pub fn gpu_defines() -> String {
+        Codec::ALL.iter().map(|c| format!("#define {} {}\n", c.gpu_name(), c.id())).collect()
     }
 
     /// Whether the side's frame is the cache's rotation (else the identity).
     pub fn rotated(self) -> bool {
         matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized | Codec::TurboQuantProd | Codec::TurboQuantRvq)
-    }
-
-    /// Whether the codec only estimates inner products with queries, so it
-    /// can hold keys but not values.
-    pub fn keys_only(self) -> bool {
-        matches!(self, Codec::Qjl | Codec::TurboQuantProd)
     }
 }
 

@@ -1,16 +1,14 @@
 //! `bit_pack` / `bit_unpack`: dense b-bit codes along the last axis.
 
-use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, cpu_primitive, grid_1d, sizes, select, Implementation, KernelSpec, Options, Source};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
+use super::{check_bits, cpu_primitive, grid_1d, sizes, select, Implementation, Options, Kernel};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-
-const PACK: KernelSpec = KernelSpec { name: "bit_pack", gpu: Some(Source::BitPack), cpu: true };
-const UNPACK: KernelSpec = KernelSpec { name: "bit_unpack", gpu: Some(Source::BitUnpack), cpu: true };
 
 fn check_u8(argument: &'static str, a: &Array) -> Result<()> {
     if a.dtype() != Dtype::U8 {
@@ -40,7 +38,7 @@ pub fn bit_pack(codes: &Array, bits: u32, opts: &Options) -> Result<Array> {
     let nbytes = cpu::packed_len(n, bits);
     let mut out_shape = shape.clone();
     *out_shape.last_mut().expect("ndim >= 1") = i32::try_from(nbytes).expect("smaller than n");
-    let imp = select(&PACK, opts.policy, &stream)?;
+    let imp = select(Kernel::BitPack, opts.policy, &stream)?;
     if rows * n == 0 {
         return ops::zeros(&out_shape, Dtype::U8, &stream);
     }
@@ -48,7 +46,7 @@ pub fn bit_pack(codes: &Array, bits: u32, opts: &Options) -> Result<Array> {
     let packed = match imp {
         Implementation::Reference => pack_reference(&flat, rows, n, bits, &stream)?,
         Implementation::Cpu => cpu_primitive::apply(
-            "veloxquant_bit_pack",
+            Kernel::BitPack.name(),
             &[&flat],
             &[(vec![rows as i32, nbytes as i32], Dtype::U8)],
             &stream,
@@ -64,7 +62,7 @@ pub fn bit_pack(codes: &Array, bits: u32, opts: &Options) -> Result<Array> {
             let (grid, threadgroup) = grid_1d("codes", rows * n.div_ceil(8))?;
             gpu::launch(
                 &Launch {
-                    source: Source::BitPack,
+                    kernel: Kernel::BitPack,
                     inputs: &[&flat, &p],
                     outputs: &[(vec![rows as i32, nbytes as i32], Dtype::U8)],
                     grid,
@@ -98,7 +96,7 @@ pub fn bit_unpack(packed: &Array, bits: u32, n: usize, opts: &Options) -> Result
     let n_i32 = i32::try_from(n).map_err(|_| Error::invalid("n", format!("{n} exceeds 2^31")))?;
     let mut out_shape = shape.clone();
     *out_shape.last_mut().expect("ndim >= 1") = n_i32;
-    let imp = select(&UNPACK, opts.policy, &stream)?;
+    let imp = select(Kernel::BitUnpack, opts.policy, &stream)?;
     if rows * n == 0 {
         return ops::zeros(&out_shape, Dtype::U8, &stream);
     }
@@ -106,7 +104,7 @@ pub fn bit_unpack(packed: &Array, bits: u32, n: usize, opts: &Options) -> Result
     let codes = match imp {
         Implementation::Reference => unpack_reference(&flat, rows, n, bits, &stream)?,
         Implementation::Cpu => cpu_primitive::apply(
-            "veloxquant_bit_unpack",
+            Kernel::BitUnpack.name(),
             &[&flat],
             &[(vec![rows as i32, n_i32], Dtype::U8)],
             &stream,
@@ -122,7 +120,7 @@ pub fn bit_unpack(packed: &Array, bits: u32, n: usize, opts: &Options) -> Result
             let (grid, threadgroup) = grid_1d("packed", rows * n.div_ceil(8))?;
             gpu::launch(
                 &Launch {
-                    source: Source::BitUnpack,
+                    kernel: Kernel::BitUnpack,
                     inputs: &[&flat, &p],
                     outputs: &[(vec![rows as i32, n_i32], Dtype::U8)],
                     grid,

@@ -8,24 +8,16 @@ use std::collections::HashMap;
 use std::ffi::CString;
 use std::sync::{Arc, Mutex, OnceLock};
 
-use super::source::Source;
+use super::declaration::{Kernel, TemplateArg};
 use crate::array::Array;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ffi;
 use crate::stream::{Backend, Stream};
 
-/// A template argument of a kernel body.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum TemplateArg {
-    Int(i32),
-    Bool(bool),
-    Dtype(Dtype),
-}
-
 /// One launch of a GPU kernel.
 pub(crate) struct Launch<'a> {
-    pub source: Source,
+    pub kernel: Kernel,
     pub inputs: &'a [&'a Array],
     pub outputs: &'a [(Vec<i32>, Dtype)],
     /// Threads (not threadgroups) in each dimension.
@@ -40,7 +32,7 @@ pub(crate) struct Launch<'a> {
 #[derive(PartialEq, Eq, Hash)]
 struct Key {
     backend: Backend,
-    source: Source,
+    kernel: Kernel,
     template: Vec<(&'static str, TemplateArg)>,
 }
 
@@ -105,21 +97,24 @@ pub fn compact_source(text: &str) -> String {
     out
 }
 
-fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateArg)]) -> Result<Handle> {
-    let name = CString::new(source.name()).expect("static name");
+fn create(backend: Backend, kernel: Kernel, template: &[(&'static str, TemplateArg)]) -> Result<Handle> {
+    let d = kernel.declaration();
+    let name = CString::new(d.mlx_name).expect("static name");
     let body = match backend {
-        Backend::Metal => source.metal(),
-        Backend::Cuda => source.cuda(),
-        Backend::Cpu => return Err(Error::Unsupported("no GPU kernel on the CPU back-end".into())),
+        Backend::Metal => d.metal,
+        Backend::Cuda => d.cuda,
+        Backend::Cpu => None,
+    };
+    let Some(body) = body else {
+        return Err(Error::Unsupported(format!("{}: no kernel body for the {} back-end", d.name, backend.name())));
     };
     let body = CString::new(compact_source(body)).map_err(|_| Error::invalid("source", "contains NUL"))?;
-    let header = if backend == Backend::Metal { source.metal_header() } else { source.cuda_header_for(template) };
-    let header = CString::new(compact_source(header)).map_err(|_| Error::invalid("header", "contains NUL"))?;
-    let mut input_names = source.input_names().to_vec();
-    let mut output_names = source.output_names().to_vec();
+    let header = CString::new(compact_source(&kernel.header(backend, template))).map_err(|_| Error::invalid("header", "contains NUL"))?;
+    let mut input_names = d.inputs.to_vec();
+    let mut output_names = d.outputs.to_vec();
     if backend == Backend::Cuda {
-        input_names.extend_from_slice(source.cuda_extra_input_names());
-        output_names.extend_from_slice(source.cuda_extra_output_names());
+        input_names.extend_from_slice(d.cuda_inputs);
+        output_names.extend_from_slice(d.cuda_outputs);
     }
     let inputs = strings(&input_names)?;
     let outputs = strings(&output_names)?;
@@ -128,7 +123,7 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
         match backend {
             Backend::Metal => {
                 let k = ffi::mlx_fast_metal_kernel_new(
-                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), source.row_contiguous(), false,
+                    name.as_ptr(), inputs, outputs, body.as_ptr(), header.as_ptr(), !d.strided, false,
                 );
                 (!k.ctx.is_null()).then_some(Handle::Metal(k))
             }
@@ -139,8 +134,8 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
                     outputs,
                     body.as_ptr(),
                     header.as_ptr(),
-                    source.row_contiguous(),
-                    source.cuda_dynamic_shared_bytes(template),
+                    !d.strided,
+                    kernel.cuda_dynamic_shared_bytes(template),
                 );
                 (!k.ctx.is_null()).then_some(Handle::Cuda(k))
             }
@@ -160,12 +155,12 @@ fn create(backend: Backend, source: Source, template: &[(&'static str, TemplateA
 }
 
 fn kernel(backend: Backend, launch: &Launch<'_>) -> Result<Arc<Handle>> {
-    let key = Key { backend, source: launch.source, template: launch.template.to_vec() };
+    let key = Key { backend, kernel: launch.kernel, template: launch.template.to_vec() };
     let mut cache = cache().lock().map_err(|_| Error::Unsupported("kernel cache poisoned".into()))?;
     if let Some(k) = cache.get(&key) {
         return Ok(k.clone());
     }
-    let k = Arc::new(create(backend, launch.source, launch.template)?);
+    let k = Arc::new(create(backend, launch.kernel, launch.template)?);
     cache.insert(key, k.clone());
     Ok(k)
 }

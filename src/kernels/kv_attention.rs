@@ -8,8 +8,9 @@
 
 use half::f16;
 
-use super::gpu::{self, Launch, TemplateArg};
-use super::{check_float, cpu_primitive, select, split_sizes, Implementation, KernelSpec, Options, Policy, Source};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
+use super::{check_float, cpu_primitive, select, split_sizes, Implementation, Options, Policy, Kernel};
 use crate::array::Array;
 use crate::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
 use crate::dtype::Dtype;
@@ -17,7 +18,6 @@ use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::{Backend, Stream};
 
-const ATTENTION: KernelSpec = KernelSpec { name: "kv_attention", gpu: Some(Source::KvAttention), cpu: true };
 /// Query rows one GPU threadgroup serves (heads sharing a KV head x queries).
 const MAX_TILE_ROWS: usize = 16;
 /// Threads of an attention threadgroup, and tokens per tile.
@@ -192,7 +192,7 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
         });
     }
     let stream = opts.resolve_stream()?;
-    let mut imp = select(&ATTENTION, opts.policy, &stream)?;
+    let mut imp = select(Kernel::KvAttention, opts.policy, &stream)?;
     let g = sh.q_heads / sh.kv_heads;
     let backend = stream.backend()?;
     let tiles = tile_rows(g, sh.queries, shared_limit(backend), sh.dim);
@@ -237,7 +237,7 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
             let inputs = [&qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
                           layer.values.window, &rot_input, &mask];
             cpu_primitive::apply_one(
-                "veloxquant_kv_attention",
+                Kernel::KvAttention.name(),
                 &inputs,
                 (want.to_vec(), dtype),
                 &stream,
@@ -347,7 +347,7 @@ fn attention_gpu(
     let int = |v: usize| TemplateArg::Int(v as i32);
     let parts = gpu::launch(
         &Launch {
-            source: Source::KvAttention,
+            kernel: Kernel::KvAttention,
             inputs: &inputs,
             outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),

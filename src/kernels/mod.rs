@@ -11,7 +11,7 @@ pub mod cpu_primitive;
 pub mod gpu;
 pub mod kv_attention;
 mod quant;
-pub mod source;
+pub mod declaration;
 pub mod tq_codec;
 pub mod turboquant;
 mod vq;
@@ -24,12 +24,12 @@ use std::str::FromStr;
 use std::sync::OnceLock;
 
 pub use bitpack::{bit_pack, bit_unpack};
-pub use gpu::{cached_kernel_count, compact_source, TemplateArg};
+pub use gpu::{cached_kernel_count, compact_source};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,
     scalar_dequantize, scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
-pub use source::Source;
+pub use declaration::{Declaration, Kernel, TemplateArg, DECLARATIONS};
 pub use tq_codec::{prod_decode_tensor_cores, prod_encode_tensor_core_parts, rvq_decode_path, tq_prod_decode, tq_prod_encode, tq_rvq_decode, tq_rvq_encode, CudaDecodePath, ProdCodes, RotationInput, RvqCodes, PROD_BITS};
 pub use turboquant::{encode_code_table, encode_tensor_core_parts, tq_encode};
 pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, VQ_DIMS};
@@ -83,14 +83,6 @@ pub enum Implementation {
     Reference,
 }
 
-/// What a kernel offers besides its reference graph.
-#[derive(Clone, Copy, Debug)]
-pub struct KernelSpec {
-    pub name: &'static str,
-    pub gpu: Option<Source>,
-    pub cpu: bool,
-}
-
 /// Where and how an operation runs.
 #[derive(Clone, Debug, Default)]
 pub struct Options {
@@ -116,13 +108,16 @@ impl Options {
     }
 }
 
-/// Picks the implementation of `spec` for `stream` under `policy`.
-pub fn select(spec: &KernelSpec, policy: Policy, stream: &Stream) -> Result<Implementation> {
+/// Picks the implementation of `kernel` for `stream` under `policy`: its
+/// CPU primitive or GPU body where the declaration has one, else the
+/// reference graph.
+pub fn select(kernel: Kernel, policy: Policy, stream: &Stream) -> Result<Implementation> {
     let backend = stream.backend()?;
+    let d = kernel.declaration();
     let fused = match backend {
-        Backend::Cpu => spec.cpu.then_some(Implementation::Cpu),
-        Backend::Metal => spec.gpu.map(|_| Implementation::Metal),
-        Backend::Cuda => spec.gpu.map(|_| Implementation::Cuda),
+        Backend::Cpu => d.cpu.then_some(Implementation::Cpu),
+        Backend::Metal => d.metal.map(|_| Implementation::Metal),
+        Backend::Cuda => d.cuda.map(|_| Implementation::Cuda),
     };
     match (policy, fused) {
         (Policy::Off, _) => Ok(Implementation::Reference),
@@ -130,7 +125,7 @@ pub fn select(spec: &KernelSpec, policy: Policy, stream: &Stream) -> Result<Impl
         (_, Some(imp)) => Ok(imp),
         (Policy::Require, None) => Err(Error::Unsupported(format!(
             "{}: policy \"require\" but the {} back-end has no fused kernel for it",
-            spec.name,
+            d.name,
             backend.name()
         ))),
     }
@@ -312,7 +307,7 @@ pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> 
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_cuda_sms, sizes, split_sizes, Implementation, Source, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
+    use super::{parse_cuda_sms, sizes, split_sizes, Implementation, Kernel, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
     use crate::stream::Backend;
     use crate::{Dtype, Error};
     use std::env::VarError;
@@ -346,12 +341,14 @@ mod tests {
         assert_eq!(metal.len(), 1);
         assert_eq!(metal[0].to_vec::<u32>().unwrap(), (1..=15).collect::<Vec<u32>>());
         // The CUDA bodies name the second carrier; every other body takes one.
-        for source in [Source::KvAttention, Source::TqAttention] {
-            assert_eq!(source.cuda_extra_input_names(), ["params_hi"]);
-            assert!(source.cuda().contains("params_hi_shape") && !source.cuda().contains("params["));
-            assert!(source.input_names().ends_with(&["params"]));
+        for kernel in [Kernel::KvAttention, Kernel::TqAttention] {
+            let d = kernel.declaration();
+            assert_eq!(d.cuda_inputs, ["params_hi"]);
+            let cuda = d.cuda.unwrap();
+            assert!(cuda.contains("params_hi_shape") && !cuda.contains("params["));
+            assert!(d.inputs.ends_with(&["params"]));
         }
-        assert!(Source::KiviQuantize.cuda_extra_input_names().is_empty());
+        assert!(Kernel::KiviQuantize.declaration().cuda_inputs.is_empty());
         match split_sizes(Backend::Cuda, "queries", &[1 << 31; 15]) {
             Err(Error::InvalidArgument { argument, .. }) => assert_eq!(argument, "queries"),
             other => panic!("expected an invalid-argument error, got {:?}", other.map(|v| v.len())),

@@ -9,23 +9,15 @@
 use half::{bf16, f16};
 
 use super::bitpack::{pack_reference, unpack_reference};
-use super::gpu::{self, Launch, TemplateArg};
-use super::{check_bits, check_float, cpu_primitive, grid_1d, sizes, select, to_i32, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, THREADGROUP};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
+use super::{check_bits, check_float, cpu_primitive, grid_1d, sizes, select, to_i32, Implementation, Options, Policy, Kernel, fragment_blocks, THREADGROUP};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-
-const SCALAR_Q: KernelSpec = KernelSpec { name: "scalar_quantize", gpu: Some(Source::ScalarQuantize), cpu: true };
-const SCALAR_DQ: KernelSpec = KernelSpec { name: "scalar_dequantize", gpu: Some(Source::ScalarDequantize), cpu: true };
-const KIVI_Q: KernelSpec = KernelSpec { name: "kivi_quantize", gpu: Some(Source::KiviQuantize), cpu: true };
-const KIVI_DQ: KernelSpec = KernelSpec { name: "kivi_dequantize", gpu: Some(Source::KiviDequantize), cpu: true };
-const QJL_ENC: KernelSpec = KernelSpec { name: "qjl_encode", gpu: Some(Source::QjlEncode), cpu: true };
-const QJL_SCORE: KernelSpec = KernelSpec { name: "qjl_score", gpu: Some(Source::QjlScore), cpu: true };
-const PQ_ENC: KernelSpec = KernelSpec { name: "pq_encode", gpu: Some(Source::PqEncode), cpu: true };
-const PQ_DEC: KernelSpec = KernelSpec { name: "pq_decode", gpu: Some(Source::PqDecode), cpu: true };
 
 /// Sub-vector sizes of the product-quantization kernels.
 pub const PQ_SUB_DIMS: [usize; 3] = [2, 4, 8];
@@ -138,7 +130,7 @@ fn chunked(x: &Array, n: usize, per_row: usize, s: &Stream, f: impl Fn(&Array) -
 
 /// A one-thread-per-item GPU launch with a single output.
 fn launch_gpu(
-    source: Source,
+    kernel: Kernel,
     inputs: &[&Array],
     outputs: &[(Vec<i32>, Dtype)],
     items: (&'static str, usize),
@@ -146,7 +138,7 @@ fn launch_gpu(
     s: &Stream,
 ) -> Result<Vec<Array>> {
     let (grid, threadgroup) = grid_1d(items.0, items.1)?;
-    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template }, s)
+    gpu::launch(&Launch { kernel, inputs, outputs, grid, threadgroup, template }, s)
 }
 
 /// Work items each thread of a CUDA body that takes `ITEMS` handles (the
@@ -215,7 +207,7 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
     check_codebook_1d(codebook, bits)?;
     let (n, d) = rows_last("x", x)?;
     let stream = opts.resolve_stream()?;
-    let imp = select(&SCALAR_Q, opts.policy, &stream)?;
+    let imp = select(Kernel::ScalarQuantize, opts.policy, &stream)?;
     let nbytes = cpu::packed_len(d, bits);
     let out_shape = with_last(&x.shape(), nbytes)?;
     if n * d == 0 {
@@ -241,7 +233,7 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
-                "veloxquant_scalar_quantize",
+                Kernel::ScalarQuantize.name(),
                 &[&flat, codebook],
                 &out,
                 &stream,
@@ -272,10 +264,10 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
                 let blocks = items.1.div_ceil(SCALAR_Q_TABLE_THREADS).min(2 * fragment_blocks()?);
                 let grid = ((blocks * SCALAR_Q_TABLE_THREADS) as i32, 1, 1);
                 let threadgroup = (SCALAR_Q_TABLE_THREADS as i32, 1, 1);
-                let launch = Launch { source: Source::ScalarQuantize, inputs: &inputs, outputs: &out, grid, threadgroup, template: &template };
+                let launch = Launch { kernel: Kernel::ScalarQuantize, inputs: &inputs, outputs: &out, grid, threadgroup, template: &template };
                 gpu::launch(&launch, &stream)?.remove(0)
             } else {
-                launch_gpu(Source::ScalarQuantize, &inputs, &out, items, &template, &stream)?.remove(0)
+                launch_gpu(Kernel::ScalarQuantize, &inputs, &out, items, &template, &stream)?.remove(0)
             }
         }
     };
@@ -304,7 +296,7 @@ pub fn scalar_dequantize(
         ));
     }
     let stream = opts.resolve_stream()?;
-    let imp = select(&SCALAR_DQ, opts.policy, &stream)?;
+    let imp = select(Kernel::ScalarDequantize, opts.policy, &stream)?;
     let out_shape = with_last(&packed.shape(), d)?;
     if n * d == 0 {
         return ops::zeros(&out_shape, dtype, &stream);
@@ -318,7 +310,7 @@ pub fn scalar_dequantize(
             ops::astype(&ops::take(codebook, &codes, &stream)?, dtype, &stream)?
         }
         Implementation::Cpu => cpu_primitive::apply(
-            "veloxquant_scalar_dequantize",
+            Kernel::ScalarDequantize.name(),
             &[&flat, codebook],
             &out,
             &stream,
@@ -332,7 +324,7 @@ pub fn scalar_dequantize(
         Implementation::Metal | Implementation::Cuda => {
             let p = sizes(imp, "packed", &[n, d, nbytes])?;
             launch_gpu(
-                Source::ScalarDequantize,
+                Kernel::ScalarDequantize,
                 &[&flat, codebook, &p],
                 &out,
                 ("packed", n * d.div_ceil(8)),
@@ -381,7 +373,7 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
     let (n, d) = matrix("x", x)?;
     check_kivi_group(mode, group, d)?;
     let stream = opts.resolve_stream()?;
-    let imp = select(&KIVI_Q, opts.policy, &stream)?;
+    let imp = select(Kernel::KiviQuantize, opts.policy, &stream)?;
     let nbytes = cpu::packed_len(d, bits);
     let [pr, pc] = kivi_params_shape(mode, n, d, group);
     let (ni, pri, pci) = (to_i32("x", n)?, to_i32("x", pr)?, to_i32("x", pc)?);
@@ -396,7 +388,7 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
-                "veloxquant_kivi_quantize",
+                Kernel::KiviQuantize.name(),
                 &[x],
                 &outs,
                 &stream,
@@ -425,7 +417,7 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
                 KiviMode::Values => n * (d / group),
             };
             launch_gpu(
-                Source::KiviQuantize,
+                Kernel::KiviQuantize,
                 &[x, &p],
                 &outs,
                 ("x", items),
@@ -528,7 +520,7 @@ pub fn kivi_dequantize(
         }
     }
     let stream = opts.resolve_stream()?;
-    let imp = select(&KIVI_DQ, opts.policy, &stream)?;
+    let imp = select(Kernel::KiviDequantize, opts.policy, &stream)?;
     let (ni, di) = (to_i32("packed", n)?, to_i32("d", d)?);
     if n * d == 0 {
         return ops::zeros(&[ni, di], dtype, &stream);
@@ -563,7 +555,7 @@ pub fn kivi_dequantize(
             ops::astype(&y, dtype, &stream)?
         }
         Implementation::Cpu => cpu_primitive::apply(
-            "veloxquant_kivi_dequantize",
+            Kernel::KiviDequantize.name(),
             &[packed, scales, zeros],
             &out,
             &stream,
@@ -587,7 +579,7 @@ pub fn kivi_dequantize(
                     ("PER_CHANNEL", TemplateArg::Bool(per_channel)),
                 ],
             );
-            launch_gpu(Source::KiviDequantize, &[packed, scales, zeros, &p], &out, items, &template, &stream)?
+            launch_gpu(Kernel::KiviDequantize, &[packed, scales, zeros, &p], &out, items, &template, &stream)?
             .remove(0)
         }
     })
@@ -621,7 +613,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
     let (n, d) = rows_last("k", k)?;
     let m = check_sketch(sketch, d)?;
     let stream = opts.resolve_stream()?;
-    let imp = select(&QJL_ENC, opts.policy, &stream)?;
+    let imp = select(Kernel::QjlEncode, opts.policy, &stream)?;
     let nbytes = cpu::packed_len(m, 1);
     let shape = k.shape();
     let signs_shape = with_last(&shape, nbytes)?;
@@ -650,7 +642,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
         Implementation::Cpu => {
             let dtype = k.dtype();
             cpu_primitive::apply(
-                "veloxquant_qjl_encode",
+                Kernel::QjlEncode.name(),
                 &[&flat, sketch],
                 &outs,
                 &stream,
@@ -686,7 +678,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
             }
             gpu::launch(
                 &Launch {
-                    source: Source::QjlEncode,
+                    kernel: Kernel::QjlEncode,
                     inputs: &[&flat, sketch, &p],
                     outputs: &outs,
                     grid: (threads, 1, 1),
@@ -729,7 +721,7 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
     } else {
         Policy::Off
     };
-    let imp = select(&QJL_SCORE, policy, &stream)?;
+    let imp = select(Kernel::QjlScore, policy, &stream)?;
     let (nqi, ni) = (to_i32("q", nq)?, to_i32("signs", n)?);
     if nq * n == 0 {
         return ops::zeros(&[nqi, ni], Dtype::F32, &stream);
@@ -749,7 +741,7 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
         Implementation::Cpu => {
             let dtype = q.dtype();
             cpu_primitive::apply(
-                "veloxquant_qjl_score",
+                Kernel::QjlScore.name(),
                 &[q, sketch, signs, norms],
                 &out,
                 &stream,
@@ -767,7 +759,7 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
             // its Q m floats rather than each reading the whole sketch.
             let ps = sizes(imp, "q", &[nq, d, m])?;
             let sq = launch_gpu(
-                Source::QjlSketchQuery,
+                Kernel::QjlSketchQuery,
                 &[q, sketch, &ps],
                 &[(vec![nqi, to_i32("sketch", m)?], Dtype::F32)],
                 ("q", nq * m),
@@ -779,7 +771,7 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
             // The CUDA body strides over the keys: a capped grid builds the
             // tables in fewer blocks.
             let threads = if imp == Implementation::Cuda { n.min(QJL_SCORE_CUDA_THREADS) } else { n };
-            launch_gpu(Source::QjlScore, &[&sq, signs, norms, &p], &out, ("signs", threads), &[], &stream)?.remove(0)
+            launch_gpu(Kernel::QjlScore, &[&sq, signs, norms, &p], &out, ("signs", threads), &[], &stream)?.remove(0)
         }
     })
 }
@@ -839,7 +831,7 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
     }
     let per = d / s;
     let stream = opts.resolve_stream()?;
-    let imp = select(&PQ_ENC, opts.policy, &stream)?;
+    let imp = select(Kernel::PqEncode, opts.policy, &stream)?;
     let nb_lo = cpu::packed_len(per, lo);
     let nb_hi = if hi > 0 { cpu::packed_len(per, hi) } else { 0 };
     let shape_lo = with_last(&x.shape(), nb_lo)?;
@@ -881,7 +873,7 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
-                "veloxquant_pq_encode",
+                Kernel::PqEncode.name(),
                 &[&flat, codebook],
                 &out,
                 &stream,
@@ -918,7 +910,7 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
                 template.push(("TC", TemplateArg::Bool(tensor_cores)));
             }
             gpu::launch(
-                &Launch { source: Source::PqEncode, inputs: &[&flat, codebook, &p], outputs: &out, grid, threadgroup, template: &template },
+                &Launch { kernel: Kernel::PqEncode, inputs: &[&flat, codebook, &p], outputs: &out, grid, threadgroup, template: &template },
                 &stream,
             )?
         }
@@ -983,7 +975,7 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
         }
     }
     let stream = opts.resolve_stream()?;
-    let imp = select(&PQ_DEC, opts.policy, &stream)?;
+    let imp = select(Kernel::PqDecode, opts.policy, &stream)?;
     let out_shape = with_last(&packed.shape(), d)?;
     if n * d == 0 {
         return ops::zeros(&out_shape, dtype, &stream);
@@ -1014,7 +1006,7 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
             ops::astype(&y, dtype, &stream)?
         }
         Implementation::Cpu => cpu_primitive::apply(
-            "veloxquant_pq_decode",
+            Kernel::PqDecode.name(),
             &[&flat, &flat_hi, codebook],
             &out,
             &stream,
@@ -1053,7 +1045,7 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
                 // A thread per group of 8 sub-vectors.
                 n * per.div_ceil(8)
             };
-            launch_gpu(Source::PqDecode, &[&flat, &flat_hi, codebook, &p], &out, ("codes", threads), &template, &stream)?
+            launch_gpu(Kernel::PqDecode, &[&flat, &flat_hi, codebook, &p], &out, ("codes", threads), &template, &stream)?
             .remove(0)
         }
     };

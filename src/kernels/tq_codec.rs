@@ -11,20 +11,16 @@
 
 use half::{bf16, f16};
 
-use super::gpu::{self, Launch, TemplateArg};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
 use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, encode_tensor_core_parts, launch_encoder};
-use super::{check_bits, check_float, cpu_primitive, sizes, select, Implementation, KernelSpec, Options, Policy, Source, fragment_blocks, walking_blocks, LaunchShape};
+use super::{check_bits, check_float, cpu_primitive, sizes, select, Implementation, Options, Policy, Kernel, fragment_blocks, walking_blocks, LaunchShape};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-
-const PROD_ENCODE: KernelSpec = KernelSpec { name: "tq_prod_encode", gpu: Some(Source::TqProdEncode), cpu: true };
-const PROD_DECODE: KernelSpec = KernelSpec { name: "tq_prod_decode", gpu: Some(Source::TqProdDecode), cpu: true };
-const RVQ_ENCODE: KernelSpec = KernelSpec { name: "tq_rvq_encode", gpu: Some(Source::TqRvqEncode), cpu: true };
-const RVQ_DECODE: KernelSpec = KernelSpec { name: "tq_rvq_decode", gpu: Some(Source::TqRvqDecode), cpu: true };
 
 /// Bit widths of TurboQuant-Prod: `bits − 1` MSE bits plus one QJL bit per coordinate.
 pub const PROD_BITS: [u32; 6] = [1, 2, 3, 4, 5, 9];
@@ -204,10 +200,10 @@ fn rvq_rows_vectors_per_block(d: usize) -> usize {
 /// The grid of a decoder whose blocks of 256 threads walk the tiles (or
 /// `tq_rvq_decode`'s passes of lane rows), each loading its split matrices
 /// (tensor cores) or tables (rows) once.
-fn walking_grid(source: Source, (n, d): (usize, usize), path: CudaDecodePath) -> Result<LaunchShape> {
+fn walking_grid(kernel: Kernel, (n, d): (usize, usize), path: CudaDecodePath) -> Result<LaunchShape> {
     let cap = if path == CudaDecodePath::Rows { walking_blocks()? } else { fragment_blocks()? };
     let per_block =
-        if source == Source::TqRvqDecode && path == CudaDecodePath::Rows { rvq_rows_vectors_per_block(d) } else { CUDA_TILE_VECTORS };
+        if kernel == Kernel::TqRvqDecode && path == CudaDecodePath::Rows { rvq_rows_vectors_per_block(d) } else { CUDA_TILE_VECTORS };
     let blocks = n.div_ceil(per_block).min(cap);
     Ok(((blocks as i32 * 256, 1, 1), (256, 1, 1)))
 }
@@ -218,7 +214,7 @@ fn walking_grid(source: Source, (n, d): (usize, usize), path: CudaDecodePath) ->
 #[allow(clippy::too_many_arguments)]
 fn launch_decoder(
     imp: Implementation,
-    source: Source,
+    kernel: Kernel,
     inputs: &[&Array],
     outputs: &[(Vec<i32>, Dtype)],
     (n, d): (usize, usize),
@@ -231,8 +227,8 @@ fn launch_decoder(
         template.push(("TC", TemplateArg::Bool(path == CudaDecodePath::TensorCores)));
         template.push(("ROWS", TemplateArg::Bool(path == CudaDecodePath::Rows)));
     }
-    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(source, (n, d), path)? };
-    let launch = Launch { source, inputs, outputs, grid, threadgroup, template: &template };
+    let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(kernel, (n, d), path)? };
+    let launch = Launch { kernel, inputs, outputs, grid, threadgroup, template: &template };
     Ok(gpu::launch(&launch, s)?.remove(0))
 }
 
@@ -306,7 +302,7 @@ pub fn tq_prod_encode(
         (None, 0) => {}
     }
     check_array("sketch", sketch, Dtype::F32, &[d as i32, d as i32])?;
-    let imp = select(&PROD_ENCODE, opts.policy, &stream)?;
+    let imp = select(Kernel::TqProdEncode, opts.policy, &stream)?;
     let code_bytes = d * mse_bits as usize / 8;
     let lead = &rows.lead;
     if n == 0 {
@@ -362,7 +358,7 @@ pub fn tq_prod_encode(
             if imp == Implementation::Cpu {
                 let dtype = x.dtype();
                 cpu_primitive::apply(
-                    "veloxquant_tq_prod_encode",
+                    Kernel::TqProdEncode.name(),
                     &[&rows.flat, rot_input, cent_input, sketch],
                     &outputs,
                     &stream,
@@ -386,7 +382,7 @@ pub fn tq_prod_encode(
                 let p = sizes(imp, "x", &[n])?;
                 launch_encoder(
                     imp,
-                    Source::TqProdEncode,
+                    Kernel::TqProdEncode,
                     &[&rows.flat, rot_input, cent_input, sketch, &p],
                     &outputs,
                     (n, d),
@@ -463,7 +459,7 @@ pub fn tq_prod_decode(
     }
     let stream = opts.resolve_stream()?;
     let s = &stream;
-    let imp = select(&PROD_DECODE, opts.policy, s)?;
+    let imp = select(Kernel::TqProdDecode, opts.policy, s)?;
     let out_shape = with_last(&lead, d);
     if n == 0 {
         return ops::zeros(&out_shape, dtype, s);
@@ -518,7 +514,7 @@ pub fn tq_prod_decode(
             let outputs = [(vec![ni, d as i32], dtype)];
             if imp == Implementation::Cpu {
                 cpu_primitive::apply(
-                    "veloxquant_tq_prod_decode",
+                    Kernel::TqProdDecode.name(),
                     &[&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch],
                     &outputs,
                     s,
@@ -548,7 +544,7 @@ pub fn tq_prod_decode(
                 ];
                 let inputs = [&codes, &signs, &norms, &rnorms, rot_input, &cent, sketch, &p];
                 let path = if prod_decode_tensor_cores(dtype, d) { CudaDecodePath::TensorCores } else { CudaDecodePath::Tiles };
-                launch_decoder(imp, Source::TqProdDecode, &inputs, &outputs, (n, d), template, path, s)?
+                launch_decoder(imp, Kernel::TqProdDecode, &inputs, &outputs, (n, d), template, path, s)?
             }
         }
     };
@@ -581,7 +577,7 @@ pub fn tq_rvq_encode(
     let (n, d) = (rows.n, rows.d);
     let hadamard = check_rotation_input(rotation, d)?;
     check_rvq_codebooks(centroids1, centroids2, bits)?;
-    let imp = select(&RVQ_ENCODE, opts.policy, s)?;
+    let imp = select(Kernel::TqRvqEncode, opts.policy, s)?;
     let (b1, b2) = (d * bits.0 as usize / 8, d * bits.1 as usize / 8);
     let lead = &rows.lead;
     if n == 0 {
@@ -608,7 +604,7 @@ pub fn tq_rvq_encode(
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
-                "veloxquant_tq_rvq_encode",
+                Kernel::TqRvqEncode.name(),
                 &[&rows.flat, rot_input, centroids1, centroids2],
                 &outputs,
                 s,
@@ -630,7 +626,7 @@ pub fn tq_rvq_encode(
             let p = sizes(imp, "x", &[n])?;
             launch_encoder(
                 imp,
-                Source::TqRvqEncode,
+                Kernel::TqRvqEncode,
                 &[&rows.flat, rot_input, centroids1, centroids2, &p],
                 &outputs,
                 (n, d),
@@ -681,7 +677,7 @@ pub fn tq_rvq_decode(
     check_array("codes2", &enc.codes2, Dtype::U8, &with_last(&lead, b2))?;
     let stream = opts.resolve_stream()?;
     let s = &stream;
-    let imp = select(&RVQ_DECODE, opts.policy, s)?;
+    let imp = select(Kernel::TqRvqDecode, opts.policy, s)?;
     let out_shape = with_last(&lead, d);
     if n == 0 {
         return ops::zeros(&out_shape, dtype, s);
@@ -702,7 +698,7 @@ pub fn tq_rvq_decode(
             unrotate_reference(&ops::add(&y1, &y2, s)?, rotation, &norms, dtype, s)?
         }
         Implementation::Cpu => cpu_primitive::apply(
-            "veloxquant_tq_rvq_decode",
+            Kernel::TqRvqDecode.name(),
             &[&codes1, &codes2, &norms, rot_input, centroids1, centroids2],
             &outputs,
             s,
@@ -731,7 +727,7 @@ pub fn tq_rvq_decode(
             ];
             let inputs = [&codes1, &codes2, &norms, rot_input, centroids1, centroids2, &p];
             let path = rvq_decode_path(dtype, d, RotationInput::of(rotation, hadamard));
-            launch_decoder(imp, Source::TqRvqDecode, &inputs, &outputs, (n, d), template, path, s)?
+            launch_decoder(imp, Kernel::TqRvqDecode, &inputs, &outputs, (n, d), template, path, s)?
         }
     };
     ops::reshape(&y, &out_shape, s)

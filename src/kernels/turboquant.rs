@@ -5,18 +5,16 @@
 
 use half::{bf16, f16};
 
-use super::gpu::{self, Launch, TemplateArg};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
 use super::kv_attention::times_transpose;
-use super::{check_bits, check_float, cpu_primitive, select, split_sizes, Implementation, KernelSpec, Options, Source, fragment_blocks};
+use super::{check_bits, check_float, cpu_primitive, select, split_sizes, Implementation, Options, Kernel, fragment_blocks};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-
-const ENCODE: KernelSpec = KernelSpec { name: "tq_encode", gpu: Some(Source::TqEncode), cpu: true };
-const ATTENTION: KernelSpec = KernelSpec { name: "tq_attention", gpu: Some(Source::TqAttention), cpu: true };
 
 /// Bit widths of the cache's TurboQuant codes.
 pub const TQ_BITS: [u32; 5] = crate::cpu::SUPPORTED_BITS;
@@ -129,7 +127,7 @@ pub fn encode_code_table(parts: i32, bits: (u32, u32), n: usize) -> bool {
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn launch_encoder(
     imp: Implementation,
-    source: Source,
+    kernel: Kernel,
     inputs: &[&Array],
     outputs: &[(Vec<i32>, Dtype)],
     (n, d): (usize, usize),
@@ -142,7 +140,7 @@ pub(crate) fn launch_encoder(
     let mut table = false;
     if let Some(p) = parts {
         template.push(("TC", TemplateArg::Int(p)));
-        if matches!(source, Source::TqEncode | Source::TqRvqEncode) {
+        if matches!(kernel, Kernel::TqEncode | Kernel::TqRvqEncode) {
             let bits = |names: &[&str]| {
                 template.iter().find_map(|(name, v)| match v {
                     TemplateArg::Int(b) if names.contains(name) => Some(*b as u32),
@@ -166,7 +164,7 @@ pub(crate) fn launch_encoder(
         }
         _ => super::tq_codec::codec_grid(imp, n, d)?,
     };
-    gpu::launch(&Launch { source, inputs, outputs, grid, threadgroup, template: &template }, s)
+    gpu::launch(&Launch { kernel, inputs, outputs, grid, threadgroup, template: &template }, s)
 }
 
 /// Encodes `x` `[..., d]`: packed codes uint8 `[..., d * bits / 8]` and norms
@@ -196,7 +194,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
     let lead = xs[..xs.len() - 1].to_vec();
     let mut codes_shape = lead.clone();
     codes_shape.push(row_bytes as i32);
-    let imp = select(&ENCODE, opts.policy, &stream)?;
+    let imp = select(Kernel::TqEncode, opts.policy, &stream)?;
     if n == 0 {
         return Ok((ops::zeros(&codes_shape, Dtype::U8, &stream)?, ops::zeros(&lead, Dtype::F16, &stream)?));
     }
@@ -208,7 +206,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
-                "veloxquant_tq_encode",
+                Kernel::TqEncode.name(),
                 &[&flat, rot_input, centroids],
                 &outputs,
                 &stream,
@@ -235,7 +233,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
                 ("HADAMARD", TemplateArg::Bool(hadamard)),
             ];
             let parts = encode_tensor_core_parts(x.dtype(), d, rotate, bits);
-            launch_encoder(imp, Source::TqEncode, &[&flat, rot_input, centroids], &outputs, (n, d), &template, Some(parts), &stream)?
+            launch_encoder(imp, Kernel::TqEncode, &[&flat, rot_input, centroids], &outputs, (n, d), &template, Some(parts), &stream)?
         }
     };
     let norms = ops::reshape(&outs.remove(1), &lead, &stream)?;
@@ -328,7 +326,7 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
         });
     }
     let stream = opts.resolve_stream()?;
-    let mut imp = select(&ATTENTION, opts.policy, &stream)?;
+    let mut imp = select(Kernel::TqAttention, opts.policy, &stream)?;
     let g = sh.q_heads / sh.kv_heads;
     let backend = stream.backend()?;
     let tiles = tile_rows_within(g, sh.queries, shared_limit(backend), sh.dim, sh.key_bits, sh.value_bits);
@@ -358,7 +356,7 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
             let dtype = q.dtype();
             let scale_copy = scale;
             cpu_primitive::apply_one(
-                "veloxquant_tq_attention",
+                Kernel::TqAttention.name(),
                 &[q, layer.rot_k, layer.rot_v, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes,
                   layer.v_norms, layer.v_centroids, layer.win_k, layer.win_v],
                 (want.to_vec(), dtype),
@@ -436,7 +434,7 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
     let dtype = q.dtype();
     let row = sh0.q_heads * sh0.dim;
     cpu_primitive::apply_one(
-        "veloxquant_tq_attention_each",
+        Kernel::TqAttentionEach.name(),
         &inputs,
         (want.to_vec(), dtype),
         stream,
@@ -575,7 +573,7 @@ pub(crate) fn reduce_partials(parts: &[Array], rot_v: Option<&Array>, q: &Array,
     // already at hand stands in (no new host array per call).
     Ok(gpu::launch(
         &Launch {
-            source: Source::TqReduce,
+            kernel: Kernel::TqReduce,
             inputs: &[&parts[0], &parts[1], &parts[2], rot_v.unwrap_or(&parts[0])],
             outputs: &[(q.shape(), q.dtype())],
             grid: (rows * threads, 1, 1),
@@ -662,7 +660,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
     }
     let mut parts = gpu::launch(
         &Launch {
-            source: Source::TqDecode,
+            kernel: Kernel::TqDecode,
             inputs: &inputs,
             outputs: &outputs,
             grid: (threads, 1, 1),
@@ -696,7 +694,7 @@ fn rotate_queries(q: &Array, rot: &Array, scale: f32, s: &Stream) -> Result<Arra
     let blocks = rows.div_ceil(ROTATE_ROWS) * d.div_ceil(32);
     Ok(gpu::launch(
         &Launch {
-            source: Source::TqRotate,
+            kernel: Kernel::TqRotate,
             inputs: &[q, rot],
             outputs: &[(shape, Dtype::F32)],
             grid: ((blocks * 256) as i32, 1, 1),
@@ -739,7 +737,7 @@ fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, ti
     let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
     gpu::launch(
         &Launch {
-            source: Source::TqAttention,
+            kernel: Kernel::TqAttention,
             inputs: &inputs,
             outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
             grid: (threads, 1, 1),

@@ -2,16 +2,15 @@
 
 use half::{bf16, f16};
 
-use super::gpu::{self, Launch, TemplateArg};
-use super::{cpu_primitive, grid_1d, sizes, select, Implementation, KernelSpec, Options, Source};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
+use super::{cpu_primitive, grid_1d, sizes, select, Implementation, Options, Kernel};
 use crate::array::Array;
 use crate::cpu;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-
-const SPEC: KernelSpec = KernelSpec { name: "vq_quantize", gpu: Some(Source::VqQuantize), cpu: true };
 
 /// Sub-vector sizes the fused kernels are compiled for.
 pub const VQ_DIMS: [usize; 3] = [2, 4, 8];
@@ -60,7 +59,7 @@ pub fn vq_quantize(x: &Array, codebook: &Array, opts: &Options) -> Result<Array>
     let stream = opts.resolve_stream()?;
     let xs = x.shape();
     let out_shape = xs[..xs.len() - 1].to_vec();
-    let imp = select(&SPEC, opts.policy, &stream)?;
+    let imp = select(Kernel::VqQuantize, opts.policy, &stream)?;
     if n == 0 {
         return ops::zeros(&out_shape, Dtype::U32, &stream);
     }
@@ -72,7 +71,7 @@ pub fn vq_quantize(x: &Array, codebook: &Array, opts: &Options) -> Result<Array>
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
-                "veloxquant_vq_quantize",
+                Kernel::VqQuantize.name(),
                 &[&flat, codebook],
                 &out,
                 &stream,
@@ -93,7 +92,7 @@ pub fn vq_quantize(x: &Array, codebook: &Array, opts: &Options) -> Result<Array>
             let (grid, threadgroup) = grid_1d("x", n)?;
             gpu::launch(
                 &Launch {
-                    source: Source::VqQuantize,
+                    kernel: Kernel::VqQuantize,
                     inputs: &[&flat, codebook, &p],
                     outputs: &out,
                     grid,

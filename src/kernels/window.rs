@@ -6,15 +6,14 @@
 //! per op is what a decode step costs, so the fused kernel does it in one
 //! launch (copying the small windows into its outputs).
 
-use super::gpu::{self, Launch, TemplateArg};
-use super::{check_float, cpu_primitive, grid_1d, select, Implementation, KernelSpec, Options, Source};
+use super::gpu::{self, Launch};
+use super::TemplateArg;
+use super::{check_float, cpu_primitive, grid_1d, select, Implementation, Options, Kernel};
 use crate::array::Array;
 use crate::cpu::window::{self as cpu_window, WindowShape};
 use crate::error::{Error, Result};
 use crate::ops;
 use crate::stream::Stream;
-
-const SPEC: KernelSpec = KernelSpec { name: "window_append", gpu: Some(Source::WindowAppend), cpu: true };
 
 /// What [`window_append`] writes.
 pub struct WindowAppend<'a> {
@@ -81,7 +80,7 @@ impl WindowAppend<'_> {
 pub fn window_append(a: &WindowAppend<'_>, opts: &Options) -> Result<(Array, Array)> {
     let sh = a.check()?;
     let stream = opts.resolve_stream()?;
-    let mut imp = select(&SPEC, opts.policy, &stream)?;
+    let mut imp = select(Kernel::WindowAppend, opts.policy, &stream)?;
     // The GPU bodies read the slot from a view of that length and work in
     // chunks of 8 dimensions.
     if matches!(imp, Implementation::Metal | Implementation::Cuda) && (sh.at == 0 || sh.dim % 8 != 0) {
@@ -123,7 +122,7 @@ fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, A
     inputs.extend(a.key_offset.into_iter().chain(a.value_frame));
     let out = a.win_k.shape();
     let outs = cpu_primitive::apply(
-        "veloxquant_window_append",
+        Kernel::WindowAppend.name(),
         &inputs,
         &[(out.clone(), dtype), (out, dtype)],
         s,
@@ -169,7 +168,7 @@ fn on_gpu(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, 
     let out = a.win_k.shape();
     let mut outs = gpu::launch(
         &Launch {
-            source: Source::WindowAppend,
+            kernel: Kernel::WindowAppend,
             inputs: &[
                 a.keys,
                 a.values,

@@ -574,6 +574,20 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add("MLX_VERSION", mlx_compiled_version())?;
     m.add("MAX_KIVI_KEY_GROUP", crate::cache::MAX_KIVI_KEY_GROUP)?;
+    // The cache's methods as the crate defines them: name -> (supported
+    // bits or None where bits are ignored, keys only).
+    let methods = pyo3::types::PyDict::new(m.py());
+    for method in crate::cache::METHODS {
+        methods.set_item(method.name(), (method.supported_bits().map(|b| b.to_vec()), method.keys_only()))?;
+    }
+    m.add("CACHE_METHODS", methods)?;
+    // The kernels' argument ranges, for the Python wrappers' early checks.
+    m.add("SUPPORTED_BITS", crate::cpu::SUPPORTED_BITS.to_vec())?;
+    m.add("PROD_BITS", kernels::PROD_BITS.to_vec())?;
+    m.add("PQ_BITS", crate::cpu::PQ_BITS.collect::<Vec<u32>>())?;
+    m.add("PQ_SUB_DIMS", kernels::PQ_SUB_DIMS.to_vec())?;
+    m.add("VQ_DIMS", kernels::VQ_DIMS.to_vec())?;
+    m.add("MAX_CODEBOOK_SIZE", kernels::MAX_CODEBOOK_SIZE)?;
     m.add_function(wrap_pyfunction!(sphere_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;

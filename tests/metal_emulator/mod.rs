@@ -334,6 +334,17 @@ pub fn repo_root() -> PathBuf {
     this.ancestors().nth(3).expect("tests/metal_emulator/mod.rs has a repository root").to_path_buf()
 }
 
+/// A crate kernel as the crate hands it to MLX: its declaration's MLX name,
+/// input and output names, Metal body and header (`Kernel::header`), without comments
+/// (`kernels::compact_source`).
+pub fn declared(kernel: veloxquant::kernels::Kernel) -> MetalKernel {
+    use veloxquant::kernels::compact_source;
+    let d = kernel.declaration();
+    let body = d.metal.unwrap_or_else(|| panic!("{} has no Metal body", d.name));
+    let header = kernel.header(veloxquant::Backend::Metal, &[]);
+    MetalKernel::new(d.mlx_name, d.inputs, d.outputs, &compact_source(body)).with_header(&compact_source(&header))
+}
+
 /// The text of a kernel file `rel` (from the repository root) as the crate
 /// hands it to MLX: without comments (`kernels::compact_source`).
 pub fn kernel_source(rel: &str) -> String {

@@ -213,10 +213,6 @@ def needle_run(
     return key in tokenizer.decode(out).replace(" ", "")
 
 
-# The veloxquant methods (veloxquant.LayerCache's key_method/value_method);
-# qjl and turboquant-prod store keys only and pair with turboquant-mse values.
-METHODS = ("fp16", "turboquant-mse", "kivi", "pq", "qjl", "turboquant-prod", "turboquant-rvq")
-
 
 def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sinks: int, mlx_bits: Sequence[int],
                   key_groups: Sequence[int] = (32,)):
@@ -586,6 +582,10 @@ def _float_list(s: str, name: str) -> List[float]:
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
+    # The veloxquant methods (LayerCache's key_method/value_method); the
+    # keys-only ones pair with turboquant-mse values.
+    from ..cache import METHODS
+
     p = argparse.ArgumentParser(prog="veloxquant eval", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
     p.add_argument(

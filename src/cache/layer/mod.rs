@@ -53,13 +53,8 @@ impl LayerCache {
         };
         if cfg.policy == Policy::Require && cfg.compressed() {
             // Fail at construction, not at the first append.
-            let (name, source) = if Self::turboquant_only(&cfg) {
-                ("tq_attention", kernels::Source::TqAttention)
-            } else {
-                ("kv_attention", kernels::Source::KvAttention)
-            };
-            let probe = kernels::KernelSpec { name, gpu: Some(source), cpu: true };
-            kernels::select(&probe, Policy::Require, &stream)?;
+            let attention = if Self::turboquant_only(&cfg) { kernels::Kernel::TqAttention } else { kernels::Kernel::KvAttention };
+            kernels::select(attention, Policy::Require, &stream)?;
         }
         Ok(LayerCache { cfg, device: stream.device()?, batch: 0, dtype: Dtype::F16, shared: None, store: None })
     }

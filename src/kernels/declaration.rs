@@ -1,0 +1,497 @@
+//! Every kernel declared once: its contract with MLX (input and output
+//! names, the CUDA body's extra arguments), which bodies and headers it has,
+//! whether it has a CPU primitive and how it reads its inputs. The bodies are
+//! found from the kernel's name: `metal/<name>.metal`, `cuda/<name>.cu`; the
+//! CPU implementation is the primitive its op builds (`kernels::<op>`), run
+//! under the kernel's MLX name. docs/KERNELS.md has each contract in full.
+
+use crate::cpu::kv_attention::Codec;
+use crate::dtype::Dtype;
+use crate::stream::Backend;
+
+/// A template argument of a kernel body.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum TemplateArg {
+    Int(i32),
+    Bool(bool),
+    Dtype(Dtype),
+}
+
+/// What MLX and the ops need to know of one kernel.
+#[derive(Debug)]
+pub struct Declaration {
+    /// The kernel's name: its files' stem and its contract's heading.
+    pub name: &'static str,
+    /// The name MLX knows its GPU kernel and CPU primitive by.
+    pub mlx_name: &'static str,
+    pub inputs: &'static [&'static str],
+    pub outputs: &'static [&'static str],
+    /// Inputs the CUDA body takes after `inputs`.
+    pub cuda_inputs: &'static [&'static str],
+    /// Outputs of the CUDA body only, after `outputs`.
+    pub cuda_outputs: &'static [&'static str],
+    pub metal: Option<&'static str>,
+    /// Helpers placed before the Metal body (MLX's `header`).
+    pub metal_header: &'static str,
+    pub cuda: Option<&'static str>,
+    /// Helpers placed before the CUDA body (MLX's `header`).
+    pub cuda_header: &'static str,
+    /// Whether the op has a CPU primitive for it.
+    pub cpu: bool,
+    /// Whether the bodies name the codecs' ids (`Codec::gpu_defines`,
+    /// placed before the header).
+    pub codec_ids: bool,
+    /// Whether the GPU bodies read their inputs through their strides, so
+    /// that views (the cache's stores, transposed queries) cost no copy;
+    /// otherwise MLX hands them over row-contiguous.
+    pub strided: bool,
+}
+
+macro_rules! body {
+    (metal, $name:literal) => {
+        Some(include_str!(concat!("../../metal/", $name, ".metal")))
+    };
+    (cuda, $name:literal) => {
+        Some(include_str!(concat!("../../cuda/", $name, ".cu")))
+    };
+    (none, $name:literal) => {
+        None
+    };
+}
+
+macro_rules! kernels {
+    ($(
+        $(#[doc = $doc:literal])*
+        $kernel:ident = $name:literal {
+            inputs: [$($input:literal),* $(,)?],
+            outputs: [$($output:literal),* $(,)?],
+            $(cuda_inputs: [$($cuda_input:literal),* $(,)?],)?
+            $(cuda_outputs: [$($cuda_output:literal),* $(,)?],)?
+            metal: $metal:ident [$($metal_header:literal),* $(,)?],
+            cuda: $cuda:ident [$($cuda_header:literal),* $(,)?],
+            cpu: $cpu:literal,
+            $(codec_ids: $codec_ids:literal,)?
+            strided: $strided:literal $(,)?
+        }
+    ),* $(,)?) => {
+        /// A kernel; [`Kernel::declaration`] says what it is.
+        #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+        pub enum Kernel {
+            $($(#[doc = $doc])* $kernel,)*
+        }
+
+        /// Every kernel's declaration, in [`Kernel`]'s order.
+        pub static DECLARATIONS: &[Declaration] = &[$(
+            Declaration {
+                name: $name,
+                mlx_name: concat!("veloxquant_", $name),
+                inputs: &[$($input),*],
+                outputs: &[$($output),*],
+                cuda_inputs: &[$($($cuda_input),*)?],
+                cuda_outputs: &[$($($cuda_output),*)?],
+                metal: body!($metal, $name),
+                metal_header: concat!($(include_str!(concat!("../../metal/", $metal_header))),*),
+                cuda: body!($cuda, $name),
+                cuda_header: concat!($(include_str!(concat!("../../cuda/", $cuda_header))),*),
+                cpu: $cpu,
+                codec_ids: false $(|| $codec_ids)?,
+                strided: $strided,
+            },
+        )*];
+
+        impl Kernel {
+            /// Every kernel, in declaration order.
+            pub const ALL: &'static [Kernel] = &[$(Kernel::$kernel),*];
+        }
+    };
+}
+
+kernels! {
+    /// b-bit codes packed along the last axis.
+    BitPack = "bit_pack" {
+        inputs: ["codes", "params"],
+        outputs: ["packed"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    BitUnpack = "bit_unpack" {
+        inputs: ["packed", "params"],
+        outputs: ["codes"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    /// Nearest codebook entry of each short vector.
+    VqQuantize = "vq_quantize" {
+        inputs: ["x", "codebook", "params"],
+        outputs: ["indices"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    /// The cache's TurboQuant-MSE encoder: norm and rotated Lloyd–Max codes.
+    TqEncode = "tq_encode" {
+        inputs: ["x", "rotation", "centroids"],
+        outputs: ["codes", "norms"],
+        metal: metal ["tq_norm.h"],
+        cuda: cuda [
+            "quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh", "mma.cuh",
+            "mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh",
+        ],
+        cpu: true,
+        strided: false,
+    },
+    /// Attention over a TurboQuant cache, one partial softmax per split.
+    TqAttention = "tq_attention" {
+        inputs: ["qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params"],
+        outputs: ["m_out", "l_out", "acc_out"],
+        cuda_inputs: ["params_hi"],
+        metal: metal ["tq_common.h"],
+        cuda: cuda [],
+        cpu: true,
+        strided: false,
+    },
+    /// A batch of per-sequence TurboQuant caches attended in one call (CPU).
+    TqAttentionEach = "tq_attention_each" {
+        inputs: [],
+        outputs: [],
+        metal: none [],
+        cuda: none [],
+        cpu: true,
+        strided: false,
+    },
+    /// Decode attention over a TurboQuant cache; on CUDA it merges its
+    /// splits itself (`counters`, `out`).
+    TqDecode = "tq_decode" {
+        inputs: ["q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v"],
+        outputs: ["m_out", "l_out", "acc_out"],
+        cuda_inputs: ["counters"],
+        cuda_outputs: ["out"],
+        metal: metal [],
+        // Only what the decode reads: MLX's host time per launch grows with
+        // the source's length (gpu::compact_source).
+        cuda: cuda ["quant_load.cuh", "mma.cuh", "tq_decode_common.cuh"],
+        cpu: false,
+        strided: true,
+    },
+    /// Merges the attention kernels' partial softmaxes and rotates back.
+    TqReduce = "tq_reduce" {
+        inputs: ["part_m", "part_l", "part_acc", "rot_v"],
+        outputs: ["out"],
+        metal: metal [],
+        cuda: cuda [],
+        cpu: false,
+        strided: false,
+    },
+    /// Decode queries rotated and scaled once per call.
+    TqRotate = "tq_rotate" {
+        inputs: ["q", "rot"],
+        outputs: ["out"],
+        metal: metal [],
+        cuda: cuda [],
+        cpu: false,
+        strided: true,
+    },
+    /// Attention over keys and values of any two codecs.
+    KvAttention = "kv_attention" {
+        inputs: [
+            "qf", "k_codes", "k_scales", "k_zeros", "k_table", "v_codes", "v_scales", "v_zeros", "v_table", "win_k",
+            "win_v", "mask", "params",
+        ],
+        outputs: ["m_out", "l_out", "acc_out"],
+        cuda_inputs: ["params_hi"],
+        metal: metal ["tq_common.h", "kv_common.h"],
+        cuda: cuda ["kv_common.cuh"],
+        cpu: true,
+        codec_ids: true,
+        strided: false,
+    },
+    TqProdEncode = "tq_prod_encode" {
+        inputs: ["x", "rotation", "centroids", "sketch", "params"],
+        outputs: ["codes", "signs", "norms", "residual_norms"],
+        metal: metal ["tq_common.h", "tq_norm.h"],
+        cuda: cuda [
+            "quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh", "mma.cuh",
+            "mma_common.cuh", "tq_encode_tensor_cores.cuh",
+        ],
+        cpu: true,
+        strided: false,
+    },
+    TqProdDecode = "tq_prod_decode" {
+        inputs: ["codes", "signs", "norms", "residual_norms", "rotation", "centroids", "sketch", "params"],
+        outputs: ["y"],
+        metal: metal ["tq_common.h", "tq_norm.h"],
+        cuda: cuda [
+            "quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh", "mma.cuh",
+            "mma_common.cuh", "tq_tensor_cores.cuh", "two_blocks_per_sm.cuh",
+        ],
+        cpu: true,
+        strided: false,
+    },
+    TqRvqEncode = "tq_rvq_encode" {
+        inputs: ["x", "rotation", "centroids1", "centroids2", "params"],
+        outputs: ["codes1", "codes2", "norms"],
+        metal: metal ["tq_common.h", "tq_norm.h"],
+        cuda: cuda [
+            "quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh", "mma.cuh",
+            "mma_common.cuh", "tq_encode_tensor_cores.cuh", "two_blocks_per_sm.cuh",
+        ],
+        cpu: true,
+        strided: false,
+    },
+    TqRvqDecode = "tq_rvq_decode" {
+        inputs: ["codes1", "codes2", "norms", "rotation", "centroids1", "centroids2", "params"],
+        outputs: ["y"],
+        metal: metal ["tq_common.h", "tq_norm.h"],
+        cuda: cuda [
+            "quant_load.cuh", "quant_common.cuh", "tq_decode_common.cuh", "tq_common.cuh", "mma.cuh",
+            "mma_common.cuh", "tq_tensor_cores.cuh",
+        ],
+        cpu: true,
+        strided: false,
+    },
+    ScalarQuantize = "scalar_quantize" {
+        inputs: ["x", "codebook", "params"],
+        outputs: ["packed"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    ScalarDequantize = "scalar_dequantize" {
+        inputs: ["packed", "codebook", "params"],
+        outputs: ["y"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    KiviQuantize = "kivi_quantize" {
+        inputs: ["x", "params"],
+        outputs: ["packed", "scales", "zeros"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    KiviDequantize = "kivi_dequantize" {
+        inputs: ["packed", "scales", "zeros", "params"],
+        outputs: ["y"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    QjlEncode = "qjl_encode" {
+        inputs: ["k", "sketch", "params"],
+        outputs: ["signs", "norms"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh", "mma.cuh", "mma_common.cuh", "qjl_tensor_cores.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    QjlSketchQuery = "qjl_sketch_query" {
+        inputs: ["q", "sketch", "params"],
+        outputs: ["sq"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: false,
+        strided: false,
+    },
+    QjlScore = "qjl_score" {
+        inputs: ["sq", "signs", "norms", "params"],
+        outputs: ["scores"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    PqEncode = "pq_encode" {
+        inputs: ["x", "codebook", "params"],
+        outputs: ["packed", "packed_hi"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh", "mma.cuh", "mma_common.cuh", "pq_encode_tensor_cores.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    PqDecode = "pq_decode" {
+        inputs: ["packed", "packed_hi", "codebook", "params"],
+        outputs: ["y"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
+    /// A decode step's tokens written into the float16 windows.
+    WindowAppend = "window_append" {
+        inputs: ["keys", "values", "key_frame", "value_frame", "key_offset", "win_k", "win_v", "filled"],
+        outputs: ["out_k", "out_v"],
+        metal: metal [],
+        cuda: cuda [],
+        cpu: true,
+        strided: true,
+    },
+}
+
+impl Kernel {
+    pub fn declaration(self) -> &'static Declaration {
+        &DECLARATIONS[self as usize]
+    }
+
+    /// The kernel name given to MLX (unique per kernel).
+    pub fn name(self) -> &'static str {
+        self.declaration().mlx_name
+    }
+
+    /// The header MLX places before the body on `backend` for an
+    /// instantiation with these template arguments: the codec ids where the
+    /// kernel reads them, then the declared header (on CUDA
+    /// [`Kernel::cuda_header_for`]'s).
+    pub fn header(self, backend: Backend, template: &[(&str, TemplateArg)]) -> String {
+        let d = self.declaration();
+        let declared = match backend {
+            Backend::Metal => d.metal_header,
+            Backend::Cuda => self.cuda_header_for(template),
+            Backend::Cpu => return String::new(),
+        };
+        let ids = if d.codec_ids { Codec::gpu_defines() } else { String::new() };
+        ids + declared
+    }
+
+    /// Dynamic shared memory of a CUDA launch, in bytes, for the template
+    /// arguments given: `tq_prod_decode`'s dense tensor-core path keeps the
+    /// split sketch's fragments there (4 bytes per entry of the `D x D`
+    /// sketch; MLX raises the kernel's limit past 48 KB); `tq_prod_encode`'s
+    /// tensor-core path the sketch's float16 fragments (2 bytes an entry)
+    /// and its residual tile of 64 rows (`tq_prod_tc_dynamic_bytes`);
+    /// `scalar_quantize`'s table path the code of each of the 65536 values
+    /// of a 16-bit type (a byte each), and so `tq_encode`'s and
+    /// `tq_rvq_encode`'s for float16 values; `tq_decode` a split's key and
+    /// value codes; 0 elsewhere.
+    pub fn cuda_dynamic_shared_bytes(self, template: &[(&str, TemplateArg)]) -> i32 {
+        let arg = |name: &str| template.iter().find(|(n, _)| *n == name).map(|(_, v)| *v);
+        match self {
+            Kernel::TqProdEncode => match (arg("D"), arg("TC")) {
+                (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(tc))) if tc > 0 => 2 * d * d + 64 * (d + 8) * 2,
+                _ => 0,
+            },
+            Kernel::ScalarQuantize | Kernel::TqEncode | Kernel::TqRvqEncode if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
+            Kernel::TqDecode => match (arg("D"), arg("KB"), arg("VB")) {
+                (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(kb)), Some(TemplateArg::Int(vb))) => {
+                    // The tensor-core path's two chunk buffers and their
+                    // float16 norms, else one split's codes; and a spare
+                    // word past them: the tensor-core path reads whole words
+                    // from any bit on.
+                    let chunk = super::turboquant::DECODE_SPLIT_MAX as i32;
+                    let codes = chunk * (d * kb / 8 + d * vb / 8);
+                    let tensor_cores = matches!(arg("T"), Some(TemplateArg::Dtype(t)) if super::turboquant::decode_on_tensor_cores(t, d as usize));
+                    if tensor_cores { 2 * codes + 8 * chunk + 16 } else { codes + 16 }
+                }
+                _ => 0,
+            },
+            Kernel::TqProdDecode => {
+                let on = |name: &str| arg(name) == Some(TemplateArg::Bool(true));
+                match arg("D") {
+                    Some(TemplateArg::Int(d)) if on("TC") && on("ROTATE") && !on("HADAMARD") => 4 * d * d,
+                    _ => 0,
+                }
+            }
+            _ => 0,
+        }
+    }
+
+    /// The CUDA header of an instantiation with these template arguments:
+    /// the declared CUDA header, but `tq_prod_encode`'s tensor-core path
+    /// (`TC` > 0) takes `tq_encode`'s, which adds two_blocks_per_sm.cuh's
+    /// register bound that its exact path goes without (ptxas would give
+    /// that path more registers, and at D = 256 a spill). The template
+    /// arguments differ, so MLX compiles the two apart.
+    pub fn cuda_header_for(self, template: &[(&str, TemplateArg)]) -> &'static str {
+        let tensor_cores = template.iter().any(|(n, v)| *n == "TC" && matches!(v, TemplateArg::Int(p) if *p > 0));
+        match self {
+            Kernel::TqProdEncode if tensor_cores => Kernel::TqEncode.declaration().cuda_header,
+            _ => self.declaration().cuda_header,
+        }
+    }
+
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_declaration_is_its_kernel_and_its_bodies_read_what_it_declares() {
+        assert_eq!(Kernel::ALL.len(), DECLARATIONS.len());
+        let mut names = std::collections::HashSet::new();
+        for &kernel in Kernel::ALL {
+            let d = kernel.declaration();
+            assert!(names.insert(d.name), "{} declared twice", d.name);
+            assert_eq!(kernel.name(), format!("veloxquant_{}", d.name));
+            assert!(d.cpu || d.metal.is_some() || d.cuda.is_some(), "{}: no implementation", d.name);
+            // MLX passes every declared name as an argument: a name a body
+            // never reads is a contract out of step with its body.
+            let reads = |text: &str, name: &str| {
+                text.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_')).any(|w| w == name || w == format!("{name}_shape"))
+            };
+            if let Some(metal) = d.metal {
+                let text = format!("{}{metal}", d.metal_header);
+                for name in d.inputs.iter().chain(d.outputs) {
+                    assert!(reads(&text, name), "{}: the Metal body never names {name}", d.name);
+                }
+            }
+            if let Some(cuda) = d.cuda {
+                let text = format!("{}{cuda}", d.cuda_header);
+                for name in d.inputs.iter().chain(d.outputs).chain(d.cuda_inputs).chain(d.cuda_outputs) {
+                    assert!(reads(&text, name), "{}: the CUDA body never names {name}", d.name);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn dynamic_shared_memory_for_the_tensor_core_prod_codecs_and_the_code_table() {
+        let args = |d: i32, tc: bool, rotate: bool, hadamard: bool| {
+            vec![
+                ("D", TemplateArg::Int(d)),
+                ("ROTATE", TemplateArg::Bool(rotate)),
+                ("HADAMARD", TemplateArg::Bool(hadamard)),
+                ("TC", TemplateArg::Bool(tc)),
+            ]
+        };
+        let prod = Kernel::TqProdDecode;
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, true, false)), 65536);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(64, true, true, false)), 16384);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, true, true)), 0);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, true, false, false)), 0);
+        assert_eq!(prod.cuda_dynamic_shared_bytes(&args(128, false, true, false)), 0);
+        assert_eq!(Kernel::TqRvqDecode.cuda_dynamic_shared_bytes(&args(128, true, true, false)), 0);
+        let encode = |d: i32, tc: i32| vec![("D", TemplateArg::Int(d)), ("TC", TemplateArg::Int(tc))];
+        assert_eq!(Kernel::TqProdEncode.cuda_dynamic_shared_bytes(&encode(128, 1)), 32768 + 17408);
+        assert_eq!(Kernel::TqProdEncode.cuda_dynamic_shared_bytes(&encode(64, 2)), 8192 + 9216);
+        assert_eq!(Kernel::TqProdEncode.cuda_dynamic_shared_bytes(&encode(128, 0)), 0);
+        let table = |on: bool| vec![("B_BITS", TemplateArg::Int(4)), ("TABLE", TemplateArg::Bool(on))];
+        assert_eq!(Kernel::ScalarQuantize.cuda_dynamic_shared_bytes(&table(true)), 65536);
+        assert_eq!(Kernel::ScalarQuantize.cuda_dynamic_shared_bytes(&table(false)), 0);
+        assert_eq!(Kernel::ScalarQuantize.cuda_dynamic_shared_bytes(&[("B_BITS", TemplateArg::Int(4))]), 0);
+        for encoder in [Kernel::TqEncode, Kernel::TqRvqEncode] {
+            assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(true)), 65536);
+            assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(false)), 0);
+        }
+        assert_eq!(Kernel::TqProdEncode.cuda_dynamic_shared_bytes(&table(true)), 0);
+    }
+
+    #[test]
+    fn only_the_tensor_core_prod_encoder_takes_the_register_bound() {
+        let bound = |h: &str| h.contains("__launch_bounds__(256, 2)");
+        let tc = |p: i32| vec![("D", TemplateArg::Int(128)), ("TC", TemplateArg::Int(p))];
+        assert!(bound(Kernel::TqProdEncode.cuda_header_for(&tc(1))));
+        assert!(!bound(Kernel::TqProdEncode.cuda_header_for(&tc(0))));
+        assert!(Kernel::TqProdEncode.cuda_header_for(&tc(1)).starts_with(Kernel::TqProdEncode.declaration().cuda_header));
+        assert_eq!(Kernel::TqEncode.cuda_header_for(&tc(0)), Kernel::TqEncode.declaration().cuda_header);
+    }
+}
