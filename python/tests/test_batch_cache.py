@@ -381,6 +381,75 @@ def test_batch_decode_attends_in_one_call(tiny, monkeypatch):
     assert calls == [2] * len(batch)
 
 
+@pytest.mark.parametrize(
+    "kw", [{}, {"key_method": "kivi", "key_bits": 4}, {"value_method": "fp16"}], ids=["turboquant", "kivi-keys", "fp16-values"]
+)
+def test_append_each_equals_each_sequence_alone(kw):
+    # Decode tokens of a batch appended in one call hold, cache by cache,
+    # what appending each alone holds: through windows filling, a flush due
+    # (the 300-token cache's window fills) and sinks still filling (2 tokens).
+    from veloxquant import LayerCache
+    from veloxquant.kernels import pending_primitives
+
+    mx.random.seed(5)
+    lengths = (2, 5, 40, 300, 777)
+    ones = [_layer_holding(n, **kw) for n in lengths]
+    mx.random.seed(5)
+    alone = [_layer_holding(n, **kw) for n in lengths]
+    for step in range(30):
+        k, v = (mx.random.normal((len(lengths), 2, 1, 64)).astype(mx.float16) for _ in range(2))
+        LayerCache.append_each(ones, k, v)
+        for i, c in enumerate(alone):
+            c.append(k[i : i + 1], v[i : i + 1])
+    q = mx.random.normal((1, 8, 1, 64)).astype(mx.float16)
+    for a, b in zip(ones, alone):
+        assert a.offset == b.offset and a.nbytes == b.nbytes
+        assert mx.array_equal(a.attention(q, 0.125), b.attention(q, 0.125)).item()
+        for x, y in zip(a.dequantize(), b.dequantize()):
+            assert mx.array_equal(x, y).item()
+    # Every sequence's token joins its window: one operation for the batch.
+    ready = [_layer_holding(n, **kw) for n in (20, 33, 50)]
+    held = lambda c: [a for a in c.state_parts()[0].values() if isinstance(a, mx.array)]  # noqa: E731
+    for c in ready:
+        mx.eval(held(c))
+    k = mx.random.normal((3, 2, 1, 64)).astype(mx.float16)
+    LayerCache.append_each(ready, k, k)
+    ops = pending_primitives([a for c in ready for a in held(c)])
+    assert ops.count("veloxquant_window_append_each") == 1 and "veloxquant_window_append" not in ops, ops
+
+
+def test_append_each_names_bad_arguments():
+    from veloxquant import LayerCache
+
+    caches = [_layer_holding(20), _layer_holding(30)]
+    with pytest.raises(ValueError, match="keys"):
+        LayerCache.append_each(caches, *[mx.zeros((3, 2, 1, 64), dtype=mx.float16)] * 2)
+    with pytest.raises(ValueError, match="keys"):
+        LayerCache.append_each(caches, *[mx.zeros((2, 3, 1, 64), dtype=mx.float16)] * 2)
+    with pytest.raises(ValueError, match="caches"):
+        LayerCache.append_each([], *[mx.zeros((0, 2, 1, 64), dtype=mx.float16)] * 2)
+    with pytest.raises(RuntimeError, match="cache 1 is in use"):
+        LayerCache.append_each([caches[0], caches[0]], *[mx.zeros((2, 2, 1, 64), dtype=mx.float16)] * 2)
+    with pytest.raises(TypeError):
+        LayerCache.append_each([object()], *[mx.zeros((1, 2, 1, 64), dtype=mx.float16)] * 2)
+
+
+def test_batch_decode_appends_in_one_call(tiny, monkeypatch):
+    # A decode step of every sequence goes through append_each once a layer.
+    model, ids = tiny
+    caches = []
+    for p in (ids[:40], ids[100:117]):
+        c = make_prompt_cache(model, KVConfig())
+        model(mx.array(p)[None], cache=c)
+        caches.append(c)
+    batch = [VeloxQuantBatchCache.merge([a, b]) for a, b in zip(*caches)]
+    calls = []
+    each = VeloxQuantCache.append_each
+    monkeypatch.setattr(VeloxQuantCache, "append_each", staticmethod(lambda c, k, v: calls.append(len(c)) or each(c, k, v)))
+    mx.eval(model(mx.array([[1], [2]]), cache=batch))
+    assert calls == [2] * len(batch)
+
+
 def test_attention_each_names_bad_arguments():
     from veloxquant import LayerCache
 

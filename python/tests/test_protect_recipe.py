@@ -194,9 +194,10 @@ def _random_errors(layers, seed):
 
 @pytest.mark.parametrize("budget", [3.0, 3.5, 4.0, 4.5])
 def test_allocation_leaves_no_layer_a_pair_another_beats_on_error_and_bits(budget):
-    # KIVI 3-bit keys (4 bits with their scales) are cheaper than TurboQuant
-    # 4-bit ones (4.25 with the norm): raising one side at a time, a layer
-    # could reach the dearer and worse of the two and never leave it.
+    # Without shared tables (no context) a layer's pair is never beaten on
+    # both error and bits by another of its pairs: KIVI 3-bit keys (4 bits
+    # with their scales) are cheaper than TurboQuant 4-bit ones (4.25 with
+    # the norm), so which is better must decide.
     errors = _random_errors(12, 1)
     layout = recipe.Layout(window=16, sinks=4, seed=0)
     r = recipe.allocate(errors, budget, layout)

@@ -78,6 +78,15 @@ class VeloxQuantBatchCache(_BaseCache):
                 f"got {keys.shape} and {values.shape}"
             )
         n = keys.shape[2]
+        if n == 1 and self._real is None and not any(self._drop) and all(c.decoding() for c in self.caches):
+            # A decode step: every sequence's token in one call. The chunk's
+            # arrays stand in for what each update_and_fetch would return
+            # (the attention reads the caches).
+            VeloxQuantCache.append_each(self.caches, keys, values)
+            self._chunk = [(0, 1, keys, values)] * len(self.caches)
+            self._idx += 1
+            self._offsets = None
+            return keys, values
         self._chunk = []
         for i, c in enumerate(self.caches):
             start = min(self._drop[i], n)

@@ -45,6 +45,12 @@ KEY_ONLY_METHODS = tuple(m for m, (_, keys_only) in CACHE_METHODS.items() if key
 # layers measure at most 0.02 at 4 bits, 0.09 at 3 and 0.25 at 2 (256
 # tokens of English); a layer past this loses much of what it attends to.
 AUTO_PROTECT_ERROR = 0.3
+# A chunk added before the last one was attended through the cache.
+_BYPASSED = (
+    "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention, so it "
+    "did not read the compressed cache; call veloxquant.attention.install() before the model "
+    "runs (make_prompt_cache and install do), or use --kv-cache fp16 for this model"
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -369,11 +375,7 @@ class VeloxQuantCache(_BaseCache):
             _, n_kv, _, head_dim = keys.shape
             self.layer = _layer_cache_class()(head_dim, n_kv, **self.config.settings())
         elif not self._attended:
-            raise RuntimeError(
-                "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention, so it "
-                "did not read the compressed cache; call veloxquant.attention.install() before the model "
-                "runs (make_prompt_cache and install do), or use --kv-cache fp16 for this model"
-            )
+            raise RuntimeError(_BYPASSED)
         self._attended = False
         if keys.shape[2] <= FUSED_MAX_QUERIES:
             # Decode: the fused attention reads the codes; the chunk itself is
@@ -419,6 +421,21 @@ class VeloxQuantCache(_BaseCache):
         for c in caches:
             c._attended = True
         return out
+
+    @staticmethod
+    def append_each(caches: Sequence["VeloxQuantCache"], keys: mx.array, values: mx.array) -> None:
+        """One decode token per cache (row ``b`` of ``keys`` and ``values`` into
+        ``caches[b]``), appended in one call of the native layers
+        (``LayerCache.append_each``). Each cache must hold tokens already and
+        have attended its last chunk, as ``update_and_fetch`` requires."""
+        for c in caches:
+            if c.layer is None or c._pending is not None:
+                raise RuntimeError("VeloxQuantCache.append_each: every cache must hold its prompt already")
+            if not c._attended:
+                raise RuntimeError(_BYPASSED)
+        _layer_cache_class().append_each([c.layer for c in caches], keys, values)
+        for c in caches:
+            c._attended, c._framed = False, None
 
     def attended_elsewhere(self) -> None:
         """Record that the chunk just added was attended outside the cache.

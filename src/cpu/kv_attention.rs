@@ -445,20 +445,17 @@ pub fn kv_attention<T: VqElement + FromF32>(
                 }
             }
             // Back from the value frame: out = Πᵀ acc / l (or acc / l).
+            let mut back = vec![0.0f32; d];
             for r in 0..rows_per_kv {
                 let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
                 let a = &acc[r * d..(r + 1) * d];
-                let dst = &mut out_unit[r * d..(r + 1) * d];
-                for (i, o) in dst.iter_mut().enumerate() {
-                    let y = if rot_v.is_empty() {
-                        a[i]
-                    } else {
-                        let mut y = 0.0f32;
-                        for j in 0..d {
-                            y += rot_v[j * d + i] * a[j];
-                        }
-                        y
-                    };
+                let y = if rot_v.is_empty() {
+                    a
+                } else {
+                    super::turboquant::times_transpose(rot_v, a, &mut back);
+                    &back
+                };
+                for (o, y) in out_unit[r * d..(r + 1) * d].iter_mut().zip(y) {
                     *o = T::from_f32(y * inv);
                 }
             }

@@ -264,6 +264,19 @@ fn decode_groups<const B: usize>(row: &[u8], table: &[f32; 256], scale: f32, out
 /// keeps in vector registers (one sequential sum is a chain of dependent
 /// adds, bound by their latency).
 #[inline(always)]
+/// `y = Πᵀ a` for a row-major `Π` `[d, d]`: the rows of `Π` weighed by `a`
+/// and added in turn (contiguous rows, so the additions vectorise; each `y_i`
+/// sums over `j` in ascending order as the column-wise loop would).
+pub(crate) fn times_transpose(rot: &[f32], a: &[f32], y: &mut [f32]) {
+    let d = y.len();
+    y.fill(0.0);
+    for (row, &aj) in rot.chunks_exact(d).zip(a) {
+        for (yi, &p) in y.iter_mut().zip(row) {
+            *yi += p * aj;
+        }
+    }
+}
+
 fn dot(a: &[f32], b: &[f32]) -> f32 {
     let mut acc = [0.0f32; 8];
     let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
@@ -327,7 +340,7 @@ pub fn tq_attention<T: VqElement + FromF32>(
     // The merge: each row's partials and its rotation back (d * d).
     let merge = super::parallel::min_rows_for_work(units, units * rows * d * (d + splits));
     super::for_each_chunk(out, rows * d, merge, |unit0, chunk| {
-        let mut acc = vec![0.0f32; d];
+        let (mut acc, mut back) = (vec![0.0f32; d], vec![0.0f32; d]);
         for (u, out_unit) in chunk.chunks_mut(rows * d).enumerate() {
             let parts = &partials[(unit0 + u) * splits..][..splits];
             for r in 0..rows {
@@ -345,12 +358,8 @@ pub fn tq_attention<T: VqElement + FromF32>(
                 }
                 // Back from the rotated frame: out = Πᵀ acc / l.
                 let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-                let dst = &mut out_unit[r * d..(r + 1) * d];
-                for (i, o) in dst.iter_mut().enumerate() {
-                    let mut y = 0.0f32;
-                    for (j, a) in acc.iter().enumerate() {
-                        y += inp.rot_v[j * d + i] * a;
-                    }
+                times_transpose(inp.rot_v, &acc, &mut back);
+                for (o, y) in out_unit[r * d..(r + 1) * d].iter_mut().zip(&back) {
                     *o = T::from_f32(y * inv);
                 }
             }

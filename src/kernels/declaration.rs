@@ -335,6 +335,15 @@ kernels! {
         cpu: true,
         strided: true,
     },
+    /// A decode step of a batch of per-sequence windows in one call (CPU).
+    WindowAppendEach = "window_append_each" {
+        inputs: [],
+        outputs: [],
+        metal: none [],
+        cuda: none [],
+        cpu: true,
+        strided: false,
+    },
 }
 
 impl Kernel {

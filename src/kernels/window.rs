@@ -36,6 +36,13 @@ pub struct WindowAppend<'a> {
 
 impl WindowAppend<'_> {
     fn check(&self) -> Result<WindowShape> {
+        self.check_rows(None)
+    }
+
+    /// `check`, or with `keys_rows` the check of one row of a batch: the
+    /// windows of one sequence (batch 1), `keys` and `values` the batch's
+    /// `keys_rows` rows.
+    fn check_rows(&self, keys_rows: Option<i32>) -> Result<WindowShape> {
         let ws = self.win_k.shape();
         if ws.len() != 4 {
             return Err(Error::invalid("win_k", format!("shape {ws:?}, expected [batch, heads, slots, dim]")));
@@ -58,9 +65,13 @@ impl WindowAppend<'_> {
             Ok(())
         };
         shaped("win_v", self.win_v, &ws)?;
+        if keys_rows.is_some() && b != 1 {
+            return Err(Error::invalid("win_k", format!("shape {ws:?}, expected one sequence's windows (batch 1)")));
+        }
         let t = self.keys.shape().get(2).copied().unwrap_or(0);
-        shaped("keys", self.keys, &[b, h, t, d])?;
-        shaped("values", self.values, &[b, h, t, d])?;
+        let kb = keys_rows.unwrap_or(b);
+        shaped("keys", self.keys, &[kb, h, t, d])?;
+        shaped("values", self.values, &[kb, h, t, d])?;
         shaped("key_frame", self.key_frame, &[d, d])?;
         if let Some(o) = self.key_offset {
             shaped("key_offset", o, &[b, h, 1, d])?;
@@ -143,6 +154,93 @@ fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, A
     )?;
     let mut outs = outs.into_iter();
     Ok((outs.next().expect("two outputs"), outs.next().expect("two outputs")))
+}
+
+/// One sequence's windows in [`window_append_each`].
+pub struct WindowRow<'a> {
+    /// The sequence's windows `[1, Hkv, W, D]` (any slots `W`).
+    pub win_k: &'a Array,
+    pub win_v: &'a Array,
+    /// `[1, Hkv, 1, D]`, added to its framed keys; all rows have one or none.
+    pub key_offset: Option<&'a Array>,
+    /// Slot of its first new token.
+    pub at: usize,
+}
+
+/// A decode step of a batch whose sequences keep their own windows: row `b`
+/// of `keys` and `values` `[B, Hkv, T, D]` written into `rows[b]`'s windows
+/// from its slot, in the frames of [`window_append`] (shared by the rows).
+/// On the CPU one operation for the batch; elsewhere one [`window_append`]
+/// per row. The rows' new `(win_k, win_v)`.
+pub fn window_append_each<'a>(
+    keys: &'a Array,
+    values: &'a Array,
+    key_frame: &'a Array,
+    value_frame: Option<&'a Array>,
+    rows: &[WindowRow<'a>],
+    opts: &Options,
+) -> Result<Vec<(Array, Array)>> {
+    let ks = keys.shape();
+    if ks.len() != 4 || ks[0] as usize != rows.len() {
+        return Err(Error::invalid("keys", format!("shape {ks:?}, expected [{}, heads, tokens, head_dim]: a row per window", rows.len())));
+    }
+    let batch = ks[0];
+    let append = |r: &WindowRow<'a>| -> WindowAppend<'a> {
+        WindowAppend { keys, values, key_frame, key_offset: r.key_offset, value_frame, win_k: r.win_k, win_v: r.win_v, at: r.at }
+    };
+    let shapes = rows.iter().map(|r| append(r).check_rows(Some(batch))).collect::<Result<Vec<_>>>()?;
+    let stream = opts.resolve_stream()?;
+    let same_offsets = rows.iter().all(|r| r.key_offset.is_some() == rows[0].key_offset.is_some());
+    let imp = select(Kernel::WindowAppendEach, opts.policy, &stream)?;
+    if imp != Implementation::Cpu || !same_offsets || ks[2] == 0 {
+        let (h, t, d) = (ks[1], ks[2], ks[3]);
+        let row = |x: &Array, b: usize| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t, d], &stream);
+        return rows
+            .iter()
+            .enumerate()
+            .map(|(b, r)| {
+                let (k, v) = (row(keys, b)?, row(values, b)?);
+                window_append(&WindowAppend { keys: &k, values: &v, ..append(r) }, opts)
+            })
+            .collect();
+    }
+    let dtype = rows[0].win_k.dtype();
+    let (has_off, has_vf) = (rows[0].key_offset.is_some(), value_frame.is_some());
+    let mut inputs = vec![keys, values, key_frame];
+    inputs.extend(value_frame);
+    for r in rows {
+        inputs.extend([r.win_k, r.win_v].into_iter().chain(r.key_offset));
+    }
+    let outputs: Vec<(Vec<i32>, crate::dtype::Dtype)> =
+        rows.iter().flat_map(|r| [(r.win_k.shape(), dtype), (r.win_v.shape(), dtype)]).collect();
+    let per_row = 2 + has_off as usize;
+    let first = 3 + has_vf as usize;
+    let outs = cpu_primitive::apply(
+        Kernel::WindowAppendEach.name(),
+        &inputs,
+        &outputs,
+        &stream,
+        Box::new(move |ins, outs| {
+            macro_rules! run {
+                ($t:ty) => {{
+                    let (keys, values, kf) = (ins[0].as_slice::<$t>()?, ins[1].as_slice::<$t>()?, ins[2].as_slice::<$t>()?);
+                    let vf = if has_vf { Some(ins[3].as_slice::<$t>()?) } else { None };
+                    for (b, (sh, out)) in shapes.iter().zip(outs.chunks_mut(2)).enumerate() {
+                        let at = first + b * per_row;
+                        let n = sh.heads * sh.tokens * sh.dim;
+                        let off = if has_off { Some(ins[at + 2].as_slice::<$t>()?) } else { None };
+                        let (ok, ov) = out.split_at_mut(1);
+                        cpu_window::window_append(&keys[b * n..(b + 1) * n], Some(kf), off, ins[at].as_slice::<$t>()?, sh, ok[0].as_mut_slice::<$t>()?);
+                        cpu_window::window_append(&values[b * n..(b + 1) * n], vf, None, ins[at + 1].as_slice::<$t>()?, sh, ov[0].as_mut_slice::<$t>()?);
+                    }
+                }};
+            }
+            cpu_primitive::for_float_dtype!(dtype, run);
+            Ok(())
+        }),
+    )?;
+    let mut outs = outs.into_iter();
+    Ok((0..rows.len()).map(|_| (outs.next().expect("two outputs a row"), outs.next().expect("two outputs a row"))).collect())
 }
 
 /// Lanes of CUDA's `window_append` per 8 output dimensions of a new slot

@@ -169,6 +169,26 @@ impl PyLayerCache {
         array_out(py, out)
     }
 
+    /// A decode step of a batch whose sequences each have their own cache:
+    /// row `b` of `keys` and `values` `[B, Hkv, T, D]` appended to
+    /// `caches[b]`, in one operation where the caches allow
+    /// (`LayerCache::append_each`).
+    #[staticmethod]
+    fn append_each(caches: Vec<PyRef<'_, PyLayerCache>>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<()> {
+        let k = array_arg(keys, "keys")?;
+        let v = array_arg(values, "values")?;
+        guarded("append_each", || {
+            let mut guards = Vec::with_capacity(caches.len());
+            for (i, c) in caches.iter().enumerate() {
+                guards.push(c.inner.try_lock().map_err(|_| {
+                    PyRuntimeError::new_err(format!("LayerCache.append_each: cache {i} is in use by another call or unusable"))
+                })?);
+            }
+            let mut refs: Vec<&mut LayerCache> = guards.iter_mut().map(|g| &mut **g).collect();
+            LayerCache::append_each(&mut refs, &k, &v).map_err(to_py_err)
+        })
+    }
+
     /// The cache's keys and values followed by the chunk `keys`/`values`
     /// about to be appended, in the cache's attention frame (a transient
     /// buffer for `attend_framed`). Call before `append`.

@@ -301,6 +301,85 @@ impl LayerCache {
         self.append_compressed(keys, values, &shape)
     }
 
+    /// Where a decode step's `t` tokens go when they join the windows in one
+    /// operation: the window slot of the first (the windows reserved for
+    /// them), or `None` when the step takes the general path (sinks still
+    /// filling, a flush due).
+    fn window_slot(cfg: &CacheConfig, c: &mut Compressed, t: usize, s: &Stream) -> Result<Option<usize>> {
+        if c.n_sink < cfg.sinks || c.n_recent + t > cfg.recent_capacity() || c.k_offset.is_none() {
+            return Ok(None);
+        }
+        let held = c.n_sink + c.len + c.n_recent + t;
+        c.reserve_window(cfg.sinks + c.n_recent + t, held, cfg.window_capacity(), s)?;
+        Ok(Some(cfg.sinks + c.n_recent))
+    }
+
+    /// A decode step of a batch whose sequences each have their own cache:
+    /// row `b` of `keys` and `values` `[B, Hkv, T, D]` appended to
+    /// `caches[b]` (batch 1 each). Compressed caches on the CPU of one
+    /// configuration whose tokens all join their windows take them in one
+    /// operation (`window::window_append_each`); any other set is appended
+    /// sequence by sequence.
+    pub fn append_each(caches: &mut [&mut LayerCache], keys: &Array, values: &Array) -> Result<()> {
+        if caches.is_empty() {
+            return Err(Error::invalid("caches", "no cache given"));
+        }
+        let ks = keys.shape();
+        if ks.len() != 4 || ks[0] as usize != caches.len() {
+            return Err(Error::invalid(
+                "keys",
+                format!("shape {ks:?}, expected [{}, kv_heads, tokens, head_dim]: a row per cache", caches.len()),
+            ));
+        }
+        let s = caches[0].stream()?;
+        let (cfg, device, dtype) = (caches[0].cfg.clone(), caches[0].device, caches[0].dtype);
+        let t = ks[2] as usize;
+        let mut slots = Vec::with_capacity(caches.len());
+        let together = s.backend()? == crate::stream::Backend::Cpu
+            && keys.dtype() == dtype
+            && values.dtype() == dtype
+            && caches.iter().all(|c| c.batch == 1 && c.cfg == cfg && c.device == device && c.dtype == dtype);
+        if together {
+            for c in caches.iter_mut() {
+                let Some(Store::Compressed(cc)) = &mut c.store else { break };
+                if cc.len % cc.token_group() != 0 {
+                    break; // a trim left a partial group to reopen
+                }
+                match Self::window_slot(&cfg, cc, t, &s)? {
+                    Some(at) => slots.push(at),
+                    None => break,
+                }
+            }
+        }
+        if slots.len() != caches.len() {
+            let (h, d) = (ks[1], ks[3]);
+            for (b, c) in caches.iter_mut().enumerate() {
+                let row = |x: &Array| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t as i32, d], &s);
+                c.append(&row(keys)?, &row(values)?)?;
+            }
+            return Ok(());
+        }
+        let written = {
+            let first = &caches[0];
+            let shared = first.shared.as_ref().expect("initialised with the store");
+            let Some(Store::Compressed(c0)) = &first.store else { unreachable!() };
+            let rows = caches
+                .iter()
+                .zip(&slots)
+                .map(|(c, &at)| {
+                    let Some(Store::Compressed(cc)) = &c.store else { unreachable!() };
+                    window::WindowRow { win_k: &cc.keys.window, win_v: &cc.values.window, key_offset: cc.k_offset.as_ref(), at }
+                })
+                .collect::<Vec<_>>();
+            window::window_append_each(keys, values, key_frame(shared, c0), value_frame(shared, c0), &rows, &first.opts(&s))?
+        };
+        for (c, (win_k, win_v)) in caches.iter_mut().zip(written) {
+            let Some(Store::Compressed(cc)) = &mut c.store else { unreachable!() };
+            cc.windows_written(win_k, win_v, t);
+        }
+        Ok(())
+    }
+
     fn append_dense(&mut self, keys: &Array, values: &Array, shape: &[i32]) -> Result<()> {
         let s = self.stream()?;
         let Some(Store::Dense(d)) = &mut self.store else { unreachable!() };
@@ -343,28 +422,25 @@ impl LayerCache {
         }
         let max_slots = self.cfg.window_capacity();
         let held = c.n_sink + c.len + c.n_recent + t;
-        if c.n_sink >= sinks && reopened.is_none() && c.n_recent + t <= self.cfg.recent_capacity()
-            && keys.dtype() == dtype && values.dtype() == dtype
-        {
-            // A decode step: the tokens go into the windows, in one operation.
-            c.reserve_window(sinks + c.n_recent + t, held, max_slots, &s)?;
-            let (win_k, win_v) = window::window_append(
-                &WindowAppend {
-                    keys,
-                    values,
-                    key_frame: key_frame(shared, c),
-                    key_offset: c.k_offset.as_ref(),
-                    value_frame: value_frame(shared, c),
-                    win_k: &c.keys.window,
-                    win_v: &c.values.window,
-                    at: sinks + c.n_recent,
-                },
-                &opts,
-            )?;
-            c.keys.window = win_k;
-            c.values.window = win_v;
-            c.n_recent += t;
-            return Ok(());
+        if reopened.is_none() && keys.dtype() == dtype && values.dtype() == dtype {
+            if let Some(at) = Self::window_slot(&self.cfg, c, t, &s)? {
+                // A decode step: the tokens go into the windows, in one operation.
+                let (win_k, win_v) = window::window_append(
+                    &WindowAppend {
+                        keys,
+                        values,
+                        key_frame: key_frame(shared, c),
+                        key_offset: c.k_offset.as_ref(),
+                        value_frame: value_frame(shared, c),
+                        win_k: &c.keys.window,
+                        win_v: &c.values.window,
+                        at,
+                    },
+                    &opts,
+                )?;
+                c.windows_written(win_k, win_v, t);
+                return Ok(());
+            }
         }
         let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
         let mut start = 0usize;

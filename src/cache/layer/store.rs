@@ -309,6 +309,13 @@ impl Compressed {
     /// Grows both windows so that they hold at least `needed` slots, when the
     /// layer holds `tokens` tokens: by doubling, within the bytes of a
     /// float16 cache of those tokens (the stores and the key mean counted).
+    /// The windows after `t` new tokens were written into their recent slots.
+    pub(super) fn windows_written(&mut self, win_k: Array, win_v: Array, t: usize) {
+        self.keys.window = win_k;
+        self.values.window = win_v;
+        self.n_recent += t;
+    }
+
     pub(super) fn reserve_window(&mut self, needed: usize, tokens: usize, max: usize, s: &Stream) -> Result<()> {
         if needed <= self.window_slots {
             return Ok(());
