@@ -249,6 +249,11 @@ class LayerCache:
         """Decode attention of a batch, row `b` of `queries` `[B, n_heads, 1,
         head_dim]` over `caches[b]`; one operation for CPU TurboQuant caches
         of one configuration."""
+    @staticmethod
+    def append_each(caches: Sequence["LayerCache"], keys: mx.array, values: mx.array) -> None:
+        """A decode step of a batch: row `b` of `keys` and `values` `[B,
+        kv_heads, tokens, head_dim]` appended to `caches[b]`; one operation
+        for CPU caches of one configuration whose tokens join their windows."""
     @property
     def offset(self) -> int: ...
     @property
