@@ -365,8 +365,9 @@ def test_attention_each_equals_each_sequence_alone(kw):
     assert mx.array_equal(out, want).item()
 
 
-def test_batch_decode_attends_in_one_call(tiny, monkeypatch):
-    # A decode step of every sequence goes through attention_each once a layer.
+def test_batch_decode_appends_and_attends_in_one_call(tiny, monkeypatch):
+    # A decode step of every sequence goes through append_each and
+    # attention_each once a layer.
     model, ids = tiny
     caches = []
     for p in (ids[:40], ids[100:117]):
@@ -375,10 +376,12 @@ def test_batch_decode_attends_in_one_call(tiny, monkeypatch):
         caches.append(c)
     batch = [VeloxQuantBatchCache.merge([a, b]) for a, b in zip(*caches)]
     calls = []
-    each = VeloxQuantCache.attention_each
-    monkeypatch.setattr(VeloxQuantCache, "attention_each", staticmethod(lambda c, q, s: calls.append(len(c)) or each(c, q, s)))
+    for name in ("append_each", "attention_each"):
+        each = getattr(VeloxQuantCache, name)
+        spy = lambda *a, name=name, each=each: calls.append((name, len(a[0]))) or each(*a)  # noqa: E731
+        monkeypatch.setattr(VeloxQuantCache, name, staticmethod(spy))
     mx.eval(model(mx.array([[1], [2]]), cache=batch))
-    assert calls == [2] * len(batch)
+    assert calls == [("append_each", 2), ("attention_each", 2)] * len(batch)
 
 
 @pytest.mark.parametrize(
@@ -432,22 +435,6 @@ def test_append_each_names_bad_arguments():
         LayerCache.append_each([caches[0], caches[0]], *[mx.zeros((2, 2, 1, 64), dtype=mx.float16)] * 2)
     with pytest.raises(TypeError):
         LayerCache.append_each([object()], *[mx.zeros((1, 2, 1, 64), dtype=mx.float16)] * 2)
-
-
-def test_batch_decode_appends_in_one_call(tiny, monkeypatch):
-    # A decode step of every sequence goes through append_each once a layer.
-    model, ids = tiny
-    caches = []
-    for p in (ids[:40], ids[100:117]):
-        c = make_prompt_cache(model, KVConfig())
-        model(mx.array(p)[None], cache=c)
-        caches.append(c)
-    batch = [VeloxQuantBatchCache.merge([a, b]) for a, b in zip(*caches)]
-    calls = []
-    each = VeloxQuantCache.append_each
-    monkeypatch.setattr(VeloxQuantCache, "append_each", staticmethod(lambda c, k, v: calls.append(len(c)) or each(c, k, v)))
-    mx.eval(model(mx.array([[1], [2]]), cache=batch))
-    assert calls == [2] * len(batch)
 
 
 def test_attention_each_names_bad_arguments():
