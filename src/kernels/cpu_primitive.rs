@@ -120,19 +120,28 @@ unsafe extern "C" fn free_payload(payload: *mut c_void) {
     drop(unsafe { Box::from_raw(payload as *mut Payload) });
 }
 
-/// `$run!(T)` with `T` the element type of the float `dtype` (float32,
-/// float16, else bfloat16): the dispatch of the CPU attention and window
-/// closures, whose `run!` instantiates the kernel for one type.
-macro_rules! for_float_dtype {
-    ($dtype:expr, $run:ident) => {
+/// Runs `$body` with `$T` bound to the element type of the float `dtype`
+/// (float32, float16, else bfloat16): the dispatch of every CPU primitive
+/// whose kernel is generic over the float types.
+macro_rules! by_dtype {
+    ($dtype:expr, $T:ident => $body:expr) => {
         match $dtype {
-            crate::dtype::Dtype::F32 => $run!(f32),
-            crate::dtype::Dtype::F16 => $run!(half::f16),
-            _ => $run!(half::bf16),
+            crate::dtype::Dtype::F32 => {
+                type $T = f32;
+                $body
+            }
+            crate::dtype::Dtype::F16 => {
+                type $T = half::f16;
+                $body
+            }
+            _ => {
+                type $T = half::bf16;
+                $body
+            }
         }
     };
 }
-pub(crate) use for_float_dtype;
+pub(crate) use by_dtype;
 
 /// [`apply`] for a primitive of one output: that output.
 pub fn apply_one(name: &str, inputs: &[&Array], output: (Vec<i32>, Dtype), stream: &Stream, kernel: Box<CpuKernel>) -> Result<Array> {

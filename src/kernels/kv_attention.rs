@@ -254,16 +254,13 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
                             }
                         };
                     }
-                    macro_rules! run {
-                        ($t:ty) => {{
-                            let keys = side!($t, sh.key, 1, 9);
-                            let values = side!($t, sh.value, 5, 10);
-                            let rot = if rotate_back { ins[11].as_slice::<f32>()? } else { &[] };
-                            let mask = if masked { ins[12].as_slice::<f32>()? } else { &[] };
-                            kv::kv_attention(ins[0].as_slice::<f32>()?, &keys, &values, rot, mask, &sh, outs[0].as_mut_slice::<$t>()?)
-                        }};
-                    }
-                    cpu_primitive::for_float_dtype!(dtype, run);
+                    cpu_primitive::by_dtype!(dtype, T => {
+                        let keys = side!(T, sh.key, 1, 9);
+                        let values = side!(T, sh.value, 5, 10);
+                        let rot = if rotate_back { ins[11].as_slice::<f32>()? } else { &[] };
+                        let mask = if masked { ins[12].as_slice::<f32>()? } else { &[] };
+                        kv::kv_attention(ins[0].as_slice::<f32>()?, &keys, &values, rot, mask, &sh, outs[0].as_mut_slice::<T>()?)
+                    });
                     Ok(())
                 }),
             )

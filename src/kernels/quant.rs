@@ -6,7 +6,7 @@
 //! and bfloat16; codebooks and sketches are float32; scales, zeros and norms
 //! float16; codes uint8 in `bit_pack`'s layout.
 
-use half::{bf16, f16};
+use half::f16;
 
 use super::bitpack::{pack_reference, unpack_reference};
 use super::gpu::{self, Launch};
@@ -38,26 +38,6 @@ pub enum KiviMode {
     Keys,
     /// Per row over `group` consecutive channels (a multiple of 8 dividing D); scales `[N, D/G]`.
     Values,
-}
-
-/// Runs `$body` with `$T` bound to the Rust type of a float dtype.
-macro_rules! by_dtype {
-    ($dtype:expr, $T:ident => $body:expr) => {
-        match $dtype {
-            Dtype::F32 => {
-                type $T = f32;
-                $body
-            }
-            Dtype::F16 => {
-                type $T = f16;
-                $body
-            }
-            _ => {
-                type $T = bf16;
-                $body
-            }
-        }
-    };
 }
 
 fn check_dtype(argument: &'static str, a: &Array, want: Dtype) -> Result<()> {
@@ -240,7 +220,7 @@ pub fn scalar_quantize(x: &Array, codebook: &Array, bits: u32, opts: &Options) -
                 Box::new(move |ins, outs| {
                     let cb = ins[1].as_slice::<f32>()?;
                     let o = outs[0].as_mut_slice::<u8>()?;
-                    by_dtype!(dtype, T => cpu::scalar_quantize(ins[0].as_slice::<T>()?, n, d, cb, bits, o));
+                    cpu_primitive::by_dtype!(dtype, T => cpu::scalar_quantize(ins[0].as_slice::<T>()?, n, d, cb, bits, o));
                     Ok(())
                 }),
             )?
@@ -316,7 +296,7 @@ pub fn scalar_dequantize(
             &stream,
             Box::new(move |ins, outs| {
                 let (p, cb) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<f32>()?);
-                by_dtype!(dtype, T => cpu::scalar_dequantize(p, n, d, cb, bits, outs[0].as_mut_slice::<T>()?));
+                cpu_primitive::by_dtype!(dtype, T => cpu::scalar_dequantize(p, n, d, cb, bits, outs[0].as_mut_slice::<T>()?));
                 Ok(())
             }),
         )?
@@ -395,7 +375,7 @@ pub fn kivi_quantize(x: &Array, bits: u32, group: usize, mode: KiviMode, opts: &
                 Box::new(move |ins, outs| {
                     let [c, s, z] = outs else { return Err("three outputs".into()) };
                     let (c, s, z) = (c.as_mut_slice::<u8>()?, s.as_mut_slice::<f16>()?, z.as_mut_slice::<f16>()?);
-                    by_dtype!(dtype, T => cpu::kivi_quantize(ins[0].as_slice::<T>()?, n, d, bits, group, per_channel, c, s, z));
+                    cpu_primitive::by_dtype!(dtype, T => cpu::kivi_quantize(ins[0].as_slice::<T>()?, n, d, bits, group, per_channel, c, s, z));
                     Ok(())
                 }),
             )?
@@ -561,7 +541,7 @@ pub fn kivi_dequantize(
             &stream,
             Box::new(move |ins, outs| {
                 let (c, sc, z) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<f16>()?, ins[2].as_slice::<f16>()?);
-                by_dtype!(dtype, T => cpu::kivi_dequantize(c, sc, z, n, d, bits, group, per_channel, outs[0].as_mut_slice::<T>()?));
+                cpu_primitive::by_dtype!(dtype, T => cpu::kivi_dequantize(c, sc, z, n, d, bits, group, per_channel, outs[0].as_mut_slice::<T>()?));
                 Ok(())
             }),
         )?
@@ -650,7 +630,7 @@ pub fn qjl_encode(k: &Array, sketch: &Array, opts: &Options) -> Result<(Array, A
                     let [sg, nm] = outs else { return Err("two outputs".into()) };
                     let (sg, nm) = (sg.as_mut_slice::<u8>()?, nm.as_mut_slice::<f16>()?);
                     let s = ins[1].as_slice::<f32>()?;
-                    by_dtype!(dtype, T => cpu::qjl_encode(ins[0].as_slice::<T>()?, n, d, s, m, sg, nm));
+                    cpu_primitive::by_dtype!(dtype, T => cpu::qjl_encode(ins[0].as_slice::<T>()?, n, d, s, m, sg, nm));
                     Ok(())
                 }),
             )?
@@ -748,7 +728,7 @@ pub fn qjl_score(q: &Array, sketch: &Array, signs: &Array, norms: &Array, opts: 
                 Box::new(move |ins, outs| {
                     let (s, sg, nm) = (ins[1].as_slice::<f32>()?, ins[2].as_slice::<u8>()?, ins[3].as_slice::<f16>()?);
                     let o = outs[0].as_mut_slice::<f32>()?;
-                    by_dtype!(dtype, T => cpu::qjl_score(ins[0].as_slice::<T>()?, nq, d, s, m, sg, nm, n, o));
+                    cpu_primitive::by_dtype!(dtype, T => cpu::qjl_score(ins[0].as_slice::<T>()?, nq, d, s, m, sg, nm, n, o));
                     Ok(())
                 }),
             )?
@@ -882,7 +862,7 @@ pub fn pq_encode(x: &Array, codebook: &Array, bits: u32, opts: &Options) -> Resu
                     let [o, o_hi] = outs else { return Err("two outputs expected".into()) };
                     let o = o.as_mut_slice::<u8>()?;
                     let o_hi = if hi > 0 { o_hi.as_mut_slice::<u8>()? } else { &mut [] };
-                    by_dtype!(dtype, T => cpu::pq_encode(ins[0].as_slice::<T>()?, n, d, cb, s, bits, o, o_hi));
+                    cpu_primitive::by_dtype!(dtype, T => cpu::pq_encode(ins[0].as_slice::<T>()?, n, d, cb, s, bits, o, o_hi));
                     Ok(())
                 }),
             )?
@@ -1013,7 +993,7 @@ pub fn pq_decode(codes: &PqCodes, codebook: &Array, bits: u32, d: usize, dtype: 
             Box::new(move |ins, outs| {
                 let (p, cb) = (ins[0].as_slice::<u8>()?, ins[2].as_slice::<f32>()?);
                 let p_hi = if hi > 0 { ins[1].as_slice::<u8>()? } else { &[] };
-                by_dtype!(dtype, T => cpu::pq_decode(p, p_hi, n, d, cb, s, bits, outs[0].as_mut_slice::<T>()?));
+                cpu_primitive::by_dtype!(dtype, T => cpu::pq_decode(p, p_hi, n, d, cb, s, bits, outs[0].as_mut_slice::<T>()?));
                 Ok(())
             }),
         )?

@@ -9,7 +9,7 @@
 //! `Rotation::to_dense()`); a Hadamard rotation passed as its dense matrix
 //! rounds differently from the quantizer's fast transform.
 
-use half::{bf16, f16};
+use half::f16;
 
 use super::gpu::{self, Launch};
 use super::TemplateArg;
@@ -370,11 +370,7 @@ pub fn tq_prod_encode(
                         let codes = if mse_bits > 0 { codes.as_mut_slice::<u8>()? } else { &mut [] };
                         let rnorms = if mse_bits > 0 { rnorms.as_mut_slice::<f16>()? } else { &mut [] };
                         let (signs, norms) = (signs.as_mut_slice::<u8>()?, norms.as_mut_slice::<f16>()?);
-                        match dtype {
-                            Dtype::F32 => tq::tq_prod_encode(ins[0].as_slice::<f32>()?, rot, cent, sk, d, mse_bits, codes, signs, norms, rnorms),
-                            Dtype::F16 => tq::tq_prod_encode(ins[0].as_slice::<f16>()?, rot, cent, sk, d, mse_bits, codes, signs, norms, rnorms),
-                            _ => tq::tq_prod_encode(ins[0].as_slice::<bf16>()?, rot, cent, sk, d, mse_bits, codes, signs, norms, rnorms),
-                        }
+                        cpu_primitive::by_dtype!(dtype, T => tq::tq_prod_encode(ins[0].as_slice::<T>()?, rot, cent, sk, d, mse_bits, codes, signs, norms, rnorms));
                         Ok(())
                     }),
                 )?
@@ -524,11 +520,7 @@ pub fn tq_prod_decode(
                         let cent = if mse_bits > 0 { ins[5].as_slice::<f32>()? } else { &[] };
                         let rot = if rotate { Some(ins[4].as_slice::<f32>()?) } else { None };
                         let (sg, nm, sk) = (ins[1].as_slice::<u8>()?, ins[2].as_slice::<f16>()?, ins[6].as_slice::<f32>()?);
-                        match dtype {
-                            Dtype::F32 => tq::tq_prod_decode(codes, sg, nm, rn, rot, cent, sk, d, mse_bits, scale, outs[0].as_mut_slice::<f32>()?),
-                            Dtype::F16 => tq::tq_prod_decode(codes, sg, nm, rn, rot, cent, sk, d, mse_bits, scale, outs[0].as_mut_slice::<f16>()?),
-                            _ => tq::tq_prod_decode(codes, sg, nm, rn, rot, cent, sk, d, mse_bits, scale, outs[0].as_mut_slice::<bf16>()?),
-                        }
+                        cpu_primitive::by_dtype!(dtype, T => tq::tq_prod_decode(codes, sg, nm, rn, rot, cent, sk, d, mse_bits, scale, outs[0].as_mut_slice::<T>()?));
                         Ok(())
                     }),
                 )?
@@ -613,11 +605,7 @@ pub fn tq_rvq_encode(
                     let (c1, c2) = (ins[2].as_slice::<f32>()?, ins[3].as_slice::<f32>()?);
                     let [k1, k2, nm] = outs else { return Err("three outputs expected".into()) };
                     let (k1, k2, nm) = (k1.as_mut_slice::<u8>()?, k2.as_mut_slice::<u8>()?, nm.as_mut_slice::<f16>()?);
-                    match dtype {
-                        Dtype::F32 => tq::tq_rvq_encode(ins[0].as_slice::<f32>()?, rot, c1, c2, d, bits, k1, k2, nm),
-                        Dtype::F16 => tq::tq_rvq_encode(ins[0].as_slice::<f16>()?, rot, c1, c2, d, bits, k1, k2, nm),
-                        _ => tq::tq_rvq_encode(ins[0].as_slice::<bf16>()?, rot, c1, c2, d, bits, k1, k2, nm),
-                    }
+                    cpu_primitive::by_dtype!(dtype, T => tq::tq_rvq_encode(ins[0].as_slice::<T>()?, rot, c1, c2, d, bits, k1, k2, nm));
                     Ok(())
                 }),
             )?
@@ -706,11 +694,7 @@ pub fn tq_rvq_decode(
                 let rot = if rotate { Some(ins[3].as_slice::<f32>()?) } else { None };
                 let (k1, k2, nm) = (ins[0].as_slice::<u8>()?, ins[1].as_slice::<u8>()?, ins[2].as_slice::<f16>()?);
                 let (c1, c2) = (ins[4].as_slice::<f32>()?, ins[5].as_slice::<f32>()?);
-                match dtype {
-                    Dtype::F32 => tq::tq_rvq_decode(k1, k2, nm, rot, c1, c2, d, bits, outs[0].as_mut_slice::<f32>()?),
-                    Dtype::F16 => tq::tq_rvq_decode(k1, k2, nm, rot, c1, c2, d, bits, outs[0].as_mut_slice::<f16>()?),
-                    _ => tq::tq_rvq_decode(k1, k2, nm, rot, c1, c2, d, bits, outs[0].as_mut_slice::<bf16>()?),
-                }
+                cpu_primitive::by_dtype!(dtype, T => tq::tq_rvq_decode(k1, k2, nm, rot, c1, c2, d, bits, outs[0].as_mut_slice::<T>()?));
                 Ok(())
             }),
         )?

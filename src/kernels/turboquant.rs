@@ -3,7 +3,7 @@
 //! from the codes, online softmax, values decoded on the fly, split across the
 //! sequence with a final reduction).
 
-use half::{bf16, f16};
+use half::f16;
 
 use super::gpu::{self, Launch};
 use super::TemplateArg;
@@ -215,11 +215,7 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
                     let cent = ins[2].as_slice::<f32>()?;
                     let (codes, norms) = outs.split_at_mut(1);
                     let (codes, norms) = (codes[0].as_mut_slice::<u8>()?, norms[0].as_mut_slice::<f16>()?);
-                    match dtype {
-                        Dtype::F32 => tq::tq_encode(ins[0].as_slice::<f32>()?, rot, cent, d, bits, codes, norms),
-                        Dtype::F16 => tq::tq_encode(ins[0].as_slice::<f16>()?, rot, cent, d, bits, codes, norms),
-                        _ => tq::tq_encode(ins[0].as_slice::<bf16>()?, rot, cent, d, bits, codes, norms),
-                    }
+                    cpu_primitive::by_dtype!(dtype, T => tq::tq_encode(ins[0].as_slice::<T>()?, rot, cent, d, bits, codes, norms));
                     Ok(())
                 }),
             )?
@@ -362,13 +358,10 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
                 (want.to_vec(), dtype),
                 &stream,
                 Box::new(move |ins, outs| {
-                    macro_rules! run {
-                        ($t:ty) => {{
-                            let inp = attention_inputs::<$t>(&ins[1..11])?;
-                            tq::tq_attention(ins[0].as_slice::<$t>()?, &inp, &sh, scale_copy, outs[0].as_mut_slice::<$t>()?)
-                        }};
-                    }
-                    cpu_primitive::for_float_dtype!(dtype, run);
+                    cpu_primitive::by_dtype!(dtype, T => {
+                        let inp = attention_inputs::<T>(&ins[1..11])?;
+                        tq::tq_attention(ins[0].as_slice::<T>()?, &inp, &sh, scale_copy, outs[0].as_mut_slice::<T>()?)
+                    });
                     Ok(())
                 }),
             )
@@ -439,22 +432,19 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
         (want.to_vec(), dtype),
         stream,
         Box::new(move |ins, outs| {
-            macro_rules! run {
-                ($t:ty) => {{
-                    let q = ins[0].as_slice::<$t>()?;
-                    let out = outs[0].as_mut_slice::<$t>()?;
-                    for (b, sh) in shapes.iter().enumerate() {
-                        let dst = &mut out[b * row..(b + 1) * row];
-                        if sh.total() == 0 {
-                            dst.fill(<$t>::default());
-                            continue;
-                        }
-                        let inp = attention_inputs::<$t>(&ins[1 + 10 * b..11 + 10 * b])?;
-                        tq::tq_attention(&q[b * row..(b + 1) * row], &inp, sh, scale, dst);
+            cpu_primitive::by_dtype!(dtype, T => {
+                let q = ins[0].as_slice::<T>()?;
+                let out = outs[0].as_mut_slice::<T>()?;
+                for (b, sh) in shapes.iter().enumerate() {
+                    let dst = &mut out[b * row..(b + 1) * row];
+                    if sh.total() == 0 {
+                        dst.fill(<T>::default());
+                        continue;
                     }
-                }};
-            }
-            cpu_primitive::for_float_dtype!(dtype, run);
+                    let inp = attention_inputs::<T>(&ins[1 + 10 * b..11 + 10 * b])?;
+                    tq::tq_attention(&q[b * row..(b + 1) * row], &inp, sh, scale, dst);
+                }
+            });
             Ok(())
         }),
     )

@@ -1,6 +1,5 @@
 //! `vq_quantize`: the nearest centroid of each vector.
 
-use half::{bf16, f16};
 
 use super::gpu::{self, Launch};
 use super::TemplateArg;
@@ -77,11 +76,7 @@ pub fn vq_quantize(x: &Array, codebook: &Array, opts: &Options) -> Result<Array>
                 &stream,
                 Box::new(move |ins, outs| {
                     let o = outs[0].as_mut_slice::<u32>()?;
-                    match dtype {
-                        Dtype::F32 => cpu::vq_quantize(ins[0].as_slice::<f32>()?, ins[1].as_slice::<f32>()?, n, k, d, o),
-                        Dtype::F16 => cpu::vq_quantize(ins[0].as_slice::<f16>()?, ins[1].as_slice::<f16>()?, n, k, d, o),
-                        _ => cpu::vq_quantize(ins[0].as_slice::<bf16>()?, ins[1].as_slice::<bf16>()?, n, k, d, o),
-                    }
+                    cpu_primitive::by_dtype!(dtype, T => cpu::vq_quantize(ins[0].as_slice::<T>()?, ins[1].as_slice::<T>()?, n, k, d, o));
                     Ok(())
                 }),
             )?

@@ -138,17 +138,14 @@ fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, A
         &[(out.clone(), dtype), (out, dtype)],
         s,
         Box::new(move |ins, outs| {
-            macro_rules! run {
-                ($t:ty) => {{
-                    let off = if has_off { Some(ins[5].as_slice::<$t>()?) } else { None };
-                    let vf = if has_vf { Some(ins[5 + has_off as usize].as_slice::<$t>()?) } else { None };
-                    let kf = ins[2].as_slice::<$t>()?;
-                    let (ok, ov) = outs.split_at_mut(1);
-                    cpu_window::window_append(ins[0].as_slice::<$t>()?, Some(kf), off, ins[3].as_slice::<$t>()?, &sh, ok[0].as_mut_slice::<$t>()?);
-                    cpu_window::window_append(ins[1].as_slice::<$t>()?, vf, None, ins[4].as_slice::<$t>()?, &sh, ov[0].as_mut_slice::<$t>()?);
-                }};
-            }
-            cpu_primitive::for_float_dtype!(dtype, run);
+            cpu_primitive::by_dtype!(dtype, T => {
+                let off = if has_off { Some(ins[5].as_slice::<T>()?) } else { None };
+                let vf = if has_vf { Some(ins[5 + has_off as usize].as_slice::<T>()?) } else { None };
+                let kf = ins[2].as_slice::<T>()?;
+                let (ok, ov) = outs.split_at_mut(1);
+                cpu_window::window_append(ins[0].as_slice::<T>()?, Some(kf), off, ins[3].as_slice::<T>()?, &sh, ok[0].as_mut_slice::<T>()?);
+                cpu_window::window_append(ins[1].as_slice::<T>()?, vf, None, ins[4].as_slice::<T>()?, &sh, ov[0].as_mut_slice::<T>()?);
+            });
             Ok(())
         }),
     )?;
@@ -221,21 +218,18 @@ pub fn window_append_each<'a>(
         &outputs,
         &stream,
         Box::new(move |ins, outs| {
-            macro_rules! run {
-                ($t:ty) => {{
-                    let (keys, values, kf) = (ins[0].as_slice::<$t>()?, ins[1].as_slice::<$t>()?, ins[2].as_slice::<$t>()?);
-                    let vf = if has_vf { Some(ins[3].as_slice::<$t>()?) } else { None };
-                    for (b, (sh, out)) in shapes.iter().zip(outs.chunks_mut(2)).enumerate() {
-                        let at = first + b * per_row;
-                        let n = sh.heads * sh.tokens * sh.dim;
-                        let off = if has_off { Some(ins[at + 2].as_slice::<$t>()?) } else { None };
-                        let (ok, ov) = out.split_at_mut(1);
-                        cpu_window::window_append(&keys[b * n..(b + 1) * n], Some(kf), off, ins[at].as_slice::<$t>()?, sh, ok[0].as_mut_slice::<$t>()?);
-                        cpu_window::window_append(&values[b * n..(b + 1) * n], vf, None, ins[at + 1].as_slice::<$t>()?, sh, ov[0].as_mut_slice::<$t>()?);
-                    }
-                }};
-            }
-            cpu_primitive::for_float_dtype!(dtype, run);
+            cpu_primitive::by_dtype!(dtype, T => {
+                let (keys, values, kf) = (ins[0].as_slice::<T>()?, ins[1].as_slice::<T>()?, ins[2].as_slice::<T>()?);
+                let vf = if has_vf { Some(ins[3].as_slice::<T>()?) } else { None };
+                for (b, (sh, out)) in shapes.iter().zip(outs.chunks_mut(2)).enumerate() {
+                    let at = first + b * per_row;
+                    let n = sh.heads * sh.tokens * sh.dim;
+                    let off = if has_off { Some(ins[at + 2].as_slice::<T>()?) } else { None };
+                    let (ok, ov) = out.split_at_mut(1);
+                    cpu_window::window_append(&keys[b * n..(b + 1) * n], Some(kf), off, ins[at].as_slice::<T>()?, sh, ok[0].as_mut_slice::<T>()?);
+                    cpu_window::window_append(&values[b * n..(b + 1) * n], vf, None, ins[at + 1].as_slice::<T>()?, sh, ov[0].as_mut_slice::<T>()?);
+                }
+            });
             Ok(())
         }),
     )?;
