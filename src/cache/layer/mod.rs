@@ -342,8 +342,8 @@ impl LayerCache {
         if together {
             for c in caches.iter_mut() {
                 let Some(Store::Compressed(cc)) = &mut c.store else { break };
-                if cc.len % cc.token_group() != 0 {
-                    break; // a trim left a partial group to reopen
+                if cc.partial_group() != 0 {
+                    break; // reopened by the general path
                 }
                 match Self::window_slot(&cfg, cc, t, &s)? {
                     Some(at) => slots.push(at),
@@ -526,7 +526,7 @@ impl LayerCache {
     /// each side's frame (float32), when a trim left a partial group.
     fn reopened_tokens(&self) -> Result<Option<(Array, Array)>> {
         let Some(Store::Compressed(c)) = &self.store else { return Ok(None) };
-        let partial = c.len % c.token_group();
+        let partial = c.partial_group();
         if partial == 0 {
             return Ok(None);
         }

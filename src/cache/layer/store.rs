@@ -306,9 +306,6 @@ pub(super) struct Compressed {
 }
 
 impl Compressed {
-    /// Grows both windows so that they hold at least `needed` slots, when the
-    /// layer holds `tokens` tokens: by doubling, within the bytes of a
-    /// float16 cache of those tokens (the stores and the key mean counted).
     /// The windows after `t` new tokens were written into their recent slots.
     pub(super) fn windows_written(&mut self, win_k: Array, win_v: Array, t: usize) {
         self.keys.window = win_k;
@@ -316,6 +313,9 @@ impl Compressed {
         self.n_recent += t;
     }
 
+    /// Grows both windows so that they hold at least `needed` slots, when the
+    /// layer holds `tokens` tokens: by doubling, within the bytes of a
+    /// float16 cache of those tokens (the stores and the key mean counted).
     pub(super) fn reserve_window(&mut self, needed: usize, tokens: usize, max: usize, s: &Stream) -> Result<()> {
         if needed <= self.window_slots {
             return Ok(());
@@ -335,6 +335,12 @@ impl Compressed {
             self.window_slots = slots;
         }
         Ok(())
+    }
+
+    /// Compressed tokens after the last whole token group (a trim cut into
+    /// it): the next append decodes and compresses them again.
+    pub(super) fn partial_group(&self) -> usize {
+        self.len % self.token_group()
     }
 
     /// Tokens both sides compress together: a flush starts and ends on a
