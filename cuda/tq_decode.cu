@@ -92,7 +92,8 @@ __shared__ uint32_t kt[KPAIR ? 256 : 1 << KB];
 // tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
 __shared__ uint4 qa_s[MMA ? (D / 16) * 32 : 1];
 __shared__ uint32_t vt[1 << VB];
-__shared__ float sc[QN * TT];
+// 16-byte aligned: the queries' rotation reads the raw rows here as float4.
+__shared__ __align__(16) float sc[QN * TT];
 __shared__ float m_s[QN];
 __shared__ float l_s[QN];
 // The tensor-core path's per-warp row maxima and sums.
@@ -104,6 +105,8 @@ extern __shared__ __align__(16) uint8_t codes_s[];
 // Codes of TT tokens; the tensor-core path's two chunk buffers and their
 // float16 norms follow each other.
 constexpr int CBYTES = TT * (KROW + VROW);
+// The dynamic shared memory of the launch, less the spare word.
+constexpr int RDYN = MMA ? 2 * CBYTES + 8 * TT : CBYTES;
 uint8_t* const ksm = codes_s;
 uint8_t* const vsm = codes_s + TT * KROW;
 __half* const kn_h = reinterpret_cast<__half*>(codes_s + 2 * CBYTES);
@@ -264,8 +267,8 @@ for (uint32_t base = 0; !ROTATED && base < uint32_t(D * RP); base += TG) {
     const float4 w = ri[j4];
 #pragma unroll
     for (int r = 0; r < QN; ++r) {
-      const float* x = xs + r * D + 4 * j4;
-      y[r] += w.x * x[0] + w.y * x[1] + w.z * x[2] + w.w * x[3];
+      const float4 x = reinterpret_cast<const float4*>(xs + r * D)[j4];
+      y[r] += w.x * x.x + w.y * x.y + w.z * x.z + w.w * x.w;
     }
   }
 #pragma unroll
@@ -602,7 +605,8 @@ if (!last_s) {
 }
 __threadfence();
 // Per row: the splits' max M (warp r) and the softmax's sum, then
-// a_i = sum_s e^(m_s - M) acc_s,i / sum_s e^(m_s - M) l_s into a_s.
+// a_i = sum_s e^(m_s - M) acc_s,i into a_s, and out_i = sum_j a_j Π[j][i]
+// divided by the sum.
 float* const ma_s = mw_s;
 float* const den_s = lw_s;
 if (warp < uint32_t(QN)) {
@@ -625,29 +629,101 @@ if (warp < uint32_t(QN)) {
   }
 }
 __syncthreads();
-for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
-  const uint32_t r = e / D, i = e % D;
-  const uint32_t rr = tile * QN + r;
-  const float M = ma_s[r], den = den_s[r];
-  float a = 0.0f;
-  if (rr < head_rows && M != ninf && den > 0.0f) {
-    const uint64_t row = row_of(rr);
-    for (uint32_t t = 0; t < num_splits; ++t) {
-      a += __expf(__ldcg(m_out + row * num_splits + t) - M) * __ldcg(acc_out + (row * num_splits + t) * D + i);
+// Four dimensions a thread, the splits shared by P threads, MS splits'
+// loads in flight at once (the tail runs alone after the other blocks: its
+// time is latency); the parts meet in the codes' space past a_s.
+{
+  constexpr int E4 = QN * D / 4;
+  constexpr int P = TG >= 2 * E4 ? TG / E4 : 1;
+  constexpr int MS = 8;
+  static_assert(QN * D * 4 * P <= RDYN, "the parts fit in the codes' space");
+  float4* const a4 = reinterpret_cast<float4*>(a_s);
+  float4* const part_s = a4 + E4;
+  for (uint32_t e = tid; e < uint32_t(E4 * P); e += TG) {
+    const uint32_t e4 = e % E4, p = e / E4;
+    const uint32_t r = e4 / (D / 4), i = e4 % (D / 4) * 4;
+    const uint32_t rr = tile * QN + r;
+    const float M = ma_s[r];
+    float4 a = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+    if (rr < head_rows && M != ninf) {
+      const uint64_t row = row_of(rr);
+      for (uint32_t t0 = p * MS; t0 < num_splits; t0 += MS * P) {
+        float m[MS];
+        float4 v[MS];
+#pragma unroll
+        for (int k = 0; k < MS; ++k) {
+          const uint32_t t = t0 + k;
+          const bool on = t < num_splits;
+          m[k] = on ? __ldcg(m_out + row * num_splits + t) : ninf;
+          v[k] = on ? __ldcg(reinterpret_cast<const float4*>(acc_out + (row * num_splits + t) * D + i))
+                    : make_float4(0.0f, 0.0f, 0.0f, 0.0f);
+        }
+#pragma unroll
+        for (int k = 0; k < MS; ++k) {
+          const float f = __expf(m[k] - M);
+          a.x += f * v[k].x;
+          a.y += f * v[k].y;
+          a.z += f * v[k].z;
+          a.w += f * v[k].w;
+        }
+      }
     }
-    a /= den;
+    (p == 0 ? a4[e4] : part_s[(p - 1) * E4 + e4]) = a;
   }
-  a_s[r * D + i] = a;
+  __syncthreads();
+  if constexpr (P > 1) {
+    for (uint32_t e4 = tid; e4 < uint32_t(E4); e4 += TG) {
+      float4 a = a4[e4];
+#pragma unroll
+      for (int p = 1; p < P; ++p) {
+        const float4 b = part_s[(p - 1) * E4 + e4];
+        a.x += b.x;
+        a.y += b.y;
+        a.z += b.z;
+        a.w += b.w;
+      }
+      a4[e4] = a;
+    }
+    __syncthreads();
+  }
 }
-__syncthreads();
-// out_i = sum_j a_j rot[j][i]: the values' frame back to the model's.
-for (uint32_t e = tid; e < uint32_t(QN * D); e += TG) {
-  const uint32_t r = e / D, i = e % D;
-  const uint32_t rr = tile * QN + r;
-  if (rr >= head_rows) continue;
-  float y = 0.0f;
+// The values' frame back to the model's: JR rows of Π at a time copied into
+// the codes' space past a_s (cp.async: every thread's share in flight at
+// once, no registers), each thread's outputs summed over them.
+{
+  constexpr int JR = (RDYN - QN * D * 4) / (4 * D) < D ? (RDYN - QN * D * 4) / (4 * D) : D;
+  static_assert(JR >= 1, "a row of the rotation fits past the sums");
+  constexpr int OPT = (QN * D + TG - 1) / TG;
+  float* const rot_s = a_s + QN * D;
+  const bool rot_aligned = (reinterpret_cast<uintptr_t>(rot) & 15u) == 0;
+  float y[OPT];
+#pragma unroll
+  for (int k = 0; k < OPT; ++k) y[k] = 0.0f;
+  for (uint32_t j0 = 0; j0 < uint32_t(D); j0 += JR) {
+    const uint32_t jn = min(uint32_t(JR), uint32_t(D) - j0);
+    vq_copy_to_shared(reinterpret_cast<uint8_t*>(rot_s), reinterpret_cast<const uint8_t*>(rot), uint64_t(j0) * D * 4,
+                      uint64_t(D) * D * 4, int(jn * D * 4), rot_aligned);
+    vq_copy_wait();
+    __syncthreads();
+#pragma unroll
+    for (int k = 0; k < OPT; ++k) {
+      const uint32_t e = tid + k * TG;
+      if (e < uint32_t(QN * D)) {
+        const float* ar = a_s + e / D * D + j0;
+        const float* rc = rot_s + e % D;
 #pragma unroll 8
-  for (int j = 0; j < D; ++j) y += a_s[r * D + j] * rot[j * D + i];
-  const uint64_t row = row_of(rr);
-  out[row * D + i] = static_cast<T>(y);
+        for (uint32_t j = 0; j < jn; ++j) y[k] += ar[j] * rc[j * D];
+      }
+    }
+    __syncthreads();
+  }
+#pragma unroll
+  for (int k = 0; k < OPT; ++k) {
+    const uint32_t e = tid + k * TG;
+    const uint32_t r = e / D, i = e % D;
+    const uint32_t rr = tile * QN + r;
+    if (e >= uint32_t(QN * D) || rr >= head_rows) continue;
+    const float M = ma_s[r], den = den_s[r];
+    out[row_of(rr) * D + i] = static_cast<T>(M != ninf && den > 0.0f ? y[k] / den : 0.0f);
+  }
 }

@@ -35,12 +35,15 @@ fn gpu_cache_matches_cpu_cache() {
         let mut on_cpu = LayerCache::new(cfg, Some(Stream::cpu())).unwrap();
         let mut rng = ChaCha8Rng::seed_from_u64(d as u64);
         let chunks = [1000, 1, 1, 300, 1];
+        // Shown with a failure: the case and the step it reached.
+        eprintln!("d={d} kv_heads={hkv} q_heads={hq} {dtype}: appending {chunks:?}");
         for t in chunks {
             let k = normal(&mut rng, &[2, hkv as i32, t, d as i32], dtype);
             let v = normal(&mut rng, &[2, hkv as i32, t, d as i32], dtype);
             on_gpu.append(&k, &v).unwrap();
             on_cpu.append(&k, &v).unwrap();
         }
+        eprintln!("d={d} {dtype}: dequantizing");
         let (kg, vg) = on_gpu.dequantize().unwrap();
         let (kc, vc) = on_cpu.dequantize().unwrap();
         for (name, g, c) in [("keys", kg, kc), ("values", vg, vc)] {
@@ -57,6 +60,7 @@ fn gpu_cache_matches_cpu_cache() {
             let q = normal(&mut rng, &[2, l, hq as i32, d as i32], dtype);
             let q = ops::transpose(&q, &[0, 2, 1, 3], &gpu).unwrap();
             let scale = 1.0 / (d as f32).sqrt();
+            eprintln!("d={d} {dtype}: attention of {l} queries");
             let g = f32s(&on_gpu.attention(&q, scale, causal).unwrap());
             let same = f32s(&same_on_cpu.attention(&q, scale, causal).unwrap());
             let e = rel_err(&g, &same);

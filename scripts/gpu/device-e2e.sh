@@ -8,8 +8,9 @@
 # but not mlx_lm). Output goes to $OUT.
 #
 #   BENCH    arguments of `veloxquant bench` (default: the H200 record's)
-#   PROFILE  entries SHAPE:CONTEXT:CACHE[:CHUNK] for scripts/gpu/profile_decode.py
-#            under ncu (with CHUNK: one prefill chunk of CHUNK tokens)
+#   PROFILE  entries SHAPE:CONTEXT:CACHE[:CHUNK[:BATCH]] for scripts/gpu/profile_decode.py
+#            under ncu (with CHUNK other than 0: one prefill chunk of CHUNK tokens;
+#            BATCH sequences, default 1)
 #   NCU      entries SHAPE:CONTEXT:CACHE:KERNEL: Nsight Compute's sections and
 #            stall reasons for the first launch of KERNEL (a regex) in those
 #            decode steps
@@ -27,11 +28,12 @@ cp python/veloxquant/*.py /root/site/veloxquant/
 status=0
 ncu_bin="$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
 for spec in ${PROFILE:-}; do
-  IFS=: read -r shape context cache chunk <<<"$spec"
-  file="$OUT/profile_${shape}_${context}_${cache}${chunk:+_chunk$chunk}.csv"
+  IFS=: read -r shape context cache chunk batch <<<"$spec"
+  [ "${chunk:-0}" = 0 ] && chunk=""
+  file="$OUT/profile_${shape}_${context}_${cache}${chunk:+_chunk$chunk}${batch:+_batch$batch}.csv"
   "$ncu_bin" --profile-from-start off --clock-control none --cache-control "${NCU_CACHE:-none}" --metrics gpu__time_duration.sum --csv \
     python3 scripts/gpu/profile_decode.py --shape "$shape" --context "$context" --cache "$cache" --steps 2 \
-    --chunk "${chunk:-0}" >"$file" 2>&1 || status=1
+    --chunk "${chunk:-0}" --batch "${batch:-1}" >"$file" 2>&1 || status=1
   python3 scripts/gpu/kernel_times.py "$file" | tee -a "$OUT/profile_summary.txt"
 done
 for spec in ${NCU:-}; do

@@ -40,13 +40,14 @@ def main() -> None:
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--cache", default="veloxquant")
     p.add_argument("--recipe", default="k4v3", help="the veloxquant recipe (veloxquant bench's syntax)")
+    p.add_argument("--batch", type=int, default=1, help="sequences decoded together")
     p.add_argument("--steps", type=int, default=2)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--chunk", type=int, default=0, help="profile one prefill chunk of this many tokens instead")
     args = p.parse_args()
     model = bench.build_model({"shape": args.shape})
     cache = bench.make_cache(model, bench.parse_cache(args.cache, args.recipe))
-    tokens = mx.random.randint(0, model.args.vocab_size, (1, args.context), key=mx.random.key(0))
+    tokens = mx.random.randint(0, model.args.vocab_size, (args.batch, args.context), key=mx.random.key(0))
     y = bench.prefill(model, cache, tokens, 2048)
     for _ in range(args.warmup):
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
@@ -57,7 +58,7 @@ def main() -> None:
         cudart.cudaProfilerStart()
     t = time.perf_counter()
     if args.chunk:
-        chunk = mx.random.randint(0, model.args.vocab_size, (1, args.chunk), key=mx.random.key(1))
+        chunk = mx.random.randint(0, model.args.vocab_size, (args.batch, args.chunk), key=mx.random.key(1))
         mx.eval(model.model(chunk, cache=cache), [c.state for c in cache])
         steps, what = 1, f"prefill chunk of {args.chunk}"
     else:
@@ -69,7 +70,7 @@ def main() -> None:
     dt = (time.perf_counter() - t) / steps
     if cudart is not None:
         cudart.cudaProfilerStop()
-    print(f"{args.shape} {args.cache} context {args.context}: {dt * 1e3:.3f} ms per {what}")
+    print(f"{args.shape} {args.cache} context {args.context} batch {args.batch}: {dt * 1e3:.3f} ms per {what}")
 
 
 if __name__ == "__main__":
