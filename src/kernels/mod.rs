@@ -182,18 +182,21 @@ pub(crate) const THREADGROUP: i32 = 256;
 /// else is an error of every such launch, naming the variable).
 fn cuda_sms() -> Result<usize> {
     static SMS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    SMS.get_or_init(|| parse_cuda_sms(std::env::var("VELOXQUANT_CUDA_SMS")))
+    SMS.get_or_init(|| parse_count(std::env::var("VELOXQUANT_CUDA_SMS"), 132, 1024, "an SM count"))
         .clone()
         .map_err(|message| Error::invalid("VELOXQUANT_CUDA_SMS", message))
 }
 
-fn parse_cuda_sms(value: std::result::Result<String, std::env::VarError>) -> std::result::Result<usize, String> {
+/// A count from 1 to `max` in an environment variable's `value`, `default`
+/// where it is not set; `what` names the count in the error.
+fn parse_count(value: std::result::Result<String, std::env::VarError>, default: usize, max: usize, what: &str)
+    -> std::result::Result<usize, String> {
     match value {
-        Err(std::env::VarError::NotPresent) => Ok(132),
-        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{v:?} is not an SM count")),
+        Err(std::env::VarError::NotPresent) => Ok(default),
+        Err(std::env::VarError::NotUnicode(v)) => Err(format!("{v:?} is not {what}")),
         Ok(v) => match v.trim().parse::<usize>() {
-            Ok(n) if (1..=1024).contains(&n) => Ok(n),
-            _ => Err(format!("{v:?} is not an SM count from 1 to 1024")),
+            Ok(n) if (1..=max).contains(&n) => Ok(n),
+            _ => Err(format!("{v:?} is not {what} from 1 to {max}")),
         },
     }
 }
@@ -218,9 +221,16 @@ pub(crate) fn walking_blocks() -> Result<usize> {
 /// flight, so a few long splits beat many short ones (on the H200 at
 /// llama-8b 32K: 60 µs a call with two blocks per SM, 71 with ~1040 short
 /// splits; four per SM read slower too, and three, bound to 80 registers,
-/// no faster: 34.1 against 33.8 µs): `tq_reduce` merges fewer partials.
+/// no faster: 34.1 against 33.8 µs): the last block of a tile merges fewer
+/// partials. `VELOXQUANT_DECODE_BLOCKS_PER_SM` (1 to 64) sets another count
+/// per SM, to tune a device.
 pub(crate) fn decode_blocks() -> Result<usize> {
-    Ok(2 * cuda_sms()?)
+    static PER_SM: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    let per_sm = PER_SM
+        .get_or_init(|| parse_count(std::env::var("VELOXQUANT_DECODE_BLOCKS_PER_SM"), 2, 64, "a block count per SM"))
+        .clone()
+        .map_err(|message| Error::invalid("VELOXQUANT_DECODE_BLOCKS_PER_SM", message))?;
+    Ok(per_sm * cuda_sms()?)
 }
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
@@ -307,7 +317,7 @@ pub(crate) fn params(argument: &'static str, values: &[usize]) -> Result<Array> 
 
 #[cfg(test)]
 mod tests {
-    use super::{parse_cuda_sms, sizes, split_sizes, Implementation, Kernel, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
+    use super::{parse_count, sizes, split_sizes, Implementation, Kernel, SIZE_CARRIERS, SIZE_CARRIERS_MAX};
     use crate::stream::Backend;
     use crate::{Dtype, Error};
     use std::env::VarError;
@@ -370,13 +380,17 @@ mod tests {
     }
 
     #[test]
-    fn sm_count_defaults_to_the_h200_and_rejects_what_is_not_a_count() {
-        assert_eq!(parse_cuda_sms(Err(VarError::NotPresent)), Ok(132));
-        assert_eq!(parse_cuda_sms(Ok("114".into())), Ok(114));
-        assert_eq!(parse_cuda_sms(Ok(" 80\n".into())), Ok(80));
+    fn counts_from_the_environment_default_and_reject_what_is_not_a_count() {
+        let sms = |v: std::result::Result<String, VarError>| parse_count(v, 132, 1024, "an SM count");
+        assert_eq!(sms(Err(VarError::NotPresent)), Ok(132));
+        assert_eq!(sms(Ok("114".into())), Ok(114));
+        assert_eq!(sms(Ok(" 80\n".into())), Ok(80));
         for bad in ["0", "-1", "many", "", "1025", "1.5"] {
-            let err = parse_cuda_sms(Ok(bad.into())).unwrap_err();
+            let err = sms(Ok(bad.into())).unwrap_err();
             assert!(err.contains(&format!("{bad:?}")) && err.contains("SM count"), "{bad}: {err}");
         }
+        let per_sm = |v: &str| parse_count(Ok(v.into()), 2, 64, "a block count per SM");
+        assert_eq!(per_sm("4"), Ok(4));
+        assert!(per_sm("65").unwrap_err().contains("block count per SM from 1 to 64"));
     }
 }

@@ -2,9 +2,9 @@
 and mlx_lm's 4-bit QuantizedKVCache attention, side by side in one run.
 
     python -m veloxquant.tools.bench_attention [--device gpu] [--contexts 4096 32768 131072]
-        [--key-bits 4] [--value-bits 3] [--out results.md]
+        [--batch 1] [--key-bits 4] [--value-bits 3] [--out results.md]
 
-Shape: batch 1, 32 query heads, 8 KV heads, head_dim 128, float16 queries, one
+Shape: `--batch` sequences (default 1), 32 query heads, 8 KV heads, head_dim 128, float16 queries, one
 decode query. Times are medians over `--iters` calls, each evaluated and
 synchronised. "bits/elem" counts every byte the layer holds (codes, norms,
 float16 windows, capacity) for keys and values; "HBM %" is the bytes the
@@ -65,6 +65,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m veloxquant.tools.bench_attention", description=__doc__.split("\n")[0])
     p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
+    p.add_argument("--batch", type=int, default=1, help="sequences, each with its own keys and query")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -75,10 +76,12 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     dev = mx.gpu if a.device == "gpu" else mx.cpu
     mx.set_default_device(dev)
-    d, hkv, hq = a.head_dim, a.kv_heads, a.heads
+    d, hkv, hq, nb = a.head_dim, a.kv_heads, a.heads, a.batch
+    if nb < 1:
+        p.error(f"--batch must be at least 1, got {nb}")
     scale = d**-0.5
     lines = [
-        f"decode attention, {mx.default_device()}, B=1 Hq={hq} Hkv={hkv} D={d} float16, "
+        f"decode attention, {mx.default_device()}, B={nb} Hq={hq} Hkv={hkv} D={d} float16, "
         f"veloxquant turboquant-mse K{a.key_bits}/V{a.value_bits}, median of {a.iters}",
         "",
         "| context | floor µs | fp16 SDPA µs | mlx_lm 4-bit µs | veloxquant µs | vs SDPA | vs mlx_lm 4-bit "
@@ -90,10 +93,10 @@ def main(argv=None) -> int:
     for t in a.contexts:
         key = mx.random.key(t)
         k1, k2, k3 = mx.random.split(key, 3)
-        k = mx.random.normal((1, hkv, t, d), key=k1).astype(mx.float16)
-        v = mx.random.normal((1, hkv, t, d), key=k2).astype(mx.float16)
-        q = mx.random.normal((1, hq, 1, d), key=k3).astype(mx.float16)
-        batch = [mx.random.normal((1, hq, 1, d), key=mx.random.key(t + i)).astype(mx.float16) for i in range(16)]
+        k = mx.random.normal((nb, hkv, t, d), key=k1).astype(mx.float16)
+        v = mx.random.normal((nb, hkv, t, d), key=k2).astype(mx.float16)
+        q = mx.random.normal((nb, hq, 1, d), key=k3).astype(mx.float16)
+        batch = [mx.random.normal((nb, hq, 1, d), key=mx.random.key(t + i)).astype(mx.float16) for i in range(16)]
         mx.eval(k, v, q, *batch)
         t_floor = _median_time(lambda: q + 1, a.iters)
         t_sdpa = _median_time(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), a.iters)
@@ -117,11 +120,11 @@ def main(argv=None) -> int:
         err = (mx.linalg.norm((out - ref).astype(mx.float32)) / mx.linalg.norm(ref.astype(mx.float32))).item()
         del kd, vd, ref
         fp16_bytes = k.nbytes + v.nbytes
-        elems = 2 * hkv * t * d
+        elems = 2 * nb * hkv * t * d
         bits = 8 * cache.nbytes / elems
         # Bytes the kernel reads: used codes and norms, the windows' used rows.
         comp = cache.compressed_tokens
-        read = hkv * comp * (d * (a.key_bits + a.value_bits) // 8 + 4) + 2 * hkv * (t - comp) * d * 2
+        read = nb * (hkv * comp * (d * (a.key_bits + a.value_bits) // 8 + 4) + 2 * hkv * (t - comp) * d * 2)
         row = (
             f"| {t} | {t_floor * 1e6:.0f} | {t_sdpa * 1e6:.0f} | {t_q4 * 1e6:.0f} | {t_vq * 1e6:.0f} | {t_sdpa / t_vq:.2f}x | "
             f"{t_q4 / t_vq:.2f}x | {b_sdpa * 1e6:.0f} | {b_q4 * 1e6:.0f} | {b_vq * 1e6:.0f} | {b_sdpa / b_vq:.2f}x | "
