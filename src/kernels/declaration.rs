@@ -346,6 +346,23 @@ kernels! {
     },
 }
 
+/// Dynamic shared memory to ask MLX for, for a launch that uses `dynamic`
+/// bytes of it and at most `statics` of static shared memory. A block may
+/// hold 48 KB of both without opting in; past that the kernel must raise its
+/// dynamic limit, which MLX's CUDA custom kernel does only for requests above
+/// 48000 bytes (it sets the limit to the request). A launch past 48 KB in all
+/// that asks for less is refused ("invalid argument": `tq_decode` at D = 96,
+/// 4/3 bits, 45 KB dynamic and 15 KB static), so it asks for 48001.
+fn opted_in(dynamic: i32, statics: i32) -> i32 {
+    const DEFAULT_LIMIT: i32 = 48 * 1024;
+    const MLX_OPTS_IN_ABOVE: i32 = 48000;
+    if dynamic > 0 && dynamic <= MLX_OPTS_IN_ABOVE && dynamic + statics > DEFAULT_LIMIT {
+        MLX_OPTS_IN_ABOVE + 1
+    } else {
+        dynamic
+    }
+}
+
 impl Kernel {
     pub fn declaration(self) -> &'static Declaration {
         &DECLARATIONS[self as usize]
@@ -389,8 +406,8 @@ impl Kernel {
                 _ => 0,
             },
             Kernel::ScalarQuantize | Kernel::TqEncode | Kernel::TqRvqEncode if arg("TABLE") == Some(TemplateArg::Bool(true)) => 65536,
-            Kernel::TqDecode => match (arg("D"), arg("KB"), arg("VB")) {
-                (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(kb)), Some(TemplateArg::Int(vb))) => {
+            Kernel::TqDecode => match (arg("D"), arg("KB"), arg("VB"), arg("QN")) {
+                (Some(TemplateArg::Int(d)), Some(TemplateArg::Int(kb)), Some(TemplateArg::Int(vb)), Some(TemplateArg::Int(qn))) => {
                     // The tensor-core path's two chunk buffers and their
                     // float16 norms, else one split's codes; and a spare
                     // word past them: the tensor-core path reads whole words
@@ -398,7 +415,14 @@ impl Kernel {
                     let chunk = super::turboquant::DECODE_SPLIT_MAX as i32;
                     let codes = chunk * (d * kb / 8 + d * vb / 8);
                     let tensor_cores = matches!(arg("T"), Some(TemplateArg::Dtype(t)) if super::turboquant::decode_on_tensor_cores(t, d as usize));
-                    if tensor_cores { 2 * codes + 8 * chunk + 16 } else { codes + 16 }
+                    let dynamic = if tensor_cores { 2 * codes + 8 * chunk + 16 } else { codes + 16 };
+                    // At most the kernel's static arrays: the queries (qs),
+                    // the scores (sc), the queries' A fragments (qa_s, 32 D
+                    // bytes on the tensor cores), the norms (kn_s, vn_s), the
+                    // code tables (kt, kc, vc, vt, each at most 1 KB) and a
+                    // few per-row words.
+                    let statics = 4 * qn * d + 4 * qn * chunk + if tensor_cores { 32 * d } else { 16 } + 8 * chunk + 4 * 1024 + 256;
+                    opted_in(dynamic, statics)
                 }
                 _ => 0,
             },
@@ -492,6 +516,31 @@ mod tests {
             assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(false)), 0);
         }
         assert_eq!(Kernel::TqProdEncode.cuda_dynamic_shared_bytes(&table(true)), 0);
+    }
+
+    #[test]
+    fn decode_launches_past_48_kb_in_all_ask_mlx_to_opt_in() {
+        let decode = |t: Dtype, d: i32, kb: i32, vb: i32| {
+            let args = [
+                ("T", TemplateArg::Dtype(t)),
+                ("D", TemplateArg::Int(d)),
+                ("KB", TemplateArg::Int(kb)),
+                ("VB", TemplateArg::Int(vb)),
+                ("QN", TemplateArg::Int(4)),
+            ];
+            Kernel::TqDecode.cuda_dynamic_shared_bytes(&args)
+        };
+        // Two 256-token chunks of codes, their norms and a spare word.
+        assert_eq!(decode(Dtype::F16, 128, 4, 3), 2 * 256 * 112 + 2048 + 16);
+        // 41 KB in all at D = 64: no opt-in needed (nor a larger request,
+        // which would cost blocks per SM).
+        assert_eq!(decode(Dtype::F16, 64, 4, 3), 2 * 256 * 56 + 2048 + 16);
+        // 45 KB dynamic and ~15 KB static at D = 96: past MLX's threshold.
+        assert_eq!(decode(Dtype::F16, 96, 4, 3), 48001);
+        assert_eq!(decode(Dtype::F32, 192, 4, 3), 48001);
+        assert_eq!(decode(Dtype::F32, 128, 4, 3), 256 * 112 + 16);
+        assert_eq!(super::opted_in(0, 60_000), 0);
+        assert_eq!(super::opted_in(60_000, 20_000), 60_000);
     }
 
     #[test]
