@@ -1,0 +1,81 @@
+#!/usr/bin/env bash
+# One call of the device tool that checks and measures a decode change, for a
+# session with little device time: after .device/b/install.sh put MLX's CUDA
+# build into /root/site and the wheel of scripts/gpu/build-cuda.sh (ONLY=wheel)
+# lies in .device/build, it installs the wheel with this checkout's Python
+# files, runs the fused-decode check, A/Bs tq_decode's blocks per SM at batch 8
+# (the attention alone), then the end-to-end benchmark at llama-8b 32K (batch 8
+# with the best count, batch 1 with the default) and Nsight Compute's GPU time
+# per kernel of a prefill chunk and of decode steps. A step that would end
+# after DEADLINE seconds (default 400) is skipped, so that the call returns
+# what it made before the session's device time runs out. Output in $OUT.
+#
+#   PER_SM      block counts per SM to A/B (default "2 3 6")
+#   CHECK_TIMEOUT  seconds for python/tests/check_decode_gpu.py (default 240)
+#   OLD_WHEEL   a wheel to profile instead when the check fails
+set -uo pipefail
+OUT="${OUT:-/tmp/vq-out}"
+DEADLINE=${DEADLINE:-400}
+mkdir -p "$OUT"
+left() { echo $((DEADLINE - SECONDS)); }
+export LD_LIBRARY_PATH=/root/site/mlx/lib PYTHONPATH="/root/site:$PWD/.device/pylib" PYTHONUNBUFFERED=1
+install_wheel() {
+  python3 -m pip install -q --no-index --no-deps --target /root/site --upgrade "$1" && cp python/veloxquant/*.py /root/site/veloxquant/ &&
+    mkdir -p /root/site/veloxquant/tools && cp python/veloxquant/tools/*.py /root/site/veloxquant/tools/
+}
+install_wheel "$(ls .device/build/veloxquant-*-cp312-*.whl | head -1)" || { echo "no veloxquant wheel in .device/build" >&2; exit 1; }
+nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm --format=csv,noheader | tee "$OUT/machine.txt"
+# Alone on the machine: it compiles one kernel per case, and NVRTC beside it
+# (a GPU test binary) made it miss a 150 s limit.
+timeout "${CHECK_TIMEOUT:-240}" python3 python/tests/check_decode_gpu.py >"$OUT/check_decode.txt" 2>&1
+rc=$?
+echo "check_decode rc=$rc at ${SECONDS}s ($(grep -c '^ok' "$OUT/check_decode.txt") cases ok)"
+tail -1 "$OUT/check_decode.txt"
+ncu_bin="$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
+profile() {  # NAME, then scripts/gpu/profile_decode.py's arguments
+  local name=$1
+  shift
+  [ "$(left)" -lt 60 ] && { echo "skipped profile $name"; return; }
+  # A llama-8b model built and 32K tokens prefilled under ncu: about 50 s at
+  # batch 1 (a 60 s limit cut two of them short), longer at batch 8.
+  timeout $(( $(left) < 150 ? $(left) : 150 )) "$ncu_bin" --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum \
+    --csv python3 scripts/gpu/profile_decode.py "$@" >"$OUT/profile_$name.csv" 2>&1
+  python3 scripts/gpu/kernel_times.py "$OUT/profile_$name.csv" --top 12 | tee -a "$OUT/profile_summary.txt"
+}
+if [ $rc -ne 0 ]; then
+  [ -n "${OLD_WHEEL:-}" ] || exit 1
+  echo "the check failed: profiles of $OLD_WHEEL"
+  install_wheel "$OLD_WHEEL" || exit 1
+  profile vq_decode_b8 --shape llama-8b --context 32768 --cache veloxquant --steps 2 --batch 8
+  profile vq_prefill --shape llama-8b --context 32768 --cache veloxquant --chunk 2048
+  exit 1
+fi
+best=2
+best_us=
+for n in ${PER_SM:-2 3 6}; do
+  [ "$(left)" -lt 150 ] && break
+  VELOXQUANT_DECODE_BLOCKS_PER_SM=$n timeout 40 python3 -m veloxquant.tools.bench_attention --device gpu --contexts 32768 \
+    --batch 8 --iters 5 >"$OUT/attention_b8_per_sm$n.md" 2>&1
+  # The compressed cache's time per call over 16 calls an evaluation.
+  us=$(grep "^| 32768" "$OUT/attention_b8_per_sm$n.md" | awk -F'|' '{gsub(/ /, "", $11); print $11}')
+  echo "blocks per SM $n: batch 8 32K attention ${us:-?} us a call (x16) at ${SECONDS}s"
+  if [ -n "$us" ] && { [ -z "$best_us" ] || [ "$us" -lt "$best_us" ]; }; then
+    best=$n
+    best_us=$us
+  fi
+done
+echo "best: $best blocks per SM"
+bench() {  # seconds, then bench arguments
+  local limit=$1
+  shift
+  [ "$(left)" -lt "$limit" ] && { echo "skipped bench $*"; return; }
+  timeout "$limit" python3 -m veloxquant bench --shape llama-8b --contexts 32768 --caches fp16,veloxquant --decode-tokens 128 \
+    --timeout $((limit - 10)) "$@" 2>&1 | grep "^| llama"
+}
+VELOXQUANT_DECODE_BLOCKS_PER_SM=$best bench 90 --batch 8 --out-jsonl "$OUT/e2e-b8.jsonl" --out-md "$OUT/e2e-b8.md"
+bench 70 --batch 1 --out-jsonl "$OUT/e2e-b1.jsonl" --out-md "$OUT/e2e-b1.md"
+echo "benchmarks done at ${SECONDS}s"
+profile vq_prefill --shape llama-8b --context 32768 --cache veloxquant --chunk 2048
+VELOXQUANT_DECODE_BLOCKS_PER_SM=$best profile vq_decode_b8 --shape llama-8b --context 32768 --cache veloxquant --steps 2 --batch 8
+profile vq_decode_b1 --shape llama-8b --context 32768 --cache veloxquant --steps 2
+profile fp16_prefill --shape llama-8b --context 32768 --cache fp16 --chunk 2048
