@@ -6,13 +6,12 @@
 # files, runs the fused-decode check, A/Bs tq_decode's blocks per SM at batch 8
 # (the attention alone), then the end-to-end benchmark at llama-8b 32K (batch 8
 # with the best count, batch 1 with the default) and Nsight Compute's GPU time
-# per kernel of a prefill chunk and of decode steps. A step that would end
+# per kernel of a prefill chunk and of decode steps (device-e2e.sh's PROFILE). A step that would end
 # after DEADLINE seconds (default 400) is skipped, so that the call returns
 # what it made before the session's device time runs out. Output in $OUT.
 #
 #   PER_SM      block counts per SM to A/B (default "2 3 6")
 #   CHECK_TIMEOUT  seconds for python/tests/check_decode_gpu.py (default 240)
-#   OLD_WHEEL   a wheel to profile instead when the check fails
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
 DEADLINE=${DEADLINE:-400}
@@ -31,25 +30,13 @@ timeout "${CHECK_TIMEOUT:-240}" python3 python/tests/check_decode_gpu.py >"$OUT/
 rc=$?
 echo "check_decode rc=$rc at ${SECONDS}s ($(grep -c '^ok' "$OUT/check_decode.txt") cases ok)"
 tail -1 "$OUT/check_decode.txt"
-ncu_bin="$(command -v ncu || ls /usr/local/cuda*/bin/ncu /opt/nvidia/nsight-compute/*/ncu 2>/dev/null | head -1)"
-profile() {  # NAME, then scripts/gpu/profile_decode.py's arguments
-  local name=$1
-  shift
-  [ "$(left)" -lt 60 ] && { echo "skipped profile $name"; return; }
+profile() {  # PROFILE entries of device-e2e.sh (SHAPE:CONTEXT:CACHE[:CHUNK[:BATCH]])
+  [ "$(left)" -lt 60 ] && { echo "skipped profile $*"; return; }
   # A llama-8b model built and 32K tokens prefilled under ncu: about 50 s at
   # batch 1 (a 60 s limit cut two of them short), longer at batch 8.
-  timeout $(( $(left) < 150 ? $(left) : 150 )) "$ncu_bin" --profile-from-start off --clock-control none --cache-control none --metrics gpu__time_duration.sum \
-    --csv python3 scripts/gpu/profile_decode.py "$@" >"$OUT/profile_$name.csv" 2>&1
-  python3 scripts/gpu/kernel_times.py "$OUT/profile_$name.csv" --top 12 | tee -a "$OUT/profile_summary.txt"
+  PROFILE="$*" SKIP_BENCH=1 OUT="$OUT" timeout $(( $(left) < 150 ? $(left) : 150 )) bash scripts/gpu/device-e2e.sh | grep -v "^NVIDIA\|^Python"
 }
-if [ $rc -ne 0 ]; then
-  [ -n "${OLD_WHEEL:-}" ] || exit 1
-  echo "the check failed: profiles of $OLD_WHEEL"
-  install_wheel "$OLD_WHEEL" || exit 1
-  profile vq_decode_b8 --shape llama-8b --context 32768 --cache veloxquant --steps 2 --batch 8
-  profile vq_prefill --shape llama-8b --context 32768 --cache veloxquant --chunk 2048
-  exit 1
-fi
+[ $rc -eq 0 ] || exit 1
 best=2
 best_us=
 for n in ${PER_SM:-2 3 6}; do
@@ -75,7 +62,7 @@ bench() {  # seconds, then bench arguments
 VELOXQUANT_DECODE_BLOCKS_PER_SM=$best bench 90 --batch 8 --out-jsonl "$OUT/e2e-b8.jsonl" --out-md "$OUT/e2e-b8.md"
 bench 70 --batch 1 --out-jsonl "$OUT/e2e-b1.jsonl" --out-md "$OUT/e2e-b1.md"
 echo "benchmarks done at ${SECONDS}s"
-profile vq_prefill --shape llama-8b --context 32768 --cache veloxquant --chunk 2048
-VELOXQUANT_DECODE_BLOCKS_PER_SM=$best profile vq_decode_b8 --shape llama-8b --context 32768 --cache veloxquant --steps 2 --batch 8
-profile vq_decode_b1 --shape llama-8b --context 32768 --cache veloxquant --steps 2
-profile fp16_prefill --shape llama-8b --context 32768 --cache fp16 --chunk 2048
+profile llama-8b:32768:veloxquant:2048
+VELOXQUANT_DECODE_BLOCKS_PER_SM=$best profile llama-8b:32768:veloxquant:0:8
+profile llama-8b:32768:veloxquant
+profile llama-8b:32768:fp16:2048

@@ -182,9 +182,19 @@ pub(crate) const THREADGROUP: i32 = 256;
 /// else is an error of every such launch, naming the variable).
 fn cuda_sms() -> Result<usize> {
     static SMS: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    SMS.get_or_init(|| parse_count(std::env::var("VELOXQUANT_CUDA_SMS"), 132, 1024, "an SM count"))
-        .clone()
-        .map_err(|message| Error::invalid("VELOXQUANT_CUDA_SMS", message))
+    env_count(&SMS, "VELOXQUANT_CUDA_SMS", 132, 1024, "an SM count")
+}
+
+/// The count environment variable `var` sets ([`parse_count`]), read once
+/// into `cell`; where it is not a count, an error naming `var`.
+fn env_count(
+    cell: &'static OnceLock<std::result::Result<usize, String>>,
+    var: &'static str,
+    default: usize,
+    max: usize,
+    what: &str,
+) -> Result<usize> {
+    cell.get_or_init(|| parse_count(std::env::var(var), default, max, what)).clone().map_err(|message| Error::invalid(var, message))
 }
 
 /// A count from 1 to `max` in an environment variable's `value`, `default`
@@ -226,11 +236,7 @@ pub(crate) fn walking_blocks() -> Result<usize> {
 /// per SM, to tune a device.
 pub(crate) fn decode_blocks() -> Result<usize> {
     static PER_SM: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    let per_sm = PER_SM
-        .get_or_init(|| parse_count(std::env::var("VELOXQUANT_DECODE_BLOCKS_PER_SM"), 2, 64, "a block count per SM"))
-        .clone()
-        .map_err(|message| Error::invalid("VELOXQUANT_DECODE_BLOCKS_PER_SM", message))?;
-    Ok(per_sm * cuda_sms()?)
+    Ok(env_count(&PER_SM, "VELOXQUANT_DECODE_BLOCKS_PER_SM", 2, 64, "a block count per SM")? * cuda_sms()?)
 }
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
