@@ -26,8 +26,10 @@ last token through the whole model) and ``--decode-tokens`` greedy steps, the
 next step's graph built while the current one runs, as mlx_lm does.
 
 ``--memory-budget GiB`` adds a capacity table: for each shape, context and
-cache, the most sequences that fit the budget, estimated from the largest
-batch measured (its peak memory less the weights, per sequence).
+cache, the most sequences that fit the budget as a server holds them (many
+decoding, one being prefilled), estimated from the largest batch measured:
+the weights, one sequence's share of the prefill's transient memory, and
+each sequence's share of the decode peak.
 
 Under ``mlx.launch -n N`` every rank runs the same plan; each configuration's
 workers (one per rank, in the ranks' own subprocesses) form the group and
@@ -258,9 +260,12 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         y = prefill(model, cache, tokens, step)
         mx.synchronize()
         t1 = time.perf_counter()
+        prefill_peak, prefill_kv = mx.get_peak_memory(), cache_nbytes(cache)
+        mx.reset_peak_memory()
         decode(model, cache, y, job["decode_tokens"])
         mx.synchronize()
         t2 = time.perf_counter()
+        decode_peak = mx.get_peak_memory()
     except Exception as e:
         return {**row, "error": describe_failure(f"{type(e).__name__}: {e}")}
     compressed = [c.layer.compressed_tokens for c in cache if isinstance(c, VeloxQuantCache) and c.layer]
@@ -277,7 +282,10 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         "kv_bytes": kv,
         "kv_bytes_total": kv_total,
         "compressed_tokens": compressed[0] if compressed else None,
-        "peak_bytes": mx.get_peak_memory(),
+        "peak_bytes": max(prefill_peak, decode_peak),
+        "prefill_peak_bytes": prefill_peak,
+        "prefill_kv_bytes": prefill_kv,
+        "decode_peak_bytes": decode_peak,
         "model_bytes": sum(p.nbytes for _, p in tree_flatten(model.parameters())),
         "error": None,
     }
@@ -398,9 +406,13 @@ def markdown_table(rows: List[Dict[str, Any]]) -> str:
 
 
 def capacity_table(rows: List[Dict[str, Any]], budget_gib: float) -> str:
-    """The most sequences that fit ``budget_gib`` per (shape, context, cache):
-    the weights once, then the peak memory per sequence of the largest batch
-    measured (KV cache and activations both grow with the batch)."""
+    """The most sequences that fit ``budget_gib`` per (shape, context, cache),
+    as a server holds them: the weights once, one sequence being prefilled
+    (its share of the prefill's transient memory: the largest batch's
+    prefill peak less the weights and the KV cache, per sequence) and every
+    sequence's share of the decode peak (KV cache and decode activations).
+    Rows from before the decode peak was recorded take the whole peak per
+    sequence (prefill transients included)."""
     budget = budget_gib * 2**30
     largest: Dict[Any, Dict[str, Any]] = {}
     for r in rows:
@@ -411,14 +423,20 @@ def capacity_table(rows: List[Dict[str, Any]], budget_gib: float) -> str:
             largest[key] = r
     fits = {}
     for key, r in largest.items():
-        per_sequence = max(r["peak_bytes"] - r["model_bytes"], 1) / r["batch"]
-        fits[key] = (max(0, int((budget - r["model_bytes"]) // per_sequence)), per_sequence, r["batch"])
+        model, batch = r["model_bytes"], r["batch"]
+        if r.get("decode_peak_bytes") is not None:
+            per_sequence = max(r["decode_peak_bytes"] - model, 1) / batch
+            prefill = max(r["prefill_peak_bytes"] - model - r["prefill_kv_bytes"], 0) / batch
+        else:
+            per_sequence, prefill = max(r["peak_bytes"] - model, 1) / batch, 0.0
+        fits[key] = (max(0, int((budget - model - prefill) // per_sequence)), per_sequence, prefill, batch)
     head = ["shape", "context", "cache", f"sequences in {budget_gib:g} GiB", "vs fp16", "GiB per sequence",
-            "measured at batch"]
+            "GiB to prefill one", "measured at batch"]
     out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for (shape, context, cache), (n, per_sequence, batch) in fits.items():
+    for (shape, context, cache), (n, per_sequence, prefill, batch) in fits.items():
         base = fits.get((shape, context, "fp16"), (None,))[0]
-        cells = [shape, str(context), cache, str(n), _ratio(n, base), f"{per_sequence / 2**30:.3f}", str(batch)]
+        cells = [shape, str(context), cache, str(n), _ratio(n, base), f"{per_sequence / 2**30:.3f}",
+                 f"{prefill / 2**30:.3f}", str(batch)]
         out.append("| " + " | ".join(cells) + " |")
     return "\n".join(out)
 
@@ -580,8 +598,10 @@ def report(rows: List[Dict[str, Any]], args, command: str) -> None:
                     "peak memory over prefill and decode, weights included.\n\n" + table + "\n")
             if capacity:
                 f.write(f"\n## Sequences in {args.memory_budget:g} GiB\n\nEstimated from the largest batch "
-                        "measured: the weights once, then that batch's peak memory less the weights per "
-                        "sequence.\n\n" + capacity + "\n")
+                        "measured, for sequences decoding together while one more is prefilled (as a server "
+                        "admits them): the weights once, one sequence's share of the prefill's transient memory "
+                        "(that batch's prefill peak less the weights and the KV cache), then each sequence's "
+                        "share of the decode peak (KV cache and decode activations).\n\n" + capacity + "\n")
     if args.plot:
         plot(rows, args.plot)
 
