@@ -9,7 +9,10 @@
 // copies): q [B, Hq, L, D] as the model gives it, or with ROTATED already
 // rotated and scaled by tq_rotate (float32); rot [D, D] float32, the keys'
 // and values' rotation Π (row-major); counters, with REDUCE, one uint32 a
-// tile, zero (and left zero); the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
+// tile, zero (and left zero); the output counters_out, as many words, is
+// zeroed for the layer's next decode, which takes it as its counters: MLX
+// then orders two decodes of a layer, whose blocks would otherwise count
+// into each other's tiles when they overlap on the GPU; the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
 // v_norms [B, Hkv, CAP]; k_norms [B, Hkv, n_comp], a view whose length is the
 // compressed count; the codebooks; the rotated windows (sinks first) win_v
 // [B, Hkv, WCAP, D] and win_k [B, Hkv, n_win, D], a view whose length is the
@@ -137,6 +140,9 @@ blk /= tiles;
 const uint32_t hk = blk % Hkv;
 const uint32_t b = blk / Hkv;
 const float ninf = -__int_as_float(0x7f800000);
+if (blockIdx.x == 0) {
+  for (uint32_t i = tid; i < uint32_t(counters_shape[0]); i += TG) counters_out[i] = 0u;
+}
 // Row rr of this tile's KV head (its G heads times L queries) among q's rows.
 auto row_of = [&](uint32_t rr) -> uint64_t { return (uint64_t(b) * Hq + hk * G + rr / L) * L + rr % L; };
 const uint32_t li = tid % TPT, gi = tid / TPT;

@@ -75,6 +75,42 @@ fn gpu_cache_matches_cpu_cache() {
     }
 }
 
+/// Decodes of one layer built into one graph (a benchmark's batch of calls,
+/// a speculative step) may run on the GPU at once: each must still give
+/// what it gives alone, and leave the layer's later decodes right. CUDA's
+/// decode merges its splits through per-layer counters, so MLX must order
+/// the calls (each hands the next its counters).
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_decodes_of_one_layer_in_one_graph_match_each_alone() {
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let (d, hkv, hq, batch) = (128usize, 8usize, 32usize, 4i32);
+    let mut cfg = CacheConfig::new(d, hkv);
+    cfg.key_bits = 4;
+    cfg.value_bits = 3;
+    cfg.policy = Policy::Require;
+    let mut cache = LayerCache::new(cfg, Some(gpu.clone())).unwrap();
+    let mut rng = ChaCha8Rng::seed_from_u64(11);
+    for _ in 0..4 {
+        let k = normal(&mut rng, &[batch, hkv as i32, 8192, d as i32], Dtype::F16);
+        let v = normal(&mut rng, &[batch, hkv as i32, 8192, d as i32], Dtype::F16);
+        cache.append(&k, &v).unwrap();
+    }
+    let scale = 1.0 / (d as f32).sqrt();
+    let queries: Vec<Array> = (0..16).map(|_| normal(&mut rng, &[batch, hq as i32, 1, d as i32], Dtype::F16)).collect();
+    let alone: Vec<Vec<f32>> = queries.iter().map(|q| f32s(&cache.attention(q, scale, false).unwrap())).collect();
+    for round in 0..3 {
+        let together: Vec<Array> = queries.iter().map(|q| cache.attention(q, scale, false).unwrap()).collect();
+        veloxquant::eval(&together.iter().collect::<Vec<_>>()).unwrap();
+        for (i, (t, a)) in together.iter().zip(&alone).enumerate() {
+            let e = rel_err(&f32s(t), a);
+            assert!(e <= 1e-3, "round {round}, call {i} of 16 in one graph: relative error {e} against the call alone");
+        }
+    }
+    let again = f32s(&cache.attention(&queries[0], scale, false).unwrap());
+    assert!(rel_err(&again, &alone[0]) <= 1e-3, "a decode after the batches of calls differs from before them");
+}
+
 #[test]
 #[ignore = "needs a GPU back-end"]
 fn gpu_encode_is_bit_identical_to_cpu() {

@@ -95,7 +95,7 @@ KERNELS = {
     "tq_decode": ([("q", "T"), ("rot", "float"), ("k_codes", "uint8_t"), ("k_norms", "__half"), ("k_cent", "float"),
                    ("v_codes", "uint8_t"), ("v_norms", "__half"), ("v_cent", "float"), ("win_k", "T"), ("win_v", "T"),
                    ("counters", "uint32_t")],
-                  [("m_out", "float"), ("l_out", "float"), ("acc_out", "float"), ("out", "T")],
+                  [("m_out", "float"), ("l_out", "float"), ("acc_out", "float"), ("out", "T"), ("counters_out", "uint32_t")],
                   [{"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
                     "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392], "ROTATED": [False, True],
                     "REDUCE": [False, True]},

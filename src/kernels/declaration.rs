@@ -165,12 +165,12 @@ kernels! {
         strided: false,
     },
     /// Decode attention over a TurboQuant cache; on CUDA it merges its
-    /// splits itself (`counters`, `out`).
+    /// splits itself (`counters`, `out`, `counters_out`).
     TqDecode = "tq_decode" {
         inputs: ["q", "rot", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v"],
         outputs: ["m_out", "l_out", "acc_out"],
         cuda_inputs: ["counters"],
-        cuda_outputs: ["out"],
+        cuda_outputs: ["out", "counters_out"],
         metal: metal [],
         // Only what the decode reads: MLX's host time per launch grows with
         // the source's length (gpu::compact_source).

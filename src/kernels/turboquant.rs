@@ -3,6 +3,8 @@
 //! from the codes, online softmax, values decoded on the fly, split across the
 //! sequence with a final reduction).
 
+use std::sync::Mutex;
+
 use half::f16;
 
 use super::gpu::{self, Launch};
@@ -267,9 +269,12 @@ pub struct TqLayer<'a> {
     pub win_k: &'a Array,
     pub win_v: &'a Array,
     /// `DECODE_COUNTERS` uint32 zeros per (batch, KV head), which CUDA's
-    /// decode mutates and leaves zero ([`decode_counters`]); the layer's
-    /// own, since two decodes sharing them must not overlap.
-    pub counters: &'a Array,
+    /// decode mutates ([`decode_counters`]); the layer's own. Each decode
+    /// replaces them with zeroed counters it outputs, so that the next one
+    /// reads its predecessor's output and MLX never runs two at once (two
+    /// overlapping decodes counting into the same words merge each other's
+    /// splits and leave them non-zero).
+    pub counters: &'a Mutex<Array>,
 }
 
 /// Tiles of query rows per (batch, KV head) that a layer's decode counters
@@ -641,11 +646,17 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
         ("ROTATED", TemplateArg::Bool(rotated)),
     ];
+    // A poisoned lock still holds valid counters (the launch that panicked
+    // never replaced them).
+    let mut counters = layer.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+    let current = counters.clone();
     if cuda {
-        // CUDA's signature has the counters and the merged output; without
-        // REDUCE the kernel leaves both alone.
-        inputs.push(layer.counters);
+        // CUDA's signature has the counters, the merged output and the next
+        // decode's counters; without REDUCE the kernel leaves the merged
+        // output alone.
+        inputs.push(&current);
         outputs.push((q.shape(), q.dtype()));
+        outputs.push((current.shape(), Dtype::U32));
         template.push(("REDUCE", TemplateArg::Bool(reduce)));
     }
     let mut parts = gpu::launch(
@@ -659,6 +670,10 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         },
         s,
     )?;
+    if cuda {
+        *counters = parts.remove(4);
+    }
+    drop(counters);
     if reduce {
         return Ok(parts.remove(3));
     }

@@ -109,7 +109,6 @@ impl LayerCache {
                 .chain(c.values.arrays())
                 .chain(c.k_mean.as_ref())
                 .chain(c.k_offset.as_ref())
-                .chain([&c.decode_counters])
                 .collect(),
         }
     }
@@ -124,7 +123,7 @@ impl LayerCache {
                     + c.values.nbytes()
                     + c.k_mean.as_ref().map_or(0, Array::nbytes)
                     + c.k_offset.as_ref().map_or(0, Array::nbytes)
-                    + c.decode_counters.nbytes()
+                    + c.decode_counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner).nbytes()
             }
         }
     }
@@ -279,7 +278,7 @@ impl LayerCache {
             len: 0,
             n_sink: 0,
             n_recent: 0,
-            decode_counters: kernels::turboquant::decode_counters(batch, self.cfg.kv_heads)?,
+            decode_counters: Mutex::new(kernels::turboquant::decode_counters(batch, self.cfg.kv_heads)?),
         }));
         Ok(())
     }

@@ -305,8 +305,8 @@ pub(super) struct Compressed {
     pub(super) n_sink: usize,
     pub(super) n_recent: usize,
     /// Scratch of the decode kernel (`turboquant::decode_counters`): not
-    /// data, zero between calls.
-    pub(super) decode_counters: Array,
+    /// data; each CUDA decode puts the next one's here (`TqLayer::counters`).
+    pub(super) decode_counters: Mutex<Array>,
 }
 
 impl Compressed {
