@@ -217,9 +217,11 @@ impl LayerCache {
         };
         let out = sdpa(&q, keys, values, scale, prepared.as_ref(), matches!(mask, AttentionMask::Causal), s)?;
         match rotation_t.filter(|_| value_rotated) {
+            // `F²` (a power of two: the same rounding) scales the D x D
+            // matrix rather than the chunk's output.
             Some(r) => {
-                let back = ops::matmul(&out, &ops::transpose(r, &[1, 0], s)?, s)?;
-                ops::multiply(&back, &ops::astype(&Array::scalar_f32(f * f)?, self.dtype, s)?, s)
+                let back = ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, self.dtype, s)?, s)?;
+                ops::matmul(&out, &back, s)
             }
             None => Ok(out),
         }
