@@ -41,7 +41,7 @@ best=2
 best_us=
 for n in ${PER_SM:-2 3 6}; do
   [ "$(left)" -lt 150 ] && break
-  VELOXQUANT_DECODE_BLOCKS_PER_SM=$n timeout 40 python3 -m veloxquant.tools.bench_attention --device gpu --contexts 32768 \
+  VELOXQUANT_DECODE_BLOCKS_PER_SM=$n timeout 90 python3 -m veloxquant.tools.bench_attention --device gpu --contexts 32768 \
     --batch 8 --iters 5 >"$OUT/attention_b8_per_sm$n.md" 2>&1
   # The compressed cache's time per call over 16 calls an evaluation.
   us=$(grep "^| 32768" "$OUT/attention_b8_per_sm$n.md" | awk -F'|' '{gsub(/ /, "", $11); print $11}')

@@ -226,17 +226,27 @@ pub(crate) fn walking_blocks() -> Result<usize> {
     Ok(8 * cuda_sms()?)
 }
 
-/// Blocks CUDA's tensor-core `tq_decode` aims at: two per SM. Its blocks
-/// loop over their splits a chunk at a time with the next chunk's loads in
-/// flight, so a few long splits beat many short ones (on the H200 at
-/// llama-8b 32K: 60 µs a call with two blocks per SM, 71 with ~1040 short
-/// splits; four per SM read slower too, and three, bound to 80 registers,
-/// no faster: 34.1 against 33.8 µs): the last block of a tile merges fewer
-/// partials. `VELOXQUANT_DECODE_BLOCKS_PER_SM` (1 to 64) sets another count
-/// per SM, to tune a device.
-pub(crate) fn decode_blocks() -> Result<usize> {
+/// Blocks CUDA's tensor-core `tq_decode` aims at for a batch of `batch`
+/// sequences. Its blocks loop over their splits a chunk at a time with the
+/// next chunk's loads in flight, so a few long splits beat many short ones:
+/// one sequence takes two blocks per SM (on the H200 at llama-8b 32K: 60 µs
+/// a call with two, 71 with ~1040 short splits; four per SM read slower
+/// too, and three no faster: 34.1 against 33.8 µs); a batch takes three,
+/// the most that fit at its 76 registers and 72 KB of shared memory, for
+/// its blocks' long splits are bound by the rate they issue at, which more
+/// warps an SM raise (llama-8b 32K batch 8 end to end: 1.23× of float16 with
+/// three, 0.90× with two at 39b7e56's kernels). The last block of a tile
+/// merges fewer partials with fewer splits.
+/// `VELOXQUANT_DECODE_BLOCKS_PER_SM` (1 to 64) sets another count per SM,
+/// to tune a device.
+pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
     static PER_SM: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&PER_SM, "VELOXQUANT_DECODE_BLOCKS_PER_SM", 2, 64, "a block count per SM")? * cuda_sms()?)
+    let per_sm = match env_count(&PER_SM, "VELOXQUANT_DECODE_BLOCKS_PER_SM", 0, 64, "a block count per SM")? {
+        0 if batch > 1 => 3,
+        0 => 2,
+        n => n,
+    };
+    Ok(per_sm * cuda_sms()?)
 }
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
@@ -398,5 +408,16 @@ mod tests {
         let per_sm = |v: &str| parse_count(Ok(v.into()), 2, 64, "a block count per SM");
         assert_eq!(per_sm("4"), Ok(4));
         assert!(per_sm("65").unwrap_err().contains("block count per SM from 1 to 64"));
+    }
+
+    #[test]
+    fn decode_grids_take_two_blocks_an_sm_for_one_sequence_and_three_for_a_batch() {
+        if std::env::var_os("VELOXQUANT_DECODE_BLOCKS_PER_SM").is_some() {
+            return; // a count set by hand applies to every batch
+        }
+        let sms = super::cuda_sms().unwrap();
+        assert_eq!(super::decode_blocks(1).unwrap(), 2 * sms);
+        assert_eq!(super::decode_blocks(2).unwrap(), 3 * sms);
+        assert_eq!(super::decode_blocks(8).unwrap(), 3 * sms);
     }
 }

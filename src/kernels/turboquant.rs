@@ -599,7 +599,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
     let cuda = s.backend()? == crate::stream::Backend::Cuda;
     let chunked = cuda && decode_on_tensor_cores(q.dtype(), sh.dim);
     let (_, _, num_splits) = if chunked {
-        chunked_split_plan(&sh, units, super::decode_blocks()?)
+        chunked_split_plan(&sh, units, super::decode_blocks(sh.batch)?)
     } else {
         split_plan(&sh, units, DECODE_SPLIT_MAX, TARGET_THREADGROUPS)
     };
