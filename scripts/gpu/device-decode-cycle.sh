@@ -5,13 +5,15 @@
 # lies in .device/build, it installs the wheel with this checkout's Python
 # files, runs the fused-decode check, A/Bs tq_decode's blocks per SM at batch 8
 # (the attention alone), then the end-to-end benchmark at llama-8b 32K (batch 8
-# with the best count, batch 1 with the default) and Nsight Compute's GPU time
-# per kernel of a prefill chunk and of decode steps (device-e2e.sh's PROFILE). A step that would end
+# with the best count, batch 1 with the default), a prefill chunk's wall and
+# graph-building time for each cache, and Nsight Compute's GPU time per kernel
+# of a prefill chunk and of decode steps (device-e2e.sh's PROFILE). A step that would end
 # after DEADLINE seconds (default 400) is skipped, so that the call returns
 # what it made before the session's device time runs out. Output in $OUT.
 #
 #   PER_SM      block counts per SM to A/B (default "2 3 6")
 #   CHECK_TIMEOUT  seconds for python/tests/check_decode_gpu.py (default 240)
+#   TQ_GPU      path of tq_gpu's test binary: also run its test of decodes in one graph
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
 DEADLINE=${DEADLINE:-400}
@@ -30,6 +32,10 @@ timeout "${CHECK_TIMEOUT:-240}" python3 python/tests/check_decode_gpu.py >"$OUT/
 rc=$?
 echo "check_decode rc=$rc at ${SECONDS}s ($(grep -c '^ok' "$OUT/check_decode.txt") cases ok)"
 tail -1 "$OUT/check_decode.txt"
+if [ -n "${TQ_GPU:-}" ]; then  # tq_gpu's binary (build-cuda.sh), for the decode tests the check lacks
+  timeout 120 "$TQ_GPU" --ignored --test-threads=1 gpu_decodes_of_one_layer >"$OUT/test_tq_gpu_graph.txt" 2>&1
+  echo "tq_gpu decodes in one graph rc=$? at ${SECONDS}s"
+fi
 profile() {  # PROFILE entries of device-e2e.sh (SHAPE:CONTEXT:CACHE[:CHUNK[:BATCH]])
   [ "$(left)" -lt 60 ] && { echo "skipped profile $*"; return; }
   # A llama-8b model built and 32K tokens prefilled under ncu: about 50 s at
@@ -62,6 +68,14 @@ bench() {  # seconds, then bench arguments
 VELOXQUANT_DECODE_BLOCKS_PER_SM=$best bench 90 --batch 8 --out-jsonl "$OUT/e2e-b8.jsonl" --out-md "$OUT/e2e-b8.md"
 bench 70 --batch 1 --out-jsonl "$OUT/e2e-b1.jsonl" --out-md "$OUT/e2e-b1.md"
 echo "benchmarks done at ${SECONDS}s"
+# A prefill chunk's wall time and the time to build its graph, without ncu:
+# the chunk's GPU time (the profile below) is less than the gap the benchmark
+# measures between the caches.
+for cache in fp16 veloxquant; do
+  [ "$(left)" -lt 90 ] && break
+  timeout 60 python3 scripts/gpu/profile_decode.py --shape llama-8b --context 32768 --cache $cache --chunk 2048 2>&1 |
+    tail -1 | tee -a "$OUT/prefill_chunk.txt"
+done
 profile llama-8b:32768:veloxquant:2048
 VELOXQUANT_DECODE_BLOCKS_PER_SM=$best profile llama-8b:32768:veloxquant:0:8
 profile llama-8b:32768:veloxquant
