@@ -646,15 +646,15 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
         ("ROTATED", TemplateArg::Bool(rotated)),
     ];
-    // A poisoned lock still holds valid counters (the launch that panicked
-    // never replaced them).
-    let mut counters = layer.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
-    let current = counters.clone();
-    if cuda {
+    // Only CUDA's decode reads the counters. A poisoned lock still holds
+    // valid counters (the launch that panicked never replaced them).
+    let mut counters = cuda.then(|| layer.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
+    let current = counters.as_ref().map(|c| Array::clone(c));
+    if let Some(current) = &current {
         // CUDA's signature has the counters, the merged output and the next
         // decode's counters; without REDUCE the kernel leaves the merged
         // output alone.
-        inputs.push(&current);
+        inputs.push(current);
         outputs.push((q.shape(), q.dtype()));
         outputs.push((current.shape(), Dtype::U32));
         template.push(("REDUCE", TemplateArg::Bool(reduce)));
@@ -670,8 +670,8 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         },
         s,
     )?;
-    if cuda {
-        *counters = parts.remove(4);
+    if let Some(counters) = counters.as_mut() {
+        **counters = parts.remove(4);
     }
     drop(counters);
     if reduce {
