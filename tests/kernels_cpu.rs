@@ -178,3 +178,119 @@ fn window_append_refuses_bad_input_naming_the_argument() {
     assert!(err.to_string().contains("at"), "{err}");
     assert!(call(&keys, 3).is_ok());
 }
+
+/// A side of `rows` (batch 2 × heads) as `framed_dequantize` reads it, and
+/// the buffer it should give, computed here element by element.
+struct FramedCase {
+    window: Vec<f32>,
+    codes: Vec<u8>,
+    norms: Vec<f16>,
+    table: Vec<f32>,
+    chunk: Vec<f32>,
+    want: Vec<f32>,
+}
+
+fn framed_case(rng: &mut ChaCha8Rng, d: usize, bits: u32, w: usize, cap: usize, parts: [usize; 5]) -> FramedCase {
+    let [sinks, compressed, recent, recent_at, chunk] = parts;
+    let (rows, nb) = (4usize, cpu::packed_len(d, bits));
+    let mut uniform = |n: usize| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect() };
+    let window = uniform(rows * w * d);
+    let chunk_v = uniform(rows * chunk * d);
+    let table = uniform(1 << bits);
+    let norms: Vec<f16> = uniform(rows * cap).into_iter().map(|x| f16::from_f32(x.abs() * 8.0)).collect();
+    let codes: Vec<u8> = (0..rows * cap * nb).map(|_| rng.random::<u8>()).collect();
+    let mut want = Vec::new();
+    for r in 0..rows {
+        for t in 0..sinks {
+            want.extend_from_slice(&window[(r * w + t) * d..][..d]);
+        }
+        for t in 0..compressed {
+            let row = &codes[(r * cap + t) * nb..][..nb];
+            want.extend((0..d).map(|j| table[cpu::turboquant::code_at(row, j, bits)] * norms[r * cap + t].to_f32()));
+        }
+        for t in 0..recent {
+            want.extend_from_slice(&window[(r * w + recent_at + t) * d..][..d]);
+        }
+        want.extend_from_slice(&chunk_v[r * chunk * d..][..chunk * d]);
+    }
+    FramedCase { window, codes, norms, table, chunk: chunk_v, want }
+}
+
+fn as_f32(a: &Array) -> Vec<f32> {
+    veloxquant::ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap()
+}
+
+#[test]
+fn framed_dequantize_is_sinks_decoded_history_recent_then_chunk() {
+    let mut rng = ChaCha8Rng::seed_from_u64(7);
+    for &(d, bits) in &[(64usize, 4u32), (64, 3), (128, 2), (96, 4), (8, 1)] {
+        for parts in [[4, 37, 9, 4, 5], [0, 0, 0, 0, 3], [4, 0, 2, 4, 1], [1, 64, 0, 1, 0], [2, 5, 7, 3, 2]] {
+            let (w, cap) = (16usize, 70usize);
+            let c = framed_case(&mut rng, d, bits, w, cap, parts);
+            let nb = cpu::packed_len(d, bits) as i32;
+            let [sinks, compressed, recent, recent_at, chunk] = parts;
+            for dtype in [Dtype::F32, Dtype::F16, Dtype::BF16] {
+                let f = |x: &[f32], shape: &[i32]| {
+                    veloxquant::ops::astype(&Array::from_slice(x, shape).unwrap(), dtype, &Stream::cpu()).unwrap()
+                };
+                let (window, chunk_a) = (f(&c.window, &[2, 2, w as i32, d as i32]), f(&c.chunk, &[2, 2, chunk as i32, d as i32]));
+                let codes = Array::from_slice(&c.codes, &[2, 2, cap as i32, nb]).unwrap();
+                let norms = Array::from_slice(&c.norms, &[2, 2, cap as i32]).unwrap();
+                let table = Array::from_slice(&c.table, &[1 << bits]).unwrap();
+                let side = kernels::FramedSide {
+                    window: &window,
+                    codes: &codes,
+                    norms: &norms,
+                    table: &table,
+                    chunk: &chunk_a,
+                    bits,
+                    sinks,
+                    compressed,
+                    recent,
+                    recent_at,
+                };
+                // Each element rounded once to the dtype from float32.
+                let want: Vec<f32> = c.want.iter().map(|&x| as_f32(&f(&[x], &[1]))[0]).collect();
+                for policy in [Policy::Require, Policy::Off] {
+                    let out = kernels::framed_dequantize(&side, &opts(policy)).unwrap();
+                    let total = (sinks + compressed + recent + chunk) as i32;
+                    assert_eq!(out.shape(), vec![2, 2, total, d as i32]);
+                    assert_eq!(out.dtype(), dtype);
+                    assert_eq!(as_f32(&out), want, "d={d} bits={bits} {parts:?} {dtype} {policy}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn framed_dequantize_names_the_argument_at_fault() {
+    let mut rng = ChaCha8Rng::seed_from_u64(8);
+    let c = framed_case(&mut rng, 64, 4, 16, 20, [4, 10, 3, 4, 2]);
+    let window = Array::from_slice(&c.window, &[2, 2, 16, 64]).unwrap();
+    let chunk = Array::from_slice(&c.chunk, &[2, 2, 2, 64]).unwrap();
+    let codes = Array::from_slice(&c.codes, &[2, 2, 20, 32]).unwrap();
+    let norms = Array::from_slice(&c.norms, &[2, 2, 20]).unwrap();
+    let table = Array::from_slice(&c.table, &[16]).unwrap();
+    let ok = kernels::FramedSide { window: &window, codes: &codes, norms: &norms, table: &table, chunk: &chunk, bits: 4, sinks: 4, compressed: 10, recent: 3, recent_at: 4 };
+    assert!(kernels::framed_dequantize(&ok, &opts(Policy::Require)).is_ok());
+    let half_chunk = veloxquant::ops::astype(&chunk, Dtype::F16, &Stream::cpu()).unwrap();
+    let norms32 = veloxquant::ops::astype(&norms, Dtype::F32, &Stream::cpu()).unwrap();
+    let bad: [(&str, kernels::FramedSide<'_>); 6] = [
+        ("bits", kernels::FramedSide { bits: 5, ..ok }),
+        ("chunk", kernels::FramedSide { chunk: &half_chunk, ..ok }),
+        ("norms", kernels::FramedSide { norms: &norms32, ..ok }),
+        ("compressed", kernels::FramedSide { compressed: 21, ..ok }),
+        ("recent", kernels::FramedSide { recent: 13, ..ok }),
+        ("table", kernels::FramedSide { bits: 3, codes: &codes, ..ok }),
+    ];
+    for (argument, side) in bad {
+        match kernels::framed_dequantize(&side, &opts(Policy::Require)) {
+            Err(Error::InvalidArgument { argument: a, .. }) | Err(Error::Dtype { argument: a, .. }) => assert!(
+                a == argument || (argument == "table" && a == "codes"),
+                "{argument}: the error names {a}"
+            ),
+            other => panic!("{argument}: expected an error, got {:?}", other.map(|a| a.shape())),
+        }
+    }
+}

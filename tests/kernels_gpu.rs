@@ -7,7 +7,7 @@ use half::{bf16, f16};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::kernels::{self, bit_pack, bit_unpack, vq_quantize};
-use veloxquant::{cpu, Array, Element, Options, Policy, Stream};
+use veloxquant::{cpu, Array, Dtype, Element, Options, Policy, Stream};
 
 fn gpu() -> Options {
     let s = Stream::gpu().expect("this test needs MLX with a GPU back-end");
@@ -74,6 +74,44 @@ fn gpu_window_append_matches_the_reference_graph() {
                     common::check_window_append(&gpu(), dtype, d, t, offset, rotate_v, tol);
                 }
             }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_framed_dequantize_matches_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(3);
+    let cpu_opts = Options::on(Stream::cpu(), Policy::Require);
+    for &(d, bits) in &[(128usize, 4u32), (128, 3), (64, 2), (96, 4)] {
+        for dtype in [Dtype::F16, Dtype::BF16, Dtype::F32] {
+            let (w, cap, nb) = (20i32, 300i32, cpu::packed_len(d, bits) as i32);
+            let mut uniform = |n: i32| -> Vec<f32> { (0..n).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect() };
+            let di = d as i32;
+            let f = |x: Vec<f32>, shape: &[i32]| veloxquant::ops::astype(&Array::from_slice(&x, shape).unwrap(), dtype, &Stream::cpu()).unwrap();
+            let window = f(uniform(2 * 8 * w * di), &[2, 8, w, di]);
+            let chunk = f(uniform(2 * 8 * 33 * di), &[2, 8, 33, di]);
+            let table = Array::from_slice(&uniform(1 << bits), &[1 << bits]).unwrap();
+            let norms: Vec<f16> = uniform(2 * 8 * cap).into_iter().map(|x| f16::from_f32(x.abs() * 4.0)).collect();
+            let norms = Array::from_slice(&norms, &[2, 8, cap]).unwrap();
+            let codes: Vec<u8> = (0..2 * 8 * cap * nb).map(|_| rng.random::<u8>()).collect();
+            let codes = Array::from_slice(&codes, &[2, 8, cap, nb]).unwrap();
+            let side = kernels::FramedSide {
+                window: &window,
+                codes: &codes,
+                norms: &norms,
+                table: &table,
+                chunk: &chunk,
+                bits,
+                sinks: 4,
+                compressed: 257,
+                recent: 11,
+                recent_at: 4,
+            };
+            let want = kernels::framed_dequantize(&side, &cpu_opts).unwrap();
+            let got = kernels::framed_dequantize(&side, &gpu()).unwrap();
+            let as_f32 = |a: &Array| veloxquant::ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap();
+            assert_eq!(as_f32(&got), as_f32(&want), "d={d} bits={bits} {dtype}");
         }
     }
 }

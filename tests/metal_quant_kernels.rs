@@ -307,3 +307,48 @@ fn pq_wide_codebooks_match_cpu() {
     pq::<f32>(11, 256, 8, 4096, 12, 32, true);
     pq::<f32>(0, 64, 8, 4096, 12, 32, false);
 }
+
+fn framed<T: Float + Element>(d: usize, bits: u32, parts: [usize; 5], tg: u32, round_up: bool) {
+    use veloxquant::cpu::framed_dequantize::{framed_dequantize, FramedShape};
+    let [sinks, compressed, recent, recent_at, chunk] = parts;
+    let (rows, w, cap) = (3usize, 12usize, compressed + 3);
+    let sh = FramedShape { rows, dim: d, bits, sinks, compressed, recent, recent_at, window_slots: w, capacity: cap, chunk };
+    let window: Vec<T> = conv(&data(1 + d as u64, rows * w * d, 1.0));
+    let chunk_v: Vec<T> = conv(&data(2 + d as u64, rows * chunk * d, 1.0));
+    let codes: Vec<u8> = data(3, rows * cap * sh.row_bytes(), 1.0).iter().map(|x| (x.to_bits() >> 7) as u8).collect();
+    let norms: Vec<f16> = data(4, rows * cap, 4.0).iter().map(|x| f16::from_f32(x.abs())).collect();
+    let table = codebook(bits, 5);
+    let mut want = vec![T::default(); rows * sh.total() * d];
+    framed_dequantize(&window, &codes, &norms, &table, &chunk_v, &sh, &mut want);
+    let tag = format!("{:?} d={d} bits={bits} {parts:?} tg={tg}", T::DTYPE);
+    let sizes = [rows, sinks, compressed, recent, recent_at, w, cap, chunk].map(|v| v as u32);
+    let out = metal_emulator::declared(Kernel::FramedDequantize)
+        .launch()
+        .input(HostArray::new(&[rows, w, d], &window))
+        .input(HostArray::new(&[rows, cap, sh.row_bytes()], &codes))
+        .input(HostArray::new(&[rows, cap], &norms))
+        .input(HostArray::new(&[1 << bits], &table))
+        .input(HostArray::new(&[rows, chunk, d], &chunk_v))
+        .input(HostArray::new(&[8], &sizes))
+        .output(&[rows, sh.total(), d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .template("D", TemplateArg::Int(d as i32))
+        .template("B_BITS", TemplateArg::Int(bits as i32))
+        .grid(grid(rows * sh.total() * d / 8, tg, round_up), 1, 1)
+        .threadgroup(tg, 1, 1)
+        .run()
+        .unwrap_or_else(|e| panic!("framed_dequantize {tag}: {e}"));
+    let got: Vec<f32> = out[0].to_vec::<T>().iter().map(|v| v.to_f32()).collect();
+    let exp: Vec<f32> = want.iter().map(|v| v.to_f32()).collect();
+    assert_eq!(got, exp, "framed_dequantize {tag}");
+}
+
+#[test]
+fn framed_dequantize_matches_cpu() {
+    for &bits in &cpu::SUPPORTED_BITS {
+        framed::<f16>(64, bits, [4, 9, 5, 4, 3], 256, true);
+    }
+    framed::<f32>(128, 4, [2, 17, 0, 2, 1], 64, false);
+    framed::<bf16>(96, 3, [0, 0, 7, 0, 2], 32, true);
+    framed::<f16>(8, 2, [1, 1, 1, 1, 0], 32, false);
+}

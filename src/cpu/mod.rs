@@ -5,6 +5,7 @@
 //! Each function spreads its rows over the machine's cores.
 
 mod bitpack;
+pub mod framed_dequantize;
 pub mod kv_attention;
 mod parallel;
 mod quant;

@@ -270,6 +270,15 @@ kernels! {
         cpu: true,
         strided: false,
     },
+    /// One TurboQuant-MSE side as the buffer a prefill chunk attends over.
+    FramedDequantize = "framed_dequantize" {
+        inputs: ["window", "codes", "norms", "table", "chunk", "params"],
+        outputs: ["out"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
     KiviQuantize = "kivi_quantize" {
         inputs: ["x", "params"],
         outputs: ["packed", "scales", "zeros"],

@@ -8,6 +8,7 @@
 
 mod bitpack;
 pub mod cpu_primitive;
+mod framed_dequantize;
 pub mod gpu;
 pub mod kv_attention;
 mod quant;
@@ -24,6 +25,7 @@ use std::str::FromStr;
 use std::sync::OnceLock;
 
 pub use bitpack::{bit_pack, bit_unpack};
+pub use framed_dequantize::{framed_dequantize, FramedSide};
 pub use gpu::{cached_kernel_count, compact_source};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,

@@ -165,9 +165,31 @@ impl LayerCache {
                 let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
                 let opts = self.opts(&s);
                 let sh = &layer.shape;
-                let framed_k = kv_attention::framed_parts(&layer.keys, &sh.key, sh, self.dtype, &opts)?;
-                let framed_v = kv_attention::framed_parts(&layer.values, &sh.value, sh, self.dtype, &opts)?;
-                Ok((join(framed_k, &rk)?, join(framed_v, &rv)?))
+                // TurboQuant-MSE sides in one pass; the other codecs as parts joined.
+                let framed = |side: &kv_attention::KvSideArrays<'_>, sc: &SideCodec, chunk: &Array| -> Result<Array> {
+                    let one_pass = sc.codec == Codec::TurboQuantMse
+                        && sh.dim % 8 == 0
+                        && [side.window.dtype(), chunk.dtype()] == [self.dtype; 2];
+                    match (side.table, side.scales) {
+                        (Some(table), Some(norms)) if one_pass => kernels::framed_dequantize(
+                            &kernels::FramedSide {
+                                window: side.window,
+                                codes: side.codes,
+                                norms,
+                                table,
+                                chunk,
+                                bits: sc.bits,
+                                sinks: sh.sinks,
+                                compressed: sh.compressed,
+                                recent: sh.recent,
+                                recent_at: sh.sinks,
+                            },
+                            &opts,
+                        ),
+                        _ => join(kv_attention::framed_parts(side, sc, sh, self.dtype, &opts)?, chunk),
+                    }
+                };
+                Ok((framed(&layer.keys, &sh.key, &rk)?, framed(&layer.values, &sh.value, &rv)?))
             }
         }
     }
