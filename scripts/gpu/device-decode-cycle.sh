@@ -14,6 +14,7 @@
 #   PER_SM      block counts per SM to A/B (default "2 3 6")
 #   CHECK_TIMEOUT  seconds for python/tests/check_decode_gpu.py (default 240)
 #   TQ_GPU      path of tq_gpu's test binary: also run its test of decodes in one graph
+#   KERNELS_GPU path of kernels_gpu's test binary: also run its framed_dequantize test
 set -uo pipefail
 OUT="${OUT:-/tmp/vq-out}"
 DEADLINE=${DEADLINE:-400}
@@ -35,6 +36,10 @@ tail -1 "$OUT/check_decode.txt"
 if [ -n "${TQ_GPU:-}" ]; then  # tq_gpu's binary (build-cuda.sh), for the decode tests the check lacks
   timeout 120 "$TQ_GPU" --ignored --test-threads=1 gpu_decodes_of_one_layer >"$OUT/test_tq_gpu_graph.txt" 2>&1
   echo "tq_gpu decodes in one graph rc=$? at ${SECONDS}s"
+fi
+if [ -n "${KERNELS_GPU:-}" ]; then  # the prefill buffer's kernel against the CPU's
+  timeout 120 "$KERNELS_GPU" --ignored --test-threads=1 gpu_framed_dequantize >"$OUT/test_framed_dequantize.txt" 2>&1
+  echo "kernels_gpu framed_dequantize rc=$? at ${SECONDS}s"
 fi
 profile() {  # PROFILE entries of device-e2e.sh (SHAPE:CONTEXT:CACHE[:CHUNK[:BATCH]])
   [ "$(left)" -lt 60 ] && { echo "skipped profile $*"; return; }
@@ -75,6 +80,11 @@ for cache in fp16 veloxquant; do
   [ "$(left)" -lt 90 ] && break
   timeout 60 python3 scripts/gpu/profile_decode.py --shape llama-8b --context 32768 --cache $cache --chunk 2048 2>&1 |
     tail -1 | tee -a "$OUT/prefill_chunk.txt"
+done
+# One layer's prefill buffers (both sides) at 32K, batch 1 and 8: time and transient memory.
+for b in 1 8; do
+  [ "$(left)" -lt 60 ] && break
+  timeout 45 python3 scripts/gpu/framed_cost.py --device gpu --context 32768 --batch $b 2>&1 | tail -1 | tee -a "$OUT/framed_cost.txt"
 done
 profile llama-8b:32768:veloxquant:2048
 VELOXQUANT_DECODE_BLOCKS_PER_SM=$best profile llama-8b:32768:veloxquant:0:8
