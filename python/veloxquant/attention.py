@@ -71,10 +71,19 @@ def _refuse_sinks(sinks):
         )
 
 
-def _wrap(original):
-    from .batch_cache import VeloxQuantBatchCache
-    from .cache import FUSED_MAX_QUERIES, VeloxQuantCache
+# Chunks longer than this attend through MLX's SDPA over a transient
+# dequantized buffer (prefill); shorter ones (decode, speculative
+# verification) through the fused kernels reading the codes.
+FUSED_MAX_QUERIES = 8
 
+# How a veloxquant cache class asks to be attended (its class attribute
+# ``veloxquant_attention``): ``ONE``, a sequence over its own cache
+# (``attention``); ``EACH``, a batch whose sequences each have their own
+# (``attend_each``). The dispatch reads the mark, so that it imports no cache.
+ONE, EACH = "one", "each"
+
+
+def _wrap(original):
     def attend(queries, keys, values, cache, scale, mask):
         # One sequence over its VeloxQuantCache; keys and values are what its
         # update_and_fetch returned for this chunk.
@@ -91,7 +100,8 @@ def _wrap(original):
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale: float, mask: Optional[mx.array], sinks: Optional[mx.array] = None
     ) -> mx.array:
-        if isinstance(cache, VeloxQuantBatchCache):
+        how = getattr(type(cache), "veloxquant_attention", None)
+        if how == EACH:
             # Each sequence over its own cache, as it would attend alone.
             _refuse_sinks(sinks)
             return cache.attend_each(queries, lambda q, k, v, c, m: attend(q, k, v, c, scale, m), scale)
@@ -99,7 +109,7 @@ def _wrap(original):
         if observe is not None:
             # A calibration's recorder, or a cache that decides its layout from the first queries.
             observe(queries)
-        if isinstance(cache, VeloxQuantCache):
+        if how == ONE:
             _refuse_sinks(sinks)
             return attend(queries, keys, values, cache, scale, mask)
         if _float32_here(queries):

@@ -20,6 +20,7 @@ from mlx_lm.models import cache as _mlx_cache
 from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
+from . import attention
 from .cache import VeloxQuantCache, _called_from_save_prompt_cache
 
 
@@ -32,6 +33,9 @@ class VeloxQuantBatchCache(_BaseCache):
     argument; only for empty caches). ``offset`` is the position of each
     sequence's next token, as ``BatchKVCache`` counts it.
     """
+
+    # The attention dispatch attends each sequence over its own cache.
+    veloxquant_attention = attention.EACH
 
     def __init__(self, caches: Sequence[VeloxQuantCache], left_padding: Optional[Sequence[int]] = None):
         caches = list(caches)

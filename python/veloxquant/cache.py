@@ -26,15 +26,12 @@ from mlx_lm.models.cache import (
     create_attention_mask,
 )
 
-from . import distributed
+from . import attention, distributed
+from .attention import FUSED_MAX_QUERIES
 from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group")
 POLICIES = ("auto", "require", "off")
-# Chunks longer than this attend through MLX's SDPA over a transient
-# dequantized buffer (prefill); shorter ones (decode, speculative
-# verification) through the fused kernels reading the codes.
-FUSED_MAX_QUERIES = 8
 # The cache's methods, in the crate's order (`cache::METHODS`).
 METHODS = tuple(CACHE_METHODS)
 # Methods that store keys only (attention-score estimators).
@@ -307,6 +304,8 @@ class VeloxQuantCache(_BaseCache):
     # What a pipeline stage tied to this cache (see ``keys``); a class default
     # too, for copies made without __init__.
     _after: Optional[mx.array] = None
+    # The attention dispatch attends a sequence over this cache.
+    veloxquant_attention = attention.ONE
 
     def __init__(self, config: Optional[KVConfig] = None):
         config = config if config is not None else KVConfig()
@@ -676,8 +675,6 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
     maps to None. Raises ValueError when no layer is left to compress or when
     the model's attention does not go through mlx_lm's dispatch.
     """
-    from . import attention
-
     config = config if config is not None else KVConfig()
     if not isinstance(config, KVConfig):
         raise TypeError(f"config must be a veloxquant.KVConfig, got {type(config).__name__}")
