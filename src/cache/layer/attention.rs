@@ -167,6 +167,9 @@ impl LayerCache {
                 let sh = &layer.shape;
                 // TurboQuant-MSE sides in one pass; the other codecs as parts joined.
                 let framed = |side: &kv_attention::KvSideArrays<'_>, sc: &SideCodec, chunk: &Array| -> Result<Array> {
+                    if sh.sinks + sh.compressed + sh.recent == 0 {
+                        return Ok(chunk.clone());
+                    }
                     let one_pass = sc.codec == Codec::TurboQuantMse
                         && sh.dim % 8 == 0
                         && [side.window.dtype(), chunk.dtype()] == [self.dtype; 2];
