@@ -56,11 +56,12 @@ pub fn framed_dequantize<T: Float>(
     assert_eq!(norms.len(), sh.rows * sh.capacity, "norms length");
     assert_eq!(chunk.len(), sh.rows * sh.chunk * d, "chunk length");
     assert_eq!(table.len(), 1 << sh.bits, "table length");
+    // Where the compressed tokens end and the chunk's begin, in output tokens.
+    let (mid, recent_end) = (sh.sinks + sh.compressed, sh.sinks + sh.compressed + sh.recent);
     super::for_each_chunk(out, d, 64, |row0, part| {
         for (i, o) in part.chunks_exact_mut(d).enumerate() {
             let (r, t) = ((row0 + i) / total, (row0 + i) % total);
             let (window_at, chunk_at) = (|slot: usize| (r * sh.window_slots + slot) * d, |slot: usize| (r * sh.chunk + slot) * d);
-            let (mid, recent_end) = (sh.sinks + sh.compressed, sh.sinks + sh.compressed + sh.recent);
             if t < sh.sinks {
                 o.copy_from_slice(&window[window_at(t)..][..d]);
             } else if t < mid {

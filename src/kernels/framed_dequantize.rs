@@ -8,7 +8,7 @@
 //! layer for the host.
 
 use super::gpu::{self, Launch};
-use super::{cpu_primitive, grid_1d, select, sizes, Implementation, Kernel, Options, TemplateArg};
+use super::{check_bits, check_float, cpu_primitive, grid_1d, select, sizes, Implementation, Kernel, Options, TemplateArg};
 use crate::array::Array;
 use crate::cpu::framed_dequantize::{self as cpu_framed, FramedShape};
 use crate::dtype::Dtype;
@@ -45,15 +45,11 @@ impl FramedSide<'_> {
         }
         let (b, h, w, d) = (ws[0], ws[1], ws[2], ws[3]);
         let dtype = self.window.dtype();
-        if !matches!(dtype, Dtype::F32 | Dtype::F16 | Dtype::BF16) {
-            return Err(Error::Dtype { argument: "window", found: dtype.to_string(), expected: "a float dtype".into() });
-        }
+        check_float("window", self.window)?;
         if d % 8 != 0 {
             return Err(Error::invalid("window", format!("head dimension {d} is not a multiple of 8")));
         }
-        if !crate::cpu::SUPPORTED_BITS.contains(&self.bits) {
-            return Err(Error::invalid("bits", format!("{} is not one of {:?}", self.bits, crate::cpu::SUPPORTED_BITS)));
-        }
+        check_bits("bits", self.bits)?;
         let cs = self.codes.shape();
         let row = crate::cpu::packed_len(d as usize, self.bits) as i32;
         if cs.len() != 4 || cs[..2] != [b, h] || cs[3] != row || self.codes.dtype() != Dtype::U8 {
