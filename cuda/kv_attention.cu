@@ -33,6 +33,8 @@ if (b >= Bn) {
   return;
 }
 const uint64_t head = uint64_t(b) * Hkv + hk;
+const float* k_rows = kv_side_table<KM>(k_table, hk);
+const float* v_rows = kv_side_table<VM>(v_table, hk);
 const float ninf = -__int_as_float(0x7f800000);
 // Each row's prepared query (a row past L reads the last one; it is masked).
 uint64_t qrow[QN];
@@ -127,7 +129,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
   } else if (compressed && tid < count) {
     pos = n_sink + t;
     for (int j = 0; j < D; ++j) {
-      const float kj = kv_element<KM, KB, KG, D>(k_codes, k_scales, k_zeros, k_table, head, t, CAP, j);
+      const float kj = kv_element<KM, KB, KG, D>(k_codes, k_scales, k_zeros, k_rows, head, t, CAP, j);
 #pragma unroll
       for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kj;
     }
@@ -193,7 +195,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
       for (int r = 0; r < QN; ++r) acc[r][c] *= alpha[r];
       for (uint32_t k = 0; k < count; ++k) {
         const float v = compressed
-            ? kv_element<VM, VB, VG, D>(v_codes, v_scales, v_zeros, v_table, head, tile + k, CAP, i)
+            ? kv_element<VM, VB, VG, D>(v_codes, v_scales, v_zeros, v_rows, head, tile + k, CAP, i)
             : kv_float(win_v[(head * WCAP + tile + k) * D + i]);
         const float* pk = p_s + k * QN;
 #pragma unroll

@@ -19,12 +19,29 @@ __device__ inline float kv_float<__nv_bfloat16>(__nv_bfloat16 x) {
   return __bfloat162float(x);
 }
 
-// Code j of a densely packed row of `bits`-bit codes (crate::cpu::bit_pack's layout).
-__device__ inline unsigned kv_code_at(const uint8_t* row, unsigned j, unsigned bits) {
-  const unsigned o = j * bits, byte = o >> 3, shift = o & 7u;
+// The `bits`-bit code (1 to 8) starting at bit `o` of a packed row.
+__device__ inline unsigned kv_bits_at(const uint8_t* row, unsigned o, unsigned bits) {
+  const unsigned byte = o >> 3, shift = o & 7u;
   unsigned v = row[byte];
   if (shift + bits > 8u) v |= unsigned(row[byte + 1]) << 8;
   return (v >> shift) & ((1u << bits) - 1u);
+}
+
+// Code j of a densely packed row of `bits`-bit codes (crate::cpu::bit_pack's layout).
+__device__ inline unsigned kv_code_at(const uint8_t* row, unsigned j, unsigned bits) {
+  return kv_bits_at(row, j * bits, bits);
+}
+
+// The table kv_element reads for KV head `hk`: for KIVI keys the head's row of
+// bit offsets (crate::cpu::kv_attention::kivi_bit_offsets: a stride, then the
+// rows), else the codec's table.
+template <int M>
+__device__ inline const float* kv_side_table(const float* table, uint32_t hk) {
+  if constexpr (M == KV_KIVI_PER_CHANNEL) {
+    return table + 1 + hk * unsigned(table[0]);
+  } else {
+    return table;
+  }
 }
 
 // Element j of compressed token `ct` of KV head `head`, in its side's frame.
@@ -44,13 +61,21 @@ __device__ inline float kv_element(const C* codes, const S* scales, const S* zer
     const unsigned c1 = kv_code_at(row, unsigned(j), unsigned(B - 1));
     const unsigned c2 = kv_code_at(row + FIRST, unsigned(j), 1u);
     return (table[c1] + table[(1u << (B - 1)) + c2]) * kv_float(scales[slot]);
+  } else if constexpr (M == KV_KIVI_PER_CHANNEL) {
+    // Channel j spans bits [o[j], o[j+1]) of the row; `table` is the KV
+    // head's row of offsets (kv_side_table).
+    constexpr int ROW = (D * B + 7) / 8;
+    const unsigned o = unsigned(table[j]);
+    const unsigned c = kv_bits_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, o, unsigned(table[j + 1]) - o);
+    const uint64_t p = (head * ((cap + G - 1) / G) + ct / G) * D + j;
+    return kv_float(zeros[p]) + kv_float(scales[p]) * float(c);
   } else {
     constexpr int ROW = (D * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));
     if constexpr (M == KV_TURBOQUANT_MSE) {
       return table[c] * kv_float(scales[slot]);
     } else {
-      const uint64_t p = M == KV_KIVI_PER_CHANNEL ? (head * ((cap + G - 1) / G) + ct / G) * D + j : slot * (D / G) + j / G;
+      const uint64_t p = slot * (D / G) + j / G;
       return kv_float(zeros[p]) + kv_float(scales[p]) * float(c);
     }
   }

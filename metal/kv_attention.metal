@@ -51,6 +51,8 @@ if (b >= Bn) {
   return;
 }
 const ulong head = ulong(b) * Hkv + hk;
+const device float* k_rows = KV_SIDE_TABLE(KM, k_table, hk);
+const device float* v_rows = KV_SIDE_TABLE(VM, v_table, hk);
 // Each row's prepared query (a row past L reads the last one; it is masked).
 ulong qrow[QN];
 for (int r = 0; r < QN; ++r) {
@@ -127,7 +129,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
   } else if (compressed && uint(tid) < count) {
     pos = n_sink + t;
     for (int j = 0; j < D; ++j) {
-      const float kj = KV_ELEMENT(KM, KB, KG, KROW, k_codes, k_scales, k_zeros, k_table, head, t, CAP, j);
+      const float kj = KV_ELEMENT(KM, KB, KG, KROW, k_codes, k_scales, k_zeros, k_rows, head, t, CAP, j);
       for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * kj;
     }
   } else if (!compressed && uint(tid) < count) {
@@ -178,7 +180,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
       for (int r = 0; r < QN; ++r) acc[r][c] *= alpha[r];
       for (uint k = 0; k < count; ++k) {
         const float v = compressed
-            ? KV_ELEMENT(VM, VB, VG, VROW, v_codes, v_scales, v_zeros, v_table, head, tile + k, CAP, i)
+            ? KV_ELEMENT(VM, VB, VG, VROW, v_codes, v_scales, v_zeros, v_rows, head, tile + k, CAP, i)
             : float(win_v[(head * WCAP + tile + k) * D + i]);
         for (int r = 0; r < QN; ++r) acc[r][c] += p_s[r * TG + k] * v;
       }

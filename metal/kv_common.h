@@ -24,9 +24,27 @@
           (table)[(1u << (uint(B) - 1u)) +                                                               \
                   VQ_CODE_AT(codes, ((head) * (CAP) + (ct)) * (ROW) + (D * (B - 1) + 7) / 8, uint(j), 1u)]) * \
              float((scales)[(head) * (CAP) + (ct)])                                                      \
+   : (M) == KV_KIVI_PER_CHANNEL                                                                          \
+       ? float((zeros)[KV_PARAM(M, G, head, ct, CAP, j)]) +                                              \
+             float((scales)[KV_PARAM(M, G, head, ct, CAP, j)]) *                                         \
+                 float(KV_BITS_AT(codes, ((head) * (CAP) + (ct)) * (ROW), uint((table)[(j)]),                \
+                                  uint((table)[(j) + 1]) - uint((table)[(j)])))                          \
        : float((zeros)[KV_PARAM(M, G, head, ct, CAP, j)]) +                                              \
              float((scales)[KV_PARAM(M, G, head, ct, CAP, j)]) *                                         \
                  float(VQ_CODE_AT(codes, ((head) * (CAP) + (ct)) * (ROW), uint(j), uint(B))))
+
+// The `w`-bit code (1 to 8) starting at bit `o` of the row at `base`: KIVI
+// keys' channel j spans bits [o[j], o[j+1]) of their row, `table` being the
+// KV head's row of offsets (KV_SIDE_TABLE).
+#define KV_BITS_AT(buf, base, o, w)                                                                       \
+  (((uint((buf)[(base) + ((o) >> 3)]) | (((o) & 7u) + (w) > 8u ? uint((buf)[(base) + ((o) >> 3) + 1]) << 8 : 0u)) >> \
+    ((o) & 7u)) &                                                                                        \
+   ((1u << (w)) - 1u))
+
+// The table KV_ELEMENT reads for KV head `hk`: for KIVI keys the head's row
+// of bit offsets (crate::cpu::kv_attention::kivi_bit_offsets: a stride, then
+// the rows), else the codec's table.
+#define KV_SIDE_TABLE(M, table, hk) ((M) == KV_KIVI_PER_CHANNEL ? (table) + 1 + (hk) * uint((table)[0]) : (table))
 
 // Index of the (scale, zero) pair of element j for the KIVI codecs.
 #define KV_PARAM(M, G, head, ct, CAP, j)                                                                 \

@@ -496,7 +496,7 @@ fn wrong_bits_and_methods_name_the_argument() {
     let (tensors, meta) = cache.state_parts().unwrap();
     let tensors: std::collections::HashMap<String, Array> = tensors.into_iter().collect();
     for (key, value, want) in [
-        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads version 5"),
+        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads versions 5 and 6"),
         ("format", "zip", "state: format \"zip\" is not \"veloxquant-layer-cache\""),
         ("dtype", "float64", "state: dtype \"float64\" is not one of"),
         ("window", "-1", "state: field \"window\": \"-1\" is not a valid value"),
@@ -978,5 +978,117 @@ fn norms_beyond_float16_are_held_or_refused_never_wrong() {
             let compressed = tok >= 4 && tok < 4 + n;
             assert_eq!(row.iter().all(|x| x.is_nan()), compressed, "token {tok}");
         }
+    }
+}
+
+/// KIVI keys of 3 bits on average over channels of 1 to 8 bits (the first
+/// channels weighed most), TurboQuant values: widths a head's channels share
+/// in every group and batch row.
+fn kivi_widths_config() -> CacheConfig {
+    let (d, h) = (64usize, 2usize);
+    let mut cfg = config(d, h, Method::Kivi, Policy::Auto);
+    cfg.value_method = Method::TurboQuantMse;
+    cfg.key_bits = 3;
+    cfg.key_group = 32;
+    let weights: Vec<f32> = (0..h * d).map(|i| 4.0f32.powi(6 - (i % d) as i32 / 8)).collect();
+    cfg.key_widths = Some(veloxquant::cache::channel_widths(&weights, d, 3).unwrap());
+    cfg
+}
+
+#[test]
+fn channel_widths_keep_the_bits_and_follow_the_weights() {
+    let cfg = kivi_widths_config();
+    let w = cfg.key_widths.as_ref().unwrap();
+    for head in w.chunks(64) {
+        assert_eq!(head.iter().map(|&v| v as usize).sum::<usize>(), 64 * 3);
+        // Weights fall by 4x every 8 channels: one more bit per step of 4x,
+        // so widths never rise along the channels.
+        assert!(head.windows(2).all(|p| p[0] >= p[1]), "{head:?}");
+        assert!(head[0] > 3 && head[63] < 3, "{head:?}");
+    }
+    assert_eq!(veloxquant::cache::channel_widths(&[1.0; 64], 64, 4).unwrap(), vec![4u8; 64], "equal weights: equal widths");
+    for (weights, dim, bits) in [(vec![1.0f32; 60], 64, 3), (vec![f32::NAN; 64], 64, 3), (vec![1.0; 64], 64, 9)] {
+        assert!(veloxquant::cache::channel_widths(&weights, dim, bits).is_err());
+    }
+}
+
+#[test]
+fn kivi_keys_with_bits_per_channel_decode_attend_and_round_trip() {
+    let cfg = kivi_widths_config();
+    let (cache, chunks) = filled(cfg.clone(), 2, 200, 40, Dtype::F32, 71);
+    assert!(cache.compressed_tokens() >= 160 && cache.compressed_tokens() % 32 == 0);
+    let (k, v) = cache.dequantize().unwrap();
+    let (orig, _) = concat_tokens(&chunks);
+    // Per channel, the error falls with its width: the widest channels'
+    // error is far below the 1-bit ones'.
+    let (got, want) = (f32s(&k), f32s(&orig));
+    let widths = cfg.key_widths.as_ref().unwrap();
+    let channel_err = |c: usize| -> f64 {
+        let n = got.len() / 64;
+        (0..n).map(|i| f64::from((got[i * 64 + c] - want[i * 64 + c]).abs())).sum::<f64>() / n as f64
+    };
+    let (wide, narrow) = (channel_err(0), channel_err(63));
+    assert!(widths[0] >= 5 && widths[63] == 1 && wide * 8.0 < narrow, "error {wide} at {} bits vs {narrow} at 1", widths[0]);
+    // The fused kernel reads the codes at the same offsets as the decode.
+    let s = Stream::cpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(72);
+    for (l, causal) in [(1, false), (5, true)] {
+        let q = normal(&mut rng, &[2, 4, l, 64], Dtype::F32);
+        let fused = cache.attention(&q, 0.125, causal).unwrap();
+        let sdpa = ops::scaled_dot_product_attention(&q, &k, &v, 0.125, causal, &s).unwrap();
+        assert!(rel_err(&fused, &sdpa) <= 1e-5, "L={l}: {}", rel_err(&fused, &sdpa));
+    }
+    // State: the widths travel with it (version 6), bit-identically.
+    let (_, meta) = cache.state_parts().unwrap();
+    assert_eq!(meta.get("version").map(String::as_str), Some("6"));
+    let bytes = cache.to_bytes().unwrap();
+    let back = LayerCache::from_bytes(&bytes, Some(Stream::cpu())).unwrap();
+    assert_eq!(back.config(), cache.config());
+    assert_eq!(back.to_bytes().unwrap(), bytes);
+    // The widths' offsets are data; the bytes held stay below the dense
+    // float32 tokens' (windows of 52 slots are most of them at 240 tokens).
+    assert!(cache.data_nbytes() < cache.nbytes());
+    assert!(cache.nbytes() < 2 * 2 * 240 * 64 * 4, "{} bytes", cache.nbytes());
+}
+
+#[test]
+fn uniform_widths_quantize_as_kivi_does() {
+    // Every channel at `bits`: the graph with widths gives KIVI's own codes,
+    // scales and zeros (its reference graph, which rounds the same way).
+    let s = Stream::cpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(73);
+    let x = normal(&mut rng, &[1, 2, 64, 64], Dtype::F16);
+    for bits in [2u32, 3, 4] {
+        let widths = vec![bits as u8; 2 * 64];
+        let (c, sc, z) = veloxquant::kernels::kivi_quantize_widths(&x, &widths, bits, 32, &s).unwrap();
+        let flat = ops::reshape(&x, &[128, 64], &s).unwrap();
+        let off = veloxquant::Options::on(s.clone(), Policy::Off);
+        let (c0, sc0, z0) = veloxquant::kernels::kivi_quantize(&flat, bits, 32, veloxquant::kernels::KiviMode::Keys, &off).unwrap();
+        let flat_of = |a: &Array| f32s(&ops::astype(a, Dtype::F32, &s).unwrap());
+        assert_eq!(flat_of(&c), flat_of(&c0), "{bits} bits: codes");
+        assert_eq!((flat_of(&sc), flat_of(&z)), (flat_of(&sc0), flat_of(&z0)), "{bits} bits: scales and zeros");
+    }
+}
+
+#[test]
+fn wrong_key_widths_name_the_argument() {
+    let good = kivi_widths_config();
+    let mut bad = Vec::new();
+    let mut c = good.clone();
+    c.key_widths.as_mut().unwrap()[0] += 1; // one head's sum off by one
+    bad.push(c);
+    let mut c = good.clone();
+    c.key_widths.as_mut().unwrap().pop(); // not kv_heads * head_dim
+    bad.push(c);
+    let mut c = good.clone();
+    let w = c.key_widths.as_mut().unwrap();
+    (w[0], w[1]) = (9, w[1] + w[0] - 9); // a width past 8 bits
+    bad.push(c);
+    let mut c = good.clone();
+    c.key_method = Method::TurboQuantMse; // not KIVI keys
+    bad.push(c);
+    for cfg in bad {
+        let e = LayerCache::new(cfg, Some(Stream::cpu())).err().expect("refused").to_string();
+        assert!(e.contains("key_widths"), "{e}");
     }
 }

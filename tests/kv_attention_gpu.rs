@@ -75,3 +75,42 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_kivi_keys_with_bits_per_channel_match_cpu_kernel() {
+    // KIVI keys of 3 bits on average over channels of 1 to 8 bits, each KV
+    // head its own widths: the GPU kernel reads them at the same offsets as
+    // the CPU kernel and the decode.
+    let gpu = Stream::gpu().expect("a GPU back-end");
+    let (d, hkv, hq) = (128usize, 8usize, 32usize);
+    let mut rng = ChaCha8Rng::seed_from_u64(81);
+    let weights = f32s(&normal(&mut rng, &[(hkv * d) as i32], Dtype::F32)).iter().map(|w| w.abs().powi(4)).collect::<Vec<_>>();
+    let mut cfg = CacheConfig::new(d, hkv);
+    (cfg.key_method, cfg.key_bits, cfg.value_method, cfg.value_bits) = (Method::Kivi, 3, Method::TurboQuantMse, 3);
+    cfg.key_group = 128;
+    cfg.key_widths = Some(veloxquant::cache::channel_widths(&weights, d, 3).unwrap());
+    cfg.policy = Policy::Require;
+    for dtype in [Dtype::F32, Dtype::F16] {
+        let mut on_gpu = LayerCache::new(cfg.clone(), Some(gpu.clone())).unwrap();
+        for t in [1000, 1, 300, 1] {
+            let k = normal(&mut rng, &[2, hkv as i32, t, d as i32], dtype);
+            let v = normal(&mut rng, &[2, hkv as i32, t, d as i32], dtype);
+            on_gpu.append(&k, &v).unwrap();
+        }
+        let same_on_cpu = LayerCache::from_bytes(&on_gpu.to_bytes().unwrap(), Some(Stream::cpu())).unwrap();
+        let (kd, vd) = on_gpu.dequantize().unwrap();
+        let tol = if dtype == Dtype::F32 { 1e-5 } else { 1e-2 };
+        for (l, causal) in [(1, false), (7, true)] {
+            let q = normal(&mut rng, &[2, hq as i32, l, d as i32], dtype);
+            let scale = 1.0 / (d as f32).sqrt();
+            let g = f32s(&on_gpu.attention(&q, scale, causal).unwrap());
+            let c = f32s(&same_on_cpu.attention(&q, scale, causal).unwrap());
+            let e = rel_err(&g, &c);
+            assert!(e <= tol, "{dtype} L={l}: relative error {e} against the CPU kernel on the same state");
+            let r = f32s(&ops::scaled_dot_product_attention(&q, &kd, &vd, scale, causal && l > 1, &gpu).unwrap());
+            let e = rel_err(&g, &r);
+            assert!(e <= tol.max(2e-3), "{dtype} L={l}: relative error {e} against decode + SDPA");
+        }
+    }
+}

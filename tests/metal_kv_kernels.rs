@@ -79,7 +79,16 @@ impl<T: VqElement + Element> SideData<T> {
 
 /// Tokens of every head, in the side's frame, encoded into the compressed
 /// slots (sinks and recent tokens in the window), garbage elsewhere.
-fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], tokens: &[Vec<f32>], rng: &mut ChaCha8Rng) -> SideData<T> {
+/// KIVI keys' widths `[kv_heads, dim]` (`None`: `bits` each) apply to a
+/// per-channel side.
+fn build_side<T: Float + Element>(
+    sc: SideCodec,
+    sh: &KvShape,
+    rot: &[f32],
+    tokens: &[Vec<f32>],
+    widths: Option<&[u8]>,
+    rng: &mut ChaCha8Rng,
+) -> SideData<T> {
     let (d, heads, cap) = (sh.dim, sh.batch * sh.kv_heads, sh.capacity);
     let (pr, pc) = (sc.param_rows(cap), sc.param_cols(d));
     let mut side = SideData {
@@ -88,7 +97,11 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
         dense: if sc.codec == Codec::Dense { vec![<T as Float>::from_f32(f32::NAN); heads * cap * d] } else { Vec::new() },
         scales: if pc > 0 { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
         zeros: if sc.has_zeros() { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
-        table: veloxquant::cache::codec_table(&sc, d, 0).unwrap().unwrap_or_default(),
+        table: if sc.codec == Codec::KiviPerChannel {
+            kv::kivi_bit_offsets(widths, d, sc.bits)
+        } else {
+            veloxquant::cache::codec_table(&sc, d, 0).unwrap().unwrap_or_default()
+        },
         window: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
     };
     let (c0, c1, total, n) = (sh.sinks, sh.sinks + sh.compressed, sh.total(), sh.compressed);
@@ -159,19 +172,43 @@ fn build_side<T: Float + Element>(sc: SideCodec, sh: &KvShape, rot: &[f32], toke
                     }
                 }
             }
-            Codec::KiviPerChannel | Codec::KiviPerToken => {
-                let per_channel = sc.codec == Codec::KiviPerChannel;
-                let (p0, prows) = if per_channel { (hd * pr, n.div_ceil(sc.group)) } else { (hd * cap, n) };
+            Codec::KiviPerChannel => {
+                // Channel c of each group of tokens with its own width,
+                // packed at the head's bit offsets (the side's table).
+                let at = 1 + (hd % sh.kv_heads) * side.table[0] as usize;
+                let offsets = side.table[at..at + d + 1].to_vec();
+                side.codes[slots.start * row..slots.end * row].fill(0);
+                for g in 0..n.div_ceil(sc.group) {
+                    let toks = g * sc.group..((g + 1) * sc.group).min(n);
+                    for c in 0..d {
+                        let (o, w) = (offsets[c] as usize, (offsets[c + 1] - offsets[c]) as u32);
+                        let vals = toks.clone().map(|t| comp[t * d + c].to_f32());
+                        let (lo, hi) = vals.clone().fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), v| (l.min(v), h.max(v)));
+                        let (scale, zero) = veloxquant::cpu::kivi_params(lo, hi, w);
+                        side.scales[(hd * pr + g) * pc + c] = scale;
+                        side.zeros[(hd * pr + g) * pc + c] = zero;
+                        for (t, v) in toks.clone().zip(vals) {
+                            let code = u32::from(veloxquant::cpu::kivi_code(v, scale.to_f32(), zero.to_f32(), w)) << (o & 7);
+                            let at = (slots.start + t) * row + o / 8;
+                            side.codes[at] |= code as u8;
+                            if code > 0xff {
+                                side.codes[at + 1] |= (code >> 8) as u8;
+                            }
+                        }
+                    }
+                }
+            }
+            Codec::KiviPerToken => {
                 veloxquant::cpu::kivi_quantize(
                     comp,
                     n,
                     d,
                     sc.bits,
                     sc.group,
-                    per_channel,
+                    false,
                     &mut side.codes[slots.start * row..slots.end * row],
-                    &mut side.scales[p0 * pc..(p0 + prows) * pc],
-                    &mut side.zeros[p0 * pc..(p0 + prows) * pc],
+                    &mut side.scales[hd * cap * pc..(hd * cap + n) * pc],
+                    &mut side.zeros[hd * cap * pc..(hd * cap + n) * pc],
                 );
             }
         }
@@ -277,6 +314,10 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
 }
 
 fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usize {
+    check_widths::<T>(sh, None, tol, seed)
+}
+
+fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[u8]>, tol: f32, seed: u64) -> usize {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let d = sh.dim;
     let rot = veloxquant::cache::rotation_matrix(d, seed).unwrap();
@@ -295,8 +336,8 @@ fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usiz
         })
         .collect();
     let values: Vec<Vec<f32>> = (0..heads).map(|_| gaussian(&mut rng, sh.total() * d, 1.0)).collect();
-    let k = build_side::<T>(sh.key, &sh, &rot, &keys, &mut rng);
-    let v = build_side::<T>(sh.value, &sh, &rot, &values, &mut rng);
+    let k = build_side::<T>(sh.key, &sh, &rot, &keys, key_widths, &mut rng);
+    let v = build_side::<T>(sh.value, &sh, &rot, &values, None, &mut rng);
     // The host's prepared queries: scale * (Π q or q).
     let scale = 1.0 / (d as f32).sqrt();
     let q = gaussian(&mut rng, sh.batch * sh.q_heads * sh.queries * d, 1.0);
@@ -429,4 +470,16 @@ fn residual_quantized_keys_and_values_match_cpu() {
     check::<f32>(shape(1, 4, 2, 3, 64, k, v, (4, 150, 9), true), 1e-5, 12);
     let (k, v) = (codec(Codec::KiviPerChannel, 4, 16), codec(Codec::TurboQuantRvq, 2, 1));
     check::<f16>(shape(1, 2, 1, 1, 128, k, v, (4, 170, 5), false), 1e-2, 13);
+}
+
+#[test]
+fn kivi_keys_with_bits_per_channel_match_cpu() {
+    // Each head's channels of 1 to 8 bits, 3 on average (codes straddling
+    // bytes), decoding and a causal tile, f32 and f16.
+    let weights: Vec<f32> = (0..2 * 64).map(|i| ((i * 37 % 101) as f32 / 10.0).powi(3)).collect();
+    let widths = veloxquant::cache::channel_widths(&weights, 64, 3).unwrap();
+    assert!(widths.iter().any(|&w| w == 1) && widths.iter().any(|&w| w >= 5), "{widths:?}");
+    let (k, v) = (codec(Codec::KiviPerChannel, 3, 32), codec(Codec::TurboQuantMse, 3, 1));
+    check_widths::<f32>(shape(2, 4, 2, 1, 64, k, v, (4, 300, 21), true), Some(&widths), 1e-5, 30);
+    check_widths::<f16>(shape(1, 8, 2, 3, 64, k, v, (2, 150, 9), true), Some(&widths), 1e-2, 31);
 }

@@ -155,6 +155,12 @@ pub struct CacheConfig {
     /// Seed of the random rotation.
     pub seed: u64,
     pub policy: Policy,
+    /// KIVI keys' bits per channel, `[kv_heads, head_dim]` row-major: each
+    /// head's widths (1 to 8) add up to `head_dim * key_bits`, so a code row
+    /// keeps its size; `None` gives every channel `key_bits`. Unequal widths
+    /// put the bits where the queries weigh a channel's error most
+    /// ([`channel_widths`]).
+    pub key_widths: Option<Vec<u8>>,
 }
 
 impl CacheConfig {
@@ -171,6 +177,7 @@ impl CacheConfig {
             key_group: KIVI_GROUP,
             seed: 0,
             policy: Policy::Auto,
+            key_widths: None,
         }
     }
 
@@ -197,8 +204,35 @@ impl CacheConfig {
                 format!("{} is not a multiple of 8 from 8 to {MAX_KIVI_KEY_GROUP} tokens", self.key_group),
             ));
         }
+        if let Some(w) = &self.key_widths {
+            self.check_key_widths(w)?;
+        }
         if self.compressed() && self.window == 0 {
             return Err(Error::invalid("window", "must be at least 1 token for a compressed method"));
+        }
+        Ok(())
+    }
+
+    fn check_key_widths(&self, widths: &[u8]) -> Result<()> {
+        let arg = "key_widths";
+        if self.key_method != Method::Kivi {
+            return Err(Error::invalid(arg, format!("bits per channel need KIVI keys, not {}", self.key_method)));
+        }
+        let (h, d) = (self.kv_heads, self.head_dim);
+        if widths.len() != h * d {
+            return Err(Error::invalid(arg, format!("{} widths, expected kv_heads * head_dim = {}", widths.len(), h * d)));
+        }
+        if let Some(w) = widths.iter().find(|w| !(1..=MAX_CHANNEL_BITS).contains(*w)) {
+            return Err(Error::invalid(arg, format!("a width of {w} bits; each must be 1 to {MAX_CHANNEL_BITS}")));
+        }
+        for (head, row) in widths.chunks(d).enumerate() {
+            let sum: usize = row.iter().map(|&w| w as usize).sum();
+            if sum != d * self.key_bits as usize {
+                return Err(Error::invalid(
+                    arg,
+                    format!("head {head}'s widths add up to {sum} bits, expected head_dim * key_bits = {}", d * self.key_bits as usize),
+                ));
+            }
         }
         Ok(())
     }
@@ -251,6 +285,44 @@ impl CacheConfig {
         };
         SideCodec { codec, bits, group }
     }
+}
+
+/// The widest channel of KIVI keys with bits per channel.
+pub const MAX_CHANNEL_BITS: u8 = 8;
+
+/// Bits per channel for KIVI keys, `bits` on average, from `weights`
+/// `[heads, dim]` (row-major): what a unit of error in each channel costs the
+/// attention scores, e.g. `E[q_c²]·range(k_c)²` over the queries and keys of
+/// a calibration chunk. Every channel gets 1 bit, then each further bit goes
+/// where it removes the most weighted error of a uniform quantizer
+/// (`weight · 4^-width`), up to [`MAX_CHANNEL_BITS`]. At equal bits this
+/// halves the attention KL of KIVI keys on SmolLM2-135M
+/// (`docs/results/key-error-smollm2.md`).
+pub fn channel_widths(weights: &[f32], dim: usize, bits: u32) -> Result<Vec<u8>> {
+    if dim == 0 || weights.len() % dim != 0 {
+        return Err(Error::invalid("weights", format!("{} values is not a whole number of heads of {dim} channels", weights.len())));
+    }
+    if !(1..=u32::from(MAX_CHANNEL_BITS)).contains(&bits) {
+        return Err(Error::invalid("bits", format!("{bits}; expected 1 to {MAX_CHANNEL_BITS}")));
+    }
+    if let Some(w) = weights.iter().find(|w| !w.is_finite() || **w < 0.0) {
+        return Err(Error::invalid("weights", format!("{w}; each must be finite and >= 0")));
+    }
+    let mut widths = vec![1u8; weights.len()];
+    for (row, out) in weights.chunks(dim).zip(widths.chunks_mut(dim)) {
+        for _ in 0..dim * (bits as usize - 1) {
+            // The gain of one more bit: weight · (4^-w − 4^-(w+1)) = weight · ¾ · 4^-w.
+            let best = (0..dim)
+                .filter(|&c| out[c] < MAX_CHANNEL_BITS)
+                .max_by(|&a, &b| {
+                    let gain = |c: usize| f64::from(row[c]) * 0.25f64.powi(i32::from(out[c]));
+                    gain(a).total_cmp(&gain(b)).then(b.cmp(&a))
+                })
+                .expect("bits <= MAX_CHANNEL_BITS leaves a channel below it");
+            out[best] += 1;
+        }
+    }
+    Ok(widths)
 }
 
 /// KIVI's group size (tokens for keys by default, channels for values).

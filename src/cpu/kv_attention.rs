@@ -14,7 +14,7 @@
 
 use half::f16;
 
-use super::turboquant::{code_at, FromF32};
+use super::turboquant::{code_at, code_bits, FromF32};
 use super::vq::VqElement;
 
 /// How one side (keys or values) stores its compressed tokens.
@@ -102,6 +102,50 @@ pub struct SideCodec {
     /// for `KiviPerToken`, channels per sub-vector for `ProductQuantized`; 1
     /// otherwise.
     pub group: usize,
+}
+
+/// Bit offsets of KIVI keys' channels within a code row: what the kernels
+/// read as the KIVI-per-channel table. Element 0 is the stride between the
+/// heads' rows, then the rows of `dim + 1` offsets (exact integers in
+/// float32), channel `c` spanning bits `[o[c], o[c + 1])`. `widths` `[kv_heads,
+/// dim]` gives each KV head its own row (stride `dim + 1`; every batch row
+/// shares them); `None` gives one row of `bits` per channel, stride 0, which
+/// every head reads.
+pub fn kivi_bit_offsets(widths: Option<&[u8]>, dim: usize, bits: u32) -> Vec<f32> {
+    let Some(widths) = widths else {
+        return std::iter::once(0.0).chain((0..=dim).map(|c| (c * bits as usize) as f32)).collect();
+    };
+    let mut out = vec![(dim + 1) as f32];
+    for head in widths.chunks(dim) {
+        let mut o = 0u32;
+        out.push(0.0);
+        for &w in head {
+            o += u32::from(w);
+            out.push(o as f32);
+        }
+    }
+    out
+}
+
+/// KV head `hk`'s `dim + 1` offsets in a KIVI keys' table (empty without one).
+#[inline]
+fn head_layout(table: &[f32], hk: usize, d: usize) -> &[f32] {
+    if table.is_empty() {
+        return &[];
+    }
+    let at = 1 + hk * table[0] as usize;
+    &table[at..at + d + 1]
+}
+
+/// Code of channel `j` of KIVI keys' row `codes`: at the bit offsets of
+/// `layout` (one head's `dim + 1` offsets), or `j * bits` without one.
+#[inline]
+fn kivi_key_code(codes: &[u8], layout: &[f32], j: usize, bits: u32) -> usize {
+    if layout.is_empty() {
+        return code_at(codes, j, bits);
+    }
+    let (o, end) = (layout[j] as usize, layout[j + 1] as usize);
+    code_bits(codes, o, (end - o) as u32)
 }
 
 /// The estimator's constant `√(π/2) / m` for a sketch of `m` rows.
@@ -242,9 +286,10 @@ fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head
         }
         Codec::KiviPerChannel => {
             let p0 = (head * sc.param_rows(sh.capacity) + ct / sc.group) * d;
+            let layout = head_layout(k.table, head % sh.kv_heads, d);
             let mut s = 0.0f32;
             for j in 0..d {
-                let v = k.zeros[p0 + j].to_f32() + k.scales[p0 + j].to_f32() * code_at(codes, j, sc.bits) as f32;
+                let v = k.zeros[p0 + j].to_f32() + k.scales[p0 + j].to_f32() * kivi_key_code(codes, layout, j, sc.bits) as f32;
                 s += q[j] * v;
             }
             s
@@ -344,13 +389,14 @@ fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, h
         Codec::Qjl | Codec::TurboQuantProd => unreachable!("{:?} holds keys only", sc.codec),
         Codec::KiviPerChannel | Codec::KiviPerToken => {
             let codes = &v.codes[slot * row..(slot + 1) * row];
+            let layout = if sc.codec == Codec::KiviPerChannel { head_layout(v.table, head % sh.kv_heads, d) } else { &[][..] };
             for (j, o) in out.iter_mut().enumerate() {
                 let p = if sc.codec == Codec::KiviPerChannel {
                     (head * sc.param_rows(sh.capacity) + ct / sc.group) * d + j
                 } else {
                     slot * (d / sc.group) + j / sc.group
                 };
-                *o = v.zeros[p].to_f32() + v.scales[p].to_f32() * code_at(codes, j, sc.bits) as f32;
+                *o = v.zeros[p].to_f32() + v.scales[p].to_f32() * kivi_key_code(codes, layout, j, sc.bits) as f32;
             }
         }
     }

@@ -23,7 +23,12 @@ use super::Float;
 /// Code `j` of a densely packed row of `bits`-bit codes.
 #[inline(always)]
 pub fn code_at(row: &[u8], j: usize, bits: u32) -> usize {
-    let o = j * bits as usize;
+    code_bits(row, j * bits as usize, bits)
+}
+
+/// The `bits`-bit code (1 to 8) starting at bit `o` of a packed row.
+#[inline(always)]
+pub fn code_bits(row: &[u8], o: usize, bits: u32) -> usize {
     let byte = o >> 3;
     let shift = o & 7;
     let mut v = u32::from(row[byte]);

@@ -217,15 +217,25 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options) 
     // Arrays a codec does not use travel as placeholders it never reads.
     let none_f16 = Array::from_slice(&[f16::ZERO; 8], &[8])?;
     let none_f32 = Array::from_slice(&[0.0f32; 8], &[8])?;
-    let side_inputs = |side: &KvSideArrays<'_>| -> [Array; 4] {
-        [
+    let side_inputs = |side: &KvSideArrays<'_>, sc: &SideCodec| -> Result<[Array; 4]> {
+        let table = match (side.table, sc.codec) {
+            (Some(t), _) => t.clone(),
+            // KIVI keys are read at the bit offsets of their table: uniform
+            // widths when the caller gave none.
+            (None, Codec::KiviPerChannel) => {
+                let offsets = kv::kivi_bit_offsets(None, sh.dim, sc.bits);
+                Array::from_slice(&offsets, &[offsets.len() as i32])?
+            }
+            (None, _) => none_f32.clone(),
+        };
+        Ok([
             side.codes.clone(),
             side.scales.cloned().unwrap_or_else(|| none_f16.clone()),
             side.zeros.cloned().unwrap_or_else(|| none_f16.clone()),
-            side.table.cloned().unwrap_or_else(|| none_f32.clone()),
-        ]
+            table,
+        ])
     };
-    let (ki, vi) = (side_inputs(&layer.keys), side_inputs(&layer.values));
+    let (ki, vi) = (side_inputs(&layer.keys, &sh.key)?, side_inputs(&layer.values, &sh.value)?);
     let rot_v = layer.rotation_for(&sh.value)?.cloned();
     match imp {
         Implementation::Cpu => {
@@ -462,9 +472,49 @@ pub fn decode_compressed(side: &KvSideArrays<'_>, sc: &SideCodec, sh: &KvShape, 
             };
             let scales = ops::take_axis(&scales, &idx, axis, s)?;
             let zeros = ops::take_axis(&zeros, &idx, axis, s)?;
-            ops::add(&zeros, &ops::multiply(&scales, &unpacked()?, s)?, s)
+            let codes = match (sc.codec, side.table) {
+                (Codec::KiviPerChannel, Some(layout)) => kivi_codes_at(&codes(sc.row_len(sh.dim) as i32)?, layout, sh, s)?,
+                _ => unpacked()?,
+            };
+            ops::add(&zeros, &ops::multiply(&scales, &codes, s)?, s)
         }
     }
+}
+
+/// KIVI keys' codes `[B, Hkv, n, row]` read at the bit offsets of `layout`
+/// (`kivi_bit_offsets`: a stride, then the heads' rows), float32 `[B, Hkv,
+/// n, D]`. A code of at most 8 bits spans at most two bytes: `((byte[o/8] |
+/// byte[o/8 + 1] << 8) >> o%8) & (2^width − 1)`, gathered head by head
+/// (each may have its own offsets).
+fn kivi_codes_at(codes: &Array, layout: &Array, sh: &KvShape, s: &Stream) -> Result<Array> {
+    let (h, d) = (sh.kv_heads as i32, sh.dim as i32);
+    let cs = codes.shape();
+    let (b, n, row) = (cs[0], cs[2], cs[3]);
+    // Row h of the table starts at 1 + h * stride (the stride is on the device).
+    let stride = ops::slice(layout, &[0], &[1], s)?;
+    let heads = Array::from_slice(&(0..h).map(|i| i as f32).collect::<Vec<_>>(), &[h, 1])?;
+    let cols = Array::from_slice(&(0..=d).map(|c| (c + 1) as f32).collect::<Vec<_>>(), &[1, d + 1])?;
+    let at = ops::astype(&ops::add(&ops::multiply(&heads, &stride, s)?, &cols, s)?, Dtype::U32, s)?;
+    let offsets = ops::astype(&ops::take(layout, &at, s)?, Dtype::U32, s)?;
+    let start = ops::slice(&offsets, &[0, 0], &[h, d], s)?;
+    let end = ops::slice(&offsets, &[0, 1], &[h, d + 1], s)?;
+    let u32s = |v: u32| Array::from_slice(&[v], &[1]);
+    let byte = ops::right_shift(&start, &u32s(3)?, s)?;
+    let next = ops::minimum(&ops::add(&byte, &u32s(1)?, s)?, &u32s(row as u32 - 1)?, s)?;
+    let shift = ops::bitwise_and(&start, &u32s(7)?, s)?;
+    let mask = ops::subtract(&ops::left_shift(&u32s(1)?, &ops::subtract(&end, &start, s)?, s)?, &u32s(1)?, s)?;
+    let wide = ops::astype(codes, Dtype::U32, s)?;
+    let heads = (0..h)
+        .map(|i| -> Result<Array> {
+            let of = |a: &Array| -> Result<Array> { ops::reshape(&ops::slice(a, &[i, 0], &[i + 1, d], s)?, &[d], s) };
+            let x = ops::slice(&wide, &[0, i, 0, 0], &[b, i + 1, n, row], s)?;
+            let lo = ops::take_axis(&x, &of(&byte)?, 3, s)?;
+            let hi = ops::left_shift(&ops::take_axis(&x, &of(&next)?, 3, s)?, &u32s(8)?, s)?;
+            let v = ops::right_shift(&ops::bitwise_or(&lo, &hi, s)?, &of(&shift)?, s)?;
+            ops::bitwise_and(&v, &of(&mask)?, s)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    ops::astype(&ops::concatenate(&heads, 1, s)?, Dtype::F32, s)
 }
 
 /// One side's tokens in its frame, float32 `[B, Hkv, total, D]`, in position

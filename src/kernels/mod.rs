@@ -28,7 +28,7 @@ pub use bitpack::{bit_pack, bit_unpack};
 pub use framed_dequantize::{framed_dequantize, FramedSide};
 pub use gpu::{cached_kernel_count, compact_source};
 pub use quant::{
-    kivi_dequantize, kivi_params_shape, kivi_quantize, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,
+    kivi_dequantize, kivi_params_shape, kivi_quantize, kivi_quantize_widths, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,
     scalar_dequantize, scalar_quantize, KiviMode, PqCodes, PQ_STAGE_FLOATS, PQ_SUB_DIMS, QJL_SCORE_MAX_QM,
 };
 pub use declaration::{Declaration, Kernel, TemplateArg, DECLARATIONS};

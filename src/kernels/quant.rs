@@ -469,6 +469,66 @@ fn kivi_q_reference(
     Ok(vec![pack_reference(&codes, n, d, bits, s)?, out(&scale)?, out(&zero)?])
 }
 
+/// KIVI keys with bits per channel: `x` `[B, Hkv, m, D]` (`m` a whole
+/// number of `group`-token groups) quantized per channel and group as
+/// [`kivi_quantize`] does, channel `c` of head `h` with `widths[h * D + c]`
+/// bits, and packed at the bit offsets of
+/// [`kivi_bit_offsets`](crate::cpu::kv_attention::kivi_bit_offsets) (each
+/// head's widths adding up to `D * bits`, a row's size at `bits`). Returns
+/// codes uint8 `[B, Hkv, m, D * bits / 8]`, scales and zeros float16 `[B,
+/// Hkv, m / group, D]`. One graph of MLX ops for every backend: it runs once
+/// per flush, on the tokens flushed.
+pub fn kivi_quantize_widths(x: &Array, widths: &[u8], bits: u32, group: usize, s: &Stream) -> Result<(Array, Array, Array)> {
+    check_float("x", x)?;
+    let sh = x.shape();
+    if sh.len() != 4 || group == 0 || sh[2] as usize % group != 0 {
+        return Err(Error::invalid("x", format!("shape {sh:?}, expected [batch, kv_heads, a multiple of {group} tokens, head_dim]")));
+    }
+    let (b, h, m, d) = (sh[0], sh[1], sh[2], sh[3]);
+    let (hu, du) = (h as usize, d as usize);
+    if widths.len() != hu * du || widths.chunks(du).any(|w| w.iter().map(|&v| v as usize).sum::<usize>() != du * bits as usize) {
+        return Err(Error::invalid("widths", format!("expected {h} heads of {d} widths adding up to {} bits each", du * bits as usize)));
+    }
+    let row = cpu::packed_len(du, bits) as i32;
+    let gr = m / group as i32;
+    let levels: Vec<f32> = widths.iter().map(|&w| ((1u32 << w) - 1) as f32).collect();
+    let levels = Array::from_slice(&levels, &[1, h, 1, 1, d])?;
+    let f16_round = |a: &Array| -> Result<Array> { ops::astype(&ops::astype(a, Dtype::F16, s)?, Dtype::F32, s) };
+    let grouped = ops::reshape(&ops::astype(x, Dtype::F32, s)?, &[b, h, gr, group as i32, d], s)?;
+    let lo = ops::min_axis(&grouped, 3, true, s)?;
+    let hi = ops::max_axis(&grouped, 3, true, s)?;
+    let scale = f16_round(&ops::divide(&ops::subtract(&hi, &lo, s)?, &levels, s)?)?;
+    let zero = f16_round(&lo)?;
+    let q = ops::divide(&ops::subtract(&grouped, &zero, s)?, &scale, s)?;
+    let q = ops::minimum(&ops::maximum(&ops::round(&q, s)?, &f32_scalar(0.0)?, s)?, &levels, s)?;
+    let positive = ops::greater(&scale, &f32_scalar(0.0)?, s)?;
+    let q = ops::astype(&ops::where_(&positive, &q, &f32_scalar(0.0)?, s)?, Dtype::U32, s)?;
+    let q = ops::reshape(&q, &[b, h, m, d], s)?;
+    // Each code shifted to its bit offset spans its byte and the next: the
+    // low and high parts land in the row's bytes through 0/1 matrices
+    // `[Hkv, D, row]` (exact: the parts of one byte never overlap).
+    let offsets = crate::cpu::kv_attention::kivi_bit_offsets(Some(widths), du, bits);
+    let (mut shifts, mut at_lo, mut at_hi) = (vec![0u32; hu * du], vec![0f32; hu * du * row as usize], vec![0f32; hu * du * row as usize]);
+    for hh in 0..hu {
+        for c in 0..du {
+            let o = offsets[1 + hh * (du + 1) + c] as usize;
+            shifts[hh * du + c] = (o & 7) as u32;
+            let base = (hh * du + c) * row as usize;
+            at_lo[base + o / 8] = 1.0;
+            if o / 8 + 1 < row as usize {
+                at_hi[base + o / 8 + 1] = 1.0;
+            }
+        }
+    }
+    let shifted = ops::left_shift(&q, &Array::from_slice(&shifts, &[1, h, 1, d])?, s)?;
+    let low = ops::astype(&ops::bitwise_and(&shifted, &Array::from_slice(&[255u32], &[1])?, s)?, Dtype::F32, s)?;
+    let high = ops::astype(&ops::right_shift(&shifted, &Array::from_slice(&[8u32], &[1])?, s)?, Dtype::F32, s)?;
+    let place = |at: Vec<f32>| Array::from_slice(&at, &[1, h, d, row]);
+    let bytes = ops::add(&ops::matmul(&low, &place(at_lo)?, s)?, &ops::matmul(&high, &place(at_hi)?, s)?, s)?;
+    let params = |a: &Array| -> Result<Array> { ops::reshape(&ops::astype(a, Dtype::F16, s)?, &[b, h, gr, d], s) };
+    Ok((ops::astype(&bytes, Dtype::U8, s)?, params(&scale)?, params(&zero)?))
+}
+
 /// Inverse of [`kivi_quantize`]: `zero + scale * code` as `dtype` `[N, d]`.
 #[allow(clippy::too_many_arguments)]
 pub fn kivi_dequantize(

@@ -71,9 +71,9 @@ impl PyLayerCache {
     #[new]
     #[pyo3(
         signature = (head_dim, n_kv_heads, key_method = None, key_bits = None, value_method = None, value_bits = None,
-                     window = None, sinks = None, seed = None, policy = None, device = None, key_group = None),
+                     window = None, sinks = None, seed = None, policy = None, device = None, key_group = None, key_widths = None),
         text_signature = "(head_dim, n_kv_heads, key_method='turboquant-mse', key_bits=4, value_method='turboquant-mse', \
-                          value_bits=4, window=128, sinks=4, seed=0, policy='auto', device=None, key_group=32)"
+                          value_bits=4, window=128, sinks=4, seed=0, policy='auto', device=None, key_group=32, key_widths=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -89,6 +89,7 @@ impl PyLayerCache {
         policy: Option<&Bound<'_, PyAny>>,
         device: Option<&Bound<'_, PyAny>>,
         key_group: Option<&Bound<'_, PyAny>>,
+        key_widths: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<Self> {
         fn given<'py>(o: Option<&Bound<'py, PyAny>>) -> Option<Bound<'py, PyAny>> {
             o.filter(|o| !o.is_none()).cloned()
@@ -123,6 +124,13 @@ impl PyLayerCache {
             }
         };
         cfg.policy = str_or(policy, "policy", "auto")?.parse().map_err(to_py_err)?;
+        if let Some(w) = given(key_widths) {
+            let widths: Vec<i64> = w.extract().map_err(|_| {
+                PyTypeError::new_err(format!("key_widths: expected a list of kv_heads * head_dim ints, got {}", type_name(&w)))
+            })?;
+            let widths = widths.iter().map(|&v| u8::try_from(v)).collect::<Result<Vec<u8>, _>>();
+            cfg.key_widths = Some(widths.map_err(|_| PyValueError::new_err("key_widths: each width must be 1 to 8 bits"))?);
+        }
         let stream = device_arg(device)?;
         let inner = guarded("__init__", || LayerCache::new(cfg, stream).map_err(to_py_err))?;
         Ok(PyLayerCache::wrap(inner))
@@ -346,6 +354,7 @@ impl PyLayerCache {
         d.set_item("window", c.window)?;
         d.set_item("sinks", c.sinks)?;
         d.set_item("key_group", c.key_group)?;
+        d.set_item("key_widths", c.key_widths.as_ref().map(|w| w.iter().map(|&v| u32::from(v)).collect::<Vec<u32>>()))?;
         d.set_item("seed", c.seed)?;
         d.set_item("policy", c.policy.to_string())?;
         Ok(d)

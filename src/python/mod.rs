@@ -165,6 +165,22 @@ fn sphere_codebook(dim: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>) -> PyResult<
     Ok(book.centroids().to_vec())
 }
 
+/// KIVI keys' bits per channel from `weights` `[kv_heads][head_dim]` (what
+/// an error in each channel costs the scores), `bits` on average: the
+/// `key_widths` of a `LayerCache`, flat (`crate::cache::channel_widths`).
+#[pyfunction]
+fn kivi_channel_widths(weights: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let bits = bits_arg(bits, "bits", "1 to 8")?;
+    let rows: Vec<Vec<f32>> = weights
+        .extract()
+        .map_err(|_| PyTypeError::new_err(format!("weights: expected a [kv_heads][head_dim] nested list of floats, got {}", type_name(weights))))?;
+    let dim = rows.first().map_or(0, Vec::len);
+    if rows.iter().any(|r| r.len() != dim) {
+        return Err(PyValueError::new_err("weights: rows of unequal length; expected [kv_heads][head_dim]"));
+    }
+    Ok(crate::cache::channel_widths(&rows.concat(), dim, bits).map_err(to_py_err)?.into_iter().map(u32::from).collect())
+}
+
 #[pyfunction]
 #[pyo3(signature = (codes, bits, *, policy = None, device = None))]
 fn bit_pack(py: Python<'_>, codes: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>, policy: Option<&Bound<'_, PyAny>>, device: Option<&Bound<'_, PyAny>>) -> PyResult<Py<PyAny>> {
@@ -590,6 +606,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("MAX_CODEBOOK_SIZE", kernels::MAX_CODEBOOK_SIZE)?;
     m.add_function(wrap_pyfunction!(sphere_codebook, m)?)?;
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
+    m.add_function(wrap_pyfunction!(kivi_channel_widths, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;
     m.add_function(wrap_pyfunction!(vq_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(scalar_quantize, m)?)?;

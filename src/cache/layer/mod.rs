@@ -12,7 +12,7 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::{AttentionMask, CacheConfig};
 use crate::array::Array;
-use crate::cpu::kv_attention::{Codec, KvShape, SideCodec};
+use crate::cpu::kv_attention::{kivi_bit_offsets, Codec, KvShape, SideCodec};
 use crate::cpu::turboquant::AttentionShape;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -258,7 +258,14 @@ impl LayerCache {
                 scales: None,
                 zeros: None,
                 window: ops::zeros(&[b, h, wcap, d], dtype, s)?,
+                widths: None,
+                layout: None,
             };
+            if let (Codec::KiviPerChannel, Some(widths)) = (codec.codec, &self.cfg.key_widths) {
+                let offsets = kivi_bit_offsets(Some(widths), d as usize, codec.bits);
+                side.layout = Some(Array::from_slice(&offsets, &[offsets.len() as i32])?);
+                side.widths = Some(widths.clone());
+            }
             if codec.param_cols(d as usize) > 0 {
                 let shape = side.param_shape(b, h, codec.param_rows(cap), d as usize);
                 side.scales = Some(ops::zeros(&shape, Dtype::F16, s)?);

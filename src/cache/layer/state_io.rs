@@ -9,6 +9,9 @@ const STATE_FORMAT: &str = "veloxquant-layer-cache";
 /// Version 4: `to_bytes` adds a CRC-32 of every tensor and of the header.
 /// Version 5: rotated frames are scaled by `1/F` (`frame_scale`).
 const STATE_VERSION: &str = "5";
+/// Version 6: version 5 with KIVI keys of unequal bits per channel
+/// (`key_widths`), which a reader of version 5 would decode wrongly.
+const STATE_VERSION_WIDTHS: &str = "6";
 
 fn st_name(d: Dtype) -> &'static str {
     match d {
@@ -50,7 +53,7 @@ pub(super) fn parts(cache: &LayerCache) -> Result<(Vec<(String, Array)>, BTreeMa
     let mut meta: BTreeMap<String, String> = BTreeMap::new();
     for (k, v) in [
         ("format", STATE_FORMAT.to_string()),
-        ("version", STATE_VERSION.to_string()),
+        ("version", if c.key_widths.is_some() { STATE_VERSION_WIDTHS } else { STATE_VERSION }.to_string()),
         ("head_dim", c.head_dim.to_string()),
         ("kv_heads", c.kv_heads.to_string()),
         ("key_method", c.key_method.to_string()),
@@ -65,6 +68,9 @@ pub(super) fn parts(cache: &LayerCache) -> Result<(Vec<(String, Array)>, BTreeMa
         ("dtype", cache.dtype.to_string()),
     ] {
         meta.insert(k.to_string(), v);
+    }
+    if let Some(w) = &c.key_widths {
+        meta.insert("key_widths".to_string(), w.iter().map(u8::to_string).collect::<Vec<_>>().join(","));
     }
     let s = &cache.stream()?;
     let (b, h, d) = (cache.batch as i32, c.kv_heads as i32, c.head_dim as i32);
@@ -202,10 +208,10 @@ fn check_format(meta: &HashMap<String, String>) -> Result<()> {
         None => return Err(corrupt(format!("no format field (expected {STATE_FORMAT:?}): not a layer cache state"))),
     }
     match meta.get("version") {
-        Some(v) if v == STATE_VERSION => {}
+        Some(v) if v == STATE_VERSION || v == STATE_VERSION_WIDTHS => {}
         Some(v) => {
             return Err(corrupt(format!(
-                "version {v:?} is not supported: this veloxquant reads version {STATE_VERSION} (states of other \
+                "version {v:?} is not supported: this veloxquant reads versions {STATE_VERSION} and {STATE_VERSION_WIDTHS} (states of other \
                  versions are refused; rebuild the cache from its tokens)"
             )))
         }
@@ -233,6 +239,10 @@ pub(super) fn from_parts(tensors: &HashMap<String, Array>, meta: &HashMap<String
         cfg.key_group = field(&meta, "key_group")?;
     }
     cfg.seed = field(&meta, "seed")?;
+    if let Some(w) = meta.get("key_widths") {
+        let widths = w.split(',').map(|v| v.trim().parse::<u8>()).collect::<std::result::Result<Vec<_>, _>>();
+        cfg.key_widths = Some(widths.map_err(|_| corrupt(format!("key_widths {w:?} is not a list of bit widths")))?);
+    }
     let mut cache = LayerCache::new(cfg, stream).map_err(|e| corrupt(e.to_string()))?;
     let batch: usize = field(meta, "batch")?;
     if tensors.is_empty() {

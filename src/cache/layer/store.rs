@@ -75,6 +75,13 @@ pub(super) struct Side {
     /// Float16 window `[B, Hkv, window_capacity, D]` in the side's frame
     /// (rotated for the rotating codecs): sinks first.
     pub(super) window: Array,
+    /// KIVI keys' bits per channel `[Hkv, D]` (`CacheConfig::key_widths`),
+    /// when unequal.
+    pub(super) widths: Option<Vec<u8>>,
+    /// KIVI keys' bit offsets for unequal widths (`kivi_bit_offsets`),
+    /// float32: the table the kernels read for them in place of the shared
+    /// uniform one.
+    pub(super) layout: Option<Array>,
 }
 
 /// A compressed side's new tokens, encoded.
@@ -103,7 +110,7 @@ impl Side {
     }
 
     pub(super) fn arrays(&self) -> impl Iterator<Item = &Array> {
-        [Some(&self.codes), self.scales.as_ref(), self.zeros.as_ref(), Some(&self.window)].into_iter().flatten()
+        [Some(&self.codes), self.scales.as_ref(), self.zeros.as_ref(), Some(&self.window), self.layout.as_ref()].into_iter().flatten()
     }
 
     pub(super) fn nbytes(&self) -> usize {
@@ -120,9 +127,13 @@ impl Side {
             _ => 0,
         };
         let params = self.codec.param_rows(len);
+        // Unequal widths are data (held as float32 offsets; the uniform
+        // ones are a shared table).
+        let layout = self.layout.as_ref().map_or(0, Array::nbytes);
         rows(&self.codes, len)
             + [self.scales.as_ref(), self.zeros.as_ref()].into_iter().flatten().map(|a| rows(a, params)).sum::<usize>()
             + rows(&self.window, window)
+            + layout
     }
 
     /// Grows the stores to `new` token slots (zeros appended).
@@ -244,6 +255,11 @@ impl Side {
                 let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?.codes;
                 Encoded { codes, scales: Some(ops::reshape(&norm, &[b, h, m], &s)?), zeros: None }
             }
+            Codec::KiviPerChannel if self.widths.is_some() => {
+                let widths = self.widths.as_deref().expect("matched");
+                let (codes, scales, zeros) = kernels::kivi_quantize_widths(x, widths, sc.bits, sc.group, &s)?;
+                Encoded { codes, scales: Some(scales), zeros: Some(zeros) }
+            }
             Codec::KiviPerChannel | Codec::KiviPerToken => {
                 let mode = if sc.codec == Codec::KiviPerChannel { KiviMode::Keys } else { KiviMode::Values };
                 // Per channel, groups of rows never cross heads: m is a whole
@@ -281,6 +297,7 @@ impl Side {
     }
 
     pub(super) fn arrays_for_kernel<'a>(&'a self, table: Option<&'a Array>) -> KvSideArrays<'a> {
+        let table = self.layout.as_ref().or(table);
         KvSideArrays { codes: &self.codes, scales: self.scales.as_ref(), zeros: self.zeros.as_ref(), table, window: &self.window }
     }
 }

@@ -92,7 +92,10 @@ pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f
             t.extend_from_slice(second.centroids());
             Some(t)
         }
-        Codec::Dense | Codec::KiviPerChannel | Codec::KiviPerToken => None,
+        // The uniform bit offsets (one row every head reads); a layer with
+        // unequal widths holds its own.
+        Codec::KiviPerChannel => Some(crate::cpu::kv_attention::kivi_bit_offsets(None, dim, sc.bits)),
+        Codec::Dense | Codec::KiviPerToken => None,
     })
 }
 
