@@ -1092,3 +1092,8 @@ fn wrong_key_widths_name_the_argument() {
         assert!(e.contains("key_widths"), "{e}");
     }
 }
+
+#[test]
+fn zero_weights_share_the_bits_evenly() {
+    assert_eq!(veloxquant::cache::channel_widths(&[0.0; 128], 64, 3).unwrap(), vec![3u8; 128]);
+}

@@ -1,7 +1,7 @@
 """Stubs of the native module ``veloxquant._native``."""
 
 import os
-from typing import Dict, Literal, Optional, Sequence, Tuple, Union
+from typing import Dict, List, Literal, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 import numpy as np
@@ -23,6 +23,11 @@ _Device = Optional[Literal["cpu", "gpu"]]
 
 def sphere_codebook(dim: int, bits: int) -> list[float]:
     """TurboQuant-MSE's Lloyd-Max levels for a rotated, normalised coordinate (ascending)."""
+    ...
+def kivi_channel_widths(weights: Sequence[Sequence[float]], bits: int) -> List[int]:
+    """KIVI keys' bits per channel (1 to 8, `bits` on average per KV head) from
+    `weights` `[kv_heads][head_dim]`, what an error in each channel costs the
+    scores; flat, the `key_widths` of a `LayerCache`."""
     ...
 def bit_pack(codes: mx.array, bits: int, *, policy: _Policy = "auto", device: _Device = None) -> mx.array: ...
 def bit_unpack(
@@ -215,7 +220,10 @@ class LayerCache:
     ``"qjl"`` (1 to 4 sketch bits per element) and ``"turboquant-prod"``
     (2 to 5 bits: ``bits - 1`` MSE bits + 1 QJL sign bit). ``key_group``:
     tokens of a KIVI key group (a float16 scale and zero per channel and
-    group), a multiple of 8 from 8 to 1024.
+    group), a multiple of 8 from 8 to 1024. ``key_widths``: KIVI keys' bits
+    per channel, ``n_kv_heads * head_dim`` widths of 1 to 8, each head's
+    adding up to ``head_dim * key_bits`` (``kivi_channel_widths``); None
+    gives every channel ``key_bits``.
 
     A cache may be made, used and dropped on any thread. MLX streams are per
     thread: work a cache queued on one thread must be evaluated there before
@@ -236,6 +244,7 @@ class LayerCache:
         policy: _Policy = "auto",
         device: _Device = None,
         key_group: int = 32,
+        key_widths: Optional[Sequence[int]] = None,
     ) -> None: ...
     def append(self, keys: mx.array, values: mx.array) -> None: ...
     def attention(

@@ -310,12 +310,15 @@ pub fn channel_widths(weights: &[f32], dim: usize, bits: u32) -> Result<Vec<u8>>
     }
     let mut widths = vec![1u8; weights.len()];
     for (row, out) in weights.chunks(dim).zip(widths.chunks_mut(dim)) {
+        // A floor far below the largest weight, so that channels of equal
+        // (even zero) weight share their bits in turn.
+        let floor = row.iter().fold(0.0f64, |m, &w| m.max(f64::from(w))) * 1e-12 + f64::MIN_POSITIVE * 1e60;
         for _ in 0..dim * (bits as usize - 1) {
             // The gain of one more bit: weight · (4^-w − 4^-(w+1)) = weight · ¾ · 4^-w.
             let best = (0..dim)
                 .filter(|&c| out[c] < MAX_CHANNEL_BITS)
                 .max_by(|&a, &b| {
-                    let gain = |c: usize| f64::from(row[c]) * 0.25f64.powi(i32::from(out[c]));
+                    let gain = |c: usize| (f64::from(row[c]) + floor) * 0.25f64.powi(i32::from(out[c]));
                     gain(a).total_cmp(&gain(b)).then(b.cmp(&a))
                 })
                 .expect("bits <= MAX_CHANNEL_BITS leaves a channel below it");

@@ -40,6 +40,7 @@ VELOXQUANT_DEFAULTS = {
     "kv_window": 128,
     "kv_sinks": 4,
     "kv_key_group": 32,
+    "kv_key_channel_bits": "uniform",
     "kv_seed": 0,
     "kv_policy": "auto",
     "kv_layers": None,
@@ -139,6 +140,9 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
     g.add_argument("--kv-sinks", type=int, default=None, help="first tokens kept in float16 (default: 4)")
     g.add_argument("--kv-key-group", type=int, default=None,
                    help="tokens of a KIVI key group: one scale and zero per channel and group (default: 32)")
+    g.add_argument("--kv-key-channel-bits", choices=("uniform", "query"), default=None,
+                   help="KIVI keys' bits per channel: the same for all (uniform), or by what the first queries weigh "
+                        "(query: same bytes, about half the attention error) (default: uniform)")
     g.add_argument("--kv-seed", type=int, default=None, help="seed of veloxquant's rotations (default: 0)")
     g.add_argument("--kv-policy", choices=("auto", "require", "off"), default=None, help="fused kernel policy (default: auto)")
     g.add_argument(
@@ -209,6 +213,7 @@ def kv_config_from_args(args):
             window=_kv(args, "kv_window"),
             sinks=_kv(args, "kv_sinks"),
             key_group=_kv(args, "kv_key_group"),
+            key_channel_bits=_kv(args, "kv_key_channel_bits"),
             seed=_kv(args, "kv_seed"),
             policy=_kv(args, "kv_policy"),
             layers=layers,
@@ -433,6 +438,7 @@ _CONFIG_FIELDS = {
     "kv_window": "window",
     "kv_sinks": "sinks",
     "kv_key_group": "key_group",
+    "kv_key_channel_bits": "key_channel_bits",
     "kv_seed": "seed",
     "kv_policy": "policy",
 }

@@ -67,6 +67,7 @@ class CacheSpec:
     sinks: int = 0
     seed: int = 0
     key_group: int = 32  # tokens of a KIVI key group
+    key_channel_bits: str = "uniform"  # KVConfig.key_channel_bits
     protect: Optional[str] = None  # "auto": KVConfig(protect="auto")
     bits_budget: Optional[float] = None  # KVConfig.auto over `calibration`, within this budget
     calibration: Optional[List[int]] = None
@@ -85,7 +86,7 @@ class CacheSpec:
             return make_mlx_quantized_cache(model, self.bits, self.group_size)
         cfg = KVConfig(key_method=self.method, key_bits=self.bits, value_method=self.value_method,
                        value_bits=self.value_bits, window=self.window, sinks=self.sinks, seed=self.seed,
-                       key_group=self.key_group)
+                       key_group=self.key_group, key_channel_bits=self.key_channel_bits)
         import dataclasses
 
         if self.protect:
@@ -220,15 +221,19 @@ def default_specs(methods: Sequence[str], bits: Sequence[int], window: int, sink
     specs += [CacheSpec(f"mlx-affine-{b}", "mlx-quantized", bits=b) for b in mlx_bits]
     for m in methods:
         key_method, _, value_method = m.partition("/")
+        # "kivi-query": KIVI keys with bits per channel from the first queries.
+        channel_bits = "query" if key_method == "kivi-query" else "uniform"
+        key_method = "kivi" if key_method == "kivi-query" else key_method
         # KIVI keys: a row per key group (labelled when not the default 32 alone).
         groups = key_groups if key_method == "kivi" else (32,)
         for g in groups:
             named = f"{m}-g{g}" if key_method == "kivi" and tuple(key_groups) != (32,) else m
-            specs += _method_specs(named, key_method, value_method, bits, window, sinks, g)
+            specs += _method_specs(named, key_method, value_method, bits, window, sinks, g, channel_bits)
     return specs
 
 
-def _method_specs(m: str, key_method: str, value_method: str, bits, window: int, sinks: int, key_group: int):
+def _method_specs(m: str, key_method: str, value_method: str, bits, window: int, sinks: int, key_group: int,
+                  key_channel_bits: str = "uniform"):
     """The rows of one method pair (labelled ``m``) at each bit pair."""
     specs, seen = [], set()
     for kb, vb in bits:
@@ -242,7 +247,8 @@ def _method_specs(m: str, key_method: str, value_method: str, bits, window: int,
         else:
             label = f"{m}-{kb}" if kb == vb else f"{m}-k{kb}v{vb}"
         specs.append(CacheSpec(label, "veloxquant", bits=kb, value_bits=vb, method=key_method,
-                               value_method=value_method or None, window=window, sinks=sinks, key_group=key_group))
+                               value_method=value_method or None, window=window, sinks=sinks, key_group=key_group,
+                               key_channel_bits=key_channel_bits))
     return specs
 
 
@@ -415,6 +421,7 @@ def json_rows(results: List[Result], meta: dict) -> List[dict]:
             "value_bits": s.value_bits if s.value_bits is not None else s.bits,
             "window": s.window if s.kind == "veloxquant" else None, "sinks": s.sinks if s.kind == "veloxquant" else None,
             "key_group": s.key_group if s.kind == "veloxquant" and s.method == "kivi" else None,
+            "key_channel_bits": s.key_channel_bits if s.kind == "veloxquant" and s.method == "kivi" else None,
             "bits_per_element": r.bits_per_element, "held_bits_per_element": r.held_bits_per_element,
             "kv_bytes": r.kv_bytes, "data_bytes": r.data_bytes, "compressed_share": r.compressed_share,
             "ppl": r.ppl, "delta_ppl_pct": 100 * (r.ppl / fp.ppl - 1), "kl": r.kl, "top1": r.top1,
@@ -591,7 +598,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--methods", default="turboquant-mse",
         help=f"veloxquant methods, comma-separated, from {', '.join(METHODS)}; KEY/VALUE for a pair "
-        "(e.g. kivi/turboquant-mse: per-channel keys, rotated values)"
+        "(e.g. kivi/turboquant-mse: per-channel keys, rotated values); kivi-query as keys: KIVI keys with bits "
+        "per channel from the first queries (KVConfig.key_channel_bits='query')"
     )
     p.add_argument(
         "--bits", default="2,3/2,3,4/3,4", help="veloxquant bits, comma-separated, key/value pairs allowed (default: 2,3/2,3,4/3,4)"
@@ -621,9 +629,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     lengths = _int_list(args.needle_lengths, "--needle-lengths")
     depths = _float_list(args.needle_depths, "--needle-depths")
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    unknown = [m for m in methods if any(x not in METHODS for x in m.split("/", 1))]
+    known = METHODS + ("kivi-query",)
+    unknown = [m for m in methods if any(x not in known for x in m.split("/", 1)) or "/kivi-query" in m]
     if unknown:
-        p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(METHODS)}")
+        p.error(f"--methods: unknown {', '.join(unknown)}; choose from {', '.join(known)} (kivi-query: KIVI keys "
+                "with bits per channel from the first queries, keys only)")
     if not 0 < args.prefix < args.tokens:
         raise SystemExit(f"--prefix must be between 1 and --tokens - 1, got {args.prefix}")
     if args.chunk < 1:
