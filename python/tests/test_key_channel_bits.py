@@ -131,3 +131,47 @@ def test_widths_from_queries_that_are_not_finite():
 def test_bad_widths_name_the_argument(call, name):
     with pytest.raises((ValueError, TypeError), match=name):
         call()
+
+
+def test_recipe_stand_in_matches_the_cache_with_the_same_widths():
+    from veloxquant import recipe
+    from veloxquant.cache import _layer_cache_class
+
+    mx.random.seed(3)
+    scale = mx.where(mx.arange(64) < 6, 8.0, 1.0)
+    keys = (mx.random.normal((1, 2, 101, 64)) * scale).astype(mx.float16)
+    values = mx.random.normal((1, 2, 101, 64)).astype(mx.float16)
+    energy = mx.random.uniform(shape=(1, 2, 64)) * mx.where(mx.arange(64) % 5 == 0, 10.0, 1.0)
+    codecs = recipe.Codecs(keys, values, sinks=4, seed=0, query_energy=energy)
+    got = codecs.keys_as(recipe.Choice("kivi-query", 3))
+    # The widths the stand-in gave, into the cache itself.
+    span = mx.max(codecs.centred, axis=2) - mx.min(codecs.centred, axis=2)
+    widths = _native.kivi_channel_widths((energy * span * span).reshape(2, 64).tolist(), 3)
+    assert len(set(widths)) > 2
+    layer = _layer_cache_class()(64, 2, key_method="kivi", key_bits=3, key_widths=widths, value_method="fp16",
+                                 value_bits=16, window=1, sinks=4, seed=0)
+    layer.append(keys, values)
+    k, _ = layer.dequantize()
+
+    def rel(x):  # the tokens both compress: after the sinks, before the cache's recent token
+        d = (x[:, :, 4:100] - keys[:, :, 4:100]).astype(mx.float32)
+        return (mx.sum(d * d) / mx.sum(keys[:, :, 4:100].astype(mx.float32) ** 2)).item()
+
+    assert rel(got) == pytest.approx(rel(k), rel=1e-3)
+    # And below uniform 3-bit KIVI's error where the queries look.
+    uniform = codecs.keys_as(recipe.Choice("kivi", 3))
+    weighted = lambda x: mx.sum(energy[:, :, None, :] * (x[:, :, 4:100] - keys[:, :, 4:100].astype(mx.float32)) ** 2).item()  # noqa: E731
+    assert weighted(got) < 0.8 * weighted(uniform)
+
+
+def test_auto_recipe_can_choose_query_widths(tiny, outlier_channels):
+    model, _, ids = tiny
+    cfg = KVConfig.auto(model, ids[:128], bits_budget=3.5, window=8, sinks=0)
+    chosen = [cfg.for_layer(i) for i in range(len(model.model.layers))]
+    assert all(c is not None for c in chosen)
+    # Whatever it chose, each layer's config builds and runs.
+    caches = make_prompt_cache(model, cfg)
+    mx.eval(model(mx.array(ids[:64])[None], cache=caches))
+    for c, layer_cfg in zip(caches, chosen):
+        if layer_cfg.widths_from_queries():
+            assert c.layer.config["key_widths"] is not None

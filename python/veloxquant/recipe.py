@@ -58,7 +58,10 @@ from . import _native
 # and float16; value candidates: TurboQuant-MSE, and float16. 8-bit
 # TurboQuant is left out: its 256-entry codebook takes the cache most of a
 # second to build, and 8-bit KIVI keys cover that step.
-KEY_CANDIDATE_BITS = {"turboquant-mse": (2, 3, 4), "kivi": (2, 3, 4, 8)}
+# KIVI keys below 8 bits take their bits per channel from the queries
+# ("kivi-query": KVConfig.key_channel_bits="query"), which halves their
+# attention error at the same bytes; at 8 bits every channel has 8.
+KEY_CANDIDATE_BITS = {"turboquant-mse": (2, 3, 4), "kivi-query": (2, 3, 4), "kivi": (8,)}
 VALUE_CANDIDATE_BITS = {"turboquant-mse": (2, 3, 4)}
 # Calibration tokens: SmolLM2-135M's forward over 128 tokens takes about
 # 0.8 s on a 2-core CPU (over 256, twice that), and query positions sampled
@@ -108,7 +111,7 @@ KIVI_GROUP = 32
 
 
 class Choice(NamedTuple):  # a tuple: hashed often by the allocation
-    method: str  # a LayerCache method, or "fp16"
+    method: str  # a LayerCache method, "kivi-query" (KIVI keys, bits per channel from the queries), or "fp16"
     bits: int  # 16 for fp16
 
     @property
@@ -116,6 +119,15 @@ class Choice(NamedTuple):  # a tuple: hashed often by the allocation
         if self.method == "fp16":
             return "fp16"
         return f"{'tq' if self.method == 'turboquant-mse' else self.method}{self.bits}"
+
+    def settings(self, side: str) -> dict:
+        """The KVConfig fields of this choice for ``side`` ("key" or "value")."""
+        if self.method == "kivi-query":
+            return {"key_method": "kivi", "key_bits": self.bits, "key_channel_bits": "query"}
+        out = {f"{side}_method": self.method, f"{side}_bits": self.bits}
+        if side == "key":
+            out["key_channel_bits"] = "uniform"
+        return out
 
 
 FP16 = Choice("fp16", 16)
@@ -281,8 +293,12 @@ class Codecs:
     candidate's compression, decoded, in float32: the first ``sinks`` tokens
     exact (the cache keeps them float16), the rest compressed."""
 
-    def __init__(self, keys: mx.array, values: mx.array, sinks: int, seed: int, mean_share: float = 1.0):
+    def __init__(self, keys: mx.array, values: mx.array, sinks: int, seed: int, mean_share: float = 1.0,
+                 query_energy: Optional[mx.array] = None):
         self.sinks = min(sinks, keys.shape[2] - 1)
+        # [B, Hkv, D]: the mean square of each channel over the queries that
+        # read a KV head, which sets "kivi-query" keys' bits per channel.
+        self.query_energy = query_energy
         self.keys = keys.astype(mx.float32)
         self.values = values.astype(mx.float32)
         # The cache stores keys minus their mean over its first append, kept
@@ -312,18 +328,32 @@ class Codecs:
         return norm * (y.reshape(-1, unit.shape[-1]) @ self.rotation).reshape(unit.shape)
 
     @staticmethod
-    def _kivi_keys(x: mx.array, bits: int) -> mx.array:
+    def _kivi_keys(x: mx.array, bits, levels: Optional[mx.array] = None) -> mx.array:
         # Min/max per channel over groups of KIVI_GROUP tokens; a last partial
-        # group is padded with its last token, which moves neither.
+        # group is padded with its last token, which moves neither. `levels`
+        # [B, Hkv, D]: each channel's 2^width - 1 (else 2^bits - 1 for all).
         b, h, n, d = x.shape
         pad = -n % KIVI_GROUP
         if pad:
             x = mx.concatenate([x, mx.repeat(x[:, :, -1:], pad, axis=2)], axis=2)
         g = x.reshape(b, h, -1, KIVI_GROUP, d)
+        top = float(2**bits - 1) if levels is None else levels[:, :, None, None, :]
         lo, hi = _f16(mx.min(g, axis=3, keepdims=True)), mx.max(g, axis=3, keepdims=True)
-        scale = _f16((hi - lo) / (2**bits - 1))
-        codes = mx.clip(mx.round((g - lo) / mx.maximum(scale, 1e-30)), 0, 2**bits - 1)
+        scale = _f16((hi - lo) / top)
+        codes = mx.clip(mx.round((g - lo) / mx.maximum(scale, 1e-30)), 0, top)
         return (lo + scale * codes).reshape(b, h, -1, d)[:, :, :n]
+
+    def _query_levels(self, bits: int) -> mx.array:
+        """Each channel's levels for "kivi-query" keys of ``bits``: the
+        widths the cache would give them (``cache.query_channel_widths``'s
+        weights, over every calibration token)."""
+        if self.query_energy is None:
+            raise ValueError("kivi-query keys need the queries' channel energy")
+        span = mx.max(self.centred, axis=2) - mx.min(self.centred, axis=2)
+        weights = mx.nan_to_num(self.query_energy * span * span, nan=0.0, posinf=3e38)
+        b, h, d = weights.shape
+        widths = _native.kivi_channel_widths(weights.reshape(b * h, d).tolist(), bits)
+        return (2.0 ** mx.array(widths, dtype=mx.float32) - 1).reshape(b, h, d)
 
     def keys_as(self, c: Choice) -> mx.array:
         if c == FP16:
@@ -332,6 +362,8 @@ class Codecs:
             dec = self._turboquant("k", c.bits)
         elif c.method == "kivi":
             dec = self._kivi_keys(self.centred, c.bits)
+        elif c.method == "kivi-query":
+            dec = self._kivi_keys(self.centred, c.bits, self._query_levels(c.bits))
         else:
             raise ValueError(f"no stand-in for {c.method} keys")
         return mx.concatenate([self.keys[:, :, : self.sinks], dec + self.mean], axis=2)
@@ -450,8 +482,11 @@ def measure(samples: Sequence[LayerSample], sinks: int = 4, seed: int = 0) -> Li
     for group in groups.values():
         cat = lambda name: mx.concatenate([getattr(s, name) for s in group], axis=0)  # noqa: E731
         keys, values = cat("keys"), cat("values")
-        att = _Attention(cat("queries"), group[0].positions, keys, values)
-        codecs = Codecs(keys, values, sinks, seed, MEAN_SHARE)
+        queries = cat("queries")
+        att = _Attention(queries, group[0].positions, keys, values)
+        b, h, n, d = queries.shape
+        energy = mx.mean(mx.square(queries.astype(mx.float32)).reshape(b, keys.shape[1], -1, n, d), axis=(2, 3))
+        codecs = Codecs(keys, values, sinks, seed, MEAN_SHARE, energy)
         score = _Scorer(att, group)
         kc = [c for c in key_candidates() if c != FP16]
         vc = [c for c in value_candidates() if c != FP16]
@@ -552,9 +587,11 @@ def _layer_bytes(head_dim, key, value, window, sinks, seed, tokens) -> Tuple[int
     ``tokens`` tokens appended at once; its arrays are never evaluated."""
     from .cache import _layer_cache_class
 
+    # "kivi-query" keys store what KIVI keys do, and their offsets per channel.
+    widths = {"key_widths": [key.bits] * head_dim} if key.method == "kivi-query" else {}
     layer = _layer_cache_class()(
-        head_dim, 1, key_method=key.method, key_bits=key.bits, value_method=value.method, value_bits=value.bits,
-        window=window, sinks=sinks, seed=seed,
+        head_dim, 1, key_method="kivi" if widths else key.method, key_bits=key.bits, value_method=value.method,
+        value_bits=value.bits, window=window, sinks=sinks, seed=seed, **widths,
     )
     z = mx.zeros((1, 1, tokens, head_dim), dtype=mx.float16)
     layer.append(z, z)
@@ -581,7 +618,7 @@ class Recipe:
             if k == FP16 and v == FP16:
                 out[i] = None
             else:
-                out[i] = {"key_method": k.method, "key_bits": k.bits, "value_method": v.method, "value_bits": v.bits}
+                out[i] = {**k.settings("key"), **v.settings("value")}
         return out
 
     def lines(self) -> List[str]:
@@ -728,7 +765,10 @@ def auto_recipe(
     for s in samples:
         if s.index in resolved.layers:
             c = resolved.for_layer(s.index)
-            fixed[s.index] = (FP16, FP16) if c is None else (_choice(c.key_method, c.key_bits), _choice(c.value_method, c.value_bits))
+            fixed[s.index] = (FP16, FP16) if c is None else (
+                _choice("kivi-query" if c.widths_from_queries() else c.key_method, c.key_bits),
+                _choice(c.value_method, c.value_bits),
+            )
     errors = measure(samples, config.sinks, config.seed)
     recipe = allocate(errors, bits_budget, layout, fixed)
     layers = dict(resolved.layers)
