@@ -68,3 +68,15 @@ def tiny_model(tmp_path_factory):
     import mlx.core as mx
 
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), dtype=mx.float16)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_model):
+    """The tiny model loaded (its own per module, which a test may change), its tokenizer, and the token ids
+    of the first 200 tokens of the shipped text."""
+    from mlx_lm import load
+
+    from veloxquant.tools.texts import alice
+
+    model, tokenizer = load(tiny_model)
+    return model, tokenizer, tokenizer.encode(alice()[:4000])[:200]

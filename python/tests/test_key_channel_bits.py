@@ -4,19 +4,10 @@ import math
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 from mlx_lm.models.cache import load_prompt_cache, save_prompt_cache
 
 from veloxquant import _native
 from veloxquant.cache import KVConfig, VeloxQuantCache, make_prompt_cache, query_channel_widths
-from veloxquant.tools.texts import alice
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model):
-    model, tokenizer = load(tiny_model)
-    ids = tokenizer.encode(alice()[:4000])[:200]
-    return model, tokenizer, ids
 
 
 @pytest.fixture

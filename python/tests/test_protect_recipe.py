@@ -4,7 +4,6 @@ import argparse
 
 import mlx.core as mx
 import pytest
-from mlx_lm import load
 from mlx_lm.generate import generate
 from mlx_lm.models.cache import KVCache
 
@@ -20,14 +19,6 @@ from veloxquant.cache import (
     make_prompt_cache,
     uninstall,
 )
-from veloxquant.tools.texts import alice
-
-
-@pytest.fixture(scope="module")
-def tiny(tiny_model):
-    model, tokenizer = load(tiny_model)
-    ids = tokenizer.encode(alice()[:4000])[:200]
-    return model, tokenizer, ids
 
 
 @pytest.fixture
