@@ -157,6 +157,7 @@ def test_recipe_syntax():
     assert (cfg.key_method, cfg.value_method, cfg.key_bits, cfg.value_bits) == ("qjl", "turboquant-mse", 3, 3)
     assert bench.recipe_config("k4v3:w64", "kivi").window == 64
     assert bench.recipe_config("k4v3", "kivi/mse:g128").key_group == 128
+    assert bench.recipe_config("k4v3", "kivi/mse:query").key_channel_bits == "query"
     with pytest.raises(ValueError, match="key_group must be a multiple of 8"):
         bench.recipe_config("k4v3", "kivi:g100")
 

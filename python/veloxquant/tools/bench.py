@@ -72,8 +72,10 @@ MLX_GROUP_SIZE = 64
 METHODS = {"mse": "turboquant-mse", "kivi": "kivi", "pq": "pq", "qjl": "qjl", "prod": "turboquant-prod",
            "rvq": "turboquant-rvq", "fp16": "fp16"}
 POLICIES = ("auto", "require", "off")
+KEY_CHANNEL_BITS = ("uniform", "query")
 RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, or KEYS/VALUES), kKvV bits, wN window, "
-               f"sN sinks, gN KIVI key group, {'/'.join(POLICIES)}")
+               f"sN sinks, gN KIVI key group, {'/'.join(POLICIES)}, query (KIVI keys' bits per channel from the "
+               "queries)")
 CACHE_HELP = f"fp16, mlx-q{{{','.join(map(str, MLX_BITS))}}}, veloxquant, veloxquant:RECIPE (RECIPE: {RECIPE_HELP})"
 SEED = 0
 RESULT_MARK = "VELOXQUANT_BENCH_ROW "  # prefixes the worker's result line on stdout
@@ -86,7 +88,8 @@ OUT_OF_MEMORY = re.compile(r"out ?of ?memory|insufficient memory|MemoryError|cud
 
 
 def parse_recipe(text: str) -> Dict[str, Any]:
-    """``'kivi:k4v4:w32'`` -> KVConfig keyword arguments (only those the text sets)."""
+    """``'kivi:k4v4:w32'`` -> KVConfig keyword arguments (only those the text sets); ``query`` (or
+    ``uniform``) sets KIVI keys' bits per channel (``key_channel_bits``)."""
     out: Dict[str, Any] = {}
     for part in filter(None, text.split(":")):
         bits = re.fullmatch(r"k(\d+)(?:v(\d+))?", part)
@@ -98,6 +101,8 @@ def parse_recipe(text: str) -> Dict[str, Any]:
             out[{"w": "window", "s": "sinks", "g": "key_group"}[count[1]]] = int(count[2])
         elif part in POLICIES:
             out["policy"] = part
+        elif part in KEY_CHANNEL_BITS:
+            out["key_channel_bits"] = part
         elif all(m in METHODS or m in METHODS.values() for m in part.split("/")) and part.count("/") <= 1:
             keys, _, values = part.partition("/")
             out["key_method"] = METHODS.get(keys, keys)
