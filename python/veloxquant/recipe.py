@@ -299,6 +299,7 @@ class Codecs:
         # [B, Hkv, D]: the mean square of each channel over the queries that
         # read a KV head, which sets "kivi-query" keys' bits per channel.
         self.query_energy = query_energy
+        self._channel_weights = None
         self.keys = keys.astype(mx.float32)
         self.values = values.astype(mx.float32)
         # The cache stores keys minus their mean over its first append, kept
@@ -349,10 +350,12 @@ class Codecs:
         weights, over every calibration token)."""
         if self.query_energy is None:
             raise ValueError("kivi-query keys need the queries' channel energy")
-        span = mx.max(self.centred, axis=2) - mx.min(self.centred, axis=2)
-        weights = mx.nan_to_num(self.query_energy * span * span, nan=0.0, posinf=3e38)
-        b, h, d = weights.shape
-        widths = _native.kivi_channel_widths(weights.reshape(b * h, d).tolist(), bits)
+        b, h, d = self.query_energy.shape
+        if self._channel_weights is None:  # read once (a sync) for every width
+            span = mx.max(self.centred, axis=2) - mx.min(self.centred, axis=2)
+            weights = mx.nan_to_num(self.query_energy * span * span, nan=0.0, posinf=3e38)
+            self._channel_weights = weights.reshape(b * h, d).tolist()
+        widths = _native.kivi_channel_widths(self._channel_weights, bits)
         return (2.0 ** mx.array(widths, dtype=mx.float32) - 1).reshape(b, h, d)
 
     def keys_as(self, c: Choice) -> mx.array:
