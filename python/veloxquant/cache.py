@@ -323,8 +323,14 @@ def query_channel_widths(queries: mx.array, keys: mx.array, bits: int) -> List[i
     energy = mx.mean(q * q, axis=(0, 2, 3))
     k = mx.nan_to_num(keys.astype(mx.float32), nan=0.0, posinf=0.0, neginf=0.0)
     span = mx.max(k, axis=(0, 2)) - mx.min(k, axis=(0, 2))
-    weights = mx.nan_to_num(energy * span * span, nan=0.0, posinf=3e38)
-    return kivi_channel_widths(weights.tolist(), bits)
+    return kivi_channel_widths(channel_weights(energy, span).tolist(), bits)
+
+
+def channel_weights(query_energy: mx.array, key_span: mx.array) -> mx.array:
+    """What a uniform quantizer's error in each channel of KIVI keys costs the
+    scores: the queries' mean square there times the keys' range squared
+    (float32, finite: NaN counts as 0, an overflow as the largest float32)."""
+    return mx.nan_to_num(query_energy * key_span * key_span, nan=0.0, posinf=3e38)
 
 
 def _layer_cache_class():

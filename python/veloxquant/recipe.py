@@ -352,9 +352,10 @@ class Codecs:
             raise ValueError("kivi-query keys need the queries' channel energy")
         b, h, d = self.query_energy.shape
         if self._channel_weights is None:  # read once (a sync) for every width
+            from .cache import channel_weights
+
             span = mx.max(self.centred, axis=2) - mx.min(self.centred, axis=2)
-            weights = mx.nan_to_num(self.query_energy * span * span, nan=0.0, posinf=3e38)
-            self._channel_weights = weights.reshape(b * h, d).tolist()
+            self._channel_weights = channel_weights(self.query_energy, span).reshape(b * h, d).tolist()
         widths = _native.kivi_channel_widths(self._channel_weights, bits)
         return (2.0 ** mx.array(widths, dtype=mx.float32) - 1).reshape(b, h, d)
 

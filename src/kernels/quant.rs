@@ -428,7 +428,6 @@ fn kivi_q_reference(
 ) -> Result<Vec<Array>> {
     let xf = ops::astype(x, Dtype::F32, s)?;
     let levels = f32_scalar(((1u32 << bits) - 1) as f32)?;
-    let f16_round = |a: &Array| -> Result<Array> { ops::astype(&ops::astype(a, Dtype::F16, s)?, Dtype::F32, s) };
     // Grouped view: keys [Gr, G, D] (rows padded by repeating the group's
     // first row, which leaves min and max unchanged), values [N, D/G, G].
     let (grouped, axis) = match mode {
@@ -447,14 +446,7 @@ fn kivi_q_reference(
         }
         KiviMode::Values => (ops::reshape(&xf, &[n as i32, (d / group) as i32, group as i32], s)?, 2),
     };
-    let lo = ops::min_axis(&grouped, axis, true, s)?;
-    let hi = ops::max_axis(&grouped, axis, true, s)?;
-    let scale = f16_round(&ops::divide(&ops::subtract(&hi, &lo, s)?, &levels, s)?)?;
-    let zero = f16_round(&lo)?;
-    let q = ops::divide(&ops::subtract(&grouped, &zero, s)?, &scale, s)?;
-    let q = ops::minimum(&ops::maximum(&ops::round(&q, s)?, &f32_scalar(0.0)?, s)?, &levels, s)?;
-    let positive = ops::greater(&scale, &f32_scalar(0.0)?, s)?;
-    let q = ops::where_(&positive, &q, &f32_scalar(0.0)?, s)?;
+    let (q, scale, zero) = kivi_levels_graph(&grouped, axis, &levels, s)?;
     let codes = ops::astype(&q, Dtype::U8, s)?;
     let codes = match mode {
         KiviMode::Keys => {
@@ -493,17 +485,9 @@ pub fn kivi_quantize_widths(x: &Array, widths: &[u8], bits: u32, group: usize, s
     let gr = m / group as i32;
     let levels: Vec<f32> = widths.iter().map(|&w| ((1u32 << w) - 1) as f32).collect();
     let levels = Array::from_slice(&levels, &[1, h, 1, 1, d])?;
-    let f16_round = |a: &Array| -> Result<Array> { ops::astype(&ops::astype(a, Dtype::F16, s)?, Dtype::F32, s) };
     let grouped = ops::reshape(&ops::astype(x, Dtype::F32, s)?, &[b, h, gr, group as i32, d], s)?;
-    let lo = ops::min_axis(&grouped, 3, true, s)?;
-    let hi = ops::max_axis(&grouped, 3, true, s)?;
-    let scale = f16_round(&ops::divide(&ops::subtract(&hi, &lo, s)?, &levels, s)?)?;
-    let zero = f16_round(&lo)?;
-    let q = ops::divide(&ops::subtract(&grouped, &zero, s)?, &scale, s)?;
-    let q = ops::minimum(&ops::maximum(&ops::round(&q, s)?, &f32_scalar(0.0)?, s)?, &levels, s)?;
-    let positive = ops::greater(&scale, &f32_scalar(0.0)?, s)?;
-    let q = ops::astype(&ops::where_(&positive, &q, &f32_scalar(0.0)?, s)?, Dtype::U32, s)?;
-    let q = ops::reshape(&q, &[b, h, m, d], s)?;
+    let (q, scale, zero) = kivi_levels_graph(&grouped, 3, &levels, s)?;
+    let q = ops::reshape(&ops::astype(&q, Dtype::U32, s)?, &[b, h, m, d], s)?;
     // Each code shifted to its bit offset spans its byte and the next: the
     // low and high parts land in the row's bytes through 0/1 matrices
     // `[Hkv, D, row]` (exact: the parts of one byte never overlap).
@@ -527,6 +511,24 @@ pub fn kivi_quantize_widths(x: &Array, widths: &[u8], bits: u32, group: usize, s
     let bytes = ops::add(&ops::matmul(&low, &place(at_lo)?, s)?, &ops::matmul(&high, &place(at_hi)?, s)?, s)?;
     let params = |a: &Array| -> Result<Array> { ops::reshape(&ops::astype(a, Dtype::F16, s)?, &[b, h, gr, d], s) };
     Ok((ops::astype(&bytes, Dtype::U8, s)?, params(&scale)?, params(&zero)?))
+}
+
+/// KIVI's min/max quantization of `grouped` (float32) over `axis`, with
+/// `levels` (`2^bits − 1`, broadcast against the groups): `scale =
+/// f16((max − min)/levels)`, `zero = f16(min)`, `code = round((x −
+/// zero)/scale)` clamped to the levels (0 where scale is 0). Returns the
+/// codes (float32, integers), the scales and the zeros (float16-rounded
+/// float32, `axis` kept).
+fn kivi_levels_graph(grouped: &Array, axis: i32, levels: &Array, s: &Stream) -> Result<(Array, Array, Array)> {
+    let f16_round = |a: &Array| -> Result<Array> { ops::astype(&ops::astype(a, Dtype::F16, s)?, Dtype::F32, s) };
+    let lo = ops::min_axis(grouped, axis, true, s)?;
+    let hi = ops::max_axis(grouped, axis, true, s)?;
+    let scale = f16_round(&ops::divide(&ops::subtract(&hi, &lo, s)?, levels, s)?)?;
+    let zero = f16_round(&lo)?;
+    let q = ops::divide(&ops::subtract(grouped, &zero, s)?, &scale, s)?;
+    let q = ops::minimum(&ops::maximum(&ops::round(&q, s)?, &f32_scalar(0.0)?, s)?, levels, s)?;
+    let positive = ops::greater(&scale, &f32_scalar(0.0)?, s)?;
+    Ok((ops::where_(&positive, &q, &f32_scalar(0.0)?, s)?, scale, zero))
 }
 
 /// Inverse of [`kivi_quantize`]: `zero + scale * code` as `dtype` `[N, d]`.

@@ -72,7 +72,6 @@ MLX_GROUP_SIZE = 64
 METHODS = {"mse": "turboquant-mse", "kivi": "kivi", "pq": "pq", "qjl": "qjl", "prod": "turboquant-prod",
            "rvq": "turboquant-rvq", "fp16": "fp16"}
 POLICIES = ("auto", "require", "off")
-KEY_CHANNEL_BITS = ("uniform", "query")
 RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, or KEYS/VALUES), kKvV bits, wN window, "
                f"sN sinks, gN KIVI key group, {'/'.join(POLICIES)}, query (KIVI keys' bits per channel from the "
                "queries)")
@@ -90,6 +89,8 @@ OUT_OF_MEMORY = re.compile(r"out ?of ?memory|insufficient memory|MemoryError|cud
 def parse_recipe(text: str) -> Dict[str, Any]:
     """``'kivi:k4v4:w32'`` -> KVConfig keyword arguments (only those the text sets); ``query`` (or
     ``uniform``) sets KIVI keys' bits per channel (``key_channel_bits``)."""
+    from ..cache import KEY_CHANNEL_BITS
+
     out: Dict[str, Any] = {}
     for part in filter(None, text.split(":")):
         bits = re.fullmatch(r"k(\d+)(?:v(\d+))?", part)
