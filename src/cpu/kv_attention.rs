@@ -14,6 +14,7 @@
 
 use half::f16;
 
+use super::split_attention;
 use super::turboquant::{code_at, code_bits, FromF32};
 use super::vq::VqElement;
 
@@ -137,17 +138,6 @@ fn head_layout(table: &[f32], hk: usize, d: usize) -> &[f32] {
     &table[at..at + d + 1]
 }
 
-/// Code of channel `j` of KIVI keys' row `codes`: at the bit offsets of
-/// `layout` (one head's `dim + 1` offsets), or `j * bits` without one.
-#[inline]
-fn kivi_key_code(codes: &[u8], layout: &[f32], j: usize, bits: u32) -> usize {
-    if layout.is_empty() {
-        return code_at(codes, j, bits);
-    }
-    let (o, end) = (layout[j] as usize, layout[j + 1] as usize);
-    code_bits(codes, o, (end - o) as u32)
-}
-
 /// The estimator's constant `√(π/2) / m` for a sketch of `m` rows.
 pub fn sketch_scale(m: usize) -> f32 {
     std::f32::consts::FRAC_PI_2.sqrt() / m as f32
@@ -261,49 +251,16 @@ pub struct KvSide<'a, T> {
     pub window: &'a [T],
 }
 
-/// `⟨q, k⟩` of the compressed key at slot `ct` of `head`, `q` a prepared row.
+/// `⟨q, k⟩` of the compressed key at slot `ct` of `head` for the key codecs
+/// scored from features of the prepared row `q` rather than from a decoded
+/// key (product quantization's lookup table, the sketched query).
 #[inline]
 fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
     let d = sh.dim;
     let slot = head * sh.capacity + ct;
     let row = sc.row_len(d);
-    let codes = if sc.codec == Codec::Dense { &[][..] } else { &k.codes[slot * row..(slot + 1) * row] };
+    let codes = &k.codes[slot * row..(slot + 1) * row];
     match sc.codec {
-        Codec::Dense => {
-            let x = &k.dense[slot * d..(slot + 1) * d];
-            let mut s = 0.0f32;
-            for j in 0..d {
-                s += q[j] * x[j].to_f32();
-            }
-            s
-        }
-        Codec::TurboQuantMse => {
-            let mut s = 0.0f32;
-            for j in 0..d {
-                s += q[j] * k.table[code_at(codes, j, sc.bits)];
-            }
-            s * k.scales[slot].to_f32()
-        }
-        Codec::KiviPerChannel => {
-            let p0 = (head * sc.param_rows(sh.capacity) + ct / sc.group) * d;
-            let layout = head_layout(k.table, head % sh.kv_heads, d);
-            let mut s = 0.0f32;
-            for j in 0..d {
-                let v = k.zeros[p0 + j].to_f32() + k.scales[p0 + j].to_f32() * kivi_key_code(codes, layout, j, sc.bits) as f32;
-                s += q[j] * v;
-            }
-            s
-        }
-        Codec::KiviPerToken => {
-            let p0 = slot * (d / sc.group);
-            let mut s = 0.0f32;
-            for j in 0..d {
-                let p = p0 + j / sc.group;
-                let v = k.zeros[p].to_f32() + k.scales[p].to_f32() * code_at(codes, j, sc.bits) as f32;
-                s += q[j] * v;
-            }
-            s
-        }
         Codec::ProductQuantized => {
             // The query's lookup table follows its first `d` features.
             let entries = 1usize << sc.bits;
@@ -332,13 +289,7 @@ fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head
             }
             k.scales[2 * slot].to_f32() * (s + k.scales[2 * slot + 1].to_f32() * z)
         }
-        Codec::TurboQuantRvq => {
-            let mut s = 0.0f32;
-            for j in 0..d {
-                s += q[j] * rvq_element(k.table, codes, sc, d, j);
-            }
-            s * k.scales[slot].to_f32()
-        }
+        _ => unreachable!("{:?} keys are decoded, then scored", sc.codec),
     }
 }
 
@@ -349,55 +300,148 @@ fn rvq_element(table: &[f32], codes: &[u8], sc: &SideCodec, d: usize, j: usize) 
     table[code_at(first, j, sc.bits - 1)] + table[(1 << (sc.bits - 1)) + code_at(second, j, 1)]
 }
 
-/// The compressed token at slot `ct` of `head`, decoded into `out` (its frame).
-#[inline]
-fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head: usize, ct: usize, out: &mut [f32]) {
-    let d = sh.dim;
-    let slot = head * sh.capacity + ct;
-    let row = sc.row_len(d);
-    match sc.codec {
-        Codec::Dense => {
-            for (o, x) in out.iter_mut().zip(&v.dense[slot * d..(slot + 1) * d]) {
-                *o = x.to_f32();
-            }
+/// Codes as their own values (0 to 255), to unpack a row of codes with
+/// `decode_row`.
+const CODE_VALUES: [f32; 256] = {
+    let mut t = [0.0f32; 256];
+    let mut i = 0;
+    while i < 256 {
+        t[i] = i as f32;
+        i += 1;
+    }
+    t
+};
+
+/// Decodes one KV head's compressed tokens of one side, in its frame, for
+/// the codecs a token can be decoded by (all but the score-only key codecs:
+/// product-quantized keys, QJL, TurboQuant-Prod). It keeps what every token
+/// of the head shares: the codebook padded for `decode_row`, KIVI keys'
+/// channel offsets, and the float32 scales and zeros of the last KIVI token
+/// group read.
+struct SideReader<'a, 'b, T> {
+    side: &'b KvSide<'a, T>,
+    sc: SideCodec,
+    dim: usize,
+    head: usize,
+    capacity: usize,
+    table: [f32; 256],
+    /// KIVI per channel with unequal widths: each channel's (bit offset, width).
+    channels: Vec<(usize, u32)>,
+    /// KIVI per channel: the token group whose float32 scales and zeros
+    /// `scales` and `zeros` hold.
+    group: usize,
+    scales: Vec<f32>,
+    zeros: Vec<f32>,
+    codes: Vec<f32>,
+}
+
+impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
+    fn new(side: &'b KvSide<'a, T>, sc: SideCodec, sh: &KvShape, head: usize) -> Self {
+        let d = sh.dim;
+        let mut table = [0.0f32; 256];
+        if matches!(sc.codec, Codec::TurboQuantMse) {
+            table = super::turboquant::padded_table(side.table);
         }
-        Codec::TurboQuantMse => {
-            let codes = &v.codes[slot * row..(slot + 1) * row];
-            let n = v.scales[slot].to_f32();
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = v.table[code_at(codes, j, sc.bits)] * n;
-            }
+        let mut channels = Vec::new();
+        if sc.codec == Codec::KiviPerChannel && !side.table.is_empty() && side.table[0] != 0.0 {
+            let layout = head_layout(side.table, head % sh.kv_heads, d);
+            channels = (0..d).map(|j| (layout[j] as usize, (layout[j + 1] - layout[j]) as u32)).collect();
         }
-        Codec::ProductQuantized => {
-            let codes = &v.codes[slot * row..(slot + 1) * row];
-            let n = v.scales[slot].to_f32();
-            let s = sc.group;
-            for (p, chunk) in out.chunks_mut(s).enumerate() {
-                let c = code_at(codes, p, sc.bits);
-                for (o, &e) in chunk.iter_mut().zip(&v.table[c * s..(c + 1) * s]) {
-                    *o = e * n;
+        SideReader {
+            side,
+            sc,
+            dim: d,
+            head,
+            capacity: sh.capacity,
+            table,
+            channels,
+            group: usize::MAX,
+            scales: vec![0.0; d],
+            zeros: vec![0.0; d],
+            codes: vec![0.0; d],
+        }
+    }
+
+    /// Whether tokens of this codec decode to a vector (else they are only
+    /// scored, by `key_score`).
+    fn decodes(sc: &SideCodec) -> bool {
+        !matches!(sc.codec, Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantProd)
+    }
+
+    /// The compressed token at slot `ct` into `out`, up to the factor it
+    /// returns (its norm, for the codecs that store one, so that a key's
+    /// scores take it once per row rather than once per element). With
+    /// `scaled` the factor is applied and 1 returned.
+    #[inline]
+    fn decode(&mut self, ct: usize, scaled: bool, out: &mut [f32]) -> f32 {
+        let (d, sc) = (self.dim, self.sc);
+        let side = self.side;
+        let slot = self.head * self.capacity + ct;
+        let row = sc.row_len(d);
+        let codes = if sc.codec == Codec::Dense { &[][..] } else { &side.codes[slot * row..(slot + 1) * row] };
+        match sc.codec {
+            Codec::Dense => {
+                out.iter_mut().zip(&side.dense[slot * d..(slot + 1) * d]).for_each(|(o, x)| *o = x.to_f32());
+                1.0
+            }
+            Codec::TurboQuantMse => {
+                let n = side.scales[slot].to_f32();
+                super::turboquant::decode_row(codes, sc.bits, &self.table, if scaled { n } else { 1.0 }, out);
+                if scaled { 1.0 } else { n }
+            }
+            Codec::TurboQuantRvq => {
+                let n = side.scales[slot].to_f32();
+                for (j, o) in out.iter_mut().enumerate() {
+                    *o = rvq_element(side.table, codes, &sc, d, j);
+                }
+                if scaled {
+                    out.iter_mut().for_each(|o| *o *= n);
+                    1.0
+                } else {
+                    n
                 }
             }
-        }
-        Codec::TurboQuantRvq => {
-            let codes = &v.codes[slot * row..(slot + 1) * row];
-            let n = v.scales[slot].to_f32();
-            for (j, o) in out.iter_mut().enumerate() {
-                *o = rvq_element(v.table, codes, sc, d, j) * n;
+            Codec::ProductQuantized => {
+                let n = side.scales[slot].to_f32();
+                let s = sc.group;
+                for (p, chunk) in out.chunks_mut(s).enumerate() {
+                    let c = code_at(codes, p, sc.bits);
+                    for (o, &e) in chunk.iter_mut().zip(&side.table[c * s..(c + 1) * s]) {
+                        *o = e * n;
+                    }
+                }
+                1.0
             }
-        }
-        Codec::Qjl | Codec::TurboQuantProd => unreachable!("{:?} holds keys only", sc.codec),
-        Codec::KiviPerChannel | Codec::KiviPerToken => {
-            let codes = &v.codes[slot * row..(slot + 1) * row];
-            let layout = if sc.codec == Codec::KiviPerChannel { head_layout(v.table, head % sh.kv_heads, d) } else { &[][..] };
-            for (j, o) in out.iter_mut().enumerate() {
-                let p = if sc.codec == Codec::KiviPerChannel {
-                    (head * sc.param_rows(sh.capacity) + ct / sc.group) * d + j
+            Codec::KiviPerChannel => {
+                let group = ct / sc.group;
+                if group != self.group {
+                    let p0 = (self.head * sc.param_rows(self.capacity) + group) * d;
+                    self.scales.iter_mut().zip(&side.scales[p0..p0 + d]).for_each(|(o, x)| *o = x.to_f32());
+                    self.zeros.iter_mut().zip(&side.zeros[p0..p0 + d]).for_each(|(o, x)| *o = x.to_f32());
+                    self.group = group;
+                }
+                if self.channels.is_empty() {
+                    super::turboquant::decode_row(codes, sc.bits, &CODE_VALUES, 1.0, &mut self.codes);
                 } else {
-                    slot * (d / sc.group) + j / sc.group
-                };
-                *o = v.zeros[p].to_f32() + v.scales[p].to_f32() * kivi_key_code(codes, layout, j, sc.bits) as f32;
+                    for (c, &(o, w)) in self.codes.iter_mut().zip(&self.channels) {
+                        *c = code_bits(codes, o, w) as f32;
+                    }
+                }
+                for (((o, &z), &s), &c) in out.iter_mut().zip(&self.zeros).zip(&self.scales).zip(&self.codes) {
+                    *o = z + s * c;
+                }
+                1.0
             }
+            Codec::KiviPerToken => {
+                super::turboquant::decode_row(codes, sc.bits, &CODE_VALUES, 1.0, &mut self.codes);
+                let p0 = slot * (d / sc.group);
+                for (g, (o, c)) in out.chunks_mut(sc.group).zip(self.codes.chunks(sc.group)).enumerate() {
+                    let (z, s) = (side.zeros[p0 + g].to_f32(), side.scales[p0 + g].to_f32());
+                    o.iter_mut().zip(c).for_each(|(o, &c)| *o = z + s * c);
+                }
+                1.0
+            }
+            Codec::Qjl | Codec::TurboQuantProd => unreachable!("{:?} keys are only scored", sc.codec),
         }
     }
 }
@@ -407,6 +451,10 @@ fn decode_token<T: VqElement>(v: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, h
 /// dim]`. `rot_v` is `Π` (`dim * dim`) when the value frame is rotated, else
 /// empty; `mask` is the additive mask `sh.mask_heads` describes (empty
 /// without one). A row that sees no token comes out as zeros.
+///
+/// Split over the cores and merged by `split_attention`; a compressed key is
+/// decoded once for every query row of its KV head (the score-only codecs
+/// score each row from its features), a value once for every row.
 pub fn kv_attention<T: VqElement + FromF32>(
     qf: &[f32],
     keys: &KvSide<'_, T>,
@@ -419,93 +467,58 @@ pub fn kv_attention<T: VqElement + FromF32>(
     let d = sh.dim;
     let qn = sh.query_features;
     let g = sh.q_heads / sh.kv_heads;
-    let rows_per_kv = g * sh.queries;
+    let rows = g * sh.queries;
     let total = sh.total();
     assert_eq!(qf.len(), sh.batch * sh.q_heads * sh.queries * qn, "qf length");
     assert!(rot_v.is_empty() || rot_v.len() == d * d, "rot_v size");
     assert_eq!(mask.len(), sh.batch * sh.mask_heads * sh.queries * total, "mask length");
-    // Work unit: one (batch, kv head): its g query heads share every key read.
-    let units = sh.batch * sh.kv_heads;
-    let min_units = super::parallel::min_rows_for_work(units, units * rows_per_kv * total * 2 * d);
-    super::for_each_chunk(out, rows_per_kv * d, min_units, |unit0, chunk| {
-        let mut acc = vec![0.0f32; rows_per_kv * d];
-        let mut m = vec![f32::NEG_INFINITY; rows_per_kv];
-        let mut l = vec![0.0f32; rows_per_kv];
-        let mut vals = vec![0.0f32; d];
-        let mut scores = vec![0.0f32; rows_per_kv];
-        for (u, out_unit) in chunk.chunks_mut(rows_per_kv * d).enumerate() {
-            let unit = unit0 + u;
-            let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
-            let head = b * sh.kv_heads + hk;
-            // Rows of this unit: heads hk*g .. hk*g+g, each with `queries` queries.
-            let q_row = |r: usize| {
-                let (hq, ql) = (hk * g + r / sh.queries, r % sh.queries);
-                &qf[((b * sh.q_heads + hq) * sh.queries + ql) * qn..][..qn]
-            };
-            m.iter_mut().for_each(|v| *v = f32::NEG_INFINITY);
-            l.iter_mut().for_each(|v| *v = 0.0);
-            acc.iter_mut().for_each(|v| *v = 0.0);
-            for t in 0..total {
-                if t >= sh.sinks && t < sh.sinks + sh.compressed {
-                    let ct = t - sh.sinks;
-                    for (r, s) in scores.iter_mut().enumerate() {
-                        *s = key_score(keys, &sh.key, sh, head, ct, q_row(r));
-                    }
-                    decode_token(values, &sh.value, sh, head, ct, &mut vals);
-                } else {
-                    let w = if t < sh.sinks { t } else { t - sh.compressed };
-                    let slot = head * sh.window_capacity + w;
-                    let krow = &keys.window[slot * d..(slot + 1) * d];
-                    for (r, s) in scores.iter_mut().enumerate() {
-                        let q = q_row(r);
-                        let mut dot = 0.0f32;
-                        for j in 0..d {
-                            dot += q[j] * krow[j].to_f32();
-                        }
-                        *s = dot;
-                    }
-                    for (v, x) in vals.iter_mut().zip(&values.window[slot * d..(slot + 1) * d]) {
-                        *v = x.to_f32();
-                    }
+    let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
+    let key_decodes = SideReader::<T>::decodes(&sh.key);
+    super::split_attention::attend(sh.batch * sh.kv_heads, rows, d, total, rot_v, out, |unit, t0, t1| {
+        let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
+        let head = b * sh.kv_heads + hk;
+        let window_slot = |t: usize| head * sh.window_capacity + if t < sh.sinks { t } else { t - sh.compressed };
+        // Rows of this unit: heads hk*g .. hk*g+g, each with `queries` queries.
+        let q_row = |r: usize| {
+            let (hq, ql) = (hk * g + r / sh.queries, r % sh.queries);
+            &qf[((b * sh.q_heads + hq) * sh.queries + ql) * qn..][..qn]
+        };
+        let (mut key_reader, mut value_reader) = (SideReader::new(keys, sh.key, sh, head), SideReader::new(values, sh.value, sh, head));
+        let mut x = vec![0.0f32; d];
+        let scores = |t: usize, s: &mut [f32]| {
+            if compressed(t) && !key_decodes {
+                for (r, sr) in s.iter_mut().enumerate() {
+                    *sr = key_score(keys, &sh.key, sh, head, t - sh.sinks, q_row(r));
                 }
-                for r in 0..rows_per_kv {
-                    if sh.causal && t > total - sh.queries + r % sh.queries {
-                        continue;
-                    }
-                    let mut s = scores[r];
-                    if sh.mask_heads > 0 {
-                        let hm = if sh.mask_heads == 1 { 0 } else { hk * g + r / sh.queries };
-                        s += mask[((b * sh.mask_heads + hm) * sh.queries + r % sh.queries) * total + t];
-                        if s == f32::NEG_INFINITY {
-                            continue;
-                        }
-                    }
-                    let m_new = m[r].max(s);
-                    let alpha = (m[r] - m_new).exp();
-                    let p = (s - m_new).exp();
-                    l[r] = l[r] * alpha + p;
-                    for (av, &v) in acc[r * d..(r + 1) * d].iter_mut().zip(&vals) {
-                        *av = *av * alpha + p * v;
-                    }
-                    m[r] = m_new;
-                }
-            }
-            // Back from the value frame: out = Πᵀ acc / l (or acc / l).
-            let mut back = vec![0.0f32; d];
-            for r in 0..rows_per_kv {
-                let inv = if l[r] > 0.0 { 1.0 / l[r] } else { 0.0 };
-                let a = &acc[r * d..(r + 1) * d];
-                let y = if rot_v.is_empty() {
-                    a
+            } else {
+                let factor = if compressed(t) {
+                    key_reader.decode(t - sh.sinks, false, &mut x)
                 } else {
-                    super::turboquant::times_transpose(rot_v, a, &mut back);
-                    &back
+                    let slot = window_slot(t);
+                    x.iter_mut().zip(&keys.window[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
+                    1.0
                 };
-                for (o, y) in out_unit[r * d..(r + 1) * d].iter_mut().zip(y) {
-                    *o = T::from_f32(y * inv);
+                for (r, sr) in s.iter_mut().enumerate() {
+                    *sr = split_attention::dot(&q_row(r)[..d], &x) * factor;
                 }
             }
-        }
+            for (r, sr) in s.iter_mut().enumerate() {
+                if sh.causal && t > total - sh.queries + r % sh.queries {
+                    *sr = f32::NEG_INFINITY;
+                } else if sh.mask_heads > 0 {
+                    let hm = if sh.mask_heads == 1 { 0 } else { hk * g + r / sh.queries };
+                    *sr += mask[((b * sh.mask_heads + hm) * sh.queries + r % sh.queries) * total + t];
+                }
+            }
+        };
+        let value = |t: usize, x: &mut [f32]| {
+            if compressed(t) {
+                value_reader.decode(t - sh.sinks, true, x);
+            } else {
+                let slot = window_slot(t);
+                x.iter_mut().zip(&values.window[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
+            }
+        };
+        split_attention::online_softmax(rows, d, t0, t1, scores, value)
     });
 }
-

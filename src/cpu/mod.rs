@@ -9,6 +9,7 @@ pub mod framed_dequantize;
 pub mod kv_attention;
 mod parallel;
 mod quant;
+mod split_attention;
 pub mod turboquant;
 mod vq;
 pub mod window;

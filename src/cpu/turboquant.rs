@@ -16,6 +16,7 @@
 use half::f16;
 
 use super::bitpack::get_group;
+use super::split_attention::{self, dot};
 use super::quant::OrderedDots;
 use super::vq::VqElement;
 use super::Float;
@@ -209,15 +210,9 @@ pub struct AttentionInputs<'a, T> {
     pub win_v: &'a [T],
 }
 
-/// Tokens whose scores one pass computes before their softmax weights: the
-/// running maximum and the accumulators are rescaled once per block.
-const ATTENTION_BLOCK: usize = 32;
-/// Fewest tokens a split of one (batch, KV head) takes.
-const MIN_SPLIT_TOKENS: usize = 512;
-
 /// A codebook padded to 256 entries, so that a `u8` code indexes it with no
 /// bounds check.
-fn padded_table(centroids: &[f32]) -> [f32; 256] {
+pub(super) fn padded_table(centroids: &[f32]) -> [f32; 256] {
     let mut t = [0.0f32; 256];
     t[..centroids.len()].copy_from_slice(centroids);
     t
@@ -227,7 +222,7 @@ fn padded_table(centroids: &[f32]) -> [f32; 256] {
 /// codes (whole bytes for 2, 4 and 8 bits; 8 codes from `bits` bytes
 /// otherwise).
 #[inline(always)]
-fn decode_row(row: &[u8], bits: u32, table: &[f32; 256], scale: f32, out: &mut [f32]) {
+pub(super) fn decode_row(row: &[u8], bits: u32, table: &[f32; 256], scale: f32, out: &mut [f32]) {
     match bits {
         8 => out.iter_mut().zip(row).for_each(|(o, &c)| *o = table[c as usize] * scale),
         4 => {
@@ -265,10 +260,6 @@ fn decode_groups<const B: usize>(row: &[u8], table: &[f32; 256], scale: f32, out
     }
 }
 
-/// `Σ a·b` in 8 interleaved partial sums: independent chains the compiler
-/// keeps in vector registers (one sequential sum is a chain of dependent
-/// adds, bound by their latency).
-#[inline(always)]
 /// `y = Πᵀ a` for a row-major `Π` `[d, d]`: the rows of `Π` weighed by `a`
 /// and added in turn (contiguous rows, so the additions vectorise; each `y_i`
 /// sums over `j` in ascending order as the column-wise loop would).
@@ -282,34 +273,11 @@ pub(crate) fn times_transpose(rot: &[f32], a: &[f32], y: &mut [f32]) {
     }
 }
 
-fn dot(a: &[f32], b: &[f32]) -> f32 {
-    let mut acc = [0.0f32; 8];
-    let (ca, cb) = (a.chunks_exact(8), b.chunks_exact(8));
-    let tail: f32 = ca.remainder().iter().zip(cb.remainder()).map(|(x, y)| x * y).sum();
-    for (x, y) in ca.zip(cb) {
-        for k in 0..8 {
-            acc[k] += x[k] * y[k];
-        }
-    }
-    ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7])) + tail
-}
-
-/// One split's online-softmax state: per query row the running maximum and
-/// sum, and the weighted values in the rotated frame.
-struct Partial {
-    m: Vec<f32>,
-    l: Vec<f32>,
-    acc: Vec<f32>,
-}
-
 /// Attention of `q` `[batch, q_heads, queries, dim]` over the layer, into `out`
-/// (same shape), with softmax scale `scale`.
-///
-/// Each (batch, KV head) is a unit whose `g` query heads share every key
-/// read; its tokens are split so that every core has work (flash-decoding:
-/// each split keeps its own softmax state, merged at the end), and read in
-/// blocks: the keys' codes are unpacked once per token for all rows, the
-/// block's scores computed, then their weights, then the values.
+/// (same shape), with softmax scale `scale`: split over the cores and merged
+/// by `split_attention`; each split rotates its rows' queries into the key
+/// frame once, unpacks a key's codes once for all rows, and accumulates the
+/// values in the rotated frame.
 pub fn tq_attention<T: VqElement + FromF32>(
     q: &[T],
     inp: &AttentionInputs<'_, T>,
@@ -321,156 +289,50 @@ pub fn tq_attention<T: VqElement + FromF32>(
     let g = sh.q_heads / sh.kv_heads;
     let rows = g * sh.queries;
     let total = sh.total();
-    let units = sh.batch * sh.kv_heads;
-    if units == 0 || rows == 0 {
-        return;
-    }
-    let workers = super::parallel::worker_count();
-    let splits = (2 * workers).div_ceil(units).clamp(1, total.div_ceil(MIN_SPLIT_TOKENS).max(1));
-    let per_split = total.div_ceil(splits).max(1);
-    // Every query row reads every token: a key and a value product of d each.
-    let pieces = units * splits;
-    let partials = super::map_row_ranges(pieces, super::parallel::min_rows_for_work(pieces, units * rows * total * 2 * d), |first, count| {
-        (first..first + count)
-            .map(|piece| {
-                let (unit, split) = (piece / splits, piece % splits);
-                let t0 = (split * per_split).min(total);
-                attend_split(q, inp, sh, scale, unit, t0, (t0 + per_split).min(total))
-            })
-            .collect::<Vec<_>>()
-    })
-    .into_iter()
-    .flatten()
-    .collect::<Vec<_>>();
-    // The merge: each row's partials and its rotation back (d * d).
-    let merge = super::parallel::min_rows_for_work(units, units * rows * d * (d + splits));
-    super::for_each_chunk(out, rows * d, merge, |unit0, chunk| {
-        let (mut acc, mut back) = (vec![0.0f32; d], vec![0.0f32; d]);
-        for (u, out_unit) in chunk.chunks_mut(rows * d).enumerate() {
-            let parts = &partials[(unit0 + u) * splits..][..splits];
-            for r in 0..rows {
-                let big_m = parts.iter().map(|p| p.m[r]).fold(f32::NEG_INFINITY, f32::max);
-                acc.iter_mut().for_each(|v| *v = 0.0);
-                let mut l = 0.0f32;
-                if big_m != f32::NEG_INFINITY {
-                    for p in parts {
-                        let w = (p.m[r] - big_m).exp();
-                        l += w * p.l[r];
-                        for (a, x) in acc.iter_mut().zip(&p.acc[r * d..(r + 1) * d]) {
-                            *a += w * x;
-                        }
-                    }
-                }
-                // Back from the rotated frame: out = Πᵀ acc / l.
-                let inv = if l > 0.0 { 1.0 / l } else { 0.0 };
-                times_transpose(inp.rot_v, &acc, &mut back);
-                for (o, y) in out_unit[r * d..(r + 1) * d].iter_mut().zip(&back) {
-                    *o = T::from_f32(y * inv);
-                }
+    let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
+    let (k_table, v_table) = (padded_table(inp.k_centroids), padded_table(inp.v_centroids));
+    let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
+    split_attention::attend(sh.batch * sh.kv_heads, rows, d, total, inp.rot_v, out, |unit, t0, t1| {
+        let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
+        let head = b * sh.kv_heads + hk;
+        let window_slot = |t: usize| head * sh.window_capacity + if t < sh.sinks { t } else { t - sh.compressed };
+        // The rows' queries in the key frame, scaled: qr = scale · Π q.
+        let mut qr = vec![0.0f32; rows * d];
+        let mut x: Vec<f32> = vec![0.0; d];
+        for r in 0..rows {
+            let (hq, ql) = (hk * g + r / sh.queries, r % sh.queries);
+            let src = &q[((b * sh.q_heads + hq) * sh.queries + ql) * d..][..d];
+            x.iter_mut().zip(src).for_each(|(x, v)| *x = v.to_f32());
+            for (i, y) in qr[r * d..(r + 1) * d].iter_mut().enumerate() {
+                *y = dot(&inp.rot_k[i * d..(i + 1) * d], &x) * scale;
             }
         }
-    });
-}
-
-/// The online-softmax state of one unit's query rows over tokens `t0..t1`.
-fn attend_split<T: VqElement>(
-    q: &[T],
-    inp: &AttentionInputs<'_, T>,
-    sh: &AttentionShape,
-    scale: f32,
-    unit: usize,
-    t0: usize,
-    t1: usize,
-) -> Partial {
-    let d = sh.dim;
-    let g = sh.q_heads / sh.kv_heads;
-    let rows = g * sh.queries;
-    let total = sh.total();
-    let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
-    let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
-    let head = b * sh.kv_heads + hk;
-    // The rows' queries in the key frame, scaled: qr = scale · Π q.
-    let mut qr = vec![0.0f32; rows * d];
-    for r in 0..rows {
-        let (hq, ql) = (hk * g + r / sh.queries, r % sh.queries);
-        let src = &q[((b * sh.q_heads + hq) * sh.queries + ql) * d..][..d];
-        let x: Vec<f32> = src.iter().map(|v| v.to_f32()).collect();
-        for (i, y) in qr[r * d..(r + 1) * d].iter_mut().enumerate() {
-            *y = dot(&inp.rot_k[i * d..(i + 1) * d], &x) * scale;
-        }
-    }
-    let mut part = Partial { m: vec![f32::NEG_INFINITY; rows], l: vec![0.0; rows], acc: vec![0.0; rows * d] };
-    let (k_table, v_table) = (padded_table(inp.k_centroids), padded_table(inp.v_centroids));
-    let mut x = vec![0.0f32; d];
-    let mut scores = vec![0.0f32; ATTENTION_BLOCK * rows];
-    let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
-    let window_slot = |t: usize| head * sh.window_capacity + if t < sh.sinks { t } else { t - sh.compressed };
-    let mut start = t0;
-    while start < t1 {
-        let end = (start + ATTENTION_BLOCK).min(t1);
-        // Scores of every row for the block's tokens.
-        for t in start..end {
-            let s = &mut scores[(t - start) * rows..][..rows];
+        let scores = |t: usize, s: &mut [f32]| {
             let norm = if compressed(t) {
                 let slot = head * sh.capacity + (t - sh.sinks);
                 decode_row(&inp.k_codes[slot * kb..(slot + 1) * kb], sh.key_bits, &k_table, 1.0, &mut x);
                 inp.k_norms[slot].to_f32()
             } else {
                 let slot = window_slot(t);
-                for (v, k) in x.iter_mut().zip(&inp.win_k[slot * d..(slot + 1) * d]) {
-                    *v = k.to_f32();
-                }
+                x.iter_mut().zip(&inp.win_k[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
                 1.0
             };
             for (r, sr) in s.iter_mut().enumerate() {
-                let dot = dot(&qr[r * d..(r + 1) * d], &x);
                 let hidden = sh.causal && t > total - sh.queries + r % sh.queries;
-                *sr = if hidden { f32::NEG_INFINITY } else { dot * norm };
+                *sr = if hidden { f32::NEG_INFINITY } else { dot(&qr[r * d..(r + 1) * d], &x) * norm };
             }
-        }
-        // Their weights, the running state rescaled once per block.
-        for r in 0..rows {
-            let block_max = (start..end).map(|t| scores[(t - start) * rows + r]).fold(f32::NEG_INFINITY, f32::max);
-            let m_new = part.m[r].max(block_max);
-            if m_new == f32::NEG_INFINITY {
-                continue;
-            }
-            let alpha = (part.m[r] - m_new).exp();
-            if alpha != 1.0 {
-                part.l[r] *= alpha;
-                part.acc[r * d..(r + 1) * d].iter_mut().for_each(|a| *a *= alpha);
-            }
-            part.m[r] = m_new;
-            for t in start..end {
-                let p = &mut scores[(t - start) * rows + r];
-                *p = (*p - m_new).exp();
-                part.l[r] += *p;
-            }
-        }
-        // The values, weighted.
-        for t in start..end {
+        };
+        let value = |t: usize, x: &mut [f32]| {
             if compressed(t) {
                 let slot = head * sh.capacity + (t - sh.sinks);
-                decode_row(&inp.v_codes[slot * vb..(slot + 1) * vb], sh.value_bits, &v_table, inp.v_norms[slot].to_f32(), &mut x);
+                decode_row(&inp.v_codes[slot * vb..(slot + 1) * vb], sh.value_bits, &v_table, inp.v_norms[slot].to_f32(), x);
             } else {
                 let slot = window_slot(t);
-                for (v, k) in x.iter_mut().zip(&inp.win_v[slot * d..(slot + 1) * d]) {
-                    *v = k.to_f32();
-                }
+                x.iter_mut().zip(&inp.win_v[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
             }
-            for r in 0..rows {
-                let p = scores[(t - start) * rows + r];
-                if p == 0.0 {
-                    continue;
-                }
-                for (a, v) in part.acc[r * d..(r + 1) * d].iter_mut().zip(&x) {
-                    *a += p * v;
-                }
-            }
-        }
-        start = end;
-    }
-    part
+        };
+        split_attention::online_softmax(rows, d, t0, t1, scores, value)
+    });
 }
 
 /// Conversion back from float32 for the element types.
