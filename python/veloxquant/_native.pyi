@@ -253,6 +253,21 @@ class LayerCache:
         """Attention over the cache. `mask`: None, "causal", or an mx.array
         (boolean, true attends; or additive) broadcastable to
         `[B, n_heads, L, offset]`."""
+    def framed_with(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """The history and the chunk `keys`/`values` about to be appended, in
+        the cache's frame: a prefill chunk's transient buffer for
+        `attend_framed`. Call before `append`."""
+    def attend_framed(
+        self,
+        queries: mx.array,
+        keys: mx.array,
+        values: mx.array,
+        scale: float,
+        mask: Union[None, Literal["causal"], mx.array] = None,
+        float32: bool = False,
+    ) -> mx.array:
+        """Attention of `queries` over `framed_with`'s buffer with MLX's SDPA;
+        `float32`: the products in float32, the output in the cache's dtype."""
     @staticmethod
     def attention_each(caches: Sequence["LayerCache"], queries: mx.array, scale: float) -> mx.array:
         """Decode attention of a batch, row `b` of `queries` `[B, n_heads, 1,

@@ -85,17 +85,11 @@ ONE, EACH = "one", "each"
 
 def _wrap(original):
     def attend(queries, keys, values, cache, scale, mask):
-        # One sequence over its VeloxQuantCache; keys and values are what its
-        # update_and_fetch returned for this chunk.
-        if (
-            _float32_here(queries)
-            and keys.shape[2] > FUSED_MAX_QUERIES  # update_and_fetch returned the history and the chunk
-            and keys.shape[2] == cache.offset
-        ):
-            out = _sdpa_float32(original, queries, keys, values, None, scale, mask, None)
-            cache.attended_elsewhere()
-            return out
-        return cache.attention(queries, scale, mask)
+        # One sequence over its VeloxQuantCache. A prefill chunk attends over
+        # the cache's framed buffer (the history decoded in the cache's frame
+        # in one pass, then the chunk); on the CPU with float32 compute its
+        # products run in float32.
+        return cache.attention(queries, scale, mask, float32=_float32_here(queries))
 
     def scaled_dot_product_attention(
         queries, keys, values, cache, scale: float, mask: Optional[mx.array], sinks: Optional[mx.array] = None

@@ -453,7 +453,9 @@ class VeloxQuantCache(_BaseCache):
             return keys, values
         return mx.concatenate([held[0], keys], axis=2), mx.concatenate([held[1], values], axis=2)
 
-    def attention(self, queries: mx.array, scale: float, mask=None) -> mx.array:
+    def attention(self, queries: mx.array, scale: float, mask=None, float32: bool = False) -> mx.array:
+        """The chunk just added attending over the cache; ``float32``: a
+        prefill chunk's products in float32 (the output in the cache's dtype)."""
         if self.layer is None:
             raise RuntimeError("VeloxQuantCache.attention called before any keys were added")
         self._attended = True
@@ -461,7 +463,7 @@ class VeloxQuantCache(_BaseCache):
             raise ValueError(f"mask must be None, 'causal' or an mx.array, got {mask!r}")
         framed, self._framed = self._framed, None
         if framed is not None:
-            return self.layer.attend_framed(queries, framed[0], framed[1], scale, mask)
+            return self.layer.attend_framed(queries, framed[0], framed[1], scale, mask, float32=float32)
         return self.layer.attention(queries, scale, mask)
 
     def decoding(self) -> bool:
@@ -492,15 +494,6 @@ class VeloxQuantCache(_BaseCache):
         _layer_cache_class().append_each([c.layer for c in caches], keys, values)
         for c in caches:
             c._attended, c._framed = False, None
-
-    def attended_elsewhere(self) -> None:
-        """Record that the chunk just added was attended outside the cache.
-
-        The dispatch's float32 CPU route attends a prefill chunk over the
-        history and chunk that ``update_and_fetch`` returned; the cache's own
-        framed buffer for that chunk is then dropped unread.
-        """
-        self._attended, self._framed = True, None
 
     @property
     def state(self):

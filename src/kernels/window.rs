@@ -10,10 +10,11 @@ use super::gpu::{self, Launch};
 use super::TemplateArg;
 use super::{check_float, cpu_primitive, grid_1d, select, Implementation, Options, Kernel};
 use crate::array::Array;
+use crate::dtype::Dtype;
 use crate::cpu::window::{self as cpu_window, WindowShape};
 use crate::error::{Error, Result};
 use crate::ops;
-use crate::stream::Stream;
+use crate::stream::{Backend, Stream};
 
 /// What [`window_append`] writes.
 pub struct WindowAppend<'a> {
@@ -109,11 +110,23 @@ pub fn window_append(a: &WindowAppend<'_>, opts: &Options) -> Result<(Array, Arr
 
 /// Tokens `x` `[B, Hkv, T, D]` in a side's frame as plain MLX ops:
 /// `x·frame` (one `addmm` with `offset` added), or `x` without a frame.
+/// On the CPU a half-precision product runs in float32 and is rounded once:
+/// MLX's CPU matmul of float16 (float32 sums, no BLAS) took most of a
+/// prefill chunk's append there.
 pub(crate) fn into_frame(x: &Array, frame: Option<&Array>, offset: Option<&Array>, s: &Stream) -> Result<Array> {
-    match (frame, offset) {
-        (Some(f), Some(o)) => ops::addmm(o, x, f, s),
-        (Some(f), None) => ops::matmul(x, f, s),
-        (None, _) => Ok(x.clone()),
+    let Some(f) = frame else { return Ok(x.clone()) };
+    let dtype = x.dtype();
+    if dtype != Dtype::F32 && s.backend()? == Backend::Cpu {
+        let up = |a: &Array| ops::astype(a, Dtype::F32, s);
+        let y = match offset {
+            Some(o) => ops::addmm(&up(o)?, &up(x)?, &up(f)?, s)?,
+            None => ops::matmul(&up(x)?, &up(f)?, s)?,
+        };
+        return ops::astype(&y, dtype, s);
+    }
+    match offset {
+        Some(o) => ops::addmm(o, x, f, s),
+        None => ops::matmul(x, f, s),
     }
 }
 

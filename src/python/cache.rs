@@ -208,8 +208,10 @@ impl PyLayerCache {
     }
 
     /// Attention of `queries` over `framed_with`'s buffer with MLX's SDPA;
-    /// `mask` as for `attention`.
-    #[pyo3(signature = (queries, keys, values, scale, mask = None))]
+    /// `mask` as for `attention`; `float32`: the products in float32, the
+    /// output in the cache's dtype.
+    #[pyo3(signature = (queries, keys, values, scale, mask = None, float32 = false))]
+    #[allow(clippy::too_many_arguments)]
     fn attend_framed(
         &self,
         py: Python<'_>,
@@ -218,13 +220,14 @@ impl PyLayerCache {
         values: &Bound<'_, PyAny>,
         scale: &Bound<'_, PyAny>,
         mask: Option<&Bound<'_, PyAny>>,
+        float32: bool,
     ) -> PyResult<Py<PyAny>> {
         let q = array_arg(queries, "queries")?;
         let k = array_arg(keys, "keys")?;
         let v = array_arg(values, "values")?;
         let scale = float_arg(scale, "scale")? as f32;
         let mask = MaskArg::parse(mask)?;
-        let out = self.with("attend_framed", |c| c.attend_framed(&q, &k, &v, scale, mask.get()))?;
+        let out = self.with("attend_framed", |c| c.attend_framed(&q, &k, &v, scale, mask.get(), float32))?;
         array_out(py, out)
     }
 

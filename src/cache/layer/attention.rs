@@ -201,7 +201,18 @@ impl LayerCache {
     /// [`framed_with`](Self::framed_with), with MLX's SDPA: the queries enter
     /// the keys' frame and the output leaves the values' frame, one matmul of
     /// `L` rows each. Query `l` sits at position `total - L + l` (`Causal`).
-    pub fn attend_framed(&self, queries: &Array, keys: &Array, values: &Array, scale: f32, mask: AttentionMask<'_>) -> Result<Array> {
+    /// With `float32` the products run in float32 and the output returns to
+    /// the cache's dtype: on the CPU, where MLX's half-precision matmuls and
+    /// SDPA loop without a BLAS.
+    pub fn attend_framed(
+        &self,
+        queries: &Array,
+        keys: &Array,
+        values: &Array,
+        scale: f32,
+        mask: AttentionMask<'_>,
+        float32: bool,
+    ) -> Result<Array> {
         let qs = queries.shape();
         let ks = keys.shape();
         if qs.len() != 4 || qs[0] as usize != self.batch || qs[3] as usize != self.cfg.head_dim || qs[1] as usize % self.cfg.kv_heads != 0 {
@@ -225,7 +236,14 @@ impl LayerCache {
         // rotated values as `v·Πᵀ/F`: a query entering the rotated key frame
         // the same way gets its scores back with `scale·F²` (unrotated keys:
         // `scale·F`), and the output leaves the value frame as `out·Π·F`.
-        let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref());
+        let dtype = if float32 { Dtype::F32 } else { self.dtype };
+        let up = |a: &Array| -> Result<Array> { if a.dtype() == dtype { Ok(a.clone()) } else { ops::astype(a, dtype, s) } };
+        let rotation_t = match self.shared.as_ref().and_then(|x| x.rotation_t.as_ref()) {
+            Some(r) => Some(up(r)?),
+            None => None,
+        };
+        let rotation_t = rotation_t.as_ref();
+        let (queries, keys, values) = (&up(queries)?, &up(keys)?, &up(values)?);
         let f = frame_scale(self.cfg.head_dim);
         let q = match rotation_t.filter(|_| key_rotated) {
             Some(r) => ops::matmul(queries, r, s)?,
@@ -241,15 +259,16 @@ impl LayerCache {
             _ => None,
         };
         let out = sdpa(&q, keys, values, scale, prepared.as_ref(), matches!(mask, AttentionMask::Causal), s)?;
-        match rotation_t.filter(|_| value_rotated) {
+        let out = match rotation_t.filter(|_| value_rotated) {
             // `F²` (a power of two: the same rounding) scales the D x D
             // matrix rather than the chunk's output.
             Some(r) => {
-                let back = ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, self.dtype, s)?, s)?;
-                ops::matmul(&out, &back, s)
+                let back = ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?, s)?;
+                ops::matmul(&out, &back, s)?
             }
-            None => Ok(out),
-        }
+            None => out,
+        };
+        if out.dtype() == self.dtype { Ok(out) } else { ops::astype(&out, self.dtype, s) }
     }
 
     pub(super) fn tq_layer(&self, q_heads: usize, queries: usize, causal: bool) -> Result<TqLayer<'_>> {
