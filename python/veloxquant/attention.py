@@ -14,11 +14,9 @@ CPU device, where MLX's half-precision matmuls are portable loops and its
 float32 ones BLAS: queries, keys and values (mlx_lm's quantized scales and
 biases) are cast up and the output cast back; a prefill chunk over mlx_lm's
 quantized cache attends over its dequantized keys and values. A veloxquant
-cache's prefill chunk attends with MLX's SDPA in float32 over the history and
-chunk that ``update_and_fetch`` returned (decompressed, in the model's frame),
-where the cache's own prefill path attends in its rotated frame at float16:
-the same attention up to rounding. Decode steps keep the cache's fused
-kernels.
+cache's prefill chunk attends with MLX's SDPA over the cache's own buffer
+(the history decoded in the cache's frame in one pass, then the chunk), in
+float32 there. Decode steps keep the cache's fused kernels.
 """
 
 from __future__ import annotations
