@@ -88,6 +88,12 @@ impl Codec {
         Codec::ALL.iter().map(|c| format!("#define {} {}\n", c.gpu_name(), c.id())).collect()
     }
 
+    /// Whether keys of this codec are scored from features of the prepared
+    /// query (a lookup table, a sketch) rather than decoded to a vector.
+    pub fn keys_scored_from_query(self) -> bool {
+        matches!(self, Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantProd)
+    }
+
     /// Whether the side's frame is the cache's rotation (else the identity).
     pub fn rotated(self) -> bool {
         matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized | Codec::TurboQuantProd | Codec::TurboQuantRvq)
@@ -362,12 +368,6 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         }
     }
 
-    /// Whether tokens of this codec decode to a vector (else they are only
-    /// scored, by `key_score`).
-    fn decodes(sc: &SideCodec) -> bool {
-        !matches!(sc.codec, Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantProd)
-    }
-
     /// The compressed token at slot `ct` into `out`, up to the factor it
     /// returns (its norm, for the codecs that store one, so that a key's
     /// scores take it once per row rather than once per element). With
@@ -473,7 +473,7 @@ pub fn kv_attention<T: VqElement + FromF32>(
     assert!(rot_v.is_empty() || rot_v.len() == d * d, "rot_v size");
     assert_eq!(mask.len(), sh.batch * sh.mask_heads * sh.queries * total, "mask length");
     let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
-    let key_decodes = SideReader::<T>::decodes(&sh.key);
+    let key_decodes = !sh.key.codec.keys_scored_from_query();
     super::split_attention::attend(sh.batch * sh.kv_heads, rows, d, total, rot_v, out, |unit, t0, t1| {
         let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
         let head = b * sh.kv_heads + hk;

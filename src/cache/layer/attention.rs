@@ -238,10 +238,7 @@ impl LayerCache {
         // `scale·F`), and the output leaves the value frame as `out·Π·F`.
         let dtype = if float32 { Dtype::F32 } else { self.dtype };
         let up = |a: &Array| -> Result<Array> { if a.dtype() == dtype { Ok(a.clone()) } else { ops::astype(a, dtype, s) } };
-        let rotation_t = match self.shared.as_ref().and_then(|x| x.rotation_t.as_ref()) {
-            Some(r) => Some(up(r)?),
-            None => None,
-        };
+        let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref()).map(up).transpose()?;
         let rotation_t = rotation_t.as_ref();
         let (queries, keys, values) = (&up(queries)?, &up(keys)?, &up(values)?);
         let f = frame_scale(self.cfg.head_dim);
