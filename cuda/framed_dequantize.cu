@@ -17,18 +17,21 @@ const uint32_t rows = vq_size(params_shape, 0), S = vq_size(params_shape, 1), N 
 const uint32_t Rc = vq_size(params_shape, 3), recent_at = vq_size(params_shape, 4), W = vq_size(params_shape, 5);
 const uint32_t cap = vq_size(params_shape, 6), L = vq_size(params_shape, 7);
 const uint32_t total = S + N + Rc + L;
-const uint64_t e = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
-if (e >= uint64_t(rows) * total * G) {
+// The launch holds fewer than 2^31 threads (the host's grid_1d): 32-bit
+// index arithmetic, whose divisions by the runtime `total` are a few
+// instructions where 64-bit ones are a software routine.
+const uint32_t e = blockIdx.x * blockDim.x + threadIdx.x;
+if (e >= rows * total * G) {
   return;
 }
-const uint32_t g = uint32_t(e % G);
-const uint64_t rt = e / G;
-const uint32_t t = uint32_t(rt % total);
-const uint64_t r = rt / total;
-T* dst = out + rt * D + g * 8;
+const uint32_t g = e % G;
+const uint32_t rt = e / G;
+const uint32_t t = rt % total;
+const uint32_t r = rt / total;
+T* dst = out + uint64_t(rt) * D + g * 8;
 const bool wide = vq_aligned(out, 16) && vq_aligned(window, 16) && vq_aligned(chunk, 16);
 if (t >= S && t < S + N) {
-  const uint64_t slot = r * cap + (t - S);
+  const uint64_t slot = uint64_t(r) * cap + (t - S);
   const uint8_t* src = codes + slot * ROW_BYTES + g * B_BITS;
   uint64_t word = 0;
 #pragma unroll
@@ -52,9 +55,9 @@ if (t >= S && t < S + N) {
   }
   return;
 }
-const T* src = t < S ? window + (r * W + t) * D
-    : t < S + N + Rc ? window + (r * W + recent_at + (t - S - N)) * D
-    : chunk + (r * L + (t - S - N - Rc)) * D;
+const T* src = t < S ? window + (uint64_t(r) * W + t) * D
+    : t < S + N + Rc ? window + (uint64_t(r) * W + recent_at + (t - S - N)) * D
+    : chunk + (uint64_t(r) * L + (t - S - N - Rc)) * D;
 src += g * 8;
 if (wide) {
   constexpr int WORDS = 8 * int(sizeof(T)) / 16;

@@ -141,6 +141,7 @@ def test_unknown_cache_exits_2_naming_the_option():
         (["--batch", "0"], "--batch"),
         (["--decode-tokens", "0"], "--decode-tokens"),
         (["--memory-budget", "0"], "--memory-budget"),
+        (["--repeat", "0"], "--repeat"),
     ],
 )
 def test_bad_arguments_exit_2(args, option, capsys):
@@ -194,3 +195,31 @@ def test_failing_configurations_are_rows(tmp_path):
 )
 def test_failure_messages(text, expected):
     assert bench.describe_failure(text) == expected
+
+
+def test_repeats_take_the_median_and_keep_every_run():
+    runs = [dict(prefill_s=p, prefill_tok_s=100 / p, decode_s=1.0, decode_tok_s=d, decode_tok_s_per_seq=d,
+                 peak_bytes=m, prefill_peak_bytes=m, decode_peak_bytes=m, kv_bytes=7, error=None)
+            for p, d, m in ((3.0, 10.0, 5), (1.0, 30.0, 9), (2.0, 20.0, 7))]
+    row = bench.combine_runs(runs)
+    assert (row["prefill_s"], row["decode_tok_s"], row["peak_bytes"], row["kv_bytes"]) == (2.0, 20.0, 9, 7)
+    assert row["prefill_s_runs"] == [3.0, 1.0, 2.0] and row["decode_tok_s_runs"] == [10.0, 30.0, 20.0]
+    assert row["repeats"] == 3 and bench.combine_runs(runs[:1]) == runs[0]
+    failed = bench.combine_runs([runs[0], {"error": "out of memory"}, runs[2]])
+    assert failed["error"] == "out of memory" and failed["repeats"] == 3
+
+
+def test_repeat_runs_each_configuration_round_by_round(tmp_path):
+    out = tmp_path / "r.jsonl"
+    proc = run("--shape", "tiny", "--contexts", "64", "--batch", "1", "--caches", f"fp16,{VQ}", "--decode-tokens", "2",
+               "--warmup", "0", "--repeat", "2", "--out-jsonl", str(out))
+    assert proc.returncode == 0, proc.stderr
+    rows = rows_of(out)
+    assert [r["cache"] for r in rows] == ["fp16", VQ]
+    for r in rows:
+        assert r["error"] is None and r["repeats"] == 2 and len(r["decode_tok_s_runs"]) == 2
+        assert min(r["prefill_s_runs"]) <= r["prefill_s"] <= max(r["prefill_s_runs"])
+    # Round by round: fp16's first run, the compressed cache's, then the second round.
+    labels = [ln for ln in proc.stderr.splitlines() if "(run " in ln and ": prefill" in ln]
+    assert [("fp16" in ln.split(":")[0], "run 1/2" in ln) for ln in labels] == [
+        (True, True), (False, True), (True, False), (False, False)]

@@ -3,7 +3,7 @@ tokens/s, KV bytes and peak memory of an mlx_lm model.
 
     veloxquant bench [--shape tiny|llama-1b|llama-8b | --model PATH|default]
         [--contexts 4096,32768] [--batch 1,8] [--caches fp16,mlx-q4,mlx-q8,veloxquant]
-        [--recipe k4v3] [--memory-budget GiB] [--out-jsonl F] [--out-md F] [--plot F.png]
+        [--recipe k4v3] [--repeat N] [--memory-budget GiB] [--out-jsonl F] [--out-md F] [--plot F.png]
 
 Named shapes are Llama models with random float16 weights (the speed does not
 depend on the values). Every configuration (model, context, batch, cache)
@@ -24,6 +24,10 @@ with a throwaway cache, so that every kernel is compiled), then times the prompt
 processes it (chunks of ``--prefill-step-size`` tokens, each evaluated; the
 last token through the whole model) and ``--decode-tokens`` greedy steps, the
 next step's graph built while the current one runs, as mlx_lm does.
+
+``--repeat N`` runs every configuration N times, round by round, and reports
+each one's median prefill time and decode speed (the runs in the JSON lines):
+the host of a GPU machine can drift by tens of percent between processes.
 
 ``--memory-budget GiB`` adds a capacity table: for each shape, context and
 cache, the most sequences that fit the budget as a server holds them (many
@@ -46,6 +50,7 @@ import os
 import re
 import shlex
 import subprocess
+import statistics
 import sys
 import time
 from typing import Any, Dict, List, Optional
@@ -326,6 +331,28 @@ def run_job(job: Dict[str, Any], timeout: float) -> Dict[str, Any]:
     return {"error": f"exit code {proc.returncode}: {tail[-1].strip() if tail else 'no message'}"}
 
 
+def combine_runs(results: List[Dict[str, Any]]) -> Dict[str, Any]:
+    """One configuration's repeated runs as one row: the median prefill time
+    and decode speed (each run's in ``*_runs``), the largest peaks; the first
+    failure if any run failed."""
+    failed = [r for r in results if r.get("error")]
+    if failed:
+        return {**failed[0], "repeats": len(results)}
+    row = dict(results[-1])
+    if len(results) == 1:
+        return row
+    for key in ("prefill_s", "prefill_tok_s", "decode_s", "decode_tok_s", "decode_tok_s_per_seq"):
+        if all(r.get(key) is not None for r in results):
+            row[key] = statistics.median(r[key] for r in results)
+    for key in ("peak_bytes", "prefill_peak_bytes", "decode_peak_bytes"):
+        if all(r.get(key) is not None for r in results):
+            row[key] = max(r[key] for r in results)
+    row["repeats"] = len(results)
+    row["prefill_s_runs"] = [r["prefill_s"] for r in results]
+    row["decode_tok_s_runs"] = [r["decode_tok_s"] for r in results]
+    return row
+
+
 def _int_list(parser, option: str, text: str) -> List[int]:
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
@@ -344,6 +371,8 @@ def plan(args, parser) -> List[Dict[str, Any]]:
                                  args.prefill_step_size, 1), ("--warmup", args.warmup, 0)):
         if value < least:
             parser.error(f"{option} must be >= {least}, got {value}")
+    if args.repeat < 1:
+        parser.error(f"--repeat must be >= 1, got {args.repeat}")
     if args.timeout <= 0:
         parser.error(f"--timeout must be > 0 seconds, got {args.timeout}")
     try:
@@ -508,7 +537,9 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens timed after the prompt (default: 64)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk (default: 2048, as mlx_lm)")
     p.add_argument("--warmup", type=int, default=4, help="decode steps of the warm-up, 0 for none (default: 4)")
-    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration (default: 1800)")
+    p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration run (default: 1800)")
+    p.add_argument("--repeat", type=int, default=1, help="runs of each configuration, round by round; the table "
+                   "takes each one's median prefill time and decode speed (default: 1)")
     p.add_argument("--device", choices=("cpu", "gpu"), default=None, help="MLX device (default: MLX's default)")
     p.add_argument("--memory-budget", type=float, default=None, metavar="GiB",
                    help="also report the most sequences that fit this memory (weights included), per cache")
@@ -549,32 +580,43 @@ def main(argv: Optional[List[str]] = None) -> int:
     # Under mlx.launch the other ranks run the same workers and stay silent.
     main_rank = (distributed.launched_rank() or 0) == 0
     jsonl = open(args.out_jsonl, "w") if args.out_jsonl and main_rank else None
-    bar = _progress_bar(len(jobs)) if main_rank else None
+    # Repeats run round by round (every configuration once, then again), so
+    # that a drift of the machine between processes falls on every cache alike.
+    order = [(rep, i) for rep in range(args.repeat) for i in range(len(jobs))]
+    runs: List[List[Dict[str, Any]]] = [[] for _ in jobs]
+    bar = _progress_bar(len(order)) if main_rank else None
     try:
-        for i, job in enumerate(jobs):
+        for n, (rep, i) in enumerate(order):
+            job = jobs[i]
             label = f"{job['shape']} ctx {job['context']} batch {job['batch']} {job['cache']['name']}"
+            if args.repeat > 1:
+                label += f" (run {rep + 1}/{args.repeat})"
             if bar is not None:
                 bar.set_description(label)
             elif main_rank:
-                print(f"[bench {i + 1}/{len(jobs)}] {label}", file=sys.stderr, flush=True)
+                print(f"[bench {n + 1}/{len(order)}] {label}", file=sys.stderr, flush=True)
+            result = run_job(job, args.timeout)
+            runs[i].append(result)
+            summary = f"{label}: " + (f"error: {result['error']}" if result.get("error") else
+                                      f"prefill {result['prefill_s']:.2f} s, decode {result['decode_tok_s']:.1f} tok/s")
+            if bar is not None:
+                bar.write(summary, file=sys.stderr)
+                bar.update(1)
+            elif main_rank:
+                print(f"[bench] {summary}", file=sys.stderr, flush=True)
+            if rep + 1 < args.repeat:
+                continue
             last = rows[-1] if rows else {}  # device fields for a worker that died before reporting them
             row = {"device": last.get("device", args.device), "device_name": last.get("device_name"),
                    "mlx": last.get("mlx"), "shape": job["shape"], "model": job["model"], "context": job["context"],
                    "batch": job["batch"], "cache": job["cache"]["name"], "recipe": job["cache"]["recipe"],
                    "decode_tokens": job["decode_tokens"], "prefill_step_size": job["prefill_step_size"],
                    "prefill_s": None, "decode_tok_s": None, "kv_bytes": None, "peak_bytes": None}
-            row.update(run_job(job, args.timeout), command=command)
+            row.update(combine_runs(runs[i]), command=command)
             rows.append(row)
             if jsonl:
                 jsonl.write(json.dumps(row) + "\n")
                 jsonl.flush()
-            summary = f"{label}: " + (f"error: {row['error']}" if row["error"] else
-                                      f"prefill {row['prefill_s']:.2f} s, decode {row['decode_tok_s']:.1f} tok/s")
-            if bar is not None:
-                bar.write(summary, file=sys.stderr)
-                bar.update(1)
-            elif main_rank:
-                print(f"[bench] {summary}", file=sys.stderr, flush=True)
     finally:
         if bar is not None:
             bar.close()

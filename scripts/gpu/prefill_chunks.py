@@ -1,0 +1,92 @@
+"""Where a prefill's time goes, chunk by chunk, for several caches in one
+process (rounds interleaved, so that the host's drift between processes does
+not enter the ratios).
+
+    python3 scripts/gpu/prefill_chunks.py --shape llama-8b --context 32768 --caches fp16,veloxquant --rounds 2
+
+Each round prefills `--context` tokens with each cache in turn, as
+`veloxquant bench` does (mlx_lm's chunks, the body's output and every cache's
+state evaluated after each chunk), after one warm-up prefill per cache of the
+same length. Per chunk it records the host time to build the graph and the
+time to evaluate it; it prints the medians over rounds, chunk by chunk, and
+the totals. A cost paid once per prefill shows as a first chunk slower than
+the second; a cost that grows with the history, as a gap that widens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import veloxquant  # noqa: F401  (before mlx: the native extension binds MLX's library first)
+import mlx.core as mx
+
+from veloxquant.tools import bench
+
+
+def prefill_timed(model, cache, tokens, step: int):
+    """bench.prefill's chunks, each timed: [(history, build s, eval s)]."""
+    body = getattr(model, "model", model)
+    n, done, out = tokens.shape[1], 0, []
+    while n - done > 1:
+        k = min(step, n - 1 - done)
+        t0 = time.perf_counter()
+        hidden = body(tokens[:, done:done + k], cache=cache)
+        t1 = time.perf_counter()
+        mx.eval(hidden, [c.state for c in cache])
+        t2 = time.perf_counter()
+        out.append((done, t1 - t0, t2 - t1))
+        done += k
+        mx.clear_cache()
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--shape", default="llama-8b")
+    p.add_argument("--context", type=int, default=32768)
+    p.add_argument("--caches", default="fp16,veloxquant")
+    p.add_argument("--recipe", default="k4v3", help="the veloxquant recipe (veloxquant bench's syntax)")
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--step", type=int, default=2048, help="prefill chunk (mlx_lm's prefill_step_size)")
+    p.add_argument("--rounds", type=int, default=2)
+    args = p.parse_args()
+    model = bench.build_model({"shape": args.shape})
+    tokens = mx.random.randint(0, model.args.vocab_size, (args.batch, args.context), key=mx.random.key(0))
+    mx.eval(tokens)
+    names = args.caches.split(",")
+    specs = {name: bench.parse_cache(name, args.recipe) for name in names}
+    runs = {name: [] for name in names}
+    for r in range(args.rounds + 1):  # round 0 warms up
+        for name in names:
+            cache = bench.make_cache(model, specs[name])
+            mx.synchronize()
+            timed = prefill_timed(model, cache, tokens, args.step)
+            mx.synchronize()
+            if r:
+                runs[name].append(timed)
+            del cache
+            mx.clear_cache()
+    print(f"{args.shape} context {args.context} batch {args.batch}, chunks of {args.step}; medians over {args.rounds} rounds, ms")
+    head = "chunk  history " + " ".join(f"{n + ' build':>16} {n + ' eval':>16}" for n in names)
+    print(head)
+    n_chunks = len(runs[names[0]][0])
+    totals = {n: [0.0, 0.0] for n in names}
+    for i in range(n_chunks):
+        cells = []
+        for n in names:
+            build = statistics.median(run[i][1] for run in runs[n]) * 1e3
+            ev = statistics.median(run[i][2] for run in runs[n]) * 1e3
+            totals[n][0] += build
+            totals[n][1] += ev
+            cells.append(f"{build:16.2f} {ev:16.2f}")
+        print(f"{i:5d} {runs[names[0]][0][i][0]:8d} " + " ".join(cells))
+    base = sum(totals[names[0]])
+    for n in names:
+        b, e = totals[n]
+        print(f"{n}: build {b:.1f} ms + eval {e:.1f} ms = {b + e:.1f} ms ({(b + e) / base:.3f}x of {names[0]})")
+
+
+if __name__ == "__main__":
+    main()
