@@ -57,6 +57,23 @@ def test_a_prefill_chunk_attends_over_the_framed_buffer_in_float32_as_in_float16
         cache.attend_framed(q, fk, fv, 0.125, "causal", float32="yes")
 
 
+@pytest.mark.parametrize("method", ["turboquant-mse", "kivi", "fp16"])
+def test_framed_append_is_framed_with_then_append(method):
+    """A prefill chunk's one call gives framed_with's buffers and leaves the
+    cache as append does, for the first chunk (no key offset yet) and later ones."""
+    one = LayerCache(64, 2, key_method=method, value_method=method, window=32, sinks=4)
+    two = LayerCache(64, 2, key_method=method, value_method=method, window=32, sinks=4)
+    for i, t in enumerate((100, 70, 130)):
+        k = mx.random.normal((1, 2, t, 64), key=mx.random.key(10 + i)).astype(mx.float16)
+        v = mx.random.normal((1, 2, t, 64), key=mx.random.key(20 + i)).astype(mx.float16)
+        want = one.framed_with(k, v)
+        one.append(k, v)
+        got = two.framed_append(k, v)
+        for a, b in zip(got + two.dequantize(), want + one.dequantize()):
+            assert a.shape == b.shape and mx.array_equal(a, b).item()
+        assert two.offset == one.offset and two.nbytes == one.nbytes
+
+
 def test_fp16_method_is_plain_sdpa():
     cache, k, v = filled(method="fp16")
     q = mx.random.normal((1, 2, 1, 64), key=mx.random.key(5)).astype(mx.float16)

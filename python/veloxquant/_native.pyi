@@ -257,6 +257,9 @@ class LayerCache:
         """The history and the chunk `keys`/`values` about to be appended, in
         the cache's frame: a prefill chunk's transient buffer for
         `attend_framed`. Call before `append`."""
+    def framed_append(self, keys: mx.array, values: mx.array) -> tuple[mx.array, mx.array]:
+        """`framed_with`, then `append` of the same chunk (the chunk enters
+        the cache's frame once): a prefill chunk's path."""
     def attend_framed(
         self,
         queries: mx.array,

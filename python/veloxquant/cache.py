@@ -433,25 +433,20 @@ class VeloxQuantCache(_BaseCache):
         elif not self._attended:
             raise RuntimeError(_BYPASSED)
         self._attended = False
+        # Decode: the fused attention reads the codes. Prefill: MLX's SDPA
+        # over a transient buffer of the history and the chunk in the cache's
+        # frame, taken before the chunk is compressed. Either way the chunk
+        # itself is returned, only to satisfy the protocol: the attention
+        # never reads it, and even a lazy graph of the dequantized history
+        # would cost more host time a chunk than the buffer (`dequantize()`
+        # gives it). A model that attended over the returned arrays instead
+        # of through the dispatch is caught by the check above at its next call.
         if keys.shape[2] <= FUSED_MAX_QUERIES:
-            # Decode: the fused attention reads the codes; the chunk itself is
-            # returned only to satisfy the protocol (building the full
-            # dequantized history here would cost more host time per token
-            # than the attention). A model that used it would be caught by
-            # the check above at its next call.
             self._framed = None
             self.layer.append(keys, values)
-            return keys, values
-        # Prefill: MLX's SDPA over a transient buffer of the history and the
-        # chunk in the cache's frame, taken before the chunk is compressed.
-        # The returned arrays are that history and chunk in the model's frame,
-        # lazy: nothing computes them unless a model reads them.
-        held = self.layer.dequantize() if self.layer.offset else None
-        self._framed = self.layer.framed_with(keys, values)
-        self.layer.append(keys, values)
-        if held is None:
-            return keys, values
-        return mx.concatenate([held[0], keys], axis=2), mx.concatenate([held[1], values], axis=2)
+        else:
+            self._framed = self.layer.framed_append(keys, values)
+        return keys, values
 
     def attention(self, queries: mx.array, scale: float, mask=None, float32: bool = False) -> mx.array:
         """The chunk just added attending over the cache; ``float32``: a

@@ -207,6 +207,15 @@ impl PyLayerCache {
         Ok((array_out(py, fk)?, array_out(py, fv)?))
     }
 
+    /// `framed_with`, then `append` of the same chunk, the chunk entering the
+    /// cache's frame once: a prefill chunk's path.
+    fn framed_append(&self, py: Python<'_>, keys: &Bound<'_, PyAny>, values: &Bound<'_, PyAny>) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+        let k = array_arg(keys, "keys")?;
+        let v = array_arg(values, "values")?;
+        let (fk, fv) = self.with("framed_append", |c| c.framed_append(&k, &v))?;
+        Ok((array_out(py, fk)?, array_out(py, fv)?))
+    }
+
     /// Attention of `queries` over `framed_with`'s buffer with MLX's SDPA;
     /// `mask` as for `attention`; `float32`: the products in float32, the
     /// output in the cache's dtype.

@@ -139,6 +139,22 @@ impl LayerCache {
     /// prefill chunk attends at float16 speed, its own tokens exactly. Call
     /// it before appending the chunk.
     pub fn framed_with(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        Ok(self.framed_with_frames(keys, values)?.0)
+    }
+
+    /// [`framed_with`](Self::framed_with), then [`append`](Self::append) of
+    /// the same chunk: the chunk enters the cache's frame once for both (a
+    /// prefill chunk's path).
+    pub fn framed_append(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
+        let (framed, frames) = self.framed_with_frames(keys, values)?;
+        self.append_framed(keys, values, frames)?;
+        Ok(framed)
+    }
+
+    /// `framed_with`'s buffers, and the chunk in the frames `append` puts it
+    /// in where they are the buffers' (the keys' offset is known: not the
+    /// first chunk).
+    fn framed_with_frames(&mut self, keys: &Array, values: &Array) -> Result<((Array, Array), Option<(Array, Array)>)> {
         let shape = self.check_pair(keys, values)?;
         if self.store.is_none() {
             self.init(shape[0] as usize, keys.dtype(), shape[2] as usize)?;
@@ -157,11 +173,12 @@ impl LayerCache {
                 let held = |a: &Array| -> Result<Vec<Array>> {
                     Ok(if x.len == 0 { Vec::new() } else { vec![ops::slice(a, &[0, 0, 0, 0], &[b, h, x.len as i32, d], &s)?] })
                 };
-                Ok((join(held(&x.keys)?, keys)?, join(held(&x.values)?, values)?))
+                Ok(((join(held(&x.keys)?, keys)?, join(held(&x.values)?, values)?), None))
             }
             Store::Compressed(c) => {
                 let shared = self.shared.as_ref().expect("initialised with the store");
                 let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
+                let frames = c.k_offset.is_some().then(|| (rk.clone(), rv.clone()));
                 let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
                 let opts = self.opts(&s);
                 let sh = &layer.shape;
@@ -192,7 +209,7 @@ impl LayerCache {
                         _ => join(kv_attention::framed_parts(side, sc, sh, self.dtype, &opts)?, chunk),
                     }
                 };
-                Ok((framed(&layer.keys, &sh.key, &rk)?, framed(&layer.values, &sh.value, &rv)?))
+                Ok(((framed(&layer.keys, &sh.key, &rk)?, framed(&layer.values, &sh.value, &rv)?), frames))
             }
         }
     }

@@ -292,6 +292,12 @@ impl LayerCache {
 
     /// Appends `keys` and `values` `[B, Hkv, T, D]` (a prefill chunk or one token).
     pub fn append(&mut self, keys: &Array, values: &Array) -> Result<()> {
+        self.append_framed(keys, values, None)
+    }
+
+    /// `append`, given the chunk already in the frames it would compute
+    /// (`into_frames`), or `None`.
+    pub(super) fn append_framed(&mut self, keys: &Array, values: &Array, frames: Option<(Array, Array)>) -> Result<()> {
         let ks = self.check_pair(keys, values)?;
         let t = ks[2] as usize;
         if self.store.is_none() {
@@ -304,7 +310,7 @@ impl LayerCache {
         if matches!(self.store, Some(Store::Dense(_))) {
             return self.append_dense(keys, values, &shape);
         }
-        self.append_compressed(keys, values, &shape)
+        self.append_compressed(keys, values, &shape, frames)
     }
 
     /// Where a decode step's `t` tokens go when they join the windows in one
@@ -399,7 +405,7 @@ impl LayerCache {
         Ok(())
     }
 
-    fn append_compressed(&mut self, keys: &Array, values: &Array, shape: &[i32]) -> Result<()> {
+    fn append_compressed(&mut self, keys: &Array, values: &Array, shape: &[i32], frames: Option<(Array, Array)>) -> Result<()> {
         let s = self.stream()?;
         let opts = self.opts(&s);
         let (sinks, window) = (self.cfg.sinks, self.cfg.window);
@@ -448,7 +454,10 @@ impl LayerCache {
                 return Ok(());
             }
         }
-        let (rk, rv) = into_frames(shared, c, keys, values, &s)?;
+        let (rk, rv) = match frames {
+            Some(f) => f,
+            None => into_frames(shared, c, keys, values, &s)?,
+        };
         let mut start = 0usize;
         if c.n_sink < sinks {
             let take = (sinks - c.n_sink).min(t);

@@ -148,15 +148,26 @@ impl Side {
 
     /// Encodes `x` `[B, Hkv, m, D]` (in the side's frame; `m` a whole number
     /// of the codec's token groups). A token holding a NaN or an infinity
-    /// gets a NaN norm or scale (see [`non_finite`]), whatever the encoder
+    /// gets a NaN norm or scale (see [`non_finite`]; TurboQuant-MSE, from the
+    /// norms it stores: also a norm of 65504 or more), whatever the encoder
     /// made of it, so that it decodes to NaN and makes every query that sees
     /// it NaN: no non-finite input becomes a finite value.
     pub(super) fn encode(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let mut e = self.encode_values(x, table, dtype, opts)?;
         if let Some(scales) = e.scales.take() {
             let s = opts.resolve_stream()?;
-            let bad = self.non_finite(x, &s)?;
-            e.scales = Some(ops::add(&scales, &ops::astype(&bad, Dtype::F16, &s)?, &s)?);
+            e.scales = Some(if self.codec.codec == Codec::TurboQuantMse {
+                // `tq_encode` holds a norm at float16's largest (65504) for a
+                // token with a NaN or an infinity or a norm past that range
+                // (NaN where a back-end's min keeps NaN): one pass over the
+                // norms instead of computing them again from `x`.
+                let limit = Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?;
+                let nan = ops::astype(&Array::scalar_f32(f32::NAN)?, Dtype::F16, &s)?;
+                ops::where_(&ops::greater_equal(&scales, &limit, &s)?, &nan, &scales, &s)?
+            } else {
+                let bad = self.non_finite(x, &s)?;
+                ops::add(&scales, &ops::astype(&bad, Dtype::F16, &s)?, &s)?
+            });
         }
         Ok(e)
     }
