@@ -44,6 +44,29 @@ def check_lazy_and_compile():
     assert mx.array_equal(f(x, cb), want).item()
 
 
+def check_non_finite_and_huge_tokens_decode_as_on_the_cpu():
+    # TurboQuant-MSE marks a token from the norm its encoder stored: a NaN,
+    # an infinity or a norm of 65504 or more decodes to NaN, on the GPU as on
+    # the CPU; a prefill chunk's one-call path leaves the cache as append does.
+    from veloxquant._native import LayerCache
+
+    k = mx.random.normal((1, 2, 300, 128), key=mx.random.key(5))
+    k[0, 0, 10, 3] = float("nan")
+    k[0, 1, 20, 0] = float("inf")
+    k[0, 0, 30] = 1e6  # a norm past 65504 in the cache's frame (k / 32 at head_dim 128)
+    k[0, 1, 40] = 1e4  # one within it
+    out = {}
+    for device in ("cpu", "gpu"):
+        c = LayerCache(128, 2, window=16, sinks=4, device=device)
+        c.framed_append(k[:, :, :150], k[:, :, :150])
+        c.framed_append(k[:, :, 150:], k[:, :, 150:])
+        out[device] = [mx.isnan(x).any(axis=-1) for x in c.dequantize()]
+    for side, (g, c) in enumerate(zip(out["gpu"], out["cpu"])):
+        assert mx.array_equal(g, c).item(), f"side {side}: NaN tokens differ between GPU and CPU"
+        rows = {(h, t) for h in range(2) for t in range(300) if c[0, h, t].item()}
+        assert {(0, 10), (1, 20), (0, 30)} <= rows and (1, 40) not in rows, f"side {side}: NaN rows {sorted(rows)}"
+
+
 def main():
     print(f"mlx {mx.__version__}, default device {mx.default_device()}, GPU back-end {veloxquant._native.gpu_backend()}")
     if veloxquant._native.gpu_backend() is None:

@@ -7,7 +7,7 @@ not enter the ratios).
 Each round prefills `--context` tokens with each cache in turn, as
 `veloxquant bench` does (mlx_lm's chunks, the body's output and every cache's
 state evaluated after each chunk), after one warm-up prefill per cache of the
-same length. Per chunk it records the host time to build the graph and the
+same length (its total is printed too: what a fresh process pays once). Per chunk it records the host time to build the graph and the
 time to evaluate it; it prints the medians over rounds, chunk by chunk, and
 the totals. A cost paid once per prefill shows as a first chunk slower than
 the second; a cost that grows with the history, as a gap that widens.
@@ -58,6 +58,7 @@ def main() -> None:
     names = args.caches.split(",")
     specs = {name: bench.parse_cache(name, args.recipe) for name in names}
     runs = {name: [] for name in names}
+    first = {}
     for r in range(args.rounds + 1):  # round 0 warms up
         for name in names:
             cache = bench.make_cache(model, specs[name])
@@ -66,6 +67,8 @@ def main() -> None:
             mx.synchronize()
             if r:
                 runs[name].append(timed)
+            else:
+                first[name] = timed
             del cache
             mx.clear_cache()
     print(f"{args.shape} context {args.context} batch {args.batch}, chunks of {args.step}; medians over {args.rounds} rounds, ms")
@@ -86,6 +89,11 @@ def main() -> None:
     for n in names:
         b, e = totals[n]
         print(f"{n}: build {b:.1f} ms + eval {e:.1f} ms = {b + e:.1f} ms ({(b + e) / base:.3f}x of {names[0]})")
+    # The process's first prefill of this length (the warm-up round): what a
+    # fresh process pays once more (kernels compiled, graphs built per shape).
+    for n in names:
+        once = sum(b + e for _, b, e in first[n]) * 1e3
+        print(f"{n}: first prefill {once:.1f} ms, {once - sum(totals[n]):+.1f} ms over the later ones")
 
 
 if __name__ == "__main__":
