@@ -5,11 +5,12 @@ not enter the ratios).
     python3 scripts/gpu/prefill_chunks.py --shape llama-8b --context 32768 --caches fp16,veloxquant --rounds 2
 
 Each round prefills `--context` tokens with each cache in turn, as
-`veloxquant bench` does (mlx_lm's chunks, the body's output and every cache's
-state evaluated after each chunk), after one warm-up prefill per cache of the
-same length (its total is printed too: what a fresh process pays once). Per chunk it records the host time to build the graph and the
-time to evaluate it; it prints the medians over rounds, chunk by chunk, and
-the totals. A cost paid once per prefill shows as a first chunk slower than
+`veloxquant bench` does (mlx_lm's chunks, every cache's state evaluated
+after each chunk), after one warm-up prefill per cache of the
+same length (its total is printed too: what a fresh process pays once). Per
+chunk it records the host time to build the graph, the time to evaluate it and
+MLX's peak memory (weights included); it prints the medians over rounds (the
+peaks' largest), chunk by chunk, and the totals. A cost paid once per prefill shows as a first chunk slower than
 the second; a cost that grows with the history, as a gap that widens.
 """
 
@@ -26,17 +27,18 @@ from veloxquant.tools import bench
 
 
 def prefill_timed(model, cache, tokens, step: int):
-    """bench.prefill's chunks, each timed: [(history, build s, eval s)]."""
-    body = getattr(model, "model", model)
+    """bench.prefill's chunks, each timed: [(history, build s, eval s, peak bytes)],
+    the peak being MLX's memory in use at its highest during the chunk."""
     n, done, out = tokens.shape[1], 0, []
     while n - done > 1:
         k = min(step, n - 1 - done)
+        mx.reset_peak_memory()
         t0 = time.perf_counter()
-        hidden = body(tokens[:, done:done + k], cache=cache)
+        model(tokens[:, done:done + k], cache=cache)
         t1 = time.perf_counter()
-        mx.eval(hidden, [c.state for c in cache])
+        mx.eval([c.state for c in cache])
         t2 = time.perf_counter()
-        out.append((done, t1 - t0, t2 - t1))
+        out.append((done, t1 - t0, t2 - t1, mx.get_peak_memory()))
         done += k
         mx.clear_cache()
     return out
@@ -72,7 +74,7 @@ def main() -> None:
             del cache
             mx.clear_cache()
     print(f"{args.shape} context {args.context} batch {args.batch}, chunks of {args.step}; medians over {args.rounds} rounds, ms")
-    head = "chunk  history " + " ".join(f"{n + ' build':>16} {n + ' eval':>16}" for n in names)
+    head = "chunk  history " + " ".join(f"{n + ' build':>16} {n + ' eval':>16} {n + ' peak GiB':>16}" for n in names)
     print(head)
     n_chunks = len(runs[names[0]][0])
     totals = {n: [0.0, 0.0] for n in names}
@@ -81,9 +83,10 @@ def main() -> None:
         for n in names:
             build = statistics.median(run[i][1] for run in runs[n]) * 1e3
             ev = statistics.median(run[i][2] for run in runs[n]) * 1e3
+            peak = max(run[i][3] for run in runs[n]) / 2**30
             totals[n][0] += build
             totals[n][1] += ev
-            cells.append(f"{build:16.2f} {ev:16.2f}")
+            cells.append(f"{build:16.2f} {ev:16.2f} {peak:16.3f}")
         print(f"{i:5d} {runs[names[0]][0][i][0]:8d} " + " ".join(cells))
     base = sum(totals[names[0]])
     for n in names:
@@ -92,7 +95,7 @@ def main() -> None:
     # The process's first prefill of this length (the warm-up round): what a
     # fresh process pays once more (kernels compiled, graphs built per shape).
     for n in names:
-        once = sum(b + e for _, b, e in first[n]) * 1e3
+        once = sum(b + e for _, b, e, _ in first[n]) * 1e3
         print(f"{n}: first prefill {once:.1f} ms, {once - sum(totals[n]):+.1f} ms over the later ones")
 
 

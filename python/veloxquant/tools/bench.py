@@ -186,19 +186,18 @@ def make_cache(model, spec: Dict[str, Any]) -> List[Any]:
 def prefill(model, cache, tokens, step: int):
     """Run the prompt as mlx_lm's generate_step does; returns the first generated token, evaluated.
 
-    Every chunk but the last token goes through the model body only (mlx_lm
-    never evaluates those chunks' logits); the body's output and every cache's
-    state are evaluated after each chunk, as mlx_lm does.
+    Every chunk but the last token goes through the model, and only every
+    cache's state is evaluated after each chunk, as mlx_lm's generate_step
+    does: what the states need is computed (not the last layer's output),
+    in the order they need it.
     """
     import mlx.core as mx
 
-    body = getattr(model, "model", None)
-    body = model if body is None else body
     n, done = tokens.shape[1], 0
     while n - done > 1:
         k = min(step, n - 1 - done)
-        hidden = body(tokens[:, done:done + k], cache=cache)
-        mx.eval(hidden, [c.state for c in cache])
+        model(tokens[:, done:done + k], cache=cache)
+        mx.eval([c.state for c in cache])
         done += k
         mx.clear_cache()
     y = mx.argmax(model(tokens[:, done:], cache=cache)[:, -1], axis=-1)
