@@ -142,6 +142,7 @@ def test_unknown_cache_exits_2_naming_the_option():
         (["--decode-tokens", "0"], "--decode-tokens"),
         (["--memory-budget", "0"], "--memory-budget"),
         (["--repeat", "0"], "--repeat"),
+        (["--prefill-batch", "0"], "--prefill-batch"),
     ],
 )
 def test_bad_arguments_exit_2(args, option, capsys):
@@ -223,3 +224,32 @@ def test_repeat_runs_each_configuration_round_by_round(tmp_path):
     labels = [ln for ln in proc.stderr.splitlines() if "(run " in ln and ": prefill" in ln]
     assert [("fp16" in ln.split(":")[0], "run 1/2" in ln) for ln in labels] == [
         (True, True), (False, True), (True, False), (False, False)]
+
+
+@pytest.mark.parametrize("cache", ["fp16", VQ])
+def test_prefill_in_groups_then_joined_decodes_as_the_whole_batch(cache):
+    import mlx.core as mx
+
+    model = bench.build_model({"shape": "tiny"})
+    spec = bench.parse_cache(cache, "k4v3")
+    tokens = mx.random.randint(0, model.args.vocab_size, (3, 70), key=mx.random.key(4))
+    whole, y = bench.prefill_groups(model, spec, tokens, 32, None)
+    joined, y2 = bench.prefill_groups(model, spec, tokens, 32, 2)
+    assert mx.array_equal(y, y2).item() and len(joined) == len(whole)
+    from veloxquant.cache import cache_nbytes
+
+    assert all(c.offset == 70 for c in joined) and cache_nbytes(joined) <= cache_nbytes(whole)
+    for _ in range(4):  # greedy tokens, row by row, as from the batch prefilled at once
+        y = mx.argmax(model(y[:, None], cache=whole)[:, -1], axis=-1)
+        y2 = mx.argmax(model(y2[:, None], cache=joined)[:, -1], axis=-1)
+        assert mx.array_equal(y, y2).item()
+
+
+def test_prefill_batch_rows_and_refusals(tmp_path):
+    out = tmp_path / "p.jsonl"
+    proc = run("--shape", "tiny", "--contexts", "64", "--batch", "3", "--caches", f"fp16,{VQ},mlx-q4", "--decode-tokens", "2",
+               "--warmup", "0", "--prefill-batch", "2", "--out-jsonl", str(out))
+    assert proc.returncode == 0, proc.stderr
+    fp16, vq, q4 = rows_of(out)
+    assert fp16["error"] is None and vq["error"] is None and fp16["prefill_batch"] == 2 and vq["batch"] == 3
+    assert "--prefill-batch joins fp16 and veloxquant caches" in q4["error"]

@@ -451,3 +451,40 @@ def test_prompt_cache_file_cut_short_is_refused(tmp_path, capsys):
         cli.load_prompt_cache_file(str(bad))
     err = capsys.readouterr().err
     assert f"--prompt-cache-file: {bad} is corrupt" in err and "'arrays.k_codes' does not match" in err
+
+
+def test_concat_joins_equal_length_batches_as_one_cache():
+    # Two groups of prompts of one length, prefilled apart, then decoded as one batch:
+    # every row attends and appends as it does in its own group.
+    cfg = KVConfig(key_bits=4, value_bits=3, window=16, sinks=2)
+    parts = [VeloxQuantCache(cfg), VeloxQuantCache(cfg)]
+    mx.random.seed(3)
+    for b, c in zip((1, 2), parts):
+        for t in (40, 30):
+            k, v = (mx.random.normal((b, 2, t, 64)).astype(mx.float16) for _ in range(2))
+            c.update_and_fetch(k, v)
+            c.attention(mx.random.normal((b, 4, t, 64)).astype(mx.float16), 0.125, "causal")
+    whole = VeloxQuantCache.concat(parts)
+    # The parts' tokens, without the capacity they held ahead.
+    assert whole.offset == 70 and whole.layer.nbytes <= sum(c.layer.nbytes for c in parts)
+    for got, *want in zip(whole.layer.dequantize(), *(c.layer.dequantize() for c in parts)):
+        # The same codes; the decode's products may round differently at another batch size.
+        assert mx.allclose(got, mx.concatenate(want, axis=0), rtol=1e-3, atol=1e-3).item()
+    k, v, q = (mx.random.normal((3, h, 1, 64)).astype(mx.float16) for h in (2, 2, 4))
+    whole.update_and_fetch(k, v)
+    out = whole.attention(q, 0.125)
+    want = []
+    for c, (lo, hi) in zip(parts, ((0, 1), (1, 3))):
+        c.update_and_fetch(k[lo:hi], v[lo:hi])
+        want.append(c.attention(q[lo:hi], 0.125))
+    assert mx.abs(out.astype(mx.float32) - mx.concatenate(want, axis=0).astype(mx.float32)).max().item() < 1e-3
+    # Different lengths or configs are refused, naming what differs.
+    short = VeloxQuantCache(cfg)
+    short.update_and_fetch(*(mx.zeros((1, 2, 20, 64), dtype=mx.float16),) * 2)
+    short.attention(mx.zeros((1, 4, 20, 64), dtype=mx.float16), 0.125, "causal")
+    with pytest.raises(ValueError, match="differs from cache 0 in .*compressed"):
+        VeloxQuantCache.concat([parts[0], short])
+    with pytest.raises(ValueError, match="must hold tokens"):
+        VeloxQuantCache.concat([parts[0], VeloxQuantCache(cfg)])
+    with pytest.raises(TypeError, match="non-empty list"):
+        VeloxQuantCache.concat([])

@@ -601,6 +601,36 @@ class VeloxQuantCache(_BaseCache):
         return new
 
     @classmethod
+    def concat(cls, caches: Sequence["VeloxQuantCache"]) -> "VeloxQuantCache":
+        """One cache whose batch rows are those of ``caches``, one after
+        another: caches of one config holding the same number of tokens in
+        the same layout, as prompts of one length prefilled a group at a
+        time (``veloxquant bench --prefill-batch``). Sequences of different
+        lengths join through :meth:`merge` instead. The arrays are copied
+        (lazily): drop the parts to free theirs."""
+        caches = list(caches)
+        if not caches or not all(isinstance(c, VeloxQuantCache) for c in caches):
+            raise TypeError("VeloxQuantCache.concat: caches must be a non-empty list of VeloxQuantCache")
+        if any(c.layer is None or c._pending is not None for c in caches):
+            raise ValueError("VeloxQuantCache.concat: every cache must hold tokens (a prefilled prompt)")
+        states = [c._state_parts() for c in caches]
+        layouts = [json.loads(st["layout"]) for st in states]
+        first = {k: v for k, v in layouts[0].items() if k != "batch"}
+        for i, (st, lay) in enumerate(zip(states, layouts)):
+            if st["config"] != states[0]["config"]:
+                raise ValueError(f"VeloxQuantCache.concat: cache {i}'s config differs from cache 0's")
+            other = {k: v for k, v in lay.items() if k != "batch"}
+            if other != first:
+                diff = sorted(k for k in set(other) | set(first) if other.get(k) != first.get(k))
+                raise ValueError(f"VeloxQuantCache.concat: cache {i} differs from cache 0 in {', '.join(diff)}")
+        layout = dict(layouts[0], batch=str(sum(int(lay["batch"]) for lay in layouts)))
+        names = states[0].get("arrays", {})
+        arrays = {name: mx.concatenate([st["arrays"][name] for st in states], axis=0) for name in names}
+        out = cls(KVConfig.from_json(states[0]["config"]))
+        out.state = {"config": states[0]["config"], "layout": json.dumps(layout, sort_keys=True), "arrays": arrays}
+        return out
+
+    @classmethod
     def merge(cls, caches):
         """A batch of these sequences' caches (mlx_lm's batching calls it on
         one of them): see veloxquant.batch_cache."""

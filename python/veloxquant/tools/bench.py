@@ -29,6 +29,11 @@ next step's graph built while the current one runs, as mlx_lm does.
 each one's median prefill time and decode speed (the runs in the JSON lines):
 the host of a GPU machine can drift by tens of percent between processes.
 
+``--prefill-batch K`` prefills a batch K sequences at a time, each group in
+its own cache, and joins the groups into the batch that decodes: a batch of
+the size a memory budget allows, without one prefill's transient memory for
+all of it (the prefill time includes the joins).
+
 ``--memory-budget GiB`` adds a capacity table: for each shape, context and
 cache, the most sequences that fit the budget as a server holds them (many
 decoding, one being prefilled), estimated from the largest batch measured:
@@ -218,6 +223,57 @@ def decode(model, cache, y, steps: int):
     return y
 
 
+def prefill_groups(model, spec: Dict[str, Any], tokens, step: int, group: Optional[int]):
+    """A cache of the prompts ``tokens`` ``[B, T]`` and their first tokens:
+    prefilled ``group`` rows at a time, each group with its own cache, then
+    joined layer by layer into one batch (as a server admits sequences a few
+    at a time); with ``group`` None or at least B, all rows at once."""
+    import mlx.core as mx
+
+    batch = tokens.shape[0]
+    if group is None or group >= batch:
+        cache = make_cache(model, spec)
+        return cache, prefill(model, cache, tokens, step)
+    if spec["kind"] not in ("fp16", "veloxquant"):
+        raise ValueError(f"--prefill-batch joins fp16 and veloxquant caches, not {spec['name']}")
+    parts, ys = [], []
+    for lo in range(0, batch, group):
+        cache = make_cache(model, spec)
+        ys.append(prefill(model, cache, tokens[lo:lo + group], step))
+        parts.append(cache)
+    return join_caches(parts), mx.concatenate(ys)
+
+
+def join_caches(parts: List[List[Any]]) -> List[Any]:
+    """Each layer's caches of ``parts`` (one list of layers a group of
+    sequences of one length) as one cache of all their rows; a layer's parts
+    are freed once its joined cache is evaluated, so that the join holds one
+    layer twice at most."""
+    import mlx.core as mx
+    from mlx_lm.models.cache import KVCache
+
+    from ..cache import VeloxQuantCache
+
+    joined = []
+    for i in range(len(parts[0])):
+        layer = [p[i] for p in parts]
+        if all(isinstance(c, VeloxQuantCache) for c in layer):
+            c = VeloxQuantCache.concat(layer)
+            mx.eval(c.state)
+        elif all(type(c) is KVCache for c in layer):
+            held = [x.keys_and_values() for x in layer]
+            k, v = (mx.concatenate([h[j] for h in held], axis=0) for j in range(2))
+            c = KVCache()
+            c.state = (k, v, k.shape[2])
+            mx.eval(k, v)
+        else:
+            raise ValueError(f"layer {i}: cannot join caches of types {sorted({type(c).__name__ for c in layer})}")
+        for p in parts:
+            p[i] = None
+        joined.append(c)
+    return joined
+
+
 def device_fields() -> Dict[str, Any]:
     import mlx.core as mx
     import mlx_lm
@@ -259,15 +315,15 @@ def run_worker(job: Dict[str, Any]) -> Dict[str, Any]:
         if job["warmup"] > 0:  # compile kernels and fill MLX's buffer cache before timing
             # Two chunks and the last token: the second chunk attends over a
             # history, as every later one does, and a compressed cache flushes.
-            warm = make_cache(model, job["cache"])
-            decode(model, warm, prefill(model, warm, tokens[:, : min(job["context"], 2 * step + 1)], step), job["warmup"])
-            del warm
+            warm, y = prefill_groups(model, job["cache"], tokens[:, : min(job["context"], 2 * step + 1)], step,
+                                     job.get("prefill_batch"))
+            decode(model, warm, y, job["warmup"])
+            del warm, y
         mx.clear_cache()
         mx.reset_peak_memory()
-        cache = make_cache(model, job["cache"])
         mx.synchronize()
         t0 = time.perf_counter()
-        y = prefill(model, cache, tokens, step)
+        cache, y = prefill_groups(model, job["cache"], tokens, step, job.get("prefill_batch"))
         mx.synchronize()
         t1 = time.perf_counter()
         prefill_peak, prefill_kv = mx.get_peak_memory(), cache_nbytes(cache)
@@ -367,7 +423,8 @@ def plan(args, parser) -> List[Dict[str, Any]]:
     contexts = _int_list(parser, "--contexts", args.contexts)
     batches = _int_list(parser, "--batch", args.batch)
     for option, value, least in (("--decode-tokens", args.decode_tokens, 1), ("--prefill-step-size",
-                                 args.prefill_step_size, 1), ("--warmup", args.warmup, 0)):
+                                 args.prefill_step_size, 1), ("--warmup", args.warmup, 0),
+                                 ("--prefill-batch", 1 if args.prefill_batch is None else args.prefill_batch, 1)):
         if value < least:
             parser.error(f"{option} must be >= {least}, got {value}")
     if args.repeat < 1:
@@ -407,7 +464,8 @@ def plan(args, parser) -> List[Dict[str, Any]]:
     else:
         shapes = [os.path.basename(model.rstrip("/"))]
     common = {"model": model, "decode_tokens": args.decode_tokens, "warmup": args.warmup,
-              "prefill_step_size": args.prefill_step_size, "device": args.device, "parallel": args.parallel}
+              "prefill_step_size": args.prefill_step_size, "device": args.device, "parallel": args.parallel,
+              "prefill_batch": args.prefill_batch}
     return [{**common, "shape": shape, "context": ctx, "batch": b, "cache": c}
             for shape in shapes for ctx in contexts for b in batches for c in caches]
 
@@ -535,6 +593,9 @@ def make_parser() -> argparse.ArgumentParser:
                    "values 3 bits, window 128, sinks 4)")
     p.add_argument("--decode-tokens", type=int, default=64, help="greedy tokens timed after the prompt (default: 64)")
     p.add_argument("--prefill-step-size", type=int, default=2048, help="prompt chunk (default: 2048, as mlx_lm)")
+    p.add_argument("--prefill-batch", type=int, default=None, metavar="K",
+                   help="prefill K sequences at a time, each group in its own cache, then join them into the batch "
+                   "that decodes (fp16 and veloxquant caches; default: the whole batch at once)")
     p.add_argument("--warmup", type=int, default=4, help="decode steps of the warm-up, 0 for none (default: 4)")
     p.add_argument("--timeout", type=float, default=1800, help="seconds per configuration run (default: 1800)")
     p.add_argument("--repeat", type=int, default=1, help="runs of each configuration, round by round; the table "
@@ -610,6 +671,7 @@ def main(argv: Optional[List[str]] = None) -> int:
                    "mlx": last.get("mlx"), "shape": job["shape"], "model": job["model"], "context": job["context"],
                    "batch": job["batch"], "cache": job["cache"]["name"], "recipe": job["cache"]["recipe"],
                    "decode_tokens": job["decode_tokens"], "prefill_step_size": job["prefill_step_size"],
+                   "prefill_batch": job.get("prefill_batch"),
                    "prefill_s": None, "decode_tok_s": None, "kv_bytes": None, "peak_bytes": None}
             row.update(combine_runs(runs[i]), command=command)
             rows.append(row)
