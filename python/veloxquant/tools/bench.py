@@ -518,7 +518,9 @@ def capacity_table(rows: List[Dict[str, Any]], budget_gib: float) -> str:
         model, batch = r["model_bytes"], r["batch"]
         if r.get("decode_peak_bytes") is not None:
             per_sequence = max(r["decode_peak_bytes"] - model, 1) / batch
-            prefill = max(r["prefill_peak_bytes"] - model - r["prefill_kv_bytes"], 0) / batch
+            # A batch prefilled a group at a time holds one group's transients.
+            group = min(r.get("prefill_batch") or batch, batch)
+            prefill = max(r["prefill_peak_bytes"] - model - r["prefill_kv_bytes"], 0) / group
         else:
             per_sequence, prefill = max(r["peak_bytes"] - model, 1) / batch, 0.0
         fits[key] = (max(0, int((budget - model - prefill) // per_sequence)), per_sequence, prefill, batch)
