@@ -15,7 +15,7 @@ import dataclasses
 import json
 import sys
 import zlib
-from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
@@ -343,6 +343,22 @@ def _layer_cache_class():
     return LayerCache
 
 
+class _FirstChunk(NamedTuple):
+    """A layer's first prefill chunk, held until it attends over itself."""
+
+    keys: mx.array
+    values: mx.array
+
+    def attend(self, queries: mx.array, scale: float, mask, float32: bool) -> mx.array:
+        q, k, v = queries, self.keys, self.values
+        if float32:
+            q, k, v = (a.astype(mx.float32) for a in (q, k, v))
+            if isinstance(mask, mx.array) and mask.dtype in (mx.float16, mx.bfloat16):
+                mask = mask.astype(mx.float32)
+        out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
+        return out.astype(queries.dtype)
+
+
 class VeloxQuantCache(_BaseCache):
     """One attention layer's keys and values, held compressed by a ``LayerCache``.
 
@@ -444,6 +460,12 @@ class VeloxQuantCache(_BaseCache):
         if keys.shape[2] <= FUSED_MAX_QUERIES:
             self._framed = None
             self.layer.append(keys, values)
+        elif self.layer.offset == 0:
+            # A first chunk has no history: it attends over its own keys and
+            # values as they came, as a float16 cache's does, with none of
+            # the frame's query and output products or their transients.
+            self._framed = _FirstChunk(keys, values)
+            self.layer.append(keys, values)
         else:
             self._framed = self.layer.framed_append(keys, values)
         return keys, values
@@ -457,6 +479,8 @@ class VeloxQuantCache(_BaseCache):
         if isinstance(mask, str) and mask != "causal":
             raise ValueError(f"mask must be None, 'causal' or an mx.array, got {mask!r}")
         framed, self._framed = self._framed, None
+        if isinstance(framed, _FirstChunk):
+            return framed.attend(queries, scale, mask, float32)
         if framed is not None:
             return self.layer.attend_framed(queries, framed[0], framed[1], scale, mask, float32=float32)
         return self.layer.attention(queries, scale, mask)

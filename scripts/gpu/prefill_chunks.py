@@ -12,6 +12,11 @@ chunk it records the host time to build the graph, the time to evaluate it and
 MLX's peak memory (weights included); it prints the medians over rounds (the
 peaks' largest), chunk by chunk, and the totals. A cost paid once per prefill shows as a first chunk slower than
 the second; a cost that grows with the history, as a gap that widens.
+
+`--eval-layers` evaluates each decoder layer's output and cache as the layer
+returns, so that the host never runs more than a layer ahead of the GPU: a
+probe of how much of a chunk's peak is temporaries that the GPU has not yet
+released because the host queued later layers first.
 """
 
 from __future__ import annotations
@@ -44,6 +49,21 @@ def prefill_timed(model, cache, tokens, step: int):
     return out
 
 
+def eval_each_layer(model) -> None:
+    """Makes every decoder layer of `model` evaluate its output and its cache's
+    state before it returns (the probe behind `--eval-layers`)."""
+    block = type(model.model.layers[0])
+    call = block.__call__
+
+    def evaluated(self, x, *args, **kwargs):
+        out = call(self, x, *args, **kwargs)
+        cache = kwargs.get("cache", args[1] if len(args) > 1 else None)
+        mx.eval(out, cache.state if cache is not None else [])
+        return out
+
+    block.__call__ = evaluated
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-8b")
@@ -53,8 +73,11 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--step", type=int, default=2048, help="prefill chunk (mlx_lm's prefill_step_size)")
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--eval-layers", action="store_true", help="evaluate each layer as it returns (see above)")
     args = p.parse_args()
     model = bench.build_model({"shape": args.shape})
+    if args.eval_layers:
+        eval_each_layer(model)
     tokens = mx.random.randint(0, model.args.vocab_size, (args.batch, args.context), key=mx.random.key(0))
     mx.eval(tokens)
     names = args.caches.split(",")
