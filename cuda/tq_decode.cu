@@ -4,7 +4,9 @@
 // last block of each tile (out [B, Hq, L, D], T).
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
-// CAUSAL, SCALE (the score scale's float32 bits), ROTATED, REDUCE.
+// CAUSAL, SCALE (the score scale's float32 bits), ROTATED, REDUCE, VARIANT
+// (bits that choose how the tensor-core path reads its operands: see KPAIR
+// and QA2 below).
 // Inputs, read through their shapes and strides (no parameter buffer, no
 // copies): q [B, Hq, L, D] as the model gives it, or with ROTATED already
 // rotated and scaled by tq_rotate (float32); rot [D, D] float32, the keys'
@@ -87,13 +89,23 @@ __shared__ float vc[1 << VB];
 // With 4-bit keys a byte of two codes indexes a table of their two
 // centroids as a half2 word: one lookup a B register instead of two and a
 // PRMT (a fifth of the loop's instructions; 43.1 -> 41.2 us a call at
-// llama-8b 32K on the H200).
-constexpr bool KPAIR = KB == 4;
+// llama-8b 32K on the H200). Its 256 words share 32 banks, so a warp's
+// lookups take ~3.3 shared-memory cycles each on Gaussian codes; VARIANT
+// bit 0 takes the 16-word table (two conflict-free lookups and a PRMT).
+// VARIANT bit 1: values of at most 3 bits decode through byte permutes of
+// four registers holding their centroids' low and high bytes instead of a
+// shared table (four PRMTs for four codes, no shared-memory reads).
+constexpr bool KPAIR = KB == 4 && (VARIANT & 1) == 0;
+constexpr bool VPERM = VB <= 3 && (VARIANT & 2) != 0;
 __shared__ uint32_t kt[KPAIR ? 256 : 1 << KB];
 // The queries' A fragments, alike in every warp, with their zero rows: one
 // 16-byte load a k-step instead of 16 registers held and two moves (with
 // tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
-__shared__ uint4 qa_s[MMA ? (D / 16) * 32 : 1];
+// VARIANT bit 2 keeps only their nonzero words (an 8-byte load, half the
+// shared-memory cycles, and two moves).
+constexpr bool QA2 = (VARIANT & 4) != 0;
+__shared__ uint4 qa_s[MMA && !QA2 ? (D / 16) * 32 : 1];
+__shared__ uint2 qa2_s[MMA && QA2 ? (D / 16) * 32 : 1];
 __shared__ uint32_t vt[1 << VB];
 // 16-byte aligned: the queries' rotation reads the raw rows here as float4.
 __shared__ __align__(16) float sc[QN * TT];
@@ -304,7 +316,12 @@ if (MMA && compressed) {
     for (int ks = 0; ks < KS; ++ks) {
       const float* x = qs + (g < uint32_t(QN) ? g : 0u) * D + tg * KSEG + 4 * ks;
       const bool on = g < uint32_t(QN);
-      qa_s[ks * 32 + lane] = make_uint4(on ? tq_half2_bits(x[0], x[1]) : 0u, 0u, on ? tq_half2_bits(x[2], x[3]) : 0u, 0u);
+      const uint32_t lo = on ? tq_half2_bits(x[0], x[1]) : 0u, hi = on ? tq_half2_bits(x[2], x[3]) : 0u;
+      if constexpr (QA2) {
+        qa2_s[ks * 32 + lane] = make_uint2(lo, hi);
+      } else {
+        qa_s[ks * 32 + lane] = make_uint4(lo, 0u, hi, 0u);
+      }
     }
   }
   // Codes j, j + 1 of a key row's words as a half2 B register.
@@ -315,6 +332,9 @@ if (MMA && compressed) {
       return tq_pair_along<KB, KNW>(kt, w, j);
     }
   };
+  // The values' centroids as byte tables for tq_perm_pairs.
+  TqPermTable vperm{};
+  if constexpr (VPERM) vperm = tq_perm_table<VB>(vt);
   // Values: C holds dimensions g VSEG + 2j (rows g) and g VSEG + 2j + 1
   // (rows g + 8) of query rows 2tg, 2tg + 1 (columns).
   constexpr int MT = D / 16;
@@ -347,7 +367,13 @@ if (MMA && compressed) {
       float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
       for (int ks = 0; ks < KS; ++ks) {
-        const uint4 qa = qa_s[ks * 32 + lane];
+        uint4 qa;
+        if constexpr (QA2) {
+          const uint2 q2 = qa2_s[ks * 32 + lane];
+          qa = make_uint4(q2.x, 0u, q2.y, 0u);
+        } else {
+          qa = qa_s[ks * 32 + lane];
+        }
         const uint32_t a[4] = {qa.x, qa.y, qa.z, qa.w};
         vq_mma(s0, a, key_pair(w0, 4 * ks), key_pair(w0, 4 * ks + 2));
         vq_mma(s1, a, key_pair(w1, 4 * ks), key_pair(w1, 4 * ks + 2));
@@ -395,9 +421,16 @@ if (MMA && compressed) {
       const uint32_t b0 = tq_half2_bits(p[0], p[1]), b1 = tq_half2_bits(p[2], p[3]);
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        const uint32_t a[4] = {tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j), tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j + 1),
-                               tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j), tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j + 1)};
-        vq_mma(o[j], a, b0, b1);
+        if constexpr (VPERM) {
+          const uint2 x = tq_perm_pairs<VB, VNW>(vperm, w[0], w[1], 2 * j);
+          const uint2 y = tq_perm_pairs<VB, VNW>(vperm, w[2], w[3], 2 * j);
+          const uint32_t a[4] = {x.x, x.y, y.x, y.y};
+          vq_mma(o[j], a, b0, b1);
+        } else {
+          const uint32_t a[4] = {tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j), tq_pair_across<VB, VNW>(vt, w[0], w[1], 2 * j + 1),
+                                 tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j), tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j + 1)};
+          vq_mma(o[j], a, b0, b1);
+        }
       }
     }
   }

@@ -110,6 +110,39 @@ __device__ __forceinline__ uint32_t tq_pair_across(const uint32_t* table, const 
   return __byte_perm(table[tq_word_code<B, NW>(lo, j)], table[tq_word_code<B, NW>(hi, j)], 0x5410);
 }
 
+// Up to eight centroids' float16 bits as byte tables: lo[0] holds the low
+// bytes of entries 0-3, lo[1] of 4-7, hi the high bytes (entries past the
+// table zero), for __byte_perm lookups of codes of at most 3 bits.
+struct TqPermTable {
+  uint32_t lo[2], hi[2];
+};
+
+template <int B>
+__device__ __forceinline__ TqPermTable tq_perm_table(const uint32_t* table) {
+  static_assert(B <= 3, "a byte permute selects among eight bytes");
+  TqPermTable t{};
+#pragma unroll
+  for (int e = 0; e < (1 << B); ++e) {
+    t.lo[e / 4] |= (table[e] & 0xffu) << (8 * (e % 4));
+    t.hi[e / 4] |= ((table[e] >> 8) & 0xffu) << (8 * (e % 4));
+  }
+  return t;
+}
+
+// Codes j and j + 1 of two rows' words (lo's in the low halves) as two
+// half2 words, tq_pair_across(.., j) and (.., j + 1), through byte
+// permutes: the four codes select their entries' low bytes, then their
+// high bytes, and two more permutes interleave them.
+template <int B, int NW>
+__device__ __forceinline__ uint2 tq_perm_pairs(const TqPermTable& t, const uint32_t (&lo)[NW], const uint32_t (&hi)[NW],
+                                               int j) {
+  const uint32_t sel = tq_word_code<B, NW>(lo, j) | (tq_word_code<B, NW>(hi, j) << 4) |
+                       (tq_word_code<B, NW>(lo, j + 1) << 8) | (tq_word_code<B, NW>(hi, j + 1) << 12);
+  const uint32_t l = __byte_perm(t.lo[0], t.lo[1], sel);
+  const uint32_t h = __byte_perm(t.hi[0], t.hi[1], sel);
+  return make_uint2(__byte_perm(l, h, 0x5140), __byte_perm(l, h, 0x7362));
+}
+
 // The max and the sum of x over a warp's 32 lanes, in every lane.
 __device__ __forceinline__ float tq_warp_max(float x) {
 #pragma unroll

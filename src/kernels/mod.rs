@@ -251,6 +251,20 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
     Ok(per_sm * cuda_sms()?)
 }
 
+/// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
+/// to 7): bit 0 looks 4-bit keys up one code at a time rather than two, bit
+/// 1 decodes values of at most 3 bits by byte permutes of registers rather
+/// than a shared table, bit 2 loads the queries' fragments without their
+/// zero words. `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 8: the variant plus one)
+/// sets another, to compare them on a device.
+pub(crate) fn decode_variant() -> Result<usize> {
+    static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 8, "a decode variant plus one")? - 1)
+}
+
+/// `tq_decode`'s default [`decode_variant`].
+const DECODE_VARIANT: usize = 0;
+
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
 pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));
 

@@ -658,6 +658,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         outputs.push((q.shape(), q.dtype()));
         outputs.push((current.shape(), Dtype::U32));
         template.push(("REDUCE", TemplateArg::Bool(reduce)));
+        template.push(("VARIANT", TemplateArg::Int(super::decode_variant()? as i32)));
     }
     let mut parts = gpu::launch(
         &Launch {
