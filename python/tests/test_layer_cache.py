@@ -35,18 +35,20 @@ def test_fused_attention_matches_decode_then_sdpa():
     assert rel_err(out, ref) < 1e-5
 
 
+@pytest.mark.parametrize("tokens", [40, 200])
 @pytest.mark.parametrize("method", ["turboquant-mse", "kivi"])
-def test_a_prefill_chunk_attends_over_the_framed_buffer_in_float32_as_in_float16(method):
+def test_a_prefill_chunk_attends_over_the_framed_buffer_in_float32_as_in_float16(method, tokens):
     """The CPU's float32 route for a prefill chunk: the same attention as the
     float16 one and as decode-then-SDPA in float32, returned in the cache's
-    dtype."""
+    dtype. A chunk of 40 queries over 340 tokens enters the buffer's frame;
+    one of 200 (more query rows than buffer rows) takes the buffer out of it."""
     cache, _, _ = filled(method=method, device="cpu")
-    chunk = mx.random.normal((1, 2, 40, 64), key=mx.random.key(6)).astype(mx.float16)
-    q = mx.random.normal((1, 6, 40, 64), key=mx.random.key(7)).astype(mx.float16)
+    chunk = mx.random.normal((1, 2, tokens, 64), key=mx.random.key(6)).astype(mx.float16)
+    q = mx.random.normal((1, 6, tokens, 64), key=mx.random.key(7)).astype(mx.float16)
     fk, fv = cache.framed_with(chunk, chunk)
     half = cache.attend_framed(q, fk, fv, 0.125, "causal")
     single = cache.attend_framed(q, fk, fv, 0.125, "causal", float32=True)
-    assert single.dtype == mx.float16 and single.shape == (1, 6, 40, 64)
+    assert single.dtype == mx.float16 and single.shape == (1, 6, tokens, 64)
     k, v = cache.dequantize()
     k = mx.concatenate([k, chunk], axis=2).astype(mx.float32)
     v = mx.concatenate([v, chunk], axis=2).astype(mx.float32)

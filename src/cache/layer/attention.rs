@@ -250,37 +250,58 @@ impl LayerCache {
             _ => (false, false, false),
         };
         // A compressed layer's buffer holds keys as `k·Πᵀ/F` or `k/F`, and
-        // rotated values as `v·Πᵀ/F`: a query entering the rotated key frame
-        // the same way gets its scores back with `scale·F²` (unrotated keys:
-        // `scale·F`), and the output leaves the value frame as `out·Π·F`.
+        // rotated values as `v·Πᵀ/F`. Either the queries enter the rotated
+        // key frame the same way (scores back with `scale·F²`) and the output
+        // leaves the value frame as `out·Π·F`, or the buffer's rotated sides
+        // return to the model's frame through `Π·F` (the keys less their
+        // mean, which no score's softmax sees): whichever multiplies fewer
+        // rows. A chunk of L queries over a buffer of N tokens takes the
+        // buffer's way while N·Hkv < L·Hq (with llama-8b's 2048-token chunks,
+        // up to 8K tokens); that also holds fewer transients, which MLX's
+        // CUDA back-end keeps until the GPU has run their layer.
+        // Unrotated keys: `scale·F` either way.
         let dtype = if float32 { Dtype::F32 } else { self.dtype };
         let up = |a: &Array| -> Result<Array> { if a.dtype() == dtype { Ok(a.clone()) } else { ops::astype(a, dtype, s) } };
         let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref()).map(up).transpose()?;
         let rotation_t = rotation_t.as_ref();
         let (queries, keys, values) = (&up(queries)?, &up(keys)?, &up(values)?);
         let f = frame_scale(self.cfg.head_dim);
-        let q = match rotation_t.filter(|_| key_rotated) {
-            Some(r) => ops::matmul(queries, r, s)?,
-            None => queries.clone(),
+        // `F²` (a power of two: the same rounding) scales the D x D matrix
+        // rather than the rows it multiplies.
+        let back = |r: &Array| -> Result<Array> {
+            ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?, s)
         };
-        let scale = match (compressed, key_rotated) {
-            (true, true) => scale * f * f,
-            (true, false) => scale * f,
-            _ => scale,
-        };
+        let buffer_rows = ks[1] as usize * ks[2] as usize;
+        let query_rows = qs[1] as usize * qs[2] as usize;
         let prepared = match mask {
             AttentionMask::Array(m) => Some(kv_attention::prepare_mask(m, self.batch, qs[1] as usize, qs[2] as usize, ks[2] as usize, s)?.0),
             _ => None,
         };
-        let out = sdpa(&q, keys, values, scale, prepared.as_ref(), matches!(mask, AttentionMask::Causal), s)?;
-        let out = match rotation_t.filter(|_| value_rotated) {
-            // `F²` (a power of two: the same rounding) scales the D x D
-            // matrix rather than the chunk's output.
-            Some(r) => {
-                let back = ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?, s)?;
-                ops::matmul(&out, &back, s)?
+        let causal = matches!(mask, AttentionMask::Causal);
+        let out = match rotation_t.filter(|_| key_rotated || value_rotated) {
+            Some(r) if buffer_rows < query_rows => {
+                let pi_f = back(r)?;
+                let keys = if key_rotated { ops::matmul(keys, &pi_f, s)? } else { keys.clone() };
+                let values = if value_rotated { ops::matmul(values, &pi_f, s)? } else { values.clone() };
+                let scale = if key_rotated { scale } else { scale * f };
+                sdpa(queries, &keys, &values, scale, prepared.as_ref(), causal, s)?
             }
-            None => out,
+            _ => {
+                let q = match rotation_t.filter(|_| key_rotated) {
+                    Some(r) => ops::matmul(queries, r, s)?,
+                    None => queries.clone(),
+                };
+                let scale = match (compressed, key_rotated) {
+                    (true, true) => scale * f * f,
+                    (true, false) => scale * f,
+                    _ => scale,
+                };
+                let out = sdpa(&q, keys, values, scale, prepared.as_ref(), causal, s)?;
+                match rotation_t.filter(|_| value_rotated) {
+                    Some(r) => ops::matmul(&out, &back(r)?, s)?,
+                    None => out,
+                }
+            }
         };
         if out.dtype() == self.dtype { Ok(out) } else { ops::astype(&out, self.dtype, s) }
     }
