@@ -267,8 +267,8 @@ pub(crate) fn decode_variant() -> Result<usize> {
 /// B=1 Hq=32 Hkv=8 D=128, 16 calls an evaluation (`bench_attention`, two
 /// runs each): 143 µs a call at 128K against 0's 152-160, 84 µs at 32K against
 /// 85-87; llama-8b 128K batch 1 decoded 103.0 tok/s against 98.6. Values
-/// through permutes alone (2) took 164 µs at 128K, single-code key lookups
-/// (1) 156.
+/// through permutes alone (2) took 164 µs at 128K, with single-code key
+/// lookups (3) 156 (docs/results/cuda_decode_variants.md).
 const DECODE_VARIANT: usize = 6;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
