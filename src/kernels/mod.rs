@@ -238,7 +238,11 @@ pub(crate) fn walking_blocks() -> Result<usize> {
 /// its blocks' long splits are bound by the rate they issue at, which more
 /// warps an SM raise (llama-8b 32K batch 8 end to end: 1.23× of float16 with
 /// three, 0.90× with two at 39b7e56's kernels). The last block of a tile
-/// merges fewer partials with fewer splits.
+/// merges fewer partials with fewer splits. Variant 6 of the kernel
+/// ([`decode_variant`]) takes 127 registers, so two of its blocks fit an SM
+/// and a batch's grid runs in one and a half waves; at llama-8b 32K batch 8
+/// on an H100 it decoded 581.4 tok/s so, 575.8 with two blocks an SM, and
+/// variant 0 (72 registers, three blocks resident) 585.0.
 /// `VELOXQUANT_DECODE_BLOCKS_PER_SM` (1 to 64) sets another count per SM,
 /// to tune a device.
 pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
@@ -268,7 +272,8 @@ pub(crate) fn decode_variant() -> Result<usize> {
 /// runs each): 143 µs a call at 128K against 0's 152-160, 84 µs at 32K against
 /// 85-87; llama-8b 128K batch 1 decoded 103.0 tok/s against 98.6. Values
 /// through permutes alone (2) took 164 µs at 128K, with single-code key
-/// lookups (3) 156 (docs/results/cuda_decode_variants.md).
+/// lookups (3) 156 (docs/results/cuda_decode_variants.md). Variant 6 holds
+/// the queries' fragments in registers: 127 a thread against variant 0's 72.
 const DECODE_VARIANT: usize = 6;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
