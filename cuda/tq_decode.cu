@@ -101,8 +101,9 @@ __shared__ uint32_t kt[KPAIR ? 256 : 1 << KB];
 // The queries' A fragments, alike in every warp, with their zero rows: one
 // 16-byte load a k-step instead of 16 registers held and two moves (with
 // tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
-// VARIANT bit 2 keeps only their nonzero words (an 8-byte load, half the
-// shared-memory cycles, and two moves).
+// VARIANT bit 2 keeps only their nonzero words; ptxas then holds them in
+// registers across the loop (127 a thread in variant 6) and builds each
+// fragment with moves.
 constexpr bool QA2 = (VARIANT & 4) != 0;
 __shared__ uint4 qa_s[MMA && !QA2 ? (D / 16) * 32 : 1];
 __shared__ uint2 qa2_s[MMA && QA2 ? (D / 16) * 32 : 1];
