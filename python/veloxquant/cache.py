@@ -27,7 +27,7 @@ from mlx_lm.models.cache import (
 )
 
 from . import attention, distributed
-from .attention import FUSED_MAX_QUERIES
+from .attention import FUSED_MAX_QUERIES, _up
 from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group",
@@ -352,9 +352,7 @@ class _FirstChunk(NamedTuple):
     def attend(self, queries: mx.array, scale: float, mask, float32: bool) -> mx.array:
         q, k, v = queries, self.keys, self.values
         if float32:
-            q, k, v = (a.astype(mx.float32) for a in (q, k, v))
-            if isinstance(mask, mx.array) and mask.dtype in (mx.float16, mx.bfloat16):
-                mask = mask.astype(mx.float32)
+            q, k, v, mask = (_up(a) for a in (q, k, v, mask))
         out = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask)
         return out.astype(queries.dtype)
 
