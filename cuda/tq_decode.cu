@@ -90,7 +90,7 @@ __shared__ float vc[1 << VB];
 // centroids as a half2 word: one lookup a B register instead of two and a
 // PRMT (a fifth of the loop's instructions; 43.1 -> 41.2 us a call at
 // llama-8b 32K on the H200). Its 256 words share 32 banks, so a warp's
-// lookups take ~3.3 shared-memory cycles each on Gaussian codes; VARIANT
+// lookups conflict: several shared-memory cycles each; VARIANT
 // bit 0 takes the 16-word table (two conflict-free lookups and a PRMT).
 // VARIANT bit 1: values of at most 3 bits decode through byte permutes of
 // four registers holding their centroids' low and high bytes instead of a
