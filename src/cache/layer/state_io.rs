@@ -91,6 +91,12 @@ pub(super) fn parts(cache: &LayerCache) -> Result<(Vec<(String, Array)>, BTreeMa
             // Sinks then recent tokens, as stored.
             let (ns, nr, w0) = (x.n_sink as i32, x.n_recent as i32, c.sinks as i32);
             let take = |w: &Array| -> Result<Array> {
+                if ns == w0 || nr == 0 {
+                    // One run of slots (the sinks full, or no recent token
+                    // yet): a view, where joining two would copy the windows
+                    // at every evaluation of the state.
+                    return ops::slice(w, &[0, 0, 0, 0], &[b, h, ns + nr, d], s);
+                }
                 let sink = ops::slice(w, &[0, 0, 0, 0], &[b, h, ns, d], s)?;
                 let recent = ops::slice(w, &[0, 0, w0, 0], &[b, h, w0 + nr, d], s)?;
                 ops::concatenate(&[sink, recent], 2, s)
@@ -294,7 +300,7 @@ pub(super) fn from_parts(tensors: &HashMap<String, Array>, meta: &HashMap<String
     c.reserve_window(if nr > 0 { cache.cfg.sinks + nr } else { ns }, n + ns + nr, cache.cfg.window_capacity(), &s)?;
     let w0 = cache.cfg.sinks as i32;
     for (side, prefix, win) in [(&mut c.keys, "k", &wk), (&mut c.values, "v", &wv)] {
-        side.grow(cap, &s)?;
+        side.grow(cap, false, &s)?;
         let sc = side.codec;
         let codes_dtype = side.codes.dtype();
         let codes = tensor(&format!("{prefix}_codes"), codes_dtype, &[b, h, n as i32, sc.row_len(d as usize) as i32])?;

@@ -136,12 +136,20 @@ impl Side {
             + layout
     }
 
-    /// Grows the stores to `new` token slots (zeros appended).
-    pub(super) fn grow(&mut self, new: usize, s: &Stream) -> Result<()> {
-        extend_slots(&mut self.codes, new, s)?;
+    /// Grows the stores to `new` token slots: zeros appended, or with `keep`
+    /// false (no compressed token held) fresh zeros, one launch an array
+    /// instead of a join.
+    pub(super) fn grow(&mut self, new: usize, keep: bool, s: &Stream) -> Result<()> {
         let rows = self.codec.param_rows(new);
-        for a in [self.scales.as_mut(), self.zeros.as_mut()].into_iter().flatten() {
-            extend_slots(a, rows, s)?;
+        let arrays = [(Some(&mut self.codes), new), (self.scales.as_mut(), rows), (self.zeros.as_mut(), rows)];
+        for (a, slots) in arrays.into_iter().filter_map(|(a, n)| a.map(|a| (a, n))) {
+            if keep {
+                extend_slots(a, slots, s)?;
+            } else {
+                let mut shape = a.shape();
+                shape[2] = slots as i32;
+                *a = ops::zeros(&shape, a.dtype(), s)?;
+            }
         }
         Ok(())
     }
@@ -161,8 +169,10 @@ impl Side {
                 // token with a NaN or an infinity or a norm past that range
                 // (NaN where a back-end's min keeps NaN): one pass over the
                 // norms instead of computing them again from `x`.
-                let limit = Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?;
-                let nan = ops::astype(&Array::scalar_f32(f32::NAN)?, Dtype::F16, &s)?;
+                // Float16 constants: the norms compare and select without casts
+                // (two launches a side and flush, not four).
+                let limit = Array::from_slice(&[half::f16::from_f32(crate::cpu::turboquant::MAX_NORM)], &[])?;
+                let nan = Array::from_slice(&[half::f16::NAN], &[])?;
                 ops::where_(&ops::greater_equal(&scales, &limit, &s)?, &nan, &scales, &s)?
             } else {
                 let bad = self.non_finite(x, &s)?;
