@@ -1097,3 +1097,31 @@ fn wrong_key_widths_name_the_argument() {
 fn zero_weights_share_the_bits_evenly() {
     assert_eq!(veloxquant::cache::channel_widths(&[0.0; 128], 64, 3).unwrap(), vec![3u8; 128]);
 }
+
+#[test]
+fn a_prefill_chunk_joins_no_store_and_its_state_is_views() {
+    // The first chunk of a compressed layer creates its stores as fresh
+    // zeros (no join of a placeholder slot), and the state mlx_lm evaluates
+    // after every chunk adds no copy to what the chunk launched.
+    let mut cfg = CacheConfig::new(64, 2);
+    cfg.key_bits = 4;
+    cfg.value_bits = 3;
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    let mut cache = LayerCache::new(cfg, Some(Stream::cpu())).unwrap();
+    for chunk in 0..2 {
+        let k = normal(&mut rng, &[1, 2, 300, 64], Dtype::F16);
+        let v = normal(&mut rng, &[1, 2, 300, 64], Dtype::F16);
+        veloxquant::array::eval(&[&k, &v]).unwrap();
+        cache.append(&k, &v).unwrap();
+        let launched = veloxquant::graph::pending_kernels(&cache.arrays()).unwrap();
+        if chunk == 0 {
+            assert!(cache.compressed_tokens() > 0, "the first chunk compressed nothing");
+            assert!(!launched.iter().any(|n| n == "Concatenate"), "first chunk joins arrays: {launched:?}");
+        }
+        veloxquant::array::eval(&cache.arrays()).unwrap();
+        let (parts, _) = cache.state_parts().unwrap();
+        let state: Vec<&Array> = parts.iter().map(|(_, a)| a).collect();
+        let extra = veloxquant::graph::pending_kernels(&state).unwrap();
+        assert!(extra.is_empty(), "chunk {chunk}: evaluating the state launches {extra:?}");
+    }
+}
