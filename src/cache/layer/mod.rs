@@ -242,15 +242,7 @@ impl LayerCache {
                 let diag: Vec<f32> = (0..dim * dim).map(|i| if i % (dim + 1) == 0 { 1.0 / f } else { 0.0 }).collect();
                 Some(ops::astype(&Array::from_slice(&diag, &[d, d])?, dtype, s)?)
             };
-            let rotation_back = rotation_t
-                .as_ref()
-                .map(|r| {
-                    let f = frame_scale(self.cfg.head_dim);
-                    // A power of two: the same rounding as `rotation_t`'s.
-                    ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?, s)
-                })
-                .transpose()?;
-            Ok(Shared { rotation, rotation_t, rotation_back, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
+            Ok(Shared { rotation, rotation_t, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
         })?);
         // No compressed token yet: one slot (the kernels take no empty
         // array), grown at the first flush. The windows hold what the first
