@@ -7,7 +7,7 @@
 # builds are to differ in their Rust and kernel sources). Output in $OUT:
 # each run's table, wab_<build>_<round>.md.
 #
-#   device-wheel-ab.sh WHEEL_A WHEEL_B [...] [-- python module and arguments]
+#   device-wheel-ab.sh WHEEL_A WHEEL_B [...] [-- python module or script.py, and arguments]
 #   ROUNDS  runs of each build (default 2)
 #
 # Default command: python3 -m veloxquant.tools.bench_attention --device gpu
@@ -21,7 +21,7 @@ while [ $# -gt 0 ] && [ "$1" != "--" ]; do
   shift
 done
 [ $# -gt 0 ] && shift
-[ ${#wheels[@]} -ge 2 ] || { echo "usage: $0 WHEEL_A WHEEL_B [...] [-- module args]" >&2; exit 2; }
+[ ${#wheels[@]} -ge 2 ] || { echo "usage: $0 WHEEL_A WHEEL_B [...] [-- module or script.py, args]" >&2; exit 2; }
 cmd=("$@")
 [ ${#cmd[@]} -gt 0 ] || cmd=(veloxquant.tools.bench_attention --device gpu --iters 20 --contexts 32768 131072)
 OUT="${OUT:-/tmp/vq-out}"
@@ -31,12 +31,15 @@ for i in "${!wheels[@]}"; do
   rm -rf "/root/vq$i"
   python3 -m pip install -q --no-index --no-deps --target "/root/vq$i" "${wheels[$i]}" || exit 1
   cp python/veloxquant/*.py "/root/vq$i/veloxquant/"
+  cp python/veloxquant/tools/*.py "/root/vq$i/veloxquant/tools/"
 done
+# A script (scripts/gpu/prefill_chunks.py ...) runs as a file, anything else as a module.
+run=(-m); [[ "${cmd[0]}" == *.py ]] && run=()
 status=0
 for round in $(seq 1 "${ROUNDS:-2}"); do
   for i in "${!wheels[@]}"; do
     echo "== ${wheels[$i]}, round $round"
-    PYTHONPATH="/root/vq$i:/root/site:$PWD/.device/pylib" python3 -m "${cmd[@]}" >"$OUT/wab_${i}_${round}.md" 2>&1 || status=1
+    PYTHONPATH="/root/vq$i:/root/site:$PWD/.device/pylib" python3 "${run[@]}" "${cmd[@]}" >"$OUT/wab_${i}_${round}.md" 2>&1 || status=1
     grep "^|" "$OUT/wab_${i}_${round}.md" | tail -n +3
   done
 done
