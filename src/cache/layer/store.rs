@@ -140,16 +140,19 @@ impl Side {
     /// false (no compressed token held) fresh zeros, one launch an array
     /// instead of a join.
     pub(super) fn grow(&mut self, new: usize, keep: bool, s: &Stream) -> Result<()> {
-        let rows = self.codec.param_rows(new);
-        let arrays = [(Some(&mut self.codes), new), (self.scales.as_mut(), rows), (self.zeros.as_mut(), rows)];
-        for (a, slots) in arrays.into_iter().filter_map(|(a, n)| a.map(|a| (a, n))) {
+        let resize = |a: &mut Array, slots: usize| -> Result<()> {
             if keep {
-                extend_slots(a, slots, s)?;
-            } else {
-                let mut shape = a.shape();
-                shape[2] = slots as i32;
-                *a = ops::zeros(&shape, a.dtype(), s)?;
+                return extend_slots(a, slots, s);
             }
+            let mut shape = a.shape();
+            shape[2] = slots as i32;
+            *a = ops::zeros(&shape, a.dtype(), s)?;
+            Ok(())
+        };
+        resize(&mut self.codes, new)?;
+        let rows = self.codec.param_rows(new);
+        for a in [self.scales.as_mut(), self.zeros.as_mut()].into_iter().flatten() {
+            resize(a, rows)?;
         }
         Ok(())
     }
