@@ -32,8 +32,9 @@ from veloxquant.tools import bench
 
 
 def prefill_timed(model, cache, tokens, step: int):
-    """bench.prefill's chunks, each timed: [(history, build s, eval s, peak bytes)],
-    the peak being MLX's memory in use at its highest during the chunk."""
+    """bench.prefill's chunks and its last token, each timed: [(history, build
+    s, eval s, peak bytes)], the peak being MLX's memory in use at its highest
+    during the chunk."""
     n, done, out = tokens.shape[1], 0, []
     while n - done > 1:
         k = min(step, n - 1 - done)
@@ -46,6 +47,15 @@ def prefill_timed(model, cache, tokens, step: int):
         out.append((done, t1 - t0, t2 - t1, mx.get_peak_memory()))
         done += k
         mx.clear_cache()
+    # The prompt's last token, as bench.prefill ends: one query through the
+    # decode path, then the first generated token.
+    mx.reset_peak_memory()
+    t0 = time.perf_counter()
+    y = mx.argmax(model(tokens[:, done:], cache=cache)[:, -1], axis=-1)
+    t1 = time.perf_counter()
+    mx.eval(y)
+    t2 = time.perf_counter()
+    out.append((done, t1 - t0, t2 - t1, mx.get_peak_memory()))
     return out
 
 

@@ -90,13 +90,12 @@ pub(super) fn parts(cache: &LayerCache) -> Result<(Vec<(String, Array)>, BTreeMa
             tensors.extend(side_tensors(&x.values, "v", x.len, s)?);
             // Sinks then recent tokens, as stored.
             let (ns, nr, w0) = (x.n_sink as i32, x.n_recent as i32, c.sinks as i32);
+            // Joined even where the slots are one run (the sinks full): on
+            // the CUDA back-end a view of the window here made the next
+            // prefill chunk's evaluation 16 ms slower at llama-8b 4K (H100,
+            // scripts/gpu/prefill_chunks.py, 62.9 against 78.8 ms), more than
+            // the copy of two windows costs.
             let take = |w: &Array| -> Result<Array> {
-                if ns == w0 || nr == 0 {
-                    // One run of slots (the sinks full, or no recent token
-                    // yet): a view, where joining two would copy the windows
-                    // at every evaluation of the state.
-                    return ops::slice(w, &[0, 0, 0, 0], &[b, h, ns + nr, d], s);
-                }
                 let sink = ops::slice(w, &[0, 0, 0, 0], &[b, h, ns, d], s)?;
                 let recent = ops::slice(w, &[0, 0, w0, 0], &[b, h, w0 + nr, d], s)?;
                 ops::concatenate(&[sink, recent], 2, s)
