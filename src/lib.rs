@@ -6,6 +6,7 @@
 
 pub mod array;
 pub mod cache;
+pub mod codec;
 pub mod cpu;
 pub mod dtype;
 pub mod error;

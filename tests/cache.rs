@@ -1127,3 +1127,27 @@ fn a_prefill_chunk_joins_no_store_and_its_state_copies_only_the_windows() {
         assert_eq!(extra.len(), 2, "chunk {chunk}: evaluating the state launches {extra:?}");
     }
 }
+
+#[test]
+fn every_method_is_defined_once_and_parses_from_its_names() {
+    use veloxquant::cache::{Method, METHODS};
+    for (i, m) in METHODS.into_iter().enumerate() {
+        let def = m.def();
+        assert_eq!(def.method, m, "definition {i} is for another method");
+        for name in std::iter::once(def.name).chain(def.aliases.iter().copied()) {
+            assert_eq!(name.parse::<Method>().unwrap(), m, "{name:?}");
+        }
+        // The codec a side gets is one the method's bits are checked for,
+        // and a keys-only method is refused for values.
+        let mut cfg = CacheConfig::new(64, 2);
+        cfg.key_method = m;
+        cfg.key_bits = def.bits.map_or(16, |b| b[b.len() - 1]);
+        cfg.validate().unwrap_or_else(|e| panic!("{m} keys at {} bits: {e}", cfg.key_bits));
+        assert_eq!(cfg.key_codec().codec == veloxquant::codec::Codec::Dense, m == Method::Fp16);
+        cfg.value_method = m;
+        cfg.value_bits = cfg.key_bits;
+        assert_eq!(cfg.validate().is_err(), def.keys_only, "{m} values");
+    }
+    let err = "turboquant-msee".parse::<Method>().unwrap_err().to_string();
+    assert!(err.contains("turboquant-mse") && err.contains("kivi"), "{err}");
+}

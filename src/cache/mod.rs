@@ -13,7 +13,8 @@ mod layer;
 use std::fmt;
 use std::str::FromStr;
 
-pub use layer::{codec_table, pq_codebook, qjl_sketch, rotation_matrix, total_nbytes, LayerCache};
+pub use crate::codec::{pq_codebook, qjl_sketch, PQ_CODE_BITS};
+pub use layer::{codec_table, rotation_matrix, total_nbytes, LayerCache};
 
 use crate::array::Array;
 
@@ -31,7 +32,7 @@ pub enum AttentionMask<'a> {
     Array(&'a Array),
 }
 
-use crate::cpu::kv_attention::{Codec, SideCodec};
+use crate::codec::{Codec, SideCodec};
 use crate::error::{Error, Result};
 use crate::kernels::Policy;
 
@@ -59,14 +60,109 @@ pub enum Method {
     TurboQuantRvq,
 }
 
-/// Every method, in the order the documentation lists them.
+/// Every method, in the order the documentation lists them (and of
+/// [`Method::def`]'s table).
 pub const METHODS: [Method; 7] =
     [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq, Method::Qjl, Method::TurboQuantProd, Method::TurboQuantRvq];
 
-/// Bits of a product-quantization code (a codebook of 256 entries).
-pub const PQ_CODE_BITS: u32 = 8;
+/// One method's definition: the names arguments and saved states use, the
+/// bits it takes, whether it can hold values, and the codec each side of a
+/// layer stores its tokens with ([`crate::codec`] defines those).
+pub struct MethodDef {
+    pub method: Method,
+    /// The name arguments, configurations and saved states use.
+    pub name: &'static str,
+    /// Other names an argument may use.
+    pub aliases: &'static [&'static str],
+    /// The bits per element it supports (`None`: bits are ignored).
+    pub bits: Option<&'static [u32]>,
+    /// Whether it only estimates attention scores, so that it can hold keys
+    /// but not values.
+    pub keys_only: bool,
+    /// The codec of its keys (`true`) or values at `bits` in a layer of `cfg`.
+    pub codec: fn(cfg: &CacheConfig, bits: u32, keys: bool) -> SideCodec,
+}
+
+/// The definitions, in the order of [`METHODS`].
+static METHOD_DEFS: [MethodDef; 7] = [
+    MethodDef {
+        method: Method::Fp16,
+        name: "fp16",
+        aliases: &["float16"],
+        bits: None,
+        keys_only: false,
+        codec: |_, bits, _| SideCodec { codec: Codec::Dense, bits, group: 1 },
+    },
+    MethodDef {
+        method: Method::TurboQuantMse,
+        name: "turboquant-mse",
+        aliases: &["turboquant"],
+        bits: Some(&crate::kernels::turboquant::TQ_BITS),
+        keys_only: false,
+        codec: |_, bits, _| SideCodec { codec: Codec::TurboQuantMse, bits, group: 1 },
+    },
+    MethodDef {
+        method: Method::Kivi,
+        name: "kivi",
+        aliases: &[],
+        bits: Some(&crate::cpu::SUPPORTED_BITS),
+        keys_only: false,
+        codec: |cfg, bits, keys| {
+            if keys {
+                // KIVI's groups of `key_group` tokens; the recent slots hold
+                // at least one group beyond the window (`recent_capacity`).
+                SideCodec { codec: Codec::KiviPerChannel, bits, group: cfg.key_group }
+            } else {
+                // The largest multiple of 8 up to 32 channels dividing the head.
+                let group = (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| cfg.head_dim % g == 0).unwrap_or(8);
+                SideCodec { codec: Codec::KiviPerToken, bits, group }
+            }
+        },
+    },
+    MethodDef {
+        method: Method::Pq,
+        name: "pq",
+        aliases: &[],
+        // 8-bit codes of 8, 4 or 2 channels.
+        bits: Some(&[1, 2, 4]),
+        keys_only: false,
+        codec: |_, bits, _| SideCodec { codec: Codec::ProductQuantized, bits: PQ_CODE_BITS, group: (8 / bits.max(1)) as usize },
+    },
+    MethodDef {
+        method: Method::Qjl,
+        name: "qjl",
+        aliases: &[],
+        // Sketch rows per channel (m = bits * D).
+        bits: Some(&[1, 2, 3, 4]),
+        keys_only: true,
+        codec: |_, bits, _| SideCodec { codec: Codec::Qjl, bits, group: 1 },
+    },
+    MethodDef {
+        method: Method::TurboQuantProd,
+        name: "turboquant-prod",
+        aliases: &[],
+        // bits - 1 MSE bits (1 to 4) + 1 sign bit.
+        bits: Some(&[2, 3, 4, 5]),
+        keys_only: true,
+        codec: |_, bits, _| SideCodec { codec: Codec::TurboQuantProd, bits, group: 1 },
+    },
+    MethodDef {
+        method: Method::TurboQuantRvq,
+        name: "turboquant-rvq",
+        aliases: &[],
+        // bits - 1 first-stage bits + 1 residual bit.
+        bits: Some(&[2, 3, 4, 5]),
+        keys_only: false,
+        codec: |_, bits, _| SideCodec { codec: Codec::TurboQuantRvq, bits, group: 1 },
+    },
+];
 
 impl Method {
+    /// The method's definition.
+    pub fn def(self) -> &'static MethodDef {
+        &METHOD_DEFS[self as usize]
+    }
+
     /// Parses `s` as the method an argument names (`key_method`,
     /// `value_method`): an unknown name is an error naming that argument and
     /// listing the methods.
@@ -76,36 +172,17 @@ impl Method {
 
     /// The bits per element this method supports (`None`: bits are ignored).
     pub fn supported_bits(self) -> Option<&'static [u32]> {
-        Some(match self {
-            Method::Fp16 => return None,
-            Method::TurboQuantMse => &crate::kernels::turboquant::TQ_BITS,
-            Method::Kivi => &crate::cpu::SUPPORTED_BITS,
-            // 8-bit codes of 8, 4 or 2 channels.
-            Method::Pq => &[1, 2, 4],
-            // Sketch rows per channel (m = bits * D).
-            Method::Qjl => &[1, 2, 3, 4],
-            // bits - 1 MSE bits (1 to 4) + 1 sign bit; RVQ: bits - 1
-            // first-stage bits + 1 residual bit.
-            Method::TurboQuantProd | Method::TurboQuantRvq => &[2, 3, 4, 5],
-        })
+        self.def().bits
     }
 
     /// Whether the method only estimates attention scores, so it can hold
     /// keys but not values.
     pub fn keys_only(self) -> bool {
-        matches!(self, Method::Qjl | Method::TurboQuantProd)
+        self.def().keys_only
     }
 
     pub fn name(self) -> &'static str {
-        match self {
-            Method::Fp16 => "fp16",
-            Method::TurboQuantMse => "turboquant-mse",
-            Method::Kivi => "kivi",
-            Method::Pq => "pq",
-            Method::Qjl => "qjl",
-            Method::TurboQuantProd => "turboquant-prod",
-            Method::TurboQuantRvq => "turboquant-rvq",
-        }
+        self.def().name
     }
 }
 
@@ -118,16 +195,11 @@ impl fmt::Display for Method {
 impl FromStr for Method {
     type Err = Error;
     fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "fp16" | "float16" => Ok(Method::Fp16),
-            "turboquant-mse" | "turboquant" => Ok(Method::TurboQuantMse),
-            "kivi" => Ok(Method::Kivi),
-            "pq" => Ok(Method::Pq),
-            "qjl" => Ok(Method::Qjl),
-            "turboquant-prod" => Ok(Method::TurboQuantProd),
-            "turboquant-rvq" => Ok(Method::TurboQuantRvq),
-            other => Err(unknown_method("method", other)),
-        }
+        METHOD_DEFS
+            .iter()
+            .find(|d| d.name == s || d.aliases.contains(&s))
+            .map(|d| d.method)
+            .ok_or_else(|| unknown_method("method", s))
     }
 }
 
@@ -268,22 +340,7 @@ impl CacheConfig {
     }
 
     fn codec(&self, method: Method, bits: u32, keys: bool) -> SideCodec {
-        let (codec, group) = match method {
-            Method::Fp16 => (Codec::Dense, 1),
-            Method::TurboQuantMse => (Codec::TurboQuantMse, 1),
-            // Keys: KIVI's groups of `key_group` tokens; the recent slots
-            // hold at least one group beyond the window (`recent_capacity`).
-            Method::Kivi if keys => (Codec::KiviPerChannel, self.key_group),
-            // Values: the largest multiple of 8 up to 32 channels dividing the head.
-            Method::Kivi => {
-                (Codec::KiviPerToken, (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| self.head_dim % g == 0).unwrap_or(8))
-            }
-            Method::Qjl => (Codec::Qjl, 1),
-            Method::TurboQuantProd => (Codec::TurboQuantProd, 1),
-            Method::TurboQuantRvq => (Codec::TurboQuantRvq, 1),
-            Method::Pq => return SideCodec { codec: Codec::ProductQuantized, bits: PQ_CODE_BITS, group: (8 / bits.max(1)) as usize },
-        };
-        SideCodec { codec, bits, group }
+        (method.def().codec)(self, bits, keys)
     }
 }
 

@@ -17,122 +17,7 @@ use half::f16;
 use super::split_attention;
 use super::turboquant::{code_at, code_bits, FromF32};
 use super::vq::VqElement;
-
-/// How one side (keys or values) stores its compressed tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Codec {
-    /// The tokens themselves, in the cache's dtype.
-    Dense,
-    /// Norm (float16) + `bits`-bit Lloyd–Max codes of the rotated unit vector.
-    TurboQuantMse,
-    /// KIVI per channel: a float16 (scale, zero) per channel for every group
-    /// of `group` consecutive tokens.
-    KiviPerChannel,
-    /// KIVI per token: a float16 (scale, zero) per group of `group` channels.
-    KiviPerToken,
-    /// Product quantization of the rotated unit vector: a float16 norm and
-    /// one `bits`-bit code per sub-vector of `group` channels, into one
-    /// codebook of `2^bits` entries shared by every position.
-    ProductQuantized,
-    /// QJL (keys only): the packed signs of `S k` for a sketch of `m = bits *
-    /// dim` rows and the float16 norm; scored as `‖k‖ · Σ_r ±(c S q)_r`, the
-    /// unbiased estimator of `crate::quant::qjl`.
-    Qjl,
-    /// TurboQuant-Prod (keys only), rotated frame: `bits − 1`-bit Lloyd–Max
-    /// codes of the unit vector, then the signs of `S r` for its residual `r`
-    /// (a `dim x dim` sketch); float16 (norm, residual norm) per token.
-    /// Scored as `norm · (⟨Πq, c[code]⟩ + ‖r‖ · Σ_j ±(c S Πq)_j)`, the
-    /// estimator of `crate::quant::TurboQuantProd`.
-    TurboQuantProd,
-    /// TurboQuant-RVQ, rotated frame: `bits − 1`-bit codes of the unit
-    /// vector, then 1-bit codes of the residual (`ScalarCodebook::
-    /// sphere_residual`); a float16 norm. Decoded as `norm · (c1 + c2)`.
-    TurboQuantRvq,
-}
-
-impl Codec {
-    /// Every codec, in the order of its id.
-    pub const ALL: [Codec; 8] = [
-        Codec::Dense,
-        Codec::TurboQuantMse,
-        Codec::KiviPerChannel,
-        Codec::KiviPerToken,
-        Codec::ProductQuantized,
-        Codec::Qjl,
-        Codec::TurboQuantProd,
-        Codec::TurboQuantRvq,
-    ];
-
-    /// The number the GPU bodies know the codec by (template `KM` / `VM`).
-    pub fn id(self) -> i32 {
-        Codec::ALL.iter().position(|&c| c == self).expect("every codec is listed") as i32
-    }
-
-    /// The macro the GPU bodies name the codec's id by.
-    pub fn gpu_name(self) -> &'static str {
-        match self {
-            Codec::Dense => "KV_DENSE",
-            Codec::TurboQuantMse => "KV_TURBOQUANT_MSE",
-            Codec::KiviPerChannel => "KV_KIVI_PER_CHANNEL",
-            Codec::KiviPerToken => "KV_KIVI_PER_TOKEN",
-            Codec::ProductQuantized => "KV_PRODUCT_QUANTIZED",
-            Codec::Qjl => "KV_QJL",
-            Codec::TurboQuantProd => "KV_TURBOQUANT_PROD",
-            Codec::TurboQuantRvq => "KV_TURBOQUANT_RVQ",
-        }
-    }
-
-    /// The codec ids as the GPU bodies read them: one `#define` each, put
-    /// before the header of every kernel declared with `codec_ids`.
-    pub fn gpu_defines() -> String {
-        Codec::ALL.iter().map(|c| format!("#define {} {}\n", c.gpu_name(), c.id())).collect()
-    }
-
-    /// Whether keys of this codec are scored from features of the prepared
-    /// query (a lookup table, a sketch) rather than decoded to a vector.
-    pub fn keys_scored_from_query(self) -> bool {
-        matches!(self, Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantProd)
-    }
-
-    /// Whether the side's frame is the cache's rotation (else the identity).
-    pub fn rotated(self) -> bool {
-        matches!(self, Codec::TurboQuantMse | Codec::ProductQuantized | Codec::TurboQuantProd | Codec::TurboQuantRvq)
-    }
-}
-
-/// One side's codec and its sizes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct SideCodec {
-    pub codec: Codec,
-    pub bits: u32,
-    /// Tokens per (scale, zero) row for `KiviPerChannel`, channels per group
-    /// for `KiviPerToken`, channels per sub-vector for `ProductQuantized`; 1
-    /// otherwise.
-    pub group: usize,
-}
-
-/// Bit offsets of KIVI keys' channels within a code row: what the kernels
-/// read as the KIVI-per-channel table. Element 0 is the stride between the
-/// heads' rows, then the rows of `dim + 1` offsets (exact integers in
-/// float32), channel `c` spanning bits `[o[c], o[c + 1])`. `widths` `[kv_heads,
-/// dim]` gives each KV head its own row (stride `dim + 1`; every batch row
-/// shares them); `None` gives one row of `bits` per channel, stride 0, which
-/// every head reads.
-pub fn kivi_bit_offsets(widths: Option<&[u8]>, dim: usize, bits: u32) -> Vec<f32> {
-    let Some(widths) = widths else {
-        return std::iter::once(0.0).chain((0..=dim).map(|c| (c * bits as usize) as f32)).collect();
-    };
-    let mut out = vec![(dim + 1) as f32];
-    for head in widths.chunks(dim) {
-        let mut o = 0u32;
-        out.push(0.0);
-        for &w in head {
-            o += u32::from(w);
-            out.push(o as f32);
-        }
-    }
-    out
-}
+pub use crate::codec::{kivi_bit_offsets, Codec, SideCodec};
 
 /// KV head `hk`'s `dim + 1` offsets in a KIVI keys' table (empty without one).
 #[inline]
@@ -147,59 +32,6 @@ fn head_layout(table: &[f32], hk: usize, d: usize) -> &[f32] {
 /// The estimator's constant `√(π/2) / m` for a sketch of `m` rows.
 pub fn sketch_scale(m: usize) -> f32 {
     std::f32::consts::FRAC_PI_2.sqrt() / m as f32
-}
-
-impl SideCodec {
-    /// Elements of a code row per token: bytes, or `dim` values for `Dense`.
-    /// TurboQuant-Prod and -RVQ rows are the `bits − 1`-bit codes followed
-    /// by the 1-bit signs or residual codes (`dim` a multiple of 8, so that
-    /// is `dim * bits / 8` bytes too); QJL rows the `bits * dim` sign bits.
-    pub fn row_len(&self, dim: usize) -> usize {
-        match self.codec {
-            Codec::Dense => dim,
-            Codec::ProductQuantized => super::packed_len(dim / self.group, self.bits),
-            Codec::TurboQuantProd | Codec::TurboQuantRvq => self.first_len(dim) + super::packed_len(dim, 1),
-            _ => super::packed_len(dim, self.bits),
-        }
-    }
-
-    /// Bytes of the first stage's codes in a TurboQuant-Prod or -RVQ row.
-    pub fn first_len(&self, dim: usize) -> usize {
-        super::packed_len(dim, self.bits - 1)
-    }
-
-    /// Rows of the QJL sketch.
-    pub fn sketch_rows(&self, dim: usize) -> usize {
-        match self.codec {
-            Codec::Qjl => self.bits as usize * dim,
-            _ => dim,
-        }
-    }
-
-    /// Rows of the scale and zero arrays for `tokens` token slots.
-    pub fn param_rows(&self, tokens: usize) -> usize {
-        match self.codec {
-            Codec::KiviPerChannel => tokens.div_ceil(self.group),
-            _ => tokens,
-        }
-    }
-
-    /// Columns of the scale and zero arrays (0: the codec has none).
-    pub fn param_cols(&self, dim: usize) -> usize {
-        match self.codec {
-            Codec::Dense => 0,
-            Codec::TurboQuantMse | Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantRvq => 1,
-            // Norm and residual norm.
-            Codec::TurboQuantProd => 2,
-            Codec::KiviPerChannel => dim,
-            Codec::KiviPerToken => dim / self.group,
-        }
-    }
-
-    /// Whether the codec has a zero array (else scales only).
-    pub fn has_zeros(&self) -> bool {
-        matches!(self.codec, Codec::KiviPerChannel | Codec::KiviPerToken)
-    }
 }
 
 /// Sizes of one `kv_attention` call.
@@ -261,10 +93,9 @@ pub struct KvSide<'a, T> {
 /// scored from features of the prepared row `q` rather than from a decoded
 /// key (product quantization's lookup table, the sketched query).
 #[inline]
-fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
+fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, row: usize, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
     let d = sh.dim;
     let slot = head * sh.capacity + ct;
-    let row = sc.row_len(d);
     let codes = &k.codes[slot * row..(slot + 1) * row];
     match sc.codec {
         Codec::ProductQuantized => {
@@ -327,6 +158,8 @@ const CODE_VALUES: [f32; 256] = {
 struct SideReader<'a, 'b, T> {
     side: &'b KvSide<'a, T>,
     sc: SideCodec,
+    /// `sc.row_len(dim)`, once.
+    row: usize,
     dim: usize,
     head: usize,
     capacity: usize,
@@ -356,6 +189,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         SideReader {
             side,
             sc,
+            row: sc.row_len(d),
             dim: d,
             head,
             capacity: sh.capacity,
@@ -377,7 +211,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         let (d, sc) = (self.dim, self.sc);
         let side = self.side;
         let slot = self.head * self.capacity + ct;
-        let row = sc.row_len(d);
+        let row = self.row;
         let codes = if sc.codec == Codec::Dense { &[][..] } else { &side.codes[slot * row..(slot + 1) * row] };
         match sc.codec {
             Codec::Dense => {
@@ -474,6 +308,8 @@ pub fn kv_attention<T: VqElement + FromF32>(
     assert_eq!(mask.len(), sh.batch * sh.mask_heads * sh.queries * total, "mask length");
     let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
     let key_decodes = !sh.key.codec.keys_scored_from_query();
+    // Bytes of a key's code row, once (the codec's definition is a dynamic call).
+    let key_row = sh.key.row_len(d);
     super::split_attention::attend(sh.batch * sh.kv_heads, rows, d, total, rot_v, out, |unit, t0, t1| {
         let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
         let head = b * sh.kv_heads + hk;
@@ -488,7 +324,7 @@ pub fn kv_attention<T: VqElement + FromF32>(
         let scores = |t: usize, s: &mut [f32]| {
             if compressed(t) && !key_decodes {
                 for (r, sr) in s.iter_mut().enumerate() {
-                    *sr = key_score(keys, &sh.key, sh, head, t - sh.sinks, q_row(r));
+                    *sr = key_score(keys, &sh.key, key_row, sh, head, t - sh.sinks, q_row(r));
                 }
             } else {
                 let factor = if compressed(t) {

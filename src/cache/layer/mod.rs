@@ -12,7 +12,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use super::{AttentionMask, CacheConfig};
 use crate::array::Array;
-use crate::cpu::kv_attention::{kivi_bit_offsets, Codec, KvShape, SideCodec};
+use crate::codec::{kivi_bit_offsets, Codec, SideCodec};
+use crate::cpu::kv_attention::KvShape;
 use crate::cpu::turboquant::AttentionShape;
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
@@ -21,12 +22,12 @@ use crate::kernels::turboquant::{self, TqLayer};
 use crate::kernels::window::{self, WindowAppend};
 use crate::kernels::{self, KiviMode, Options, Policy};
 use crate::ops;
-use crate::quant::{Rotation, RotationKind, ScalarCodebook};
+use crate::quant::{Rotation, RotationKind};
 use crate::stream::{Device, Stream};
 
 use store::*;
 use tables::*;
-pub use tables::{codec_table, pq_codebook, qjl_sketch, rotation_matrix};
+pub use tables::{codec_table, rotation_matrix};
 
 /// The cache of one attention layer.
 ///

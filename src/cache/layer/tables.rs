@@ -32,71 +32,10 @@ pub fn rotation_matrix(dim: usize, seed: u64) -> Result<Vec<f32>> {
     Ok(m)
 }
 
-pub(super) fn centroids(dim: usize, bits: u32) -> Result<Vec<f32>> {
-    Ok(ScalarCodebook::sphere(dim, bits).map_err(|e| Error::invalid("bits", e.to_string()))?.centroids().to_vec())
-}
-
-/// The product-quantization codebook `[2^PQ_CODE_BITS, sub]` (row-major) for
-/// rotated unit vectors of size `dim`: k-means over seeded Gaussian
-/// sub-vectors of variance `1/dim` (what a rotated unit vector's coordinates
-/// are close to). Trained once per process.
-pub fn pq_codebook(dim: usize, sub: usize) -> Result<Vec<f32>> {
-    use rand::SeedableRng;
-    use rand_distr::{Distribution, StandardNormal};
-    static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Vec<f32>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(c) = cache.lock().expect("codebook cache").get(&(dim, sub)) {
-        return Ok(c.clone());
-    }
-    let entries = 1usize << crate::cache::PQ_CODE_BITS;
-    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0f_c0de);
-    let sd = 1.0 / (dim as f32).sqrt();
-    let samples: Vec<f32> = (0..64 * entries * sub).map(|_| { let g: f32 = StandardNormal.sample(&mut rng); sd * g }).collect();
-    let (codebook, _) = crate::quant::pq::kmeans(&samples, sub, entries, 0, 25, 1e-4)
-        .map_err(|e| Error::invalid("bits", e.to_string()))?;
-    cache.lock().expect("codebook cache").insert((dim, sub), codebook.clone());
-    Ok(codebook)
-}
-
-/// The Gaussian sketch `[rows, dim]` (row-major) of the QJL and
-/// TurboQuant-Prod keys: blocks of `dim` rows orthogonalized, each row keeping
-/// its Gaussian length (`crate::quant::qjl::Sketch`), seeded by `seed + 1` as
-/// `TurboQuantProd` seeds it. Built once per process.
-pub fn qjl_sketch(rows: usize, dim: usize, seed: u64) -> Vec<f32> {
-    static CACHE: OnceLock<Mutex<HashMap<(usize, usize, u64), Vec<f32>>>> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    if let Some(m) = cache.lock().expect("sketch cache").get(&(rows, dim, seed)) {
-        return m.clone();
-    }
-    let m = crate::quant::qjl::Sketch::new(rows, dim, true, seed.wrapping_add(1)).s;
-    cache.lock().expect("sketch cache").insert((rows, dim, seed), m.clone());
-    m
-}
-
 /// The float32 table a codec reads (`KvSide::table`), for heads of `dim` and
 /// the cache's `seed`; `None` for the codecs without one.
 pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f32>>> {
-    Ok(match sc.codec {
-        Codec::TurboQuantMse => Some(centroids(dim, sc.bits)?),
-        Codec::ProductQuantized => Some(pq_codebook(dim, sc.group)?),
-        Codec::Qjl => Some(qjl_sketch(sc.sketch_rows(dim), dim, seed)),
-        // First-stage centroids, then the sketch or the residual codebook.
-        Codec::TurboQuantProd => {
-            let mut t = centroids(dim, sc.bits - 1)?;
-            t.extend(qjl_sketch(dim, dim, seed));
-            Some(t)
-        }
-        Codec::TurboQuantRvq => {
-            let mut t = centroids(dim, sc.bits - 1)?;
-            let second = ScalarCodebook::sphere_residual(dim, sc.bits - 1, 1).map_err(|e| Error::invalid("bits", e.to_string()))?;
-            t.extend_from_slice(second.centroids());
-            Some(t)
-        }
-        // The uniform bit offsets (one row every head reads); a layer with
-        // unequal widths holds its own.
-        Codec::KiviPerChannel => Some(crate::cpu::kv_attention::kivi_bit_offsets(None, dim, sc.bits)),
-        Codec::Dense | Codec::KiviPerToken => None,
-    })
+    sc.table(dim, seed)
 }
 
 /// Arrays shared by every layer with the same head size, seed, methods and

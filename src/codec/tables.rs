@@ -1,0 +1,79 @@
+//! The tables codecs read, each made once per process: TurboQuant's
+//! centroids, the product-quantization codebook, the QJL sketch, and the bit
+//! offsets of KIVI keys' channels.
+
+use std::collections::HashMap;
+use std::sync::{Mutex, OnceLock};
+
+use crate::error::{Error, Result};
+use crate::quant::ScalarCodebook;
+
+/// Bits of a product-quantization code (a codebook of 256 entries).
+pub const PQ_CODE_BITS: u32 = 8;
+
+/// The Lloyd–Max centroids of `bits`-bit codes of a rotated unit vector
+/// of size `dim`.
+pub fn centroids(dim: usize, bits: u32) -> Result<Vec<f32>> {
+    Ok(ScalarCodebook::sphere(dim, bits).map_err(|e| Error::invalid("bits", e.to_string()))?.centroids().to_vec())
+}
+
+/// The product-quantization codebook `[2^PQ_CODE_BITS, sub]` (row-major) for
+/// rotated unit vectors of size `dim`: k-means over seeded Gaussian
+/// sub-vectors of variance `1/dim` (what a rotated unit vector's coordinates
+/// are close to). Trained once per process.
+pub fn pq_codebook(dim: usize, sub: usize) -> Result<Vec<f32>> {
+    use rand::SeedableRng;
+    use rand_distr::{Distribution, StandardNormal};
+    static CACHE: OnceLock<Mutex<HashMap<(usize, usize), Vec<f32>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(c) = cache.lock().expect("codebook cache").get(&(dim, sub)) {
+        return Ok(c.clone());
+    }
+    let entries = 1usize << PQ_CODE_BITS;
+    let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(0x5eed_0f_c0de);
+    let sd = 1.0 / (dim as f32).sqrt();
+    let samples: Vec<f32> = (0..64 * entries * sub).map(|_| { let g: f32 = StandardNormal.sample(&mut rng); sd * g }).collect();
+    let (codebook, _) = crate::quant::pq::kmeans(&samples, sub, entries, 0, 25, 1e-4)
+        .map_err(|e| Error::invalid("bits", e.to_string()))?;
+    cache.lock().expect("codebook cache").insert((dim, sub), codebook.clone());
+    Ok(codebook)
+}
+
+/// The Gaussian sketch `[rows, dim]` (row-major) of the QJL and
+/// TurboQuant-Prod keys: blocks of `dim` rows orthogonalized, each row keeping
+/// its Gaussian length (`crate::quant::qjl::Sketch`), seeded by `seed + 1` as
+/// `TurboQuantProd` seeds it. Built once per process.
+pub fn qjl_sketch(rows: usize, dim: usize, seed: u64) -> Vec<f32> {
+    static CACHE: OnceLock<Mutex<HashMap<(usize, usize, u64), Vec<f32>>>> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    if let Some(m) = cache.lock().expect("sketch cache").get(&(rows, dim, seed)) {
+        return m.clone();
+    }
+    let m = crate::quant::qjl::Sketch::new(rows, dim, true, seed.wrapping_add(1)).s;
+    cache.lock().expect("sketch cache").insert((rows, dim, seed), m.clone());
+    m
+}
+
+/// Bit offsets of KIVI keys' channels within a code row: what the kernels
+/// read as the KIVI-per-channel table. Element 0 is the stride between the
+/// heads' rows, then the rows of `dim + 1` offsets (exact integers in
+/// float32), channel `c` spanning bits `[o[c], o[c + 1])`. `widths` `[kv_heads,
+/// dim]` gives each KV head its own row (stride `dim + 1`; every batch row
+/// shares them); `None` gives one row of `bits` per channel, stride 0, which
+/// every head reads.
+pub fn kivi_bit_offsets(widths: Option<&[u8]>, dim: usize, bits: u32) -> Vec<f32> {
+    let Some(widths) = widths else {
+        return std::iter::once(0.0).chain((0..=dim).map(|c| (c * bits as usize) as f32)).collect();
+    };
+    let mut out = vec![(dim + 1) as f32];
+    for head in widths.chunks(dim) {
+        let mut o = 0u32;
+        out.push(0.0);
+        for &w in head {
+            o += u32::from(w);
+            out.push(o as f32);
+        }
+    }
+    out
+}
+
