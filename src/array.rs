@@ -118,9 +118,7 @@ impl Array {
                 expected: T::DTYPE.to_string(),
             });
         }
-        let stream = Stream::cpu();
-        let dense = crate::ops::contiguous(self, &stream)?;
-        dense.eval()?;
+        let dense = self.row_contiguous()?;
         let n = dense.size();
         if n == 0 {
             return Ok(Vec::new());
@@ -138,6 +136,17 @@ impl Array {
 }
 
 impl Array {
+    /// The elements row-contiguous and evaluated (the array itself where it
+    /// already is so), made on the CPU stream: what reading them out needs.
+    fn row_contiguous(&self) -> Result<Array> {
+        let mut out = Array::empty_handle();
+        // SAFETY: valid handles for the call; `out` receives a new owned handle.
+        ffi::check(unsafe { ffi::mlx_contiguous(&mut out, self.raw, false, Stream::cpu().raw()) })?;
+        let dense = Array::from_raw(out)?;
+        dense.eval()?;
+        Ok(dense)
+    }
+
     /// A new array of `dtype` and `shape` holding a copy of `bytes` (row-major).
     pub fn from_bytes(bytes: &[u8], shape: &[i32], dtype: Dtype) -> Result<Self> {
         let count: i64 = shape.iter().map(|&d| i64::from(d)).product();
@@ -154,8 +163,7 @@ impl Array {
 
     /// Evaluates and copies the raw element bytes out, row-major.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
-        let dense = crate::ops::contiguous(self, &Stream::cpu())?;
-        dense.eval()?;
+        let dense = self.row_contiguous()?;
         let n = dense.nbytes();
         if n == 0 {
             return Ok(Vec::new());

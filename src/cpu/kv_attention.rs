@@ -15,7 +15,8 @@
 use half::f16;
 
 use super::split_attention;
-use super::turboquant::{code_at, code_bits, FromF32};
+use super::split_attention::FromF32;
+use super::turboquant::{code_at, code_bits};
 use super::vq::VqElement;
 pub use crate::codec::{kivi_bit_offsets, Codec, SideCodec};
 

@@ -9,7 +9,7 @@
 //! merged at the end and brought back from the value frame. The kernels
 //! supply only how a token is scored and how its value is read.
 
-use super::turboquant::{times_transpose, FromF32};
+use half::f16;
 
 /// Tokens whose scores one pass computes before their softmax weights.
 const BLOCK: usize = 32;
@@ -172,4 +172,37 @@ pub(crate) fn online_softmax(
         start = end;
     }
     part
+}
+
+/// `y = Πᵀ a` for a row-major `Π` `[d, d]`: the rows of `Π` weighed by `a`
+/// and added in turn (contiguous rows, so the additions vectorise; each `y_i`
+/// sums over `j` in ascending order as the column-wise loop would).
+pub(crate) fn times_transpose(rot: &[f32], a: &[f32], y: &mut [f32]) {
+    let d = y.len();
+    y.fill(0.0);
+    for (row, &aj) in rot.chunks_exact(d).zip(a) {
+        for (yi, &p) in y.iter_mut().zip(row) {
+            *yi += p * aj;
+        }
+    }
+}
+
+/// Conversion back from float32 for the element types.
+pub trait FromF32 {
+    fn from_f32(v: f32) -> Self;
+}
+impl FromF32 for f32 {
+    fn from_f32(v: f32) -> Self {
+        v
+    }
+}
+impl FromF32 for f16 {
+    fn from_f32(v: f32) -> Self {
+        f16::from_f32(v)
+    }
+}
+impl FromF32 for half::bf16 {
+    fn from_f32(v: f32) -> Self {
+        half::bf16::from_f32(v)
+    }
 }

@@ -16,6 +16,7 @@
 use half::f16;
 
 use super::bitpack::get_group;
+pub use super::split_attention::FromF32;
 use super::split_attention::{self, dot};
 use super::quant::OrderedDots;
 use super::vq::VqElement;
@@ -260,19 +261,6 @@ fn decode_groups<const B: usize>(row: &[u8], table: &[f32; 256], scale: f32, out
     }
 }
 
-/// `y = Πᵀ a` for a row-major `Π` `[d, d]`: the rows of `Π` weighed by `a`
-/// and added in turn (contiguous rows, so the additions vectorise; each `y_i`
-/// sums over `j` in ascending order as the column-wise loop would).
-pub(crate) fn times_transpose(rot: &[f32], a: &[f32], y: &mut [f32]) {
-    let d = y.len();
-    y.fill(0.0);
-    for (row, &aj) in rot.chunks_exact(d).zip(a) {
-        for (yi, &p) in y.iter_mut().zip(row) {
-            *yi += p * aj;
-        }
-    }
-}
-
 /// Attention of `q` `[batch, q_heads, queries, dim]` over the layer, into `out`
 /// (same shape), with softmax scale `scale`: split over the cores and merged
 /// by `split_attention`; each split rotates its rows' queries into the key
@@ -333,26 +321,6 @@ pub fn tq_attention<T: VqElement + FromF32>(
         };
         split_attention::online_softmax(rows, d, t0, t1, scores, value)
     });
-}
-
-/// Conversion back from float32 for the element types.
-pub trait FromF32 {
-    fn from_f32(v: f32) -> Self;
-}
-impl FromF32 for f32 {
-    fn from_f32(v: f32) -> Self {
-        v
-    }
-}
-impl FromF32 for f16 {
-    fn from_f32(v: f32) -> Self {
-        f16::from_f32(v)
-    }
-}
-impl FromF32 for half::bf16 {
-    fn from_f32(v: f32) -> Self {
-        half::bf16::from_f32(v)
-    }
 }
 
 // ------------------------------------------------ TurboQuant-Prod and -RVQ

@@ -9,6 +9,17 @@ use crate::codec::Codec;
 use crate::dtype::Dtype;
 use crate::stream::Backend;
 
+/// Tokens one `tq_decode` threadgroup reads at most at once: a split's codes
+/// and scores stay in threadgroup memory (the CUDA kernel's `TT`). CUDA's
+/// tensor-core path reads longer splits in chunks of this size.
+pub(crate) const DECODE_SPLIT_MAX: usize = 256;
+
+/// Whether CUDA's `tq_decode` takes its tensor-core path for a cache of
+/// `dtype` and head size `d` (the kernel's `MMA`).
+pub(crate) fn decode_on_tensor_cores(dtype: Dtype, d: usize) -> bool {
+    matches!(dtype, Dtype::F16 | Dtype::BF16) && d % 16 == 0
+}
+
 /// A template argument of a kernel body.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum TemplateArg {
@@ -421,9 +432,9 @@ impl Kernel {
                     // float16 norms, else one split's codes; and a spare
                     // word past them: the tensor-core path reads whole words
                     // from any bit on.
-                    let chunk = super::turboquant::DECODE_SPLIT_MAX as i32;
+                    let chunk = DECODE_SPLIT_MAX as i32;
                     let codes = chunk * (d * kb / 8 + d * vb / 8);
-                    let tensor_cores = matches!(arg("T"), Some(TemplateArg::Dtype(t)) if super::turboquant::decode_on_tensor_cores(t, d as usize));
+                    let tensor_cores = matches!(arg("T"), Some(TemplateArg::Dtype(t)) if decode_on_tensor_cores(t, d as usize));
                     let dynamic = if tensor_cores { 2 * codes + 8 * chunk + 16 } else { codes + 16 };
                     // At most the kernel's static arrays: the queries (qs),
                     // the scores (sc), the queries' A fragments (qa_s, 32 D

@@ -10,7 +10,7 @@ use half::f16;
 
 use super::gpu::{self, Launch};
 use super::TemplateArg;
-use super::{check_float, cpu_primitive, select, split_sizes, Implementation, Options, Policy, Kernel};
+use super::{check_float, cpu_primitive, select, split_sizes, times_transpose, Implementation, Options, Policy, Kernel};
 use crate::array::Array;
 use crate::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
 use crate::dtype::Dtype;
@@ -118,21 +118,6 @@ pub fn table_parts(table: &Array, sc: &SideCodec, dim: usize, s: &Stream) -> Res
         )),
         Codec::TurboQuantRvq => Ok((Some(ops::slice(table, &[0], &[first], s)?), ops::slice(table, &[first], &[len], s)?)),
         other => Err(Error::invalid("layer", format!("{other:?} has a one-part table"))),
-    }
-}
-
-/// `x · mᵀ` over the last axis of `x` (`m` float32 `[rows, D]`). MLX's CUDA
-/// matmul rounds float32 through TF32 (relative error ~3e-4), so up to 2^24
-/// products (decoding, short verification) use an exact broadcast product;
-/// larger ones (long prefills) the matmul.
-pub(super) fn times_transpose(x: &Array, m: &Array, s: &Stream) -> Result<Array> {
-    let ms = m.shape();
-    let xs = x.shape();
-    let rows: usize = xs[..xs.len() - 1].iter().map(|&v| v as usize).product();
-    if rows * ms[0] as usize * ms[1] as usize <= 1 << 24 {
-        ops::sum_axis(&ops::multiply(&ops::expand_dims(x, -2, s)?, m, s)?, -1, false, s)
-    } else {
-        ops::matmul(x, &ops::transpose(m, &[1, 0], s)?, s)
     }
 }
 

@@ -39,6 +39,7 @@ pub use vq::{vq_quantize, vq_quantize_reference_chunk_rows, MAX_CODEBOOK_SIZE, V
 use crate::array::Array;
 use crate::error::{Error, Result};
 use crate::ffi;
+use crate::ops;
 use crate::stream::{Backend, Stream};
 
 /// Whether to use the fused kernels (the original's `use_metal_kernels`
@@ -278,6 +279,33 @@ const DECODE_VARIANT: usize = 6;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
 pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));
+
+/// Vectors per CUDA block of the TurboQuant codecs (`TQ_TV` in
+/// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
+pub(crate) const CUDA_TILE_VECTORS: usize = 32;
+
+/// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
+/// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
+pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<LaunchShape> {
+    let (threads, group) = if imp == Implementation::Cuda { (n.div_ceil(CUDA_TILE_VECTORS) * 256, 256) } else { (n * d, d) };
+    let threads = i32::try_from(threads).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
+    Ok(((threads, 1, 1), (group as i32, 1, 1)))
+}
+
+/// `x · mᵀ` over the last axis of `x` (`m` float32 `[rows, D]`). MLX's CUDA
+/// matmul rounds float32 through TF32 (relative error ~3e-4), so up to 2^24
+/// products (decoding, short verification) use an exact broadcast product;
+/// larger ones (long prefills) the matmul.
+pub(crate) fn times_transpose(x: &Array, m: &Array, s: &Stream) -> Result<Array> {
+    let ms = m.shape();
+    let xs = x.shape();
+    let rows: usize = xs[..xs.len() - 1].iter().map(|&v| v as usize).product();
+    if rows * ms[0] as usize * ms[1] as usize <= 1 << 24 {
+        ops::sum_axis(&ops::multiply(&ops::expand_dims(x, -2, s)?, m, s)?, -1, false, s)
+    } else {
+        ops::matmul(x, &ops::transpose(m, &[1, 0], s)?, s)
+    }
+}
 
 /// A 1-D launch over `items` threads.
 pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<LaunchShape> {

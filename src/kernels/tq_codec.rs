@@ -14,7 +14,7 @@ use half::f16;
 use super::gpu::{self, Launch};
 use super::TemplateArg;
 use super::turboquant::{check_head_dim, check_rotation_input, dense_rotation, encode_tensor_core_parts, launch_encoder};
-use super::{check_bits, check_float, cpu_primitive, sizes, select, Implementation, Options, Policy, Kernel, fragment_blocks, walking_blocks, LaunchShape};
+use super::{check_bits, check_float, codec_grid, cpu_primitive, sizes, select, Implementation, Options, Policy, Kernel, fragment_blocks, walking_blocks, LaunchShape, CUDA_TILE_VECTORS};
 use crate::array::Array;
 use crate::cpu::turboquant as tq;
 use crate::dtype::Dtype;
@@ -113,9 +113,6 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
     }
 }
 
-/// Vectors per CUDA block of the TurboQuant codecs (`TQ_TV` in
-/// cuda/tq_common.cuh): 256 threads tile them as a matrix product.
-const CUDA_TILE_VECTORS: usize = 32;
 
 /// Whether CUDA's `tq_prod_decode` runs its sketch product (and a dense
 /// rotation's) on the tensor cores: a float16 or bfloat16 output (whose
@@ -230,14 +227,6 @@ fn launch_decoder(
     let (grid, threadgroup) = if path == CudaDecodePath::Tiles { codec_grid(imp, n, d)? } else { walking_grid(kernel, (n, d), path)? };
     let launch = Launch { kernel, inputs, outputs, grid, threadgroup, template: &template };
     Ok(gpu::launch(&launch, s)?.remove(0))
-}
-
-/// The launch shape of the TurboQuant codec kernels: on CUDA one block of 256
-/// threads per 32 vectors, on Metal one threadgroup of `d` threads per vector.
-pub(crate) fn codec_grid(imp: Implementation, n: usize, d: usize) -> Result<LaunchShape> {
-    let (threads, group) = if imp == Implementation::Cuda { (n.div_ceil(CUDA_TILE_VECTORS) * 256, 256) } else { (n * d, d) };
-    let threads = i32::try_from(threads).map_err(|_| Error::invalid("x", "too many elements for one launch"))?;
-    Ok(((threads, 1, 1), (group as i32, 1, 1)))
 }
 
 /// Reference graph: `(‖x‖ [n, 1], y = Π x/‖x‖ [n, d])` in float32.

@@ -9,8 +9,8 @@ use half::f16;
 
 use super::gpu::{self, Launch};
 use super::TemplateArg;
-use super::kv_attention::times_transpose;
-use super::{check_bits, check_float, cpu_primitive, select, split_sizes, Implementation, Options, Kernel, fragment_blocks};
+use super::declaration::{decode_on_tensor_cores, DECODE_SPLIT_MAX};
+use super::{check_bits, check_float, codec_grid, cpu_primitive, select, split_sizes, times_transpose, Implementation, Options, Kernel, fragment_blocks};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
@@ -164,7 +164,7 @@ pub(crate) fn launch_encoder(
             let threads = 2 * d as i32;
             ((blocks * threads, 1, 1), (threads, 1, 1))
         }
-        _ => super::tq_codec::codec_grid(imp, n, d)?,
+        _ => codec_grid(imp, n, d)?,
     };
     gpu::launch(&Launch { kernel, inputs, outputs, grid, threadgroup, template: &template }, s)
 }
@@ -485,20 +485,9 @@ pub fn decode_lanes(d: usize) -> usize {
     (d / 8).next_power_of_two().min(16)
 }
 
-/// Tokens one `tq_decode` threadgroup reads at most at once: a split's codes
-/// and scores stay in threadgroup memory (the CUDA kernel's `TT`). CUDA's
-/// tensor-core path reads longer splits in chunks of this size.
-pub(crate) const DECODE_SPLIT_MAX: usize = 256;
-
 /// Threadgroups a split plan aims at: enough to fill the GPU several times
 /// over.
 const TARGET_THREADGROUPS: usize = 1024;
-
-/// Whether CUDA's `tq_decode` takes its tensor-core path for a cache of
-/// `dtype` and head size `d` (the kernel's `MMA`).
-pub(crate) fn decode_on_tensor_cores(dtype: Dtype, d: usize) -> bool {
-    matches!(dtype, Dtype::F16 | Dtype::BF16) && d % 16 == 0
-}
 
 /// Threads of a `tq_decode` block: eight warps on CUDA's tensor-core path
 /// (the kernel's `TG`), four elsewhere.
