@@ -100,7 +100,7 @@ fn build_side<T: Float + Element>(
         table: if sc.codec == Codec::KiviPerChannel {
             kv::kivi_bit_offsets(widths, d, sc.bits)
         } else {
-            veloxquant::cache::codec_table(&sc, d, 0).unwrap().unwrap_or_default()
+            sc.table(d, 0).unwrap().unwrap_or_default()
         },
         window: vec![<T as Float>::from_f32(f32::NAN); heads * sh.window_capacity * d],
     };

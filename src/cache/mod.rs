@@ -14,7 +14,7 @@ use std::fmt;
 use std::str::FromStr;
 
 pub use crate::codec::{pq_codebook, qjl_sketch, PQ_CODE_BITS};
-pub use layer::{codec_table, rotation_matrix, total_nbytes, LayerCache};
+pub use layer::{rotation_matrix, total_nbytes, LayerCache};
 
 use crate::array::Array;
 

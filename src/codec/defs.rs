@@ -13,6 +13,12 @@ use crate::quant::ScalarCodebook;
 pub(super) static DEFS: [&dyn CodecDef; 8] =
     [&Dense, &TurboQuantMse, &KiviPerChannel, &KiviPerToken, &ProductQuantized, &Qjl, &TurboQuantProd, &TurboQuantRvq];
 
+/// A two-stage code row (TurboQuant-Prod, -RVQ): the first stage's `bits −
+/// 1`-bit codes, then one bit per channel (the residual's sign or code).
+fn two_stage_row_len(sc: &SideCodec, dim: usize) -> usize {
+    sc.first_len(dim) + packed_len(dim, 1)
+}
+
 struct Dense;
 
 impl CodecDef for Dense {
@@ -161,7 +167,7 @@ impl CodecDef for TurboQuantProd {
         true
     }
     fn row_len(&self, sc: &SideCodec, dim: usize) -> usize {
-        sc.first_len(dim) + packed_len(dim, 1)
+        two_stage_row_len(sc, dim)
     }
     /// Norm and residual norm.
     fn param_cols(&self, _sc: &SideCodec, _dim: usize) -> usize {
@@ -188,7 +194,7 @@ impl CodecDef for TurboQuantRvq {
         true
     }
     fn row_len(&self, sc: &SideCodec, dim: usize) -> usize {
-        sc.first_len(dim) + packed_len(dim, 1)
+        two_stage_row_len(sc, dim)
     }
     /// First-stage centroids, then the residual's 1-bit codebook.
     fn table(&self, sc: &SideCodec, dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {

@@ -113,7 +113,6 @@ fn check_out_dtype(dtype: Dtype) -> Result<()> {
     }
 }
 
-
 /// Whether CUDA's `tq_prod_decode` runs its sketch product (and a dense
 /// rotation's) on the tensor cores: a float16 or bfloat16 output (whose
 /// rounding dwarfs the sums' reordering) and `d` = 64 or 128 (a split

@@ -27,7 +27,7 @@ use crate::stream::{Device, Stream};
 
 use store::*;
 use tables::*;
-pub use tables::{codec_table, rotation_matrix};
+pub use tables::rotation_matrix;
 
 /// The cache of one attention layer.
 ///
@@ -194,7 +194,7 @@ impl LayerCache {
     }
 
     fn table(&self, sc: &SideCodec) -> Result<Option<Array>> {
-        codec_table(sc, self.cfg.head_dim, self.cfg.seed)?.map(|t| Array::from_slice(&t, &[t.len() as i32])).transpose()
+        sc.table(self.cfg.head_dim, self.cfg.seed)?.map(|t| Array::from_slice(&t, &[t.len() as i32])).transpose()
     }
 
     /// Creates the empty stores for `batch` and `dtype`, sized for a first

@@ -32,12 +32,6 @@ pub fn rotation_matrix(dim: usize, seed: u64) -> Result<Vec<f32>> {
     Ok(m)
 }
 
-/// The float32 table a codec reads (`KvSide::table`), for heads of `dim` and
-/// the cache's `seed`; `None` for the codecs without one.
-pub fn codec_table(sc: &SideCodec, dim: usize, seed: u64) -> Result<Option<Vec<f32>>> {
-    sc.table(dim, seed)
-}
-
 /// Arrays shared by every layer with the same head size, seed, methods and
 /// bits, dtype and device: one set per process, held while some layer
 /// holds it. They are evaluated before any layer gets them, so that layers
