@@ -36,7 +36,7 @@ fn main() {
         .flag_if_supported("-Wno-unused-parameter")
         .flag_if_supported("-Wno-deprecated-declarations")
         .warnings(false);
-    for src in ["core", "ops", "fast", "cpu_primitive", "graph"] {
+    for src in ["core", "ops", "fast", "cuda_disk_cache", "cpu_primitive", "graph"] {
         build.file(format!("mlx-c/src/{src}.cpp"));
     }
     if python_feature {

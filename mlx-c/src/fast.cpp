@@ -4,6 +4,7 @@
 // call needs (output shapes and dtypes, grid, threadgroup, template
 // arguments). Template arguments go through MLX's own TemplateArg variant, so
 // MLX writes them into the source; nothing here splices strings.
+#include "cuda_disk_cache.h"
 #include "private.h"
 
 namespace {
@@ -30,11 +31,27 @@ mx::fast::CustomKernelFunction& kernel(void* ctx) {
   return *static_cast<mx::fast::CustomKernelFunction*>(ctx);
 }
 
-int apply(mlx_vector_array* outputs, void* k, mlx_vector_array inputs, void* cfg, mlx_stream s) {
+// What MLX's generated source depends on besides the kernel: template
+// arguments, input and output dtypes, which inputs are scalars.
+std::string source_key(const void* k, const KernelConfig& c, const std::vector<mx::array>& inputs) {
+  std::string key = std::to_string(reinterpret_cast<uintptr_t>(k));
+  for (const auto& [name, arg] : c.template_args) {
+    key += '|' + name + '=';
+    if (auto* i = std::get_if<int>(&arg)) key += std::to_string(*i);
+    else if (auto* b = std::get_if<bool>(&arg)) key += *b ? 't' : 'f';
+    else key += std::to_string(static_cast<int>(std::get<mx::Dtype>(arg).val()));
+  }
+  for (const auto& a : inputs) key += ",i" + std::to_string(static_cast<int>(a.dtype().val())) + (a.ndim() ? "" : "s");
+  for (const auto& d : c.output_dtypes) key += ",o" + std::to_string(static_cast<int>(d.val()));
+  return key;
+}
+
+int apply(mlx_vector_array* outputs, void* k, mlx_vector_array inputs, void* cfg, mlx_stream s, bool cuda) {
   return guard([&] {
     auto& c = config(cfg);
     auto outs = kernel(k)(vec(inputs), c.output_shapes, c.output_dtypes, c.grid, c.thread_group,
                           c.template_args, c.init_value, c.verbose, stream(s));
+    if (cuda) keep_cuda_kernel_on_disk(source_key(k, c, vec(inputs)), outs[0]);
     set_vector(outputs, std::move(outs));
   });
 }
@@ -103,7 +120,7 @@ void mlx_fast_metal_kernel_free(mlx_fast_metal_kernel cls) {
 int mlx_fast_metal_kernel_apply(mlx_vector_array* outputs, mlx_fast_metal_kernel cls,
                                 const mlx_vector_array inputs, const mlx_fast_metal_kernel_config config,
                                 const mlx_stream stream) {
-  return apply(outputs, cls.ctx, inputs, config.ctx, stream);
+  return apply(outputs, cls.ctx, inputs, config.ctx, stream, false);
 }
 
 mlx_fast_cuda_kernel mlx_fast_cuda_kernel_new(const char* name, const mlx_vector_string input_names,
@@ -123,7 +140,7 @@ void mlx_fast_cuda_kernel_free(mlx_fast_cuda_kernel cls) {
 int mlx_fast_cuda_kernel_apply(mlx_vector_array* outputs, mlx_fast_cuda_kernel cls,
                                const mlx_vector_array inputs, const mlx_fast_cuda_kernel_config config,
                                const mlx_stream stream) {
-  return apply(outputs, cls.ctx, inputs, config.ctx, stream);
+  return apply(outputs, cls.ctx, inputs, config.ctx, stream, true);
 }
 
 }  // extern "C"

@@ -7,9 +7,10 @@ prompt and a few decode steps twice (`bench.prefill` and `bench.decode`):
 the first run pays every kernel's compilation, the second shows the steady
 cost. Processes run one after another, so a later one finds whatever the
 earlier ones left on disk: MLX keeps the machine code of its own CUDA kernels
-under `MLX_PTX_CACHE_DIR` (default `$TMPDIR/mlx/<version>/ptx`), but compiles
-custom kernels, veloxquant's, again in every process. After each process the
-script counts the modules in that directory and how many are veloxquant's.
+under `MLX_PTX_CACHE_DIR` (default `$TMPDIR/mlx/<version>/ptx`), and
+veloxquant writes its custom kernels' there (MLX itself compiles custom
+kernels in every process). After each process the script counts the modules
+in that directory and how many are veloxquant's.
 """
 
 from __future__ import annotations
