@@ -4,11 +4,12 @@
 Each body is wrapped the way MLX's `cuda_kernel` wraps it (docs: the kernel
 contract), body and header taken from the crate as it hands them to MLX
 (`cargo run --example kernel_sources`: comments dropped, the generated codec
-ids, the declared header files): MLX's device utilities (a stand-in header
-here), the kernel's header, then
+ids, the declared header files): MLX's device utilities (cuda/nvrtc's
+stand-ins, as the library compiles its kernels for MLX's kernel cache),
+the kernel's header, then
 `__global__ void NAME(inputs..., outputs...)` in `mlx::core::cu` with the
 template arguments as the first body lines. Every listed instantiation
-must compile to sm_90 machine code (the H200), so
+must compile to sm_90a machine code (the H100 and H200), so
 that ptxas limits such as static shared memory are checked too. `--verbose`
 prints ptxas's registers, spills and shared memory per instantiation;
 `--cubin OUT` writes each instantiation's machine code to OUT, to be read
@@ -35,15 +36,14 @@ import zipfile
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
-UTILS_STAND_IN = """
-#include <cuda_fp16.h>
-#include <cuda_bf16.h>
-#include <cuda/std/array>
-namespace mlx::core::cu {
-using Shape = cuda::std::array<int32_t, 10>;
-using Strides = cuda::std::array<int64_t, 10>;
+# What the library hands NVRTC in place of MLX's device headers when it
+# compiles its kernels into MLX's kernel cache (mlx-c/src/cuda_disk_cache.cpp).
+NVRTC_HEADERS = {
+    "mlx/backend/cuda/device/utils.cuh": ROOT / "cuda/nvrtc/utils.cuh",
+    "cooperative_groups.h": ROOT / "cuda/nvrtc/cooperative_groups.h",
 }
-"""
+# MLX's own headers (utils.cuh includes its device/config.h).
+MLX_INCLUDE = ROOT / ".venv/lib/python3.11/site-packages/mlx/include"
 
 ELEMENT = ["float", "__half", "__nv_bfloat16"]
 
@@ -246,11 +246,13 @@ def source(name, spec, args, crate: pathlib.Path):
 
 def compile_one(nvrtc, include, src, label, verbose=False, cubin=None):
     prog = ctypes.c_void_p()
-    names = (ctypes.c_char_p * 1)(b"mlx/backend/cuda/device/utils.cuh")
-    bodies = (ctypes.c_char_p * 1)(UTILS_STAND_IN.encode())
-    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), label.encode(), 1, bodies, names)
+    n = len(NVRTC_HEADERS)
+    names = (ctypes.c_char_p * n)(*(k.encode() for k in NVRTC_HEADERS))
+    bodies = (ctypes.c_char_p * n)(*(p.read_bytes() for p in NVRTC_HEADERS.values()))
+    rc = nvrtc.nvrtcCreateProgram(ctypes.byref(prog), src.encode(), label.encode(), n, bodies, names)
     assert rc == 0, f"nvrtcCreateProgram: {rc}"
-    opts = [b"--gpu-architecture=sm_90", b"--std=c++17", f"-I{include}".encode(), f"-I{include}/cccl".encode()]
+    opts = [b"--gpu-architecture=sm_90a", b"--device-as-default-execution-space", f"-I{MLX_INCLUDE}".encode(),
+            f"-I{include}".encode(), f"-I{include}/cccl".encode()]
     if verbose:
         opts.append(b"--ptxas-options=-v")
     arr = (ctypes.c_char_p * len(opts))(*opts)
