@@ -27,6 +27,8 @@ from mlx_lm.models.cache import (
 )
 
 from . import attention, distributed
+from .model_caches import base_caches, replace_make_cache, restore_make_cache
+from .recipe import auto_recipe, outlier_error, query_channel_widths
 from .attention import FUSED_MAX_QUERIES, _up
 from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP
 
@@ -215,8 +217,6 @@ class KVConfig:
         contexts approach. ``settings`` are the other fields (window, sinks,
         seed, policy; layers that ``protect`` or ``layers`` configure keep
         those settings, and count in the budget). See veloxquant.recipe."""
-        from .recipe import auto_recipe
-
         return auto_recipe(model, tokens, bits_budget, cls(**settings), context)[0]
 
     def settings(self) -> Dict[str, Any]:
@@ -305,32 +305,6 @@ class KVConfig:
     def bits_per_element(self) -> float:
         """Nominal key/value bits per element (ignoring the float16 window and sinks)."""
         return (self.key_bits + self.value_bits) / 2
-
-
-def query_channel_widths(queries: mx.array, keys: mx.array, bits: int) -> List[int]:
-    """KIVI keys' bits per channel, ``bits`` on average, for a layer whose
-    first chunk has ``queries`` ``[B, Hq, L, D]`` and ``keys`` ``[B, Hkv, T,
-    D]``: channel c of KV head h weighs the mean square of c over the queries
-    of h's group times the square of the keys' range in c (what a uniform
-    quantizer's error there adds to the scores), and the bits go where they
-    remove the most (``veloxquant._native.kivi_channel_widths``). A key or
-    query that is not finite counts as 0."""
-    from ._native import kivi_channel_widths
-
-    b, hq, length, d = queries.shape
-    hkv = keys.shape[1]
-    q = mx.nan_to_num(queries.astype(mx.float32), nan=0.0, posinf=0.0, neginf=0.0).reshape(b, hkv, hq // hkv, length, d)
-    energy = mx.mean(q * q, axis=(0, 2, 3))
-    k = mx.nan_to_num(keys.astype(mx.float32), nan=0.0, posinf=0.0, neginf=0.0)
-    span = mx.max(k, axis=(0, 2)) - mx.min(k, axis=(0, 2))
-    return kivi_channel_widths(channel_weights(energy, span).tolist(), bits)
-
-
-def channel_weights(query_energy: mx.array, key_span: mx.array) -> mx.array:
-    """What a uniform quantizer's error in each channel of KIVI keys costs the
-    scores: the queries' mean square there times the keys' range squared
-    (float32, finite: NaN counts as 0, an overflow as the largest float32)."""
-    return mx.nan_to_num(query_energy * key_span * key_span, nan=0.0, posinf=3e38)
 
 
 def _layer_cache_class():
@@ -424,8 +398,6 @@ class VeloxQuantCache(_BaseCache):
         attends: under protect="auto" the first one decides the layer's layout."""
         if self._pending is None:
             return
-        from .recipe import outlier_error
-
         keys, values = self._pending
         self._pending = None
         if self.config.protect == "auto":
@@ -752,18 +724,6 @@ def _file_note() -> str:
     return ""
 
 
-def _base_caches(model) -> List[Any]:
-    # The model's own caches: install() keeps its make_cache (None when the
-    # model has none, mlx_lm's default then) before putting ours in its place.
-    if "_veloxquant_kind" in model.__dict__:
-        original = model.__dict__["_veloxquant_make_cache"]
-    else:
-        original = getattr(model, "make_cache", None)
-    if original is not None:
-        return original()
-    return [KVCache() for _ in range(len(model.layers))]
-
-
 def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
     """The model's cache list with ``VeloxQuantCache`` in its full-attention layers.
 
@@ -778,7 +738,7 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
     config.check()
     attention.install()
     attention.check_model(model)
-    caches = _base_caches(model)
+    caches = base_caches(model)
     # A pipeline stage holds some of the layers: the config names layers
     # model-wide.
     first, total = distributed.layer_span(model, len(caches))
@@ -803,7 +763,7 @@ def make_mlx_quantized_cache(model, bits: int = 4, group_size: int = 64) -> List
         raise ValueError(f"bits for mlx's quantized KV cache must be one of 2, 3, 4, 5, 6, 8, got {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
-    caches = _base_caches(model)
+    caches = base_caches(model)
     return [
         QuantizedKVCache(group_size=group_size, bits=bits) if type(c) is KVCache else c for c in caches
     ]
@@ -817,38 +777,31 @@ def install(model, config: Optional[KVConfig] = None, kind: str = "veloxquant", 
     """
     if kind not in ("veloxquant", "mlx-quantized", "fp16"):
         raise ValueError(f"kind must be 'veloxquant', 'mlx-quantized' or 'fp16', got {kind!r}")
-    uninstall(model)
     if kind == "fp16":
+        restore_make_cache(model)
         return model
-    original = model.make_cache if hasattr(model, "make_cache") else None
     if kind == "veloxquant":
         config = config if config is not None else KVConfig()
+        restore_make_cache(model)
         make_prompt_cache(model, config)  # fail now, not at the first request
 
         def make_cache():
             return make_prompt_cache(model, config)
     else:
         bits, group = kwargs.get("bits", 4), kwargs.get("group_size", 64)
+        restore_make_cache(model)
         make_mlx_quantized_cache(model, bits, group)
 
         def make_cache():
             return make_mlx_quantized_cache(model, bits, group)
 
-    object.__setattr__(model, "_veloxquant_make_cache", original)
-    object.__setattr__(model, "_veloxquant_kind", kind)
-    object.__setattr__(model, "make_cache", make_cache)
+    replace_make_cache(model, kind, make_cache)
     return model
 
 
 def uninstall(model):
     """Undo :func:`install`."""
-    if "_veloxquant_kind" not in model.__dict__:
-        return model
-    original = model.__dict__.pop("_veloxquant_make_cache")
-    model.__dict__.pop("_veloxquant_kind")
-    model.__dict__.pop("make_cache", None)
-    if original is not None and not hasattr(model, "make_cache"):
-        object.__setattr__(model, "make_cache", original)
+    restore_make_cache(model)
     return model
 
 

@@ -52,7 +52,8 @@ from typing import Dict, List, NamedTuple, Optional, Sequence, Tuple
 import mlx.core as mx
 from mlx_lm.models.cache import KVCache
 
-from . import _native
+from . import _native, attention
+from .model_caches import base_caches
 
 # Key candidates: TurboQuant-MSE and KIVI (per-channel keys) at these bits,
 # and float16; value candidates: TurboQuant-MSE, and float16. 8-bit
@@ -192,6 +193,30 @@ def query_positions(length: int) -> List[int]:
     return sorted({length - 1 - (j * (length - 1 - lo)) // max(n - 1, 1) for j in range(n)})
 
 
+def query_channel_widths(queries: mx.array, keys: mx.array, bits: int) -> List[int]:
+    """KIVI keys' bits per channel, ``bits`` on average, for a layer whose
+    first chunk has ``queries`` ``[B, Hq, L, D]`` and ``keys`` ``[B, Hkv, T,
+    D]``: channel c of KV head h weighs the mean square of c over the queries
+    of h's group times the square of the keys' range in c (what a uniform
+    quantizer's error there adds to the scores), and the bits go where they
+    remove the most (``veloxquant._native.kivi_channel_widths``). A key or
+    query that is not finite counts as 0."""
+    b, hq, length, d = queries.shape
+    hkv = keys.shape[1]
+    q = mx.nan_to_num(queries.astype(mx.float32), nan=0.0, posinf=0.0, neginf=0.0).reshape(b, hkv, hq // hkv, length, d)
+    energy = mx.mean(q * q, axis=(0, 2, 3))
+    k = mx.nan_to_num(keys.astype(mx.float32), nan=0.0, posinf=0.0, neginf=0.0)
+    span = mx.max(k, axis=(0, 2)) - mx.min(k, axis=(0, 2))
+    return _native.kivi_channel_widths(channel_weights(energy, span).tolist(), bits)
+
+
+def channel_weights(query_energy: mx.array, key_span: mx.array) -> mx.array:
+    """What a uniform quantizer's error in each channel of KIVI keys costs the
+    scores: the queries' mean square there times the keys' range squared
+    (float32, finite: NaN counts as 0, an overflow as the largest float32)."""
+    return mx.nan_to_num(query_energy * key_span * key_span, nan=0.0, posinf=3e38)
+
+
 def _blocks(model, count: int):
     """The model's transformer blocks, if it lists one per cache."""
     body = getattr(model, "model", model)
@@ -203,16 +228,13 @@ def calibrate(model, tokens: Sequence[int]) -> List[LayerSample]:
     """Every plain-KVCache layer's keys and values over ``tokens`` (at most
     MAX_TOKENS are used), with the queries and the residual stream at
     :func:`query_positions`, from one forward with float16 caches."""
-    from . import attention
-    from .cache import _base_caches
-
     ids = [int(t) for t in list(tokens)[:MAX_TOKENS]]
     if len(ids) < 2:
         raise ValueError(f"tokens: the calibration needs at least 2 tokens, got {len(ids)}")
     positions = query_positions(len(ids))
     pos = mx.array(positions)
     attention.install()
-    caches = _base_caches(model)
+    caches = base_caches(model)
     recorders = {}
     for i, c in enumerate(caches):
         if type(c) is KVCache:
@@ -346,14 +368,12 @@ class Codecs:
 
     def _query_levels(self, bits: int) -> mx.array:
         """Each channel's levels for "kivi-query" keys of ``bits``: the
-        widths the cache would give them (``cache.query_channel_widths``'s
+        widths the cache would give them (:func:`query_channel_widths`'s
         weights, over every calibration token)."""
         if self.query_energy is None:
             raise ValueError("kivi-query keys need the queries' channel energy")
         b, h, d = self.query_energy.shape
         if self._channel_weights is None:  # read once (a sync) for every width
-            from .cache import channel_weights
-
             span = mx.max(self.centred, axis=2) - mx.min(self.centred, axis=2)
             self._channel_weights = channel_weights(self.query_energy, span).reshape(b * h, d).tolist()
         widths = _native.kivi_channel_widths(self._channel_weights, bits)
@@ -518,10 +538,8 @@ def _round_trip(keys: mx.array, values: mx.array, key: Choice, value: Choice, si
     """``keys`` and ``values`` after the cache compressed them (all but the
     sinks and one recent token), decoded. Each batch row is centred and
     scaled on its own, so rows may be different layers."""
-    from .cache import _layer_cache_class
-
     _, hkv, _, d = keys.shape
-    layer = _layer_cache_class()(
+    layer = _native.LayerCache(
         d, hkv, key_method=key.method, key_bits=key.bits, value_method=value.method, value_bits=value.bits,
         window=1, sinks=sinks, seed=seed,
     )
@@ -589,11 +607,9 @@ class Layout:
 def _layer_bytes(head_dim, key, value, window, sinks, seed, tokens) -> Tuple[int, int]:
     """(data bytes, shared bytes) of a one-head ``LayerCache`` holding
     ``tokens`` tokens appended at once; its arrays are never evaluated."""
-    from .cache import _layer_cache_class
-
     # "kivi-query" keys store what KIVI keys do, and their offsets per channel.
     widths = {"key_widths": [key.bits] * head_dim} if key.method == "kivi-query" else {}
-    layer = _layer_cache_class()(
+    layer = _native.LayerCache(
         head_dim, 1, key_method="kivi" if widths else key.method, key_bits=key.bits, value_method=value.method,
         value_bits=value.bits, window=window, sinks=sinks, seed=seed, **widths,
     )
@@ -752,13 +768,11 @@ def allocate(
 
 
 def auto_recipe(
-    model, tokens: Sequence[int], bits_budget: float = 3.5, config=None, context: Optional[int] = None
+    model, tokens: Sequence[int], bits_budget: float, config, context: Optional[int] = None
 ) -> Tuple[object, Recipe]:
-    """The KVConfig of :meth:`KVConfig.auto`, and the recipe it holds."""
-    from .cache import KVConfig
-
-    config = config if config is not None else KVConfig()
-    if not isinstance(config, KVConfig):
+    """The KVConfig of :meth:`KVConfig.auto`, and the recipe it holds
+    (``config``: a ``veloxquant.cache.KVConfig`` with the other settings)."""
+    if not all(hasattr(config, a) for a in ("resolve", "for_layer", "widths_from_queries")):
         raise TypeError(f"config must be a veloxquant.KVConfig, got {type(config).__name__}")
     if config.protect == "auto":
         raise ValueError("protect='auto' cannot be combined with an automatic recipe, which already picks float16 layers")
@@ -785,6 +799,4 @@ def _choice(method: str, bits: int) -> Choice:
 
 
 def _layer_count(model) -> int:
-    from .cache import _base_caches
-
-    return len(_base_caches(model))
+    return len(base_caches(model))
