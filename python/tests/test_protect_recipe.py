@@ -220,6 +220,12 @@ def test_allocation_is_near_the_exhaustive_optimum():
         assert sum(r.error.values()) <= best * 1.02 + 1e-12, budget
 
 
+def test_auto_recipe_names_a_config_that_is_not_one(tiny):
+    model, _, ids = tiny
+    with pytest.raises(TypeError, match="config must be a veloxquant.KVConfig, got dict"):
+        recipe.auto_recipe(model, ids, 3.0, {"window": 4})
+
+
 def test_auto_without_a_context_counts_what_each_compressed_token_stores(tiny):
     model, _, ids = tiny
     cfg, r = recipe.auto_recipe(model, ids, 3.0, KVConfig(window=4, sinks=0))
