@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import copy
 import json
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence
 
 import mlx.core as mx
 from mlx_lm.models import cache as _mlx_cache
@@ -21,7 +21,10 @@ from mlx_lm.models.base import create_causal_mask
 from mlx_lm.models.cache import _BaseCache, create_attention_mask
 
 from . import attention
-from .cache import VeloxQuantCache, _called_from_save_prompt_cache
+from .state_files import called_from_save_prompt_cache
+
+if TYPE_CHECKING:  # for annotations only: veloxquant.cache imports this module
+    from .cache import VeloxQuantCache
 
 
 class VeloxQuantBatchCache(_BaseCache):
@@ -36,10 +39,19 @@ class VeloxQuantBatchCache(_BaseCache):
 
     # The attention dispatch attends each sequence over its own cache.
     veloxquant_attention = attention.EACH
+    # The per-sequence cache class, VeloxQuantCache: veloxquant.cache, which
+    # builds on this module, sets it when it is imported.
+    sequence_class: Optional[type] = None
+
+    @property
+    def _sequences(self) -> type:
+        if self.sequence_class is None:
+            raise RuntimeError("VeloxQuantBatchCache needs veloxquant.cache imported: it defines the sequences' cache")
+        return self.sequence_class
 
     def __init__(self, caches: Sequence[VeloxQuantCache], left_padding: Optional[Sequence[int]] = None):
         caches = list(caches)
-        _check_caches("caches", caches)
+        _check_caches("caches", caches, self._sequences)
         self.caches = caches
         self._drop = [0] * len(caches)  # left padding still to come, per sequence
         # The layout a BatchKVCache of the same tokens would have (its _idx and
@@ -86,7 +98,7 @@ class VeloxQuantBatchCache(_BaseCache):
             # A decode step: every sequence's token in one call. The chunk's
             # arrays stand in for what each update_and_fetch would return
             # (the attention reads the caches).
-            VeloxQuantCache.append_each(self.caches, keys, values)
+            self._sequences.append_each(self.caches, keys, values)
             self._chunk = [(0, 1, keys, values)] * len(self.caches)
             self._idx += 1
             self._offsets = None
@@ -123,7 +135,7 @@ class VeloxQuantBatchCache(_BaseCache):
         if scale is not None and n == 1 and all(
             part is not None and c.decoding() for c, part in zip(self.caches, chunk)
         ):
-            return VeloxQuantCache.attention_each(self.caches, queries, scale)
+            return self._sequences.attention_each(self.caches, queries, scale)
         outs = []
         for i, (c, part) in enumerate(zip(self.caches, chunk)):
             if part is None:
@@ -190,7 +202,7 @@ class VeloxQuantBatchCache(_BaseCache):
             raise TypeError(f"extend: other must be a VeloxQuantBatchCache, got {type(other).__name__}")
         if (self._real is None) != (other._real is None) or self._right is not None or other._right is not None:
             raise ValueError("extend: one of the batches is within a right-padded prompt (prepare without finalize)")
-        _check_caches("extend: caches", self.caches + other.caches)
+        _check_caches("extend: caches", self.caches + other.caches, self._sequences)
         idx = max(self._idx, other._idx)
         self._pad = [p + idx - self._idx for p in self._pad] + [p + idx - other._idx for p in other._pad]
         self._idx = idx
@@ -226,7 +238,7 @@ class VeloxQuantBatchCache(_BaseCache):
 
     @property
     def state(self) -> Dict[str, Any]:
-        saving = _called_from_save_prompt_cache()
+        saving = called_from_save_prompt_cache()
         layout = {"drop": self._drop, "pad": self._pad, "idx": self._idx}
         return {
             "sequences": [c.checksummed_state() if saving else c._state_parts() for c in self.caches],
@@ -243,7 +255,7 @@ class VeloxQuantBatchCache(_BaseCache):
         layout = json.loads(v["batch"])
         if not isinstance(layout, dict) or set(layout) != {"drop", "pad", "idx"}:
             raise ValueError(f"VeloxQuantBatchCache.state: 'batch' must hold drop, pad and idx, got {layout!r}")
-        caches = [VeloxQuantCache.from_state(s) for s in v["sequences"]]
+        caches = [self._sequences.from_state(s) for s in v["sequences"]]
         for name in ("drop", "pad"):
             layout[name] = _per_sequence(f"state's {name}", layout[name], len(caches))
         self.__init__(caches)
@@ -264,11 +276,11 @@ class VeloxQuantBatchCache(_BaseCache):
         return f"VeloxQuantBatchCache({len(self.caches)} sequences, tokens={[c.offset for c in self.caches]}, nbytes={self.nbytes})"
 
 
-def _check_caches(name: str, caches: List[Any]) -> None:
+def _check_caches(name: str, caches: List[Any], sequence_class: type) -> None:
     """A batch holds separate VeloxQuantCache objects of one layer's settings."""
     seen: Dict[int, int] = {}
     for i, c in enumerate(caches):
-        if not isinstance(c, VeloxQuantCache):
+        if not isinstance(c, sequence_class):
             raise TypeError(f"{name}[{i}] must be a VeloxQuantCache, got {type(c).__name__}")
         if id(c) in seen:
             raise ValueError(f"{name}[{i}] is {name}[{seen[id(c)]}]: each sequence needs a cache of its own")

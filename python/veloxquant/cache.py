@@ -13,8 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import json
-import sys
-import zlib
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
 
 import mlx.core as mx
@@ -27,8 +25,17 @@ from mlx_lm.models.cache import (
 )
 
 from . import attention, distributed
+from .batch_cache import VeloxQuantBatchCache
 from .model_caches import base_caches, replace_make_cache, restore_make_cache
 from .recipe import auto_recipe, outlier_error, query_channel_widths
+from .state_files import (
+    STATE_KEYS,
+    CorruptStateError,
+    called_from_save_prompt_cache,
+    check_state_checksums,
+    file_note,
+    state_checksums,
+)
 from .attention import FUSED_MAX_QUERIES, _up
 from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP
 
@@ -490,7 +497,7 @@ class VeloxQuantCache(_BaseCache):
         # after every prefill chunk, which must copy nothing. Checksums need
         # the bytes, so they are added only when mlx_lm's save_prompt_cache
         # asks for the state to write it to a file.
-        if _called_from_save_prompt_cache():
+        if called_from_save_prompt_cache():
             return self.checksummed_state()
         return self._state_parts()
 
@@ -530,7 +537,7 @@ class VeloxQuantCache(_BaseCache):
         other way.
         """
         state = self._state_parts()
-        state["crc32"] = json.dumps(_state_checksums(state), sort_keys=True)
+        state["crc32"] = json.dumps(state_checksums(state), sort_keys=True)
         return state
 
     @state.setter
@@ -540,14 +547,14 @@ class VeloxQuantCache(_BaseCache):
                 "VeloxQuantCache.state: expected a dict with a 'config' JSON string "
                 f"(written by this version of veloxquant), got {type(v).__name__}"
             )
-        unknown = set(v) - set(_STATE_KEYS)
+        unknown = set(v) - set(STATE_KEYS)
         if unknown:
             raise CorruptStateError(
-                f"VeloxQuantCache.state{_file_note()}: unknown entries {sorted(map(str, unknown))} "
-                f"(expected {list(_STATE_KEYS)}): the state is corrupt or was not written by veloxquant"
+                f"VeloxQuantCache.state{file_note()}: unknown entries {sorted(map(str, unknown))} "
+                f"(expected {list(STATE_KEYS)}): the state is corrupt or was not written by veloxquant"
             )
         if "crc32" in v:
-            _check_state_checksums(v)
+            check_state_checksums(v)
         try:
             self.config = KVConfig.from_json(v["config"])
             layout = json.loads(v["layout"]) if "layout" in v else None
@@ -628,7 +635,7 @@ class VeloxQuantCache(_BaseCache):
     def merge(cls, caches):
         """A batch of these sequences' caches (mlx_lm's batching calls it on
         one of them): see veloxquant.batch_cache."""
-        return batch_cache.VeloxQuantBatchCache.merge(caches)
+        return VeloxQuantBatchCache.merge(caches)
 
     def __repr__(self):
         c = self.config
@@ -636,92 +643,6 @@ class VeloxQuantCache(_BaseCache):
             f"VeloxQuantCache(keys={c.key_method}/{c.key_bits}b, values={c.value_method}/{c.value_bits}b, "
             f"window={c.window}, sinks={c.sinks}, offset={self.offset}, nbytes={self.nbytes})"
         )
-
-
-# --- checksums of a saved state -------------------------------------------------
-
-# The entries of VeloxQuantCache.state.
-_STATE_KEYS = ("config", "layout", "arrays", "crc32")
-
-
-class CorruptStateError(ValueError):
-    """A VeloxQuantCache state (a prompt-cache file, say) whose contents do not
-    match the checksums saved with it."""
-
-
-def _array_crc32(name: str, a: mx.array) -> str:
-    """CRC-32 of an array's name, dtype and shape, then its bytes (row-major,
-    as safetensors holds them)."""
-    crc = zlib.crc32(f"{name} {a.dtype} {list(a.shape)}".encode())
-    if a.size:
-        crc = zlib.crc32(memoryview(mx.contiguous(a).view(mx.uint8)), crc)
-    return f"{crc:08x}"
-
-
-def _state_checksums(state: Mapping[str, Any]) -> Dict[str, str]:
-    sums = {k: f"{zlib.crc32(state[k].encode()):08x}" for k in ("config", "layout") if isinstance(state.get(k), str)}
-    arrays = state.get("arrays", {})
-    if isinstance(arrays, Mapping):
-        mx.eval(list(arrays.values()))
-        for name, a in arrays.items():
-            sums[f"arrays.{name}"] = _array_crc32(str(name), a) if isinstance(a, mx.array) else "not an array"
-    return sums
-
-
-def _check_state_checksums(state: Mapping[str, Any]) -> None:
-    """Raise CorruptStateError unless every entry of ``state`` matches its
-    checksum in ``state["crc32"]`` and every checksum has its entry."""
-
-    def corrupt(what: str):
-        return CorruptStateError(
-            f"VeloxQuantCache.state{_file_note()}: {what}: the state is corrupt (changed after it was saved, "
-            "or cut short); save it again"
-        )
-
-    try:
-        want = json.loads(state["crc32"]) if isinstance(state["crc32"], str) else None
-    except ValueError:
-        want = None
-    if not isinstance(want, dict) or not all(isinstance(x, str) for x in want.values()):
-        raise corrupt("its 'crc32' entry is not the JSON object of checksums veloxquant writes")
-    got = _state_checksums(state)
-    for key in sorted(set(want) | set(got)):
-        if key not in got:
-            raise corrupt(f"'{key}' has a checksum but is missing")
-        if key not in want:
-            raise corrupt(f"'{key}' has no checksum")
-        if got[key] != want[key]:
-            raise corrupt(f"'{key}' does not match its CRC-32 ({got[key]}, saved {want[key]})")
-
-
-def _called_from_save_prompt_cache() -> bool:
-    """Whether mlx_lm's ``save_prompt_cache`` is reading ``state`` (through its
-    list comprehension, a frame of its own before Python 3.12)."""
-    try:
-        f = sys._getframe(2)
-    except ValueError:  # read from native code with no Python caller
-        return False
-    for _ in range(3):
-        if f is None:
-            return False
-        if f.f_code.co_name == "save_prompt_cache" and f.f_globals.get("__name__", "").startswith("mlx_lm."):
-            return True
-        f = f.f_back
-    return False
-
-
-def _file_note() -> str:
-    """' (file NAME)' when mlx_lm's ``load_prompt_cache`` is loading the state
-    (for error messages), else ''."""
-    f = sys._getframe(1)
-    for _ in range(8):
-        if f is None:
-            break
-        if f.f_code.co_name == "load_prompt_cache" and f.f_globals.get("__name__", "").startswith("mlx_lm."):
-            name = f.f_locals.get("file_name")
-            return f" (file {name})" if isinstance(name, (str, bytes)) or hasattr(name, "__fspath__") else ""
-        f = f.f_back
-    return ""
 
 
 def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
@@ -821,7 +742,7 @@ def _shared_nbytes(caches) -> int:
 def _each_sequence(caches):
     """The caches, with a batch cache's per-sequence caches in its place."""
     for c in caches:
-        if isinstance(c, batch_cache.VeloxQuantBatchCache):
+        if isinstance(c, VeloxQuantBatchCache):
             yield from c.caches
         else:
             yield c
@@ -860,5 +781,5 @@ def cache_data_nbytes(caches) -> int:
 # mlx_lm's load_prompt_cache rebuilds caches by class name from its module globals.
 _mlx_cache.VeloxQuantCache = VeloxQuantCache
 
-# The batch cache builds on this module (and registers itself with load_prompt_cache).
-from . import batch_cache  # noqa: E402
+# The batch of these caches (mlx_lm's merge) holds VeloxQuantCache objects.
+VeloxQuantBatchCache.sequence_class = VeloxQuantCache
