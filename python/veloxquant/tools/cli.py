@@ -903,7 +903,8 @@ def cmd_compare(argv: Sequence[str]) -> int:
 
     from .. import blas
     from . import models
-    from ..cache import _base_caches, cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
+    from ..cache import cache_nbytes, make_mlx_quantized_cache, make_prompt_cache
+    from ..model_caches import base_caches
 
     path = models.resolve_model(args.model)
     _blas_warning()
@@ -942,7 +943,7 @@ def cmd_compare(argv: Sequence[str]) -> int:
                 cfg, recipe = kv_recipe_config(model, ns, ids)
                 print(f"KV recipe: {recipe.summary()}")
             try:  # the protected layers against this model, before any run
-                cfg.resolve(len(_base_caches(model)))
+                cfg.resolve(len(base_caches(model)))
             except ValueError as e:
                 raise SystemExit(f"--kv-protect: {e}")
             make = lambda: make_prompt_cache(model, cfg)  # noqa: E731
