@@ -160,6 +160,11 @@ def test_recipe_syntax():
     assert bench.recipe_config("k4v3:w64", "kivi").window == 64
     assert bench.recipe_config("k4v3", "kivi/mse:g128").key_group == 128
     assert bench.recipe_config("k4v3", "kivi/mse:query").key_channel_bits == "query"
+    # Any method of the crate by its full name, without a short one here.
+    cfg = bench.recipe_config("k4v3", "affine:k4v4")
+    assert (cfg.key_method, cfg.value_method, cfg.key_bits, cfg.value_bits) == ("affine", "affine", 4, 4)
+    with pytest.raises(ValueError, match="unknown recipe part 'nope'"):
+        bench.parse_recipe("nope")
     with pytest.raises(ValueError, match="key_group must be a multiple of 8"):
         bench.recipe_config("k4v3", "kivi:g100")
 

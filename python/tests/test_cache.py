@@ -488,3 +488,50 @@ def test_concat_joins_equal_length_batches_as_one_cache():
         VeloxQuantCache.concat([parts[0], VeloxQuantCache(cfg)])
     with pytest.raises(TypeError, match="non-empty list"):
         VeloxQuantCache.concat([])
+
+
+@pytest.mark.parametrize("bits", [4, 8])
+def test_affine_method_stores_what_mlx_lm_quantized_cache_does(bits):
+    """``affine`` keeps mlx_lm's QuantizedKVCache layout (per token, a float16
+    scale and zero per 64 channels) inside veloxquant's cache: as many bytes
+    per token, about its error, and the fused attention of the codes."""
+    mx.random.seed(1)
+    b, hkv, hq, t, d = 1, 2, 8, 300, 128
+    k, v = (mx.random.normal((b, hkv, t, d)).astype(mx.float16) for _ in range(2))
+    q = mx.random.normal((b, hq, 1, d)).astype(mx.float16)
+    scale = d**-0.5
+    ref = mx.fast.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    def rel(a, r):
+        return (mx.linalg.norm((a - r).astype(mx.float32)) / mx.linalg.norm(r.astype(mx.float32))).item()
+
+    c = VeloxQuantCache(KVConfig(key_method="affine", value_method="affine", key_bits=bits, value_bits=bits, window=16, sinks=0))
+    c.update_and_fetch(k[:, :, :-1], v[:, :, :-1])
+    c.attention(mx.zeros((b, hq, t - 1, d), mx.float16), scale, "causal")
+    c.update_and_fetch(k[:, :, -1:], v[:, :, -1:])
+    fused = c.attention(q, scale)
+    kd, vd = c.layer.dequantize()
+    decoded = mx.fast.scaled_dot_product_attention(q, kd.astype(mx.float16), vd.astype(mx.float16), scale=scale)
+    assert rel(fused, decoded) < 2e-3
+
+    theirs = QuantizedKVCache(group_size=64, bits=bits)
+    kq, vq = theirs.update_and_fetch(k, v)
+    mlx_err = rel(
+        mx.fast.scaled_dot_product_attention(
+            q, mx.dequantize(*kq, group_size=64, bits=bits), mx.dequantize(*vq, group_size=64, bits=bits), scale=scale
+        ),
+        ref,
+    )
+    assert rel(fused, ref) < 1.5 * mlx_err
+    # Bytes per compressed token and head: codes, then a scale and a zero per group.
+    per_token = sum(a.nbytes for a in (*kq, *vq)) // (hkv * t)
+    assert per_token == 2 * (d * bits // 8 + 2 * 2 * d // 64)
+    # Two prompts 32 tokens apart: the longer holds 32 more compressed tokens.
+    held = []
+    for n in (t, t + 32):
+        kn, vn = (mx.random.normal((b, hkv, n, d)).astype(mx.float16) for _ in range(2))
+        c = VeloxQuantCache(KVConfig(key_method="affine", value_method="affine", key_bits=bits, value_bits=bits))
+        c.update_and_fetch(kn, vn)
+        c.attention(mx.zeros((b, hq, n, d), mx.float16), scale, "causal")
+        held.append(c.layer.data_nbytes)
+    assert held[1] - held[0] == 32 * hkv * per_token

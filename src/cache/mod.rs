@@ -58,12 +58,25 @@ pub enum Method {
     TurboQuantProd,
     /// TurboQuant-RVQ: `bits − 1` bits, then 1 bit on the residual.
     TurboQuantRvq,
+    /// Affine codes per token, keys and values alike: a float16 scale and
+    /// zero per group of up to 64 channels, the layout of mlx_lm's
+    /// `QuantizedKVCache` (`group_size` 64), here with the cache's windows
+    /// and fused attention: the like-for-like baseline at equal bits.
+    Affine,
 }
 
 /// Every method, in the order the documentation lists them (and of
 /// [`Method::def`]'s table).
-pub const METHODS: [Method; 7] =
-    [Method::Fp16, Method::TurboQuantMse, Method::Kivi, Method::Pq, Method::Qjl, Method::TurboQuantProd, Method::TurboQuantRvq];
+pub const METHODS: [Method; 8] = [
+    Method::Fp16,
+    Method::TurboQuantMse,
+    Method::Kivi,
+    Method::Pq,
+    Method::Qjl,
+    Method::TurboQuantProd,
+    Method::TurboQuantRvq,
+    Method::Affine,
+];
 
 /// One method's definition: the names arguments and saved states use, the
 /// bits it takes, whether it can hold values, and the codec each side of a
@@ -84,7 +97,7 @@ pub struct MethodDef {
 }
 
 /// The definitions, in the order of [`METHODS`].
-static METHOD_DEFS: [MethodDef; 7] = [
+static METHOD_DEFS: [MethodDef; 8] = [
     MethodDef {
         method: Method::Fp16,
         name: "fp16",
@@ -113,9 +126,7 @@ static METHOD_DEFS: [MethodDef; 7] = [
                 // at least one group beyond the window (`recent_capacity`).
                 SideCodec { codec: Codec::KiviPerChannel, bits, group: cfg.key_group }
             } else {
-                // The largest multiple of 8 up to 32 channels dividing the head.
-                let group = (1..=KIVI_GROUP / 8).rev().map(|k| 8 * k).find(|g| cfg.head_dim % g == 0).unwrap_or(8);
-                SideCodec { codec: Codec::KiviPerToken, bits, group }
+                SideCodec { codec: Codec::KiviPerToken, bits, group: channel_group(cfg.head_dim, KIVI_GROUP) }
             }
         },
     },
@@ -155,7 +166,26 @@ static METHOD_DEFS: [MethodDef; 7] = [
         keys_only: false,
         codec: |_, bits, _| SideCodec { codec: Codec::TurboQuantRvq, bits, group: 1 },
     },
+    MethodDef {
+        method: Method::Affine,
+        name: "affine",
+        aliases: &["mlx-affine"],
+        bits: Some(&crate::cpu::SUPPORTED_BITS),
+        keys_only: false,
+        // KIVI's per-token codec on both sides.
+        codec: |cfg, bits, _| SideCodec { codec: Codec::KiviPerToken, bits, group: channel_group(cfg.head_dim, AFFINE_GROUP) },
+    },
 ];
+
+/// Channels per scale and zero of the `affine` method: mlx_lm's
+/// `QuantizedKVCache` default `group_size`.
+pub const AFFINE_GROUP: usize = 64;
+
+/// Channels per scale and zero of a per-token codec: the largest multiple of
+/// 8 up to `max` that divides the head (8 when none does).
+fn channel_group(head_dim: usize, max: usize) -> usize {
+    (1..=max / 8).rev().map(|k| 8 * k).find(|g| head_dim % g == 0).unwrap_or(8)
+}
 
 impl Method {
     /// The method's definition.

@@ -82,7 +82,8 @@ MLX_GROUP_SIZE = 64
 METHODS = {"mse": "turboquant-mse", "kivi": "kivi", "pq": "pq", "qjl": "qjl", "prod": "turboquant-prod",
            "rvq": "turboquant-rvq", "fp16": "fp16"}
 POLICIES = ("auto", "require", "off")
-RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, or KEYS/VALUES), kKvV bits, wN window, "
+RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, any method's full name, or KEYS/VALUES), "
+               "kKvV bits, wN window, "
                f"sN sinks, gN KIVI key group, {'/'.join(POLICIES)}, query (KIVI keys' bits per channel from the "
                "queries)")
 CACHE_HELP = f"fp16, mlx-q{{{','.join(map(str, MLX_BITS))}}}, veloxquant, veloxquant:RECIPE (RECIPE: {RECIPE_HELP})"
@@ -100,6 +101,7 @@ def parse_recipe(text: str) -> Dict[str, Any]:
     """``'kivi:k4v4:w32'`` -> KVConfig keyword arguments (only those the text sets); ``query`` (or
     ``uniform``) sets KIVI keys' bits per channel (``key_channel_bits``)."""
     from ..cache import KEY_CHANNEL_BITS
+    from ..cache import METHODS as NAMES  # the crate's methods, by full name
 
     out: Dict[str, Any] = {}
     for part in filter(None, text.split(":")):
@@ -114,7 +116,7 @@ def parse_recipe(text: str) -> Dict[str, Any]:
             out["policy"] = part
         elif part in KEY_CHANNEL_BITS:
             out["key_channel_bits"] = part
-        elif all(m in METHODS or m in METHODS.values() for m in part.split("/")) and part.count("/") <= 1:
+        elif all(m in METHODS or m in NAMES for m in part.split("/")) and part.count("/") <= 1:
             keys, _, values = part.partition("/")
             out["key_method"] = METHODS.get(keys, keys)
             out["value_method"] = METHODS.get(values, values) if values else None

@@ -14,7 +14,7 @@ import os
 import sys
 from typing import List, NoReturn, Optional, Sequence
 
-from .. import distributed
+from .. import _native, distributed
 
 KV_CACHES = ("fp16", "mlx-quantized", "veloxquant")
 
@@ -123,14 +123,13 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
     g.add_argument(
         "--kv-method",
         default=None,
-        help="veloxquant method for keys: fp16, turboquant-mse, kivi, pq, qjl, turboquant-prod, turboquant-rvq "
-        "(default: turboquant-mse)",
+        help=f"veloxquant method for keys: {', '.join(_native.CACHE_METHODS)} (default: turboquant-mse)",
     )
     g.add_argument(
         "--kv-value-method",
         default=None,
-        help="veloxquant method for values: as --kv-method except the keys-only qjl and turboquant-prod "
-        "(default: --kv-method)",
+        help="veloxquant method for values: as --kv-method except the keys-only "
+        f"{' and '.join(m for m, (_, keys_only) in _native.CACHE_METHODS.items() if keys_only)} (default: --kv-method)",
     )
     if with_kv_bits:
         g.add_argument("--kv-bits", type=int, default=None, help="bits per key element (veloxquant) or per element (mlx-quantized)")
