@@ -426,6 +426,13 @@ fn dense_sides_and_f16_match_cpu() {
 }
 
 #[test]
+fn per_token_keys_match_cpu() {
+    // The affine method: per-token codes on both sides, 64 channels a group.
+    let (k, v) = (codec(Codec::KiviPerToken, 4, 64), codec(Codec::KiviPerToken, 8, 64));
+    check::<f16>(shape(1, 8, 2, 1, 128, k, v, (4, 200, 9), true), 1e-2, 41);
+}
+
+#[test]
 fn product_quantized_keys_and_values_match_cpu() {
     // Keys scored through each query's lookup table (read from device
     // memory), values decoded from the codebook; 2 and 4 bits per element.
