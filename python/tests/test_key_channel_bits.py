@@ -126,7 +126,7 @@ def test_bad_widths_name_the_argument(call, name):
 
 def test_recipe_stand_in_matches_the_cache_with_the_same_widths():
     from veloxquant import recipe
-    from veloxquant.cache import _layer_cache_class
+    from veloxquant import LayerCache
 
     mx.random.seed(3)
     scale = mx.where(mx.arange(64) < 6, 8.0, 1.0)
@@ -139,7 +139,7 @@ def test_recipe_stand_in_matches_the_cache_with_the_same_widths():
     span = mx.max(codecs.centred, axis=2) - mx.min(codecs.centred, axis=2)
     widths = _native.kivi_channel_widths((energy * span * span).reshape(2, 64).tolist(), 3)
     assert len(set(widths)) > 2
-    layer = _layer_cache_class()(64, 2, key_method="kivi", key_bits=3, key_widths=widths, value_method="fp16",
+    layer = LayerCache(64, 2, key_method="kivi", key_bits=3, key_widths=widths, value_method="fp16",
                                  value_bits=16, window=1, sinks=4, seed=0)
     layer.append(keys, values)
     k, _ = layer.dequantize()

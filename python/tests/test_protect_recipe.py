@@ -283,7 +283,7 @@ def test_stand_in_keys_centre_on_a_first_share_as_the_cache_on_its_first_append(
     drift = mx.linspace(0, 6, n)[None, None, :, None] * mx.random.normal((1, 2, 1, 64))
     keys = (mx.random.normal((1, 2, n, 64)) + drift).astype(mx.float16)
     values = mx.random.normal((1, 2, n, 64)).astype(mx.float16)
-    from veloxquant.cache import _layer_cache_class
+    from veloxquant import LayerCache
 
     def rel(x):  # over the tokens after the sinks and before the one exact recent token
         ref = keys[:, :, 4 : n - 1].astype(mx.float32)
@@ -292,7 +292,7 @@ def test_stand_in_keys_centre_on_a_first_share_as_the_cache_on_its_first_append(
 
     share = recipe.Codecs(keys, values, sinks=4, seed=0, mean_share=0.25)
     whole = recipe.Codecs(keys, values, sinks=4, seed=0)
-    layer = _layer_cache_class()(64, 2, key_method="turboquant-mse", key_bits=3, value_method="fp16", value_bits=16,
+    layer = LayerCache(64, 2, key_method="turboquant-mse", key_bits=3, value_method="fp16", value_bits=16,
                                  window=1, sinks=4, seed=0)
     layer.append(keys[:, :, : n // 4], values[:, :, : n // 4])
     layer.append(keys[:, :, n // 4 :], values[:, :, n // 4 :])

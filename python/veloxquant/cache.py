@@ -10,7 +10,6 @@ build veloxquant caches.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import json
 from typing import Any, Dict, List, Mapping, NamedTuple, Optional, Sequence, Tuple, Union
@@ -37,7 +36,7 @@ from .state_files import (
     state_checksums,
 )
 from .attention import FUSED_MAX_QUERIES, _up
-from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP
+from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP, LayerCache
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group",
            "key_channel_bits")
@@ -297,13 +296,13 @@ class KVConfig:
             if cfg is None:
                 continue
             try:
-                _layer_cache_class()(64, 1, **cfg.layer_kwargs())
+                LayerCache(64, 1, **cfg.layer_kwargs())
             except (ValueError, TypeError) as e:
                 raise ValueError(f"KVConfig {cfg.settings()}: {e}") from None
         if self.protect_bits is not None:
             cfg = self.for_layer_of(self.protected())
             try:
-                _layer_cache_class()(64, 1, **cfg.layer_kwargs())
+                LayerCache(64, 1, **cfg.layer_kwargs())
             except (ValueError, TypeError) as e:
                 raise ValueError(f"KVConfig.protect_bits {self.protect_bits}: {e}") from None
         return self
@@ -312,16 +311,6 @@ class KVConfig:
     def bits_per_element(self) -> float:
         """Nominal key/value bits per element (ignoring the float16 window and sinks)."""
         return (self.key_bits + self.value_bits) / 2
-
-
-def _layer_cache_class():
-    try:
-        from ._native import LayerCache
-    except ImportError as e:  # pragma: no cover - only with an extension built without it
-        raise RuntimeError(
-            "this build of veloxquant._native has no LayerCache; rebuild it (bash scripts/setup.sh)"
-        ) from e
-    return LayerCache
 
 
 class _FirstChunk(NamedTuple):
@@ -422,7 +411,7 @@ class VeloxQuantCache(_BaseCache):
             kwargs = self.config.layer_kwargs()
             if key_widths is not None:
                 kwargs["key_widths"] = key_widths
-            self.layer = _layer_cache_class()(head_dim, n_kv, **kwargs)
+            self.layer = LayerCache(head_dim, n_kv, **kwargs)
         elif not self._attended:
             raise RuntimeError(_BYPASSED)
         self._attended = False
@@ -471,7 +460,7 @@ class VeloxQuantCache(_BaseCache):
     def attention_each(caches: Sequence["VeloxQuantCache"], queries: mx.array, scale: float) -> mx.array:
         """One decode query per cache (row ``b`` of ``queries`` over ``caches[b]``),
         attended in one call of the native layers (``LayerCache.attention_each``)."""
-        out = _layer_cache_class().attention_each([c.layer for c in caches], queries, scale)
+        out = LayerCache.attention_each([c.layer for c in caches], queries, scale)
         for c in caches:
             c._attended = True
         return out
@@ -487,7 +476,7 @@ class VeloxQuantCache(_BaseCache):
                 raise RuntimeError("VeloxQuantCache.append_each: every cache must hold its prompt already")
             if not c._attended:
                 raise RuntimeError(_BYPASSED)
-        _layer_cache_class().append_each([c.layer for c in caches], keys, values)
+        LayerCache.append_each([c.layer for c in caches], keys, values)
         for c in caches:
             c._attended, c._framed = False, None
 
@@ -571,7 +560,7 @@ class VeloxQuantCache(_BaseCache):
         # A state keeps the decided config, not the measurement behind it.
         self.__dict__.setdefault("outlier_error", None)
         self.__dict__.setdefault("protected", False)
-        self.layer = None if layout is None else _layer_cache_class().from_state_parts(dict(arrays), layout)
+        self.layer = None if layout is None else LayerCache.from_state_parts(dict(arrays), layout)
 
     def is_trimmable(self) -> bool:
         return True
@@ -698,19 +687,17 @@ def install(model, config: Optional[KVConfig] = None, kind: str = "veloxquant", 
     """
     if kind not in ("veloxquant", "mlx-quantized", "fp16"):
         raise ValueError(f"kind must be 'veloxquant', 'mlx-quantized' or 'fp16', got {kind!r}")
+    restore_make_cache(model)
     if kind == "fp16":
-        restore_make_cache(model)
         return model
     if kind == "veloxquant":
         config = config if config is not None else KVConfig()
-        restore_make_cache(model)
         make_prompt_cache(model, config)  # fail now, not at the first request
 
         def make_cache():
             return make_prompt_cache(model, config)
     else:
         bits, group = kwargs.get("bits", 4), kwargs.get("group_size", 64)
-        restore_make_cache(model)
         make_mlx_quantized_cache(model, bits, group)
 
         def make_cache():
