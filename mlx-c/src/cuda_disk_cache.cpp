@@ -127,7 +127,7 @@ std::vector<std::string> include_args() {
 }
 
 // In place of MLX's device headers: the few types the kernels use
-// (cuda/nvrtc/), five times quicker to compile. A kernel that needed more
+// (cuda/nvrtc/), about four times quicker to compile. A kernel that needed more
 // fails to compile here, and MLX compiles it itself.
 constexpr const char* header_names[] = {"mlx/backend/cuda/device/utils.cuh", "cooperative_groups.h"};
 constexpr const char* headers[] = {kNvrtcUtils, kNvrtcCooperativeGroups};
