@@ -5,8 +5,8 @@
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
 // CAUSAL, SCALE (the score scale's float32 bits), ROTATED, REDUCE, VARIANT
-// (bits that choose how the tensor-core path reads its operands: see KPAIR
-// and QA2 below).
+// (bits that choose how the tensor-core path reads its operands: see KPAIR,
+// QA2 and KA below).
 // Inputs, read through their shapes and strides (no parameter buffer, no
 // copies): q [B, Hq, L, D] as the model gives it, or with ROTATED already
 // rotated and scaled by tq_rotate (float32); rot [D, D] float32, the keys'
@@ -36,9 +36,14 @@
 //     float16 table (the k index of the mma maps to those dimensions, the
 //     queries' A fragments the same way); each score is scaled by its
 //     token's norm and masked;
+//     (with KA, S^T = K Q^T: lane 4g + q decodes the same dimensions of
+//     tokens g and g + 8 into one A fragment of the 16-token tile, the
+//     queries are B fragments held in registers);
 //   weights: e^(s - m) with m the warp's running max of the row, taken over
 //     the quad that holds it; the C fragments of the two tiles are then the
-//     B fragments of the values' product as they lie;
+//     B fragments of the values' product as they lie (with KA, the max of a
+//     column over the eight lanes that hold it, and the C fragments
+//     transposed by movmatrix);
 //   values: O^T = V^T P^T: lane 4g + q decodes dimensions [g D/8,
 //     (g + 1) D/8) of tokens 2q, 2q + 1, 2q + 8, 2q + 9 of the step, two
 //     tokens' codes of one dimension to an A register (the mma's k index
@@ -97,16 +102,27 @@ __shared__ float vc[1 << VB];
 // shared table (four PRMTs for four codes, no shared-memory reads).
 constexpr bool KPAIR = KB == 4 && (VARIANT & 1) == 0;
 constexpr bool VPERM = VB <= 3 && (VARIANT & 2) != 0;
-__shared__ uint32_t kt[KPAIR ? 256 : 1 << KB];
+// Aligned to its size, so that an entry's address is the table's base OR
+// its byte offset: one LOP3 masks a code byte into place and adds the base.
+__shared__ __align__(1024) uint32_t kt[KPAIR ? 256 : 1 << KB];
 // The queries' A fragments, alike in every warp, with their zero rows: one
 // 16-byte load a k-step instead of 16 registers held and two moves (with
 // tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
 // VARIANT bit 2 keeps only their nonzero words; ptxas then holds them in
 // registers across the loop (127 a thread in variant 6) and builds each
 // fragment with moves.
+// VARIANT bit 3 swaps the scores' operands: a 16-token tile of keys is the
+// A fragment and the queries the B fragment (two words a k-step, held in
+// registers for the whole loop, no zero words): one mma a k-step for 16
+// tokens instead of two, no fragment moves; the scores' C fragments (token
+// rows, query columns) become the values' B fragments through two
+// movmatrix transposes a step.
+// (Heads of at most 128: the queries of a longer head would not fit the
+// registers beside the accumulators.)
+constexpr bool KA = (VARIANT & 8) != 0 && D <= 128;
 constexpr bool QA2 = (VARIANT & 4) != 0;
-__shared__ uint4 qa_s[MMA && !QA2 ? (D / 16) * 32 : 1];
-__shared__ uint2 qa2_s[MMA && QA2 ? (D / 16) * 32 : 1];
+__shared__ uint4 qa_s[MMA && !QA2 && !KA ? (D / 16) * 32 : 1];
+__shared__ uint2 qa2_s[MMA && QA2 && !KA ? (D / 16) * 32 : 1];
 __shared__ uint32_t vt[1 << VB];
 // 16-byte aligned: the queries' rotation reads the raw rows here as float4.
 __shared__ __align__(16) float sc[QN * TT];
@@ -311,8 +327,18 @@ if (MMA && compressed) {
   // tiles) are, once weighed, the values' B fragments as they stand. While
   // a chunk is read, the next one's codes are on their way (cp.async, two
   // buffers); one barrier a chunk. The warps' states merge at the end.
-  // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero).
-  if (warp == 0) {
+  // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero);
+  // with KA each lane's B fragments, column g, in registers.
+  uint32_t qb[KA ? KS : 1][2];
+  if constexpr (KA) {
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const bool on = g < uint32_t(QN);
+      const float* x = qs + (on ? g : 0u) * D + tg * KSEG + 4 * ks;
+      qb[ks][0] = on ? tq_half2_bits(x[0], x[1]) : 0u;
+      qb[ks][1] = on ? tq_half2_bits(x[2], x[3]) : 0u;
+    }
+  } else if (warp == 0) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const float* x = qs + (g < uint32_t(QN) ? g : 0u) * D + tg * KSEG + 4 * ks;
@@ -325,10 +351,15 @@ if (MMA && compressed) {
       }
     }
   }
+  const uint32_t kt_base = static_cast<uint32_t>(__cvta_generic_to_shared(kt));
   // Codes j, j + 1 of a key row's words as a half2 B register.
   auto key_pair = [&](const uint32_t(&w)[KNW], int j) -> uint32_t {
     if constexpr (KPAIR) {
-      return kt[(w[j / 8] >> (4 * (j % 8))) & 0xffu];
+      const int sh = 4 * (j % 8);
+      const uint32_t x = w[j / 8], off = (sh >= 2 ? x >> (sh - 2) : x << 2) & 0x3fcu;
+      uint32_t r;
+      asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(kt_base | off));
+      return r;
     } else {
       return tq_pair_along<KB, KNW>(kt, w, j);
     }
@@ -348,6 +379,18 @@ if (MMA && compressed) {
   const uint32_t rr = tile * QN + g;
   const bool row_on = g < uint32_t(QN) && rr < head_rows;
   const uint32_t last = total - L + rr % L;
+  // With KA, columns 2tg + e: their running maxima (alike in the eight
+  // lanes of a tg), this lane's shares of their sums, whether each is a
+  // row of the tile, its last visible position.
+  float mc_run[2] = {ninf, ninf}, lc_run[2] = {0.0f, 0.0f};
+  bool col_on[2];
+  uint32_t col_last[2];
+#pragma unroll
+  for (int e = 0; e < 2; ++e) {
+    const uint32_t r = 2 * tg + e, rc = tile * QN + r;
+    col_on[e] = r < uint32_t(QN) && rc < head_rows;
+    col_last[e] = total - L + rc % L;
+  }
   const uint32_t chunks = (tn + TT - 1) / TT;
   for (uint32_t ch = 0; ch < chunks; ++ch) {
     vq_copy_wait();
@@ -360,69 +403,154 @@ if (MMA && compressed) {
     const __half* vn = vn_h + (ch & 1u) * TT;
     const uint32_t c0 = ch * TT, n = min(uint32_t(TT), tn - c0);
     for (uint32_t t0 = warp * 16; t0 < n; t0 += WARPS * 16) {
-      // Scores of tokens t0 + 8h + (2tg, 2tg + 1), h = 0, 1: two tiles, two
-      // independent mma chains.
+      // Key words of tokens t0 + g and t0 + 8 + g: dimensions [tg KSEG, (tg + 1) KSEG).
       uint32_t w0[KNW], w1[KNW];
       tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + g) * (KROW * 8) + tg * (KSEG * KB), w0);
       tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + 8 + g) * (KROW * 8) + tg * (KSEG * KB), w1);
-      float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+      // The values' B fragments: weights times value norms of tokens 2tg,
+      // 2tg + 1 (b0) and 2tg + 8, 2tg + 9 (b1) of the step for query row g.
+      uint32_t b0, b1;
+      if constexpr (KA) {
+        // S^T = K Q^T: C holds tokens g, g + 8 (rows) of query rows 2tg,
+        // 2tg + 1 (columns); two chains of four mma.
+        float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        uint4 qa;
-        if constexpr (QA2) {
-          const uint2 q2 = qa2_s[ks * 32 + lane];
-          qa = make_uint4(q2.x, 0u, q2.y, 0u);
-        } else {
-          qa = qa_s[ks * 32 + lane];
+        for (int ks = 0; ks < KS; ++ks) {
+          const uint32_t a[4] = {key_pair(w0, 4 * ks), key_pair(w1, 4 * ks), key_pair(w0, 4 * ks + 2),
+                                 key_pair(w1, 4 * ks + 2)};
+          if (ks % 2 == 0) {
+            vq_mma(sa, a, qb[ks][0], qb[ks][1]);
+          } else {
+            vq_mma(sb, a, qb[ks][0], qb[ks][1]);
+          }
         }
-        const uint32_t a[4] = {qa.x, qa.y, qa.z, qa.w};
-        vq_mma(s0, a, key_pair(w0, 4 * ks), key_pair(w0, 4 * ks + 2));
-        vq_mma(s1, a, key_pair(w1, 4 * ks), key_pair(w1, 4 * ks + 2));
-      }
-      const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
-      float sv[4] = {s0[0], s0[1], s1[0], s1[1]};
-      float mx = ninf;
+        const uint32_t tk[2] = {t0 + g, t0 + 8 + g};
+        float sv[4], knv[2], vnv[2];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        // A token past the end, masked, or of a row past the tile's scores -inf.
-        const uint32_t pos = N_SINK + t_begin + c0 + ts[e];
-        const bool in = row_on && ts[e] < n && (!CAUSAL || pos <= last);
-        sv[e] = in ? sv[e] * __half2float(kn[in ? ts[e] : 0u]) : ninf;
-        mx = fmaxf(mx, sv[e]);
-      }
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
-      mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
-      const float m_new = fmaxf(m_run, mx);
-      const float alpha = m_run == ninf ? 0.0f : tq_exp(m_run - m_new);
-      float p[4];
-#pragma unroll
-      for (int e = 0; e < 4; ++e) p[e] = m_new == ninf ? 0.0f : tq_exp(sv[e] - m_new);
-      l_run = l_run * alpha + (p[0] + p[1]) + (p[2] + p[3]);
-      m_run = m_new;
-      // Columns 2tg + e of the accumulators take their row's factor, from
-      // that row's quad; most steps leave every max as it was.
-      const float a0 = __shfl_sync(FULL, alpha, 8 * tg), a1 = __shfl_sync(FULL, alpha, 8 * tg + 4);
-      if (__any_sync(FULL, a0 != 1.0f || a1 != 1.0f)) {
-#pragma unroll
-        for (int j = 0; j < MT; ++j) {
-          o[j][0] *= a0;
-          o[j][2] *= a0;
-          o[j][1] *= a1;
-          o[j][3] *= a1;
+        for (int h = 0; h < 2; ++h) {
+          knv[h] = __half2float(kn[tk[h] < n ? tk[h] : 0u]);
+          vnv[h] = __half2float(vn[tk[h] < n ? tk[h] : 0u]);
         }
+        float mx[2];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          mx[e] = ninf;
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            // A token past the end, masked, or a column past the tile's rows: -inf.
+            const uint32_t pos = N_SINK + t_begin + c0 + tk[h];
+            const bool in = col_on[e] && tk[h] < n && (!CAUSAL || pos <= col_last[e]);
+            const float x = in ? (sa[2 * h + e] + sb[2 * h + e]) * knv[h] : ninf;
+            sv[2 * h + e] = x;
+            mx[e] = fmaxf(mx[e], x);
+          }
+        }
+        // Each column's max over the step's 16 tokens: the eight lanes of a tg.
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          mx[0] = fmaxf(mx[0], __shfl_xor_sync(FULL, mx[0], o));
+          mx[1] = fmaxf(mx[1], __shfl_xor_sync(FULL, mx[1], o));
+        }
+        float al[2], p[4];
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float m_new = fmaxf(mc_run[e], mx[e]);
+          // Nothing is accumulated while the max is -inf: no factor then.
+          al[e] = mc_run[e] == ninf ? 1.0f : tq_exp(mc_run[e] - m_new);
+#pragma unroll
+          for (int h = 0; h < 2; ++h) p[2 * h + e] = m_new == ninf ? 0.0f : tq_exp(sv[2 * h + e] - m_new);
+          lc_run[e] = lc_run[e] * al[e] + (p[e] + p[2 + e]);
+          mc_run[e] = m_new;
+        }
+        // Columns 2tg + e of the accumulators are this lane's own columns.
+        if (__any_sync(FULL, al[0] != 1.0f || al[1] != 1.0f)) {
+#pragma unroll
+          for (int j = 0; j < MT; ++j) {
+            o[j][0] *= al[0];
+            o[j][2] *= al[0];
+            o[j][1] *= al[1];
+            o[j][3] *= al[1];
+          }
+        }
+        // Rows token g (g + 8), columns queries 2tg, 2tg + 1: transposed,
+        // row query g, columns tokens 2tg, 2tg + 1 (2tg + 8, 2tg + 9).
+        b0 = vq_transpose8(tq_half2_bits(p[0] * vnv[0], p[1] * vnv[0]));
+        b1 = vq_transpose8(tq_half2_bits(p[2] * vnv[1], p[3] * vnv[1]));
+      } else {
+        // Scores of tokens t0 + 8h + (2tg, 2tg + 1), h = 0, 1: two tiles, two
+        // independent mma chains.
+        float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          uint4 qa;
+          if constexpr (QA2) {
+            const uint2 q2 = qa2_s[ks * 32 + lane];
+            qa = make_uint4(q2.x, 0u, q2.y, 0u);
+          } else {
+            qa = qa_s[ks * 32 + lane];
+          }
+          const uint32_t a[4] = {qa.x, qa.y, qa.z, qa.w};
+          vq_mma(s0, a, key_pair(w0, 4 * ks), key_pair(w0, 4 * ks + 2));
+          vq_mma(s1, a, key_pair(w1, 4 * ks), key_pair(w1, 4 * ks + 2));
+        }
+        const uint32_t ts[4] = {t0 + 2 * tg, t0 + 2 * tg + 1, t0 + 2 * tg + 8, t0 + 2 * tg + 9};
+        float sv[4] = {s0[0], s0[1], s1[0], s1[1]};
+        float mx = ninf;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          // A token past the end, masked, or of a row past the tile's scores -inf.
+          const uint32_t pos = N_SINK + t_begin + c0 + ts[e];
+          const bool in = row_on && ts[e] < n && (!CAUSAL || pos <= last);
+          sv[e] = in ? sv[e] * __half2float(kn[in ? ts[e] : 0u]) : ninf;
+          mx = fmaxf(mx, sv[e]);
+        }
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+        const float m_new = fmaxf(m_run, mx);
+        const float alpha = m_run == ninf ? 0.0f : tq_exp(m_run - m_new);
+        float p[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] = m_new == ninf ? 0.0f : tq_exp(sv[e] - m_new);
+        l_run = l_run * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+        m_run = m_new;
+        // Columns 2tg + e of the accumulators take their row's factor, from
+        // that row's quad; most steps leave every max as it was.
+        const float a0 = __shfl_sync(FULL, alpha, 8 * tg), a1 = __shfl_sync(FULL, alpha, 8 * tg + 4);
+        if (__any_sync(FULL, a0 != 1.0f || a1 != 1.0f)) {
+#pragma unroll
+          for (int j = 0; j < MT; ++j) {
+            o[j][0] *= a0;
+            o[j][2] *= a0;
+            o[j][1] *= a1;
+            o[j][3] *= a1;
+          }
+        }
+        // The weights times the value norms as the B fragments: row g, tokens
+        // ts (a token past the end weighs nothing).
+#pragma unroll
+        for (int e = 0; e < 4; ++e) p[e] *= __half2float(vn[ts[e] < n ? ts[e] : 0u]);
+        b0 = tq_half2_bits(p[0], p[1]);
+        b1 = tq_half2_bits(p[2], p[3]);
       }
-      // The weights times the value norms as the B fragments: row g, tokens
-      // ts (a token past the end weighs nothing).
+      // Value codes of tokens 2tg, 2tg + 1, 2tg + 8, 2tg + 9: dimensions [g VSEG, (g + 1) VSEG).
       uint32_t w[4][VNW];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        tq_shared_bits<VNW, VALIGNED>(vcodes, ts[e] * (VROW * 8) + g * (VSEG * VB), w[e]);
-        p[e] *= __half2float(vn[ts[e] < n ? ts[e] : 0u]);
+      for (int e = 0; e < 4; ++e) tq_shared_bits<VNW, VALIGNED>(vcodes, (t0 + 2 * tg + (e & 1) + 8 * (e >> 1)) * (VROW * 8) + g * (VSEG * VB), w[e]);
+      // 3-bit codes: every selector of the step's value permutes at once.
+      constexpr bool VSEL = VPERM && VB == 3 && VSEG % 8 == 0;
+      uint32_t sx[VSEL ? MT : 1], sy[VSEL ? MT : 1];
+      if constexpr (VSEL) {
+        tq_perm_sels3<VNW, VSEG>(w[0], w[1], sx);
+        tq_perm_sels3<VNW, VSEG>(w[2], w[3], sy);
       }
-      const uint32_t b0 = tq_half2_bits(p[0], p[1]), b1 = tq_half2_bits(p[2], p[3]);
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        if constexpr (VPERM) {
+        if constexpr (VSEL) {
+          const uint2 x = tq_perm_lookup(vperm, sx[j]);
+          const uint2 y = tq_perm_lookup(vperm, sy[j]);
+          const uint32_t a[4] = {x.x, x.y, y.x, y.y};
+          vq_mma(o[j], a, b0, b1);
+        } else if constexpr (VPERM) {
           const uint2 x = tq_perm_pairs<VB, VNW>(vperm, w[0], w[1], 2 * j);
           const uint2 y = tq_perm_pairs<VB, VNW>(vperm, w[2], w[3], 2 * j);
           const uint32_t a[4] = {x.x, x.y, y.x, y.y};
@@ -438,11 +566,23 @@ if (MMA && compressed) {
   // The warps' states: each warp's row max and sum, then its accumulators
   // scaled to the block's max into the codes' space (free once every warp
   // is past this barrier).
-  l_run += __shfl_xor_sync(FULL, l_run, 1);
-  l_run += __shfl_xor_sync(FULL, l_run, 2);
-  if (tg == 0 && g < uint32_t(QN)) {
-    mw_s[warp * QN + g] = m_run;
-    lw_s[warp * QN + g] = l_run;
+  if constexpr (KA) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+#pragma unroll
+      for (int o = 4; o < 32; o <<= 1) lc_run[e] += __shfl_xor_sync(FULL, lc_run[e], o);
+      if (g == 0 && 2 * tg + e < uint32_t(QN)) {
+        mw_s[warp * QN + 2 * tg + e] = mc_run[e];
+        lw_s[warp * QN + 2 * tg + e] = lc_run[e];
+      }
+    }
+  } else {
+    l_run += __shfl_xor_sync(FULL, l_run, 1);
+    l_run += __shfl_xor_sync(FULL, l_run, 2);
+    if (tg == 0 && g < uint32_t(QN)) {
+      mw_s[warp * QN + g] = m_run;
+      lw_s[warp * QN + g] = l_run;
+    }
   }
   __syncthreads();
   auto block_max = [&](uint32_t r) {

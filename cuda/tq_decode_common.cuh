@@ -133,14 +133,62 @@ __device__ __forceinline__ TqPermTable tq_perm_table(const uint32_t* table) {
 // half2 words, tq_pair_across(.., j) and (.., j + 1), through byte
 // permutes: the four codes select their entries' low bytes, then their
 // high bytes, and two more permutes interleave them.
+// PRMT as PTX defines it: a selector nibble's top bit replicates the sign
+// (__byte_perm clears those bits first, one LOP3 a call, where the
+// selectors here have them clear already).
+__device__ __forceinline__ uint32_t tq_prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, %2, %3;" : "=r"(r) : "r"(a), "r"(b), "r"(sel));
+  return r;
+}
+
+// Codes (lo_j, hi_j, lo_j+1, hi_j+1) in the low four nibbles of sel (top
+// bits clear) as two half2 words, (c[lo_j], c[hi_j]) and (c[lo_j+1], c[hi_j+1]).
+__device__ __forceinline__ uint2 tq_perm_lookup(const TqPermTable& t, uint32_t sel) {
+  const uint32_t l = tq_prmt(t.lo[0], t.lo[1], sel);
+  const uint32_t h = tq_prmt(t.hi[0], t.hi[1], sel);
+  return make_uint2(__byte_perm(l, h, 0x5140), __byte_perm(l, h, 0x7362));
+}
+
 template <int B, int NW>
 __device__ __forceinline__ uint2 tq_perm_pairs(const TqPermTable& t, const uint32_t (&lo)[NW], const uint32_t (&hi)[NW],
                                                int j) {
   const uint32_t sel = tq_word_code<B, NW>(lo, j) | (tq_word_code<B, NW>(hi, j) << 4) |
                        (tq_word_code<B, NW>(lo, j + 1) << 8) | (tq_word_code<B, NW>(hi, j + 1) << 12);
-  const uint32_t l = __byte_perm(t.lo[0], t.lo[1], sel);
-  const uint32_t h = __byte_perm(t.hi[0], t.hi[1], sel);
-  return make_uint2(__byte_perm(l, h, 0x5140), __byte_perm(l, h, 0x7362));
+  return tq_perm_lookup(t, sel);
+}
+
+// Eight 3-bit codes (bits 0-23 of x; higher bits ignored) one a nibble,
+// top bits clear. The first two steps keep what their complementary masks
+// let through (one LOP3 each, after the shift): the bits between codes are
+// cleared by the last.
+__device__ __forceinline__ uint32_t tq_nibbles3(uint32_t x) {
+  x = (x & 0x0000ffffu) | ((x << 4) & 0xffff0000u);
+  x = (x & 0x00ff00ffu) | ((x << 2) & 0xff00ff00u);
+  return (x & 0x07070707u) | ((x << 1) & 0x70707070u);
+}
+
+// tq_perm_pairs' selectors for every pair of 3-bit codes (2m, 2m + 1) of
+// two rows of N codes (N a multiple of 8): eight codes of each row spread to
+// nibbles at once, then interleaved a byte at a time (about a third of the
+// instructions of building each selector from its four codes).
+// (M, the selectors' room, is N / 2 where the caller uses them: the body is
+// compiled in every instantiation of the kernel, used or not.)
+template <int NW, int N, int M>
+__device__ __forceinline__ void tq_perm_sels3(const uint32_t (&lo)[NW], const uint32_t (&hi)[NW], uint32_t (&sel)[M]) {
+  static_assert(N % 8 == 0 || M < N / 2, "rows of whole 24-bit groups");
+#pragma unroll
+  for (int q = 0; q < (M < N / 2 ? 0 : N / 8); ++q) {
+    const int bit = 24 * q, k = bit / 32, sh = bit % 32;
+    const uint32_t xl = sh + 24 > 32 ? __funnelshift_r(lo[k], lo[k + 1], sh) : lo[k] >> sh;
+    const uint32_t xh = sh + 24 > 32 ? __funnelshift_r(hi[k], hi[k + 1], sh) : hi[k] >> sh;
+    const uint32_t l = tq_nibbles3(xl), h = tq_nibbles3(xh);
+    // Byte b: codes 2b of lo and hi (e), then codes 2b + 1 (o).
+    const uint32_t e = (l & 0x0f0f0f0fu) | ((h << 4) & 0xf0f0f0f0u);
+    const uint32_t o = ((l >> 4) & 0x0f0f0f0fu) | (h & 0xf0f0f0f0u);
+#pragma unroll
+    for (int b = 0; b < 4; ++b) sel[4 * q + b] = tq_prmt(e, o, b | ((b + 4) << 4));
+  }
 }
 
 // The max and the sum of x over a warp's 32 lanes, in every lane.

@@ -257,25 +257,26 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
 }
 
 /// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
-/// to 7): bit 0 looks 4-bit keys up one code at a time rather than two, bit
+/// to 15): bit 0 looks 4-bit keys up one code at a time rather than two, bit
 /// 1 decodes values of at most 3 bits by byte permutes of registers rather
 /// than a shared table, bit 2 loads the queries' fragments without their
-/// zero words. `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 8: the variant plus one)
-/// sets another, to compare them on a device.
+/// zero words, bit 3 makes a 16-token tile of keys the scores' A operand
+/// and the queries their B operand (heads of at most 128).
+/// `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 16: the variant plus one) sets
+/// another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 8, "a decode variant plus one")? - 1)
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 16, "a decode variant plus one")? - 1)
 }
 
-/// `tq_decode`'s default [`decode_variant`]: values through byte permutes
-/// and the queries' fragments without zero words (6). On an H100 at
-/// B=1 Hq=32 Hkv=8 D=128, 16 calls an evaluation (`bench_attention`, two
-/// runs each): 143 µs a call at 128K against 0's 152-160, 84 µs at 32K against
-/// 85-87; llama-8b 128K batch 1 decoded 103.0 tok/s against 98.6. Values
-/// through permutes alone (2) took 164 µs at 128K, with single-code key
-/// lookups (3) 156 (docs/results/cuda_decode_variants.md). Variant 6 holds
-/// the queries' fragments in registers: 127 a thread against variant 0's 72.
-const DECODE_VARIANT: usize = 6;
+/// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
+/// values through byte permutes (14). Its 16-token loop at llama-8b's
+/// instantiation is 451 instructions (419 a step without the accumulators'
+/// rescale) against variant 6's 516, all run (ptxas for sm_90a,
+/// `scripts/gpu/cuda-compile-check.py --cubin`); variant 6 (the queries'
+/// fragments in registers as the A operand) was the default before
+/// (docs/results/cuda_decode_variants.md).
+const DECODE_VARIANT: usize = 14;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
 pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));
