@@ -13,9 +13,14 @@ must compile to sm_90a machine code (the H100 and H200), so
 that ptxas limits such as static shared memory are checked too. `--verbose`
 prints ptxas's registers, spills and shared memory per instantiation;
 `--cubin OUT` writes each instantiation's machine code to OUT, to be read
-with `nvdisasm -c` (PyPI's nvidia-cuda-nvdisasm).
+with `nvdisasm -c` (PyPI's nvidia-cuda-nvdisasm). `--loop-stats NVDISASM`
+(with `--cubin`) prints, for each instantiation, the instructions of the
+innermost loop holding its tensor-core products (HMMA), by opcode: the
+count of a decode step's instructions, as ptxas emits them, without a GPU.
+`--only K=V,...` keeps the instantiations with those template arguments.
 
-    python3 scripts/gpu/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [--cubin OUT] [kernel ...]
+    python3 scripts/gpu/cuda-compile-check.py [--fetch] [--nvrtc DIR] [--all] [--verbose] [--cubin OUT]
+        [--loop-stats NVDISASM] [--only K=V,...] [kernel ...]
 
 DIR holds NVRTC and the CUDA headers as NVIDIA's wheels lay them out
 (`include/`, `lib/libnvrtc.so.13`); default .device/nvrtc/cu13. `--fetch`
@@ -271,6 +276,40 @@ def compile_one(nvrtc, include, src, label, verbose=False, cubin=None):
     return rc, log.value.decode(errors="replace")
 
 
+def loop_stats(nvdisasm: str, cubin: pathlib.Path) -> str:
+    """The innermost loop around the machine code's HMMA instructions: its
+    length and its opcodes by count (one line)."""
+    sass = subprocess.run([nvdisasm, "-c", str(cubin)], capture_output=True, text=True, check=True).stdout
+    ins, labels, pending = [], {}, []
+    for line in sass.splitlines():
+        label = re.match(r"\s*\.(L_x_\d+):", line)
+        if label:
+            pending.append(label.group(1))
+            continue
+        m = re.match(r"\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;", line)
+        if m:
+            addr = int(m.group(1), 16)
+            for name in pending:
+                labels[name] = addr
+            pending = []
+            ins.append((addr, m.group(2)))
+    mma = [a for a, t in ins if "HMMA" in t]
+    if not mma:
+        return "no HMMA"
+    best = None  # the backward branch spanning every HMMA that starts last
+    for addr, text in ins:
+        b = re.search(r"BRA\s.*?(L_x_\d+)", text)
+        if b and addr >= max(mma) and labels.get(b.group(1), 1 << 62) <= min(mma):
+            start = labels[b.group(1)]
+            if best is None or start > best[0]:
+                best = (start, addr)
+    if best is None:
+        return "HMMA outside a loop"
+    body = [re.sub(r"^@!?U?P\w+\s+", "", t).split()[0].split(".")[0] for a, t in ins if best[0] <= a <= best[1]]
+    counts = sorted(((body.count(op), op) for op in set(body)), reverse=True)
+    return f"loop of {len(body)} instructions: " + ", ".join(f"{op} {n}" for n, op in counts)
+
+
 def fetch(dest: pathlib.Path):
     wheels = ["nvidia-cuda-nvrtc==13.0.*", "nvidia-cuda-runtime==13.0.*", "nvidia-cuda-cccl==13.0.*"]
     with tempfile.TemporaryDirectory() as tmp:
@@ -291,6 +330,8 @@ def main():
     ap.add_argument("--fetch", action="store_true", help="download NVRTC and the CUDA headers into --nvrtc")
     ap.add_argument("--verbose", action="store_true", help="print ptxas's resource use")
     ap.add_argument("--cubin", type=pathlib.Path, help="write each instantiation's machine code here")
+    ap.add_argument("--loop-stats", metavar="NVDISASM", help="with --cubin: the HMMA loop's instructions by opcode")
+    ap.add_argument("--only", default="", help="K=V,...: only instantiations with these template arguments")
     ap.add_argument("kernels", nargs="*")
     a = ap.parse_args()
     base = pathlib.Path(a.nvrtc)
@@ -307,7 +348,10 @@ def main():
         # Template axes: one family, or a list of families whose arguments
         # are valid only within each.
         families = spec[2] if isinstance(spec[2], list) else [spec[2]]
+        only = dict(kv.split("=", 1) for kv in a.only.split(",") if kv)
         for args in [x for axes in families for x in instantiations(axes, a.all)]:
+            if any(str(args.get(k)) != v for k, v in only.items()):
+                continue
             label = f"{name}{args}"
             cubin = None
             if a.cubin is not None:
@@ -316,6 +360,8 @@ def main():
             rc, log = compile_one(nvrtc, base / "include", source(name, spec, args, crate), name + ".cu", a.verbose, cubin)
             if a.verbose and rc == 0:
                 print(f"{label}\n{log}")
+            if a.loop_stats and cubin is not None and rc == 0:
+                print(f"{label}: {loop_stats(a.loop_stats, cubin)}")
             if rc != 0:
                 failed += 1
                 print(f"FAIL {label}\n{log}")
