@@ -7,6 +7,7 @@ import sys
 
 import pytest
 
+from veloxquant import _native
 from veloxquant.tools import bench
 
 REQUIRED = ("device", "device_name", "mlx", "shape", "context", "batch", "cache", "recipe", "prefill_s",
@@ -160,9 +161,11 @@ def test_recipe_syntax():
     assert bench.recipe_config("k4v3:w64", "kivi").window == 64
     assert bench.recipe_config("k4v3", "kivi/mse:g128").key_group == 128
     assert bench.recipe_config("k4v3", "kivi/mse:query").key_channel_bits == "query"
-    # Any method of the crate by its full name, without a short one here.
+    # Any method of the crate by its full name or one of the crate's aliases, none listed here.
     cfg = bench.recipe_config("k4v3", "affine:k4v4")
     assert (cfg.key_method, cfg.value_method, cfg.key_bits, cfg.value_bits) == ("affine", "affine", 4, 4)
+    assert bench.recipe_config("k4v3", "mlx-affine/rvq").value_method == "turboquant-rvq"
+    assert set(bench.METHODS) == set(_native.CACHE_METHODS) | set(_native.CACHE_METHOD_ALIASES)
     with pytest.raises(ValueError, match="unknown recipe part 'nope'"):
         bench.parse_recipe("nope")
     with pytest.raises(ValueError, match="key_group must be a multiple of 8"):

@@ -45,6 +45,15 @@ def test_key_only_methods_pair_with_turboquant_values():
     assert (c.value_method, c.value_bits) == ("kivi", 2)
 
 
+def test_method_aliases_become_the_crates_names():
+    # "prod" is keys-only under its alias too: its values take TurboQuant-MSE.
+    c = KVConfig(key_method="prod", key_bits=3, value_bits=2)
+    assert (c.key_method, c.value_method) == ("turboquant-prod", "turboquant-mse")
+    c = KVConfig(key_method="mse", value_method="rvq", key_bits=4, value_bits=3).check()
+    assert (c.key_method, c.value_method) == ("turboquant-mse", "turboquant-rvq")
+    assert KVConfig.from_json(c.to_json()) == c
+
+
 @pytest.mark.parametrize(
     "kwargs, name",
     [

@@ -10,6 +10,7 @@ MLX_VERSION: str
 MAX_KIVI_KEY_GROUP: int  # the longest KIVI key group a cache takes (tokens)
 # The cache's methods: name -> (supported bits, or None where bits are ignored; keys only).
 CACHE_METHODS: Dict[str, Tuple[Optional[list[int]], bool]]
+CACHE_METHOD_ALIASES: Dict[str, str]
 # The kernels' argument ranges.
 SUPPORTED_BITS: list[int]
 PROD_BITS: list[int]

@@ -36,7 +36,7 @@ from .state_files import (
     state_checksums,
 )
 from .attention import FUSED_MAX_QUERIES, _up
-from ._native import CACHE_METHODS, MAX_KIVI_KEY_GROUP, LayerCache
+from ._native import CACHE_METHOD_ALIASES, CACHE_METHODS, MAX_KIVI_KEY_GROUP, LayerCache
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group",
            "key_channel_bits")
@@ -110,6 +110,11 @@ class KVConfig:
     key_channel_bits: str = "uniform"
 
     def __post_init__(self):
+        # A method's other names (the crate's aliases) become its name.
+        for name in ("key_method", "value_method"):
+            v = getattr(self, name)
+            if isinstance(v, str) and v in CACHE_METHOD_ALIASES:
+                object.__setattr__(self, name, CACHE_METHOD_ALIASES[v])
         if self.value_method is None:
             if self.key_method in KEY_ONLY_METHODS:
                 object.__setattr__(self, "value_method", "turboquant-mse")

@@ -109,7 +109,7 @@ static METHOD_DEFS: [MethodDef; 8] = [
     MethodDef {
         method: Method::TurboQuantMse,
         name: "turboquant-mse",
-        aliases: &["turboquant"],
+        aliases: &["turboquant", "mse"],
         bits: Some(&crate::kernels::turboquant::TQ_BITS),
         keys_only: false,
         codec: |_, bits, _| SideCodec { codec: Codec::TurboQuantMse, bits, group: 1 },
@@ -151,7 +151,7 @@ static METHOD_DEFS: [MethodDef; 8] = [
     MethodDef {
         method: Method::TurboQuantProd,
         name: "turboquant-prod",
-        aliases: &[],
+        aliases: &["prod"],
         // bits - 1 MSE bits (1 to 4) + 1 sign bit.
         bits: Some(&[2, 3, 4, 5]),
         keys_only: true,
@@ -160,7 +160,7 @@ static METHOD_DEFS: [MethodDef; 8] = [
     MethodDef {
         method: Method::TurboQuantRvq,
         name: "turboquant-rvq",
-        aliases: &[],
+        aliases: &["rvq"],
         // bits - 1 first-stage bits + 1 residual bit.
         bits: Some(&[2, 3, 4, 5]),
         keys_only: false,

@@ -597,6 +597,14 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
         methods.set_item(method.name(), (method.supported_bits().map(|b| b.to_vec()), method.keys_only()))?;
     }
     m.add("CACHE_METHODS", methods)?;
+    // Other names each method answers to: alias -> name.
+    let aliases = pyo3::types::PyDict::new(m.py());
+    for method in crate::cache::METHODS {
+        for alias in method.def().aliases {
+            aliases.set_item(*alias, method.name())?;
+        }
+    }
+    m.add("CACHE_METHOD_ALIASES", aliases)?;
     // The kernels' argument ranges, for the Python wrappers' early checks.
     m.add("SUPPORTED_BITS", crate::cpu::SUPPORTED_BITS.to_vec())?;
     m.add("PROD_BITS", kernels::PROD_BITS.to_vec())?;

@@ -61,6 +61,7 @@ import time
 from typing import Any, Dict, List, Optional
 
 from .. import distributed
+from .._native import CACHE_METHOD_ALIASES, CACHE_METHODS
 
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192,
                 "rope_type": "llama3"}
@@ -79,10 +80,11 @@ SHAPES: Dict[str, Dict[str, Any]] = {
 DEFAULT_CACHES = "fp16,mlx-q4,mlx-q8,veloxquant"
 MLX_BITS = (2, 3, 4, 5, 6, 8)
 MLX_GROUP_SIZE = 64
-METHODS = {"mse": "turboquant-mse", "kivi": "kivi", "pq": "pq", "qjl": "qjl", "prod": "turboquant-prod",
-           "rvq": "turboquant-rvq", "fp16": "fp16"}
+# Every name a recipe's method may take (the crate's names and aliases) -> the method's name.
+METHODS = {**{m: m for m in CACHE_METHODS}, **CACHE_METHOD_ALIASES}
 POLICIES = ("auto", "require", "off")
-RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(METHODS)}, any method's full name, or KEYS/VALUES), "
+RECIPE_HELP = (f"parts joined by ':' from a method ({', '.join(CACHE_METHODS)}, or another name: "
+               f"{', '.join(CACHE_METHOD_ALIASES)}; KEYS/VALUES for a pair), "
                "kKvV bits, wN window, "
                f"sN sinks, gN KIVI key group, {'/'.join(POLICIES)}, query (KIVI keys' bits per channel from the "
                "queries)")
@@ -101,7 +103,6 @@ def parse_recipe(text: str) -> Dict[str, Any]:
     """``'kivi:k4v4:w32'`` -> KVConfig keyword arguments (only those the text sets); ``query`` (or
     ``uniform``) sets KIVI keys' bits per channel (``key_channel_bits``)."""
     from ..cache import KEY_CHANNEL_BITS
-    from ..cache import METHODS as NAMES  # the crate's methods, by full name
 
     out: Dict[str, Any] = {}
     for part in filter(None, text.split(":")):
@@ -116,10 +117,10 @@ def parse_recipe(text: str) -> Dict[str, Any]:
             out["policy"] = part
         elif part in KEY_CHANNEL_BITS:
             out["key_channel_bits"] = part
-        elif all(m in METHODS or m in NAMES for m in part.split("/")) and part.count("/") <= 1:
+        elif all(m in METHODS for m in part.split("/")) and part.count("/") <= 1:
             keys, _, values = part.partition("/")
-            out["key_method"] = METHODS.get(keys, keys)
-            out["value_method"] = METHODS.get(values, values) if values else None
+            out["key_method"] = METHODS[keys]
+            out["value_method"] = METHODS[values] if values else None
         else:
             raise ValueError(f"unknown recipe part {part!r}")
     return out
