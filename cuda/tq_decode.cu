@@ -354,7 +354,9 @@ if (MMA && compressed) {
   const uint32_t kt_base = static_cast<uint32_t>(__cvta_generic_to_shared(kt));
   // Codes j, j + 1 of a key row's words as a half2 B register.
   auto key_pair = [&](const uint32_t(&w)[KNW], int j) -> uint32_t {
-    if constexpr (KPAIR) {
+    if constexpr (KPAIR && !KA) {
+      return kt[(w[j / 8] >> (4 * (j % 8))) & 0xffu];
+    } else if constexpr (KPAIR) {
       const int sh = 4 * (j % 8);
       const uint32_t x = w[j / 8], off = (sh >= 2 ? x >> (sh - 2) : x << 2) & 0x3fcu;
       uint32_t r;
@@ -537,7 +539,7 @@ if (MMA && compressed) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) tq_shared_bits<VNW, VALIGNED>(vcodes, (t0 + 2 * tg + (e & 1) + 8 * (e >> 1)) * (VROW * 8) + g * (VSEG * VB), w[e]);
       // 3-bit codes: every selector of the step's value permutes at once.
-      constexpr bool VSEL = VPERM && VB == 3 && VSEG % 8 == 0;
+      constexpr bool VSEL = KA && VPERM && VB == 3 && VSEG % 8 == 0;
       uint32_t sx[VSEL ? MT : 1], sy[VSEL ? MT : 1];
       if constexpr (VSEL) {
         tq_perm_sels3<VNW, VSEG>(w[0], w[1], sx);

@@ -276,7 +276,7 @@ pub(crate) fn decode_variant() -> Result<usize> {
 /// 85-87; llama-8b 128K batch 1 decoded 103.0 tok/s against 98.6
 /// (docs/results/cuda_decode_variants.md). Variant 14 (keys as the scores'
 /// A operand) runs 451 instructions a 16-token step of llama-8b's
-/// instantiation against variant 6's 516 (ptxas for sm_90a,
+/// instantiation against variant 6's 578 (ptxas for sm_90a,
 /// `scripts/gpu/cuda-compile-check.py --loop-stats`); it becomes the
 /// default once a GPU has checked and timed it.
 const DECODE_VARIANT: usize = 6;
