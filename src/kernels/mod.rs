@@ -269,17 +269,15 @@ pub(crate) fn decode_variant() -> Result<usize> {
     Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 16, "a decode variant plus one")? - 1)
 }
 
-/// `tq_decode`'s default [`decode_variant`]: values through byte permutes
-/// and the queries' fragments without zero words (6). On an H100 at
-/// B=1 Hq=32 Hkv=8 D=128, 16 calls an evaluation (`bench_attention`, two
-/// runs each): 143 µs a call at 128K against 0's 152-160, 84 µs at 32K against
-/// 85-87; llama-8b 128K batch 1 decoded 103.0 tok/s against 98.6
-/// (docs/results/cuda_decode_variants.md). Variant 14 (keys as the scores'
-/// A operand) runs 451 instructions a 16-token step of llama-8b's
-/// instantiation against variant 6's 578 (ptxas for sm_90a,
-/// `scripts/gpu/cuda-compile-check.py --loop-stats`); it becomes the
-/// default once a GPU has checked and timed it.
-const DECODE_VARIANT: usize = 6;
+/// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
+/// values through byte permutes (14). Its 16-token loop at llama-8b's
+/// instantiation is 451 instructions against the former default 6's 578
+/// (ptxas for sm_90a, `scripts/gpu/cuda-compile-check.py --loop-stats`). On
+/// an H100 at B=1 Hq=32 Hkv=8 D=128, 16 calls an evaluation
+/// (`bench_attention`): 136 µs a call at 128K against variant 6's 147, 85
+/// against 83 at 32K; llama-8b 128K batch 1 decoded 105.5 tok/s against
+/// 102.8 (docs/results/cuda_decode_variants.md).
+const DECODE_VARIANT: usize = 14;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
 pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));
