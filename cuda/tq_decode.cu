@@ -449,9 +449,9 @@ if (MMA && compressed) {
         }
         // Each column's max over the step's 16 tokens: the eight lanes of a tg.
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          mx[0] = fmaxf(mx[0], __shfl_xor_sync(FULL, mx[0], o));
-          mx[1] = fmaxf(mx[1], __shfl_xor_sync(FULL, mx[1], o));
+        for (int lm = 4; lm < 32; lm <<= 1) {
+          mx[0] = fmaxf(mx[0], __shfl_xor_sync(FULL, mx[0], lm));
+          mx[1] = fmaxf(mx[1], __shfl_xor_sync(FULL, mx[1], lm));
         }
         float al[2], p[4];
 #pragma unroll
@@ -572,7 +572,7 @@ if (MMA && compressed) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
 #pragma unroll
-      for (int o = 4; o < 32; o <<= 1) lc_run[e] += __shfl_xor_sync(FULL, lc_run[e], o);
+      for (int lm = 4; lm < 32; lm <<= 1) lc_run[e] += __shfl_xor_sync(FULL, lc_run[e], lm);
       if (g == 0 && 2 * tg + e < uint32_t(QN)) {
         mw_s[warp * QN + 2 * tg + e] = mc_run[e];
         lw_s[warp * QN + 2 * tg + e] = lc_run[e];
