@@ -330,21 +330,16 @@ if (MMA && compressed) {
   // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero);
   // with KA each lane's B fragments, column g, in registers.
   uint32_t qb[KA ? KS : 1][2];
-  if constexpr (KA) {
+  if (KA || warp == 0) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const bool on = g < uint32_t(QN);
       const float* x = qs + (on ? g : 0u) * D + tg * KSEG + 4 * ks;
-      qb[ks][0] = on ? tq_half2_bits(x[0], x[1]) : 0u;
-      qb[ks][1] = on ? tq_half2_bits(x[2], x[3]) : 0u;
-    }
-  } else if (warp == 0) {
-#pragma unroll
-    for (int ks = 0; ks < KS; ++ks) {
-      const float* x = qs + (g < uint32_t(QN) ? g : 0u) * D + tg * KSEG + 4 * ks;
-      const bool on = g < uint32_t(QN);
       const uint32_t lo = on ? tq_half2_bits(x[0], x[1]) : 0u, hi = on ? tq_half2_bits(x[2], x[3]) : 0u;
-      if constexpr (QA2) {
+      if constexpr (KA) {
+        qb[ks][0] = lo;
+        qb[ks][1] = hi;
+      } else if constexpr (QA2) {
         qa2_s[ks * 32 + lane] = make_uint2(lo, hi);
       } else {
         qa_s[ks * 32 + lane] = make_uint4(lo, 0u, hi, 0u);

@@ -129,10 +129,6 @@ __device__ __forceinline__ TqPermTable tq_perm_table(const uint32_t* table) {
   return t;
 }
 
-// Codes j and j + 1 of two rows' words (lo's in the low halves) as two
-// half2 words, tq_pair_across(.., j) and (.., j + 1), through byte
-// permutes: the four codes select their entries' low bytes, then their
-// high bytes, and two more permutes interleave them.
 // PRMT as PTX defines it: a selector nibble's top bit replicates the sign
 // (__byte_perm clears those bits first, one LOP3 a call, where the
 // selectors here have them clear already).
@@ -150,6 +146,10 @@ __device__ __forceinline__ uint2 tq_perm_lookup(const TqPermTable& t, uint32_t s
   return make_uint2(__byte_perm(l, h, 0x5140), __byte_perm(l, h, 0x7362));
 }
 
+// Codes j and j + 1 of two rows' words (lo's in the low halves) as two
+// half2 words, tq_pair_across(.., j) and (.., j + 1), through byte
+// permutes: the four codes select their entries' low bytes, then their
+// high bytes, and two more permutes interleave them.
 template <int B, int NW>
 __device__ __forceinline__ uint2 tq_perm_pairs(const TqPermTable& t, const uint32_t (&lo)[NW], const uint32_t (&hi)[NW],
                                                int j) {
