@@ -6,8 +6,6 @@
 //!   where the kernel reads them, then the declared header files);
 //! - `<name>.tc.cuh`: the header of the tensor-core instantiations
 //!   (template `TC` > 0) where it differs;
-//! - `<name>.variant16.cuh`: the header of the instantiations whose
-//!   `VARIANT` has bit 4 (`tq_decode`'s register bound) where it differs;
 //! - `<name>.args`: the input names, then on a second line the output
 //!   names, as MLX passes them (the CUDA body's own after the declared).
 //!
@@ -29,10 +27,6 @@ fn main() -> std::io::Result<()> {
         let tensor_cores = compact_source(&kernel.header(Backend::Cuda, &[("TC", TemplateArg::Int(1))]));
         if tensor_cores != header {
             std::fs::write(dir.join(format!("{}.tc.cuh", d.name)), tensor_cores)?;
-        }
-        let variant16 = compact_source(&kernel.header(Backend::Cuda, &[("VARIANT", TemplateArg::Int(16))]));
-        if variant16 != header {
-            std::fs::write(dir.join(format!("{}.variant16.cuh", d.name)), variant16)?;
         }
         std::fs::write(dir.join(format!("{}.cuh", d.name)), header)?;
         let inputs: Vec<&str> = d.inputs.iter().chain(d.cuda_inputs).copied().collect();

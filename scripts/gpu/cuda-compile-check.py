@@ -106,11 +106,11 @@ KERNELS = {
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float"), ("out", "T"), ("counters_out", "uint32_t")],
                   [{"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
                     "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392], "ROTATED": [False, True],
-                    "REDUCE": [False, True], "VARIANT": [6, 14, 30, 0, 1, 2, 3, 7, 8, 15]},
+                    "REDUCE": [False, True], "VARIANT": [6, 14, 0, 1, 2, 3, 7, 8, 15]},
                    # the default recipe (K4/V3) at Llama's head sizes and GQA groups
                    {"T": ["__half"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4, 3, 2], "TPT": [16, 8],
                     "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392], "ROTATED": [True, False],
-                    "REDUCE": [True, False], "VARIANT": [6, 14, 30, 0, 1, 2, 3, 7, 8, 15]},
+                    "REDUCE": [True, False], "VARIANT": [6, 14, 0, 1, 2, 3, 7, 8, 15]},
                    # other head sizes and bits: unaligned code words, single-entry tables, the scalar path
                    {"T": ["__half"], "D": [96, 80, 72], "KB": [8, 3, 1], "VB": [8, 5, 1], "QN": [4], "TPT": [16],
                     "N_SINK": [4], "CAUSAL": [True], "SCALE": [1040187392], "ROTATED": [False], "REDUCE": [False],
@@ -233,16 +233,9 @@ def source(name, spec, args, crate: pathlib.Path):
             params += [f"    const __grid_constant__ Shape {n}_shape", f"    const __grid_constant__ Strides {n}_strides",
                        f"    const __grid_constant__ int {n}_ndim"]
     params += [f"    {t if ty == 'T' else ty}* {n}" for n, ty in outputs]
-    # Kernel::header: the tensor-core instantiations (TC > 0) and tq_decode's
-    # VARIANT bit 4 (its register bound) may take another.
+    # Kernel::header: the tensor-core instantiations (TC > 0) may take another.
     tensor_cores = crate / f"{name}.tc.cuh"
-    three_blocks = crate / f"{name}.variant16.cuh"
-    if args.get("TC", 0) > 0 and tensor_cores.exists():
-        header = tensor_cores.read_text()
-    elif args.get("VARIANT", 0) & 16 and three_blocks.exists():
-        header = three_blocks.read_text()
-    else:
-        header = (crate / f"{name}.cuh").read_text()
+    header = (tensor_cores if args.get("TC", 0) > 0 and tensor_cores.exists() else crate / f"{name}.cuh").read_text()
     return (
         '#include "mlx/backend/cuda/device/utils.cuh"\n#include <cooperative_groups.h>\n'
         + header

@@ -405,18 +405,7 @@ impl Kernel {
             Backend::Cpu => return String::new(),
         };
         let ids = if d.codec_ids { Codec::gpu_defines() } else { String::new() };
-        ids + declared + self.register_bound_for(backend, template)
-    }
-
-    /// A register bound that replaces the declared header's: `tq_decode`'s
-    /// VARIANT bit 4 asks for three blocks an SM ([`super::decode_blocks`]
-    /// sizes its grid to match).
-    fn register_bound_for(self, backend: Backend, template: &[(&str, TemplateArg)]) -> &'static str {
-        let three = template.iter().any(|(n, v)| *n == "VARIANT" && matches!(v, TemplateArg::Int(x) if x & 16 != 0));
-        match self {
-            Kernel::TqDecode if backend == Backend::Cuda && three => include_str!("../../cuda/three_blocks_per_sm.cuh"),
-            _ => "",
-        }
+        ids + declared
     }
 
     /// Dynamic shared memory of a CUDA launch, in bytes, for the template
@@ -582,17 +571,5 @@ mod tests {
         assert!(!bound(Kernel::TqProdEncode.cuda_header_for(&tc(0))));
         assert!(Kernel::TqProdEncode.cuda_header_for(&tc(1)).starts_with(Kernel::TqProdEncode.declaration().cuda_header));
         assert_eq!(Kernel::TqEncode.cuda_header_for(&tc(0)), Kernel::TqEncode.declaration().cuda_header);
-    }
-
-    #[test]
-    fn decode_variant_bit_4_bounds_tq_decode_to_three_blocks_an_sm() {
-        let variant = |v: i32| vec![("D", TemplateArg::Int(128)), ("VARIANT", TemplateArg::Int(v))];
-        // The last bound in the header is the one the kernel takes.
-        let last_bound = |h: String| h.rfind("__launch_bounds__").map(|i| h[i..].lines().next().unwrap_or("").to_string());
-        let decode = |v: i32| last_bound(Kernel::TqDecode.header(Backend::Cuda, &variant(v)));
-        assert_eq!(decode(14).as_deref(), Some("__launch_bounds__(256, 2)"));
-        assert_eq!(decode(30).as_deref(), Some("__launch_bounds__(256, 3)"));
-        assert_eq!(Kernel::TqEncode.header(Backend::Cuda, &variant(30)), Kernel::TqEncode.header(Backend::Cuda, &variant(14)));
-        assert_eq!(Kernel::TqDecode.header(Backend::Metal, &variant(30)), Kernel::TqDecode.header(Backend::Metal, &variant(14)));
     }
 }

@@ -249,7 +249,7 @@ pub(crate) fn walking_blocks() -> Result<usize> {
 pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
     static PER_SM: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
     let per_sm = match env_count(&PER_SM, "VELOXQUANT_DECODE_BLOCKS_PER_SM", 0, 64, "a block count per SM")? {
-        0 if batch > 1 || decode_variant()? & 16 != 0 => 3,
+        0 if batch > 1 => 3,
         0 => 2,
         n => n,
     };
@@ -257,17 +257,16 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
 }
 
 /// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
-/// to 31): bit 0 looks 4-bit keys up one code at a time rather than two, bit
+/// to 15): bit 0 looks 4-bit keys up one code at a time rather than two, bit
 /// 1 decodes values of at most 3 bits by byte permutes of registers rather
 /// than a shared table, bit 2 loads the queries' fragments without their
 /// zero words, bit 3 makes a 16-token tile of keys the scores' A operand
-/// and the queries their B operand (heads of at most 128), bit 4 bounds it
-/// to 80 registers, three blocks an SM (its grid three blocks an SM).
-/// `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 32: the variant plus one) sets
+/// and the queries their B operand (heads of at most 128).
+/// `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 16: the variant plus one) sets
 /// another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 32, "a decode variant plus one")? - 1)
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 16, "a decode variant plus one")? - 1)
 }
 
 /// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
