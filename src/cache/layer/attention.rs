@@ -265,11 +265,13 @@ impl LayerCache {
         let up = |a: &Array| -> Result<Array> { if a.dtype() == dtype { Ok(a.clone()) } else { ops::astype(a, dtype, s) } };
         let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref()).map(up).transpose()?;
         let rotation_t = rotation_t.as_ref();
-        // `F·Π`, the inverse of `Πᵀ/F` (`F` a power of two: the same rounding).
-        let rotation_back = self.shared.as_ref().and_then(|x| x.rotation_back.as_ref()).map(up).transpose()?;
-        let back = || rotation_back.clone().expect("made with rotation_t");
         let (queries, keys, values) = (&up(queries)?, &up(keys)?, &up(values)?);
         let f = frame_scale(self.cfg.head_dim);
+        // `F²` (a power of two: the same rounding) scales the D x D matrix
+        // rather than the rows it multiplies.
+        let back = |r: &Array| -> Result<Array> {
+            ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?, s)
+        };
         let buffer_rows = ks[1] as usize * ks[2] as usize;
         let query_rows = qs[1] as usize * qs[2] as usize;
         let prepared = match mask {
@@ -278,8 +280,8 @@ impl LayerCache {
         };
         let causal = matches!(mask, AttentionMask::Causal);
         let out = match rotation_t.filter(|_| key_rotated || value_rotated) {
-            Some(_) if buffer_rows < query_rows => {
-                let pi_f = back();
+            Some(r) if buffer_rows < query_rows => {
+                let pi_f = back(r)?;
                 let keys = if key_rotated { ops::matmul(keys, &pi_f, s)? } else { keys.clone() };
                 let values = if value_rotated { ops::matmul(values, &pi_f, s)? } else { values.clone() };
                 let scale = if key_rotated { scale } else { scale * f };
@@ -297,7 +299,7 @@ impl LayerCache {
                 };
                 let out = sdpa(&q, keys, values, scale, prepared.as_ref(), causal, s)?;
                 match rotation_t.filter(|_| value_rotated) {
-                    Some(_) => ops::matmul(&out, &back(), s)?,
+                    Some(r) => ops::matmul(&out, &back(r)?, s)?,
                     None => out,
                 }
             }

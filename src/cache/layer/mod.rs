@@ -232,18 +232,16 @@ impl LayerCache {
             device: self.device,
         };
         self.shared = Some(shared_for(key, || {
-            let (rotation, rotation_t, rotation_back) = if kc.codec.rotated() || vc.codec.rotated() {
+            let (rotation, rotation_t) = if kc.codec.rotated() || vc.codec.rotated() {
                 let dim = self.cfg.head_dim;
                 let rot = rotation_matrix(dim, self.cfg.seed)?;
                 let f = frame_scale(dim);
                 // Powers of two: exact in float32.
                 let scaled: Vec<f32> = rot.iter().map(|v| v * f).collect();
                 let inverse: Vec<f32> = (0..dim * dim).map(|i| rot[(i % dim) * dim + i / dim] / f).collect();
-                let scaled = Array::from_slice(&scaled, &[d, d])?;
-                let back = ops::astype(&scaled, dtype, s)?;
-                (Some(scaled), Some(ops::astype(&Array::from_slice(&inverse, &[d, d])?, dtype, s)?), Some(back))
+                (Some(Array::from_slice(&scaled, &[d, d])?), Some(ops::astype(&Array::from_slice(&inverse, &[d, d])?, dtype, s)?))
             } else {
-                (None, None, None)
+                (None, None)
             };
             let key_frame = if kc.codec.rotated() {
                 None
@@ -253,7 +251,7 @@ impl LayerCache {
                 let diag: Vec<f32> = (0..dim * dim).map(|i| if i % (dim + 1) == 0 { 1.0 / f } else { 0.0 }).collect();
                 Some(ops::astype(&Array::from_slice(&diag, &[d, d])?, dtype, s)?)
             };
-            Ok(Shared { rotation, rotation_t, rotation_back, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
+            Ok(Shared { rotation, rotation_t, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
         })?);
         // No compressed token yet: one slot (the kernels take no empty
         // array), grown at the first flush. The windows hold what the first

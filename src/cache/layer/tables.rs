@@ -47,10 +47,6 @@ pub(super) struct Shared {
     /// enter the rotated frame with one matmul and no casts (its rounding is
     /// below the windows' own).
     pub(super) rotation_t: Option<Array>,
-    /// `F·Π` in the cache's dtype, `rotation` cast once: a prefill buffer's
-    /// rotated sides, or its output, leave their frame through it (one
-    /// matmul a layer and chunk, no cast or scaling launched with it).
-    pub(super) rotation_back: Option<Array>,
     /// `I/F` in the cache's dtype, when the keys' frame is not rotated: new
     /// keys enter it with one `addmm` (the mean's offset added), as rotated
     /// ones do.
@@ -73,7 +69,7 @@ pub(super) struct SharedKey {
 
 impl Shared {
     pub(super) fn arrays(&self) -> impl Iterator<Item = &Array> {
-        [&self.rotation, &self.rotation_t, &self.rotation_back, &self.key_frame, &self.k_table, &self.v_table].into_iter().flatten()
+        [&self.rotation, &self.rotation_t, &self.key_frame, &self.k_table, &self.v_table].into_iter().flatten()
     }
 }
 
