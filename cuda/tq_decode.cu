@@ -21,10 +21,8 @@
 // count of window tokens.
 // Rows of a KV head are r = h * L + l (its G heads, L queries); a tile holds
 // QN consecutive rows. The grid is B * Hkv * tiles * splits blocks; window
-// slots take ceil(n_win / WT) splits of WT tokens (256 on the tensor-core
-// path, so that a default window of 128 recent tokens and its sinks is one
-// split, else 128: the host's decode_window_tile), compressed tokens the
-// rest, each a whole number of CT = 128 tokens. Blocks of the tensor-core path have
+// slots take ceil(n_win / WT) splits of WT = 128, compressed tokens the rest,
+// each a whole number of WT-token tiles. Blocks of the tensor-core path have
 // 256 threads (eight warps: twice the warps an SM holds at two blocks of
 // 128 registers a thread, the occupancy its chained mma and shared-memory
 // reads wait on), every other block 128 (the host's decode_threads).
@@ -67,8 +65,7 @@
 // The tensor-core path's shapes (see above).
 constexpr bool MMA = D % 16 == 0 && sizeof(T) == 2;
 constexpr int TG = MMA ? 256 : 128;
-constexpr int WT = MMA ? 256 : 128;
-constexpr int CT = 128;
+constexpr int WT = 128;
 constexpr int WARPS = TG / 32;
 constexpr int NCH = D / 8;
 constexpr int CPT = (NCH + TPT - 1) / TPT;
@@ -80,7 +77,6 @@ constexpr int VL = V >= TPT ? V / TPT : 1;
 constexpr int REP = V >= TPT ? 1 : TPT / V;
 constexpr int STEP = GROUPS * U;
 constexpr int TT = 256;
-static_assert(WT <= TT, "a window split fits the scores' rows");
 constexpr int KROW = D * KB / 8;
 constexpr int VROW = D * VB / 8;
 constexpr unsigned FULL = 0xffffffffu;
@@ -162,7 +158,7 @@ const uint32_t total = n_comp + n_win;
 const uint32_t win_splits = (n_win + WT - 1) / WT;
 const uint32_t num_splits = gridDim.x / (Bn * Hkv * tiles);
 const uint32_t comp_splits = num_splits - win_splits;
-const uint32_t split_tokens = comp_splits == 0 ? 0u : ((n_comp + comp_splits - 1) / comp_splits + CT - 1) / CT * CT;
+const uint32_t split_tokens = comp_splits == 0 ? 0u : ((n_comp + comp_splits - 1) / comp_splits + WT - 1) / WT * WT;
 const uint32_t tid = threadIdx.x;
 const uint32_t lane = tid & 31u, warp = tid >> 5;
 uint32_t blk = blockIdx.x;

@@ -108,8 +108,7 @@ pub fn slice(a: &Array, start: &[i32], stop: &[i32], s: &Stream) -> Result<Array
 
 /// Pads `axes` with `low`/`high` zeros.
 pub fn pad_zeros(a: &Array, axes: &[i32], low: &[i32], high: &[i32], s: &Stream) -> Result<Array> {
-    // A zero of `a`'s dtype made on the host: no cast launched with the pad.
-    let zero = Array::from_bytes(&vec![0u8; a.dtype().size()], &[], a.dtype())?;
+    let zero = astype(&Array::scalar_f32(0.0)?, a.dtype(), s)?;
     let mode = c"constant";
     call!(mlx_pad(
         a.raw(),

@@ -693,38 +693,6 @@ fn appending_a_token_launches_one_kernel() {
     }
 }
 
-/// A prefill chunk's path (`framed_append`) compresses the chunk without
-/// joining arrays: its pending tokens are a view of the buffer it attends
-/// over, and each store array grows by one pad, not a join with zeros.
-#[test]
-fn a_prefill_chunk_joins_nothing_and_grows_its_stores_by_pads() {
-    for m in [(Method::TurboQuantMse, 4, Method::TurboQuantMse, 3), (Method::Kivi, 4, Method::TurboQuantMse, 3)] {
-        let cfg = mixed_config(64, 2, m, Policy::Auto);
-        let (mut cache, _) = filled(cfg.clone(), 1, 300, 0, Dtype::F16, 21);
-        veloxquant::array::eval(&cache.arrays()).unwrap();
-        let mut rng = ChaCha8Rng::seed_from_u64(22);
-        let (h, d) = (cfg.kv_heads as i32, cfg.head_dim as i32);
-        let k = normal(&mut rng, &[1, h, 512, d], Dtype::F16);
-        let v = normal(&mut rng, &[1, h, 512, d], Dtype::F16);
-        veloxquant::array::eval(&[&k, &v]).unwrap();
-        let (before, capacity) = (cache.compressed_tokens(), cache.nbytes());
-        let (fk, fv) = cache.framed_append(&k, &v).unwrap();
-        assert!(cache.compressed_tokens() > before && cache.nbytes() > capacity, "{m:?}: the chunk grew no store");
-        // What the append adds to the buffers' own graph (KIVI's buffer is a join).
-        let mut outputs = cache.arrays();
-        outputs.extend([&fk, &fv]);
-        let launched = veloxquant::graph::pending_kernels(&outputs).unwrap();
-        let buffers = veloxquant::graph::pending_kernels(&[&fk, &fv]).unwrap();
-        let count = |name: &str| {
-            let n = |list: &[String]| list.iter().filter(|x| x.as_str() == name).count();
-            n(&launched) - n(&buffers)
-        };
-        assert_eq!((count("Concatenate"), count("Full")), (0, 0), "{m:?}: {launched:?}");
-        // Codes and norms (KIVI keys: scales and zeros too) of each side.
-        assert!((1..=5).contains(&count("Pad")), "{m:?}: {} pads: {launched:?}", count("Pad"));
-    }
-}
-
 #[test]
 fn array_masks_match_decoded_sdpa_for_every_method() {
     use veloxquant::cache::AttentionMask;

@@ -502,23 +502,11 @@ fn decode_threads(tensor_cores: bool) -> usize {
 /// `tq_decode` aims at its own). Each split is a whole number of tiles; the
 /// window slots take one split per tile after them.
 fn split_plan(sh: &AttentionShape, units: usize, max_split: usize, target: usize) -> (usize, usize, usize) {
-    split_plan_windows(sh, units, max_split, target, TILE)
-}
-
-/// [`split_plan`] with the window's slots in splits of `window_tile`.
-fn split_plan_windows(sh: &AttentionShape, units: usize, max_split: usize, target: usize, window_tile: usize) -> (usize, usize, usize) {
     let wanted_splits = (target / units.max(1)).max(1);
     let split_tokens = (sh.compressed.div_ceil(wanted_splits).div_ceil(TILE).max(1) * TILE).min(max_split);
     let comp_splits = sh.compressed.div_ceil(split_tokens);
-    (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(window_tile))
+    (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
 }
-
-/// Window slots a split of CUDA's tensor-core `tq_decode` takes (its `WT`):
-/// 256, so that the default window (128 recent tokens, up to 16 more before
-/// a flush, and 4 sinks) is one split a unit, not two whose slots would sit
-/// idle once they are done, beside 31 rather than 32 compressed splits a
-/// unit at llama-8b batch 1.
-const CHUNKED_WINDOW_TILE: usize = 256;
 
 /// [`split_plan`] of CUDA's chunked `tq_decode`, whose blocks loop over
 /// splits of any length, aiming at `target` blocks in all. Where the
@@ -528,9 +516,9 @@ const CHUNKED_WINDOW_TILE: usize = 256;
 /// (batches: a short split each), they would leave the compressed tokens
 /// too few splits, and the target is the compressed tokens' alone.
 fn chunked_split_plan(sh: &AttentionShape, units: usize, target: usize) -> (usize, usize, usize) {
-    let window_blocks = units * (sh.sinks + sh.recent).div_ceil(CHUNKED_WINDOW_TILE);
+    let window_blocks = units * (sh.sinks + sh.recent).div_ceil(TILE);
     let aim = if 4 * window_blocks <= target { target - window_blocks } else { target };
-    split_plan_windows(sh, units, usize::MAX, aim, CHUNKED_WINDOW_TILE)
+    split_plan(sh, units, usize::MAX, aim)
 }
 
 fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usize, usize)>, s: &Stream) -> Result<Array> {
@@ -837,11 +825,11 @@ mod tests {
     #[test]
     fn the_chunked_decode_plan_runs_in_one_wave_at_batch_one_and_keeps_splits_at_batch_eight() {
         // llama-8b at 32K on 132 SMs aiming at two blocks each: 8 units of
-        // 2 window splits (260 slots, 256 a split) take 16 of the 264 slots,
-        // the compressed tokens the rest, so that every block starts at once.
+        // 3 window splits take 24 of the 264 slots, the compressed tokens
+        // the rest, so that every block starts at once.
         let sh = llama_8b_decode(1, 32500);
         let (tokens, comp, all) = chunked_split_plan(&sh, 8, 264);
-        assert_eq!(all - comp, 2);
+        assert_eq!(all - comp, 3);
         assert!(8 * all <= 264, "{} blocks", 8 * all);
         assert!(comp * tokens >= sh.compressed && tokens % TILE == 0);
         // At batch 8 the window's 192 blocks would leave one split per unit:
@@ -850,14 +838,7 @@ mod tests {
         assert_eq!(comp, 4);
         // Few compressed tokens: one split, never none.
         let (_, comp, all) = chunked_split_plan(&llama_8b_decode(1, 10), 8, 264);
-        assert_eq!((comp, all), (1, 3));
-        // The default window (4 sinks, 128 recent tokens and up to 16 more
-        // before a flush) is one split a unit; at 128K the compressed tokens
-        // take the other 32 of a unit's 33 slots, 4096 tokens each.
-        let mut sh = llama_8b_decode(1, 131072 - 148);
-        sh.recent = 144;
-        let (tokens, comp, all) = chunked_split_plan(&sh, 8, 264);
-        assert_eq!((tokens, comp, all), (4096, 32, 33));
+        assert_eq!((comp, all), (1, 4));
     }
 
     #[test]

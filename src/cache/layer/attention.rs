@@ -147,7 +147,6 @@ impl LayerCache {
     /// prefill chunk's path).
     pub fn framed_append(&mut self, keys: &Array, values: &Array) -> Result<(Array, Array)> {
         let (framed, frames) = self.framed_with_frames(keys, values)?;
-        let frames = frames.map(|chunk| ChunkFrames { chunk, buffers: Some(framed.clone()) });
         self.append_framed(keys, values, frames)?;
         Ok(framed)
     }

@@ -29,14 +29,6 @@ use store::*;
 use tables::*;
 pub use tables::rotation_matrix;
 
-/// A prefill chunk as [`LayerCache::framed_append`] hands it on to its
-/// append: the chunk in each side's frame, and the buffers it attends over,
-/// whose last rows are the recent window then the chunk.
-pub(super) struct ChunkFrames {
-    pub(super) chunk: (Array, Array),
-    pub(super) buffers: Option<(Array, Array)>,
-}
-
 /// The cache of one attention layer.
 ///
 /// It may be moved to and used on any thread: its work goes to the calling
@@ -306,7 +298,7 @@ impl LayerCache {
 
     /// `append`, given the chunk already in the frames it would compute
     /// (`into_frames`), or `None`.
-    pub(super) fn append_framed(&mut self, keys: &Array, values: &Array, frames: Option<ChunkFrames>) -> Result<()> {
+    pub(super) fn append_framed(&mut self, keys: &Array, values: &Array, frames: Option<(Array, Array)>) -> Result<()> {
         let ks = self.check_pair(keys, values)?;
         let t = ks[2] as usize;
         if self.store.is_none() {
@@ -414,7 +406,7 @@ impl LayerCache {
         Ok(())
     }
 
-    fn append_compressed(&mut self, keys: &Array, values: &Array, shape: &[i32], frames: Option<ChunkFrames>) -> Result<()> {
+    fn append_compressed(&mut self, keys: &Array, values: &Array, shape: &[i32], frames: Option<(Array, Array)>) -> Result<()> {
         let s = self.stream()?;
         let opts = self.opts(&s);
         let (sinks, window) = (self.cfg.sinks, self.cfg.window);
@@ -463,9 +455,9 @@ impl LayerCache {
                 return Ok(());
             }
         }
-        let (buffers, (rk, rv)) = match frames {
-            Some(f) => (f.buffers, f.chunk),
-            None => (None, into_frames(shared, c, keys, values, &s)?),
+        let (rk, rv) = match frames {
+            Some(f) => f,
+            None => into_frames(shared, c, keys, values, &s)?,
         };
         let mut start = 0usize;
         if c.n_sink < sinks {
@@ -503,19 +495,7 @@ impl LayerCache {
         let first = c.len - reopen;
         let pending = reopen + c.n_recent + rest;
         let m = (pending - window) / group * group;
-        // A prefill chunk's buffer ends with the same rows, the recent
-        // window then the chunk, all in the cache's dtype: a view of it
-        // spares a join (a copy a part) when no sink or reopened token comes first.
-        let tail = |buffer: &Array| -> Result<Array> {
-            debug_assert_eq!(buffer.shape()[2] as usize, c.n_sink + c.len + pending);
-            let at = (c.n_sink + c.len) as i32;
-            ops::slice(buffer, &[0, 0, at, 0], &[b, h, at + pending as i32, d], &s)
-        };
-        let from_buffers = start == 0 && reopened.is_none() && keys.dtype() == dtype && values.dtype() == dtype;
-        let gather = |side: &Side, new: &Array, reopened: Option<&Array>, buffer: Option<&Array>| -> Result<Array> {
-            if let (Some(buffer), true) = (buffer, from_buffers) {
-                return tail(buffer);
-            }
+        let gather = |side: &Side, new: &Array, reopened: Option<&Array>| -> Result<Array> {
             let mut parts = Vec::new();
             if let Some(r) = reopened {
                 parts.push(ops::astype(r, dtype, &s)?);
@@ -526,8 +506,8 @@ impl LayerCache {
             parts.push(new.clone());
             ops::concatenate(&parts, 2, &s)
         };
-        let pk = gather(&c.keys, &new_k, reopened.as_ref().map(|r| &r.0), buffers.as_ref().map(|x| &x.0))?;
-        let pv = gather(&c.values, &new_v, reopened.as_ref().map(|r| &r.1), buffers.as_ref().map(|x| &x.1))?;
+        let pk = gather(&c.keys, &new_k, reopened.as_ref().map(|r| &r.0))?;
+        let pv = gather(&c.values, &new_v, reopened.as_ref().map(|r| &r.1))?;
         let pend = pending as i32;
         let split = |p: &Array| -> Result<(Array, Array)> {
             Ok((
@@ -537,32 +517,8 @@ impl LayerCache {
         };
         let (ck, keep_k) = split(&pk)?;
         let (cv, keep_v) = split(&pv)?;
-        // A prefill chunk's flush encodes all its pending tokens and keeps the
-        // first `m` codes: the encoders read rows back to back, and the first
-        // `m` of several heads' rows are not, so encoding them alone would
-        // copy them first (a launch a side); the few rows kept in float16
-        // cost less to encode. A decode flush, `m` small beside what stays,
-        // encodes its `m` alone.
-        let whole = pending % group == 0 && m >= 4 * (pending - m);
-        let encode = |side: &Side, part: &Array, all: &Array, table: Option<&Array>| -> Result<Encoded> {
-            if !whole {
-                return side.encode(part, table, dtype, &opts);
-            }
-            let e = side.encode(all, table, dtype, &opts)?;
-            let first = |a: &Array, rows: usize| -> Result<Array> {
-                let mut stop = a.shape();
-                stop[2] = rows as i32;
-                ops::slice(a, &vec![0; stop.len()], &stop, &s)
-            };
-            let rows = side.codec.param_rows(m);
-            Ok(Encoded {
-                codes: first(&e.codes, m)?,
-                scales: e.scales.as_ref().map(|a| first(a, rows)).transpose()?,
-                zeros: e.zeros.as_ref().map(|a| first(a, rows)).transpose()?,
-            })
-        };
-        let ek = encode(&c.keys, &ck, &pk, shared.k_table.as_ref())?;
-        let ev = encode(&c.values, &cv, &pv, shared.v_table.as_ref())?;
+        let ek = c.keys.encode(&ck, shared.k_table.as_ref(), dtype, &opts)?;
+        let ev = c.values.encode(&cv, shared.v_table.as_ref(), dtype, &opts)?;
         let needed = first + m;
         if needed > c.capacity {
             let cap = store_capacity(c.capacity, needed);

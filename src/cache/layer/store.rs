@@ -446,14 +446,13 @@ pub(super) fn grow(arrays: &mut [&mut Array], capacity: &mut usize, needed: usiz
     Ok(())
 }
 
-/// Appends zero slots to the token axis (2) of `a` up to `slots`: one pad
-/// (a fill and a copy; a join with zeros would launch a third kernel and
-/// write the new slots twice).
+/// Appends zero slots to the token axis (2) of `a` up to `slots`.
 pub(super) fn extend_slots(a: &mut Array, slots: usize, s: &Stream) -> Result<()> {
-    let shape = a.shape();
+    let mut shape = a.shape();
     let extra = slots.saturating_sub(shape[2] as usize);
     if extra > 0 {
-        *a = ops::pad_zeros(a, &[2], &[0], &[extra as i32], s)?;
+        shape[2] = extra as i32;
+        *a = ops::concatenate(&[a.clone(), ops::zeros(&shape, a.dtype(), s)?], 2, s)?;
     }
     Ok(())
 }
