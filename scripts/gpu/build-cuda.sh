@@ -40,5 +40,7 @@ cargo test --release --no-run --test tq_codec_gpu --message-format=json 2>/dev/n
 cargo bench --no-run --bench quant_kernels --message-format=json 2>/dev/null | copy_exe quant_kernels_bench
 cargo bench --no-run --bench vq_quantize --message-format=json 2>/dev/null | copy_exe vq_quantize_bench
 fi
-PYO3_PYTHON="$VELOXQUANT_PYTHON" .device/venv312/bin/maturin build --release -i "$VELOXQUANT_PYTHON" -o .device/build >/dev/null
+# Stripped like the binaries: the wheel is then ~1/4 the size, so that
+# several (device-wheel-ab.sh) fit one carry beside MLX's second half.
+PYO3_PYTHON="$VELOXQUANT_PYTHON" .device/venv312/bin/maturin build --release --strip -i "$VELOXQUANT_PYTHON" -o .device/build >/dev/null
 ls -la .device/build
