@@ -13,7 +13,8 @@
 # Default command: python3 -m veloxquant.tools.bench_attention --device gpu
 # --iters 20 --contexts 32768 131072. Build each wheel with
 # `ONLY=wheel bash scripts/gpu/build-cuda.sh` on its branch, copy it aside
-# (say .device/ab/a.whl, .device/ab/b.whl) and carry .device/ab.
+# (say .device/ab/a.whl, .device/ab/b.whl) and carry .device/ab (the wheels
+# are stripped, ~2 MB each: several fit one carry beside .device/b).
 set -uo pipefail
 wheels=()
 while [ $# -gt 0 ] && [ "$1" != "--" ]; do
