@@ -1,7 +1,7 @@
 // pq_encode's codes, packing and tensor-core search, placed after
 // quant_common.cuh and mma_common.cuh.
 
-// The planes of a C_BITS-bit code (crate::quant::pq::planes): widths 1, 2,
+// The planes of a C_BITS-bit code (crate::cpu::code_planes): widths 1, 2,
 // 3, 4 and 8 are one plane; 5..7 keep 4 bits in the low plane, 9..12 keep 8.
 template <int C_BITS>
 struct PqPlanes {

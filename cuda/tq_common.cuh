@@ -122,7 +122,7 @@ __device__ __forceinline__ void tq_ordered_gemm(float (&acc)[4][TQ_CHUNKS(D) * 4
 
 // V ← H V for each of the tile's vectors (columns; D a power of two): the
 // unnormalized Walsh–Hadamard butterflies in place, a stage per barrier with
-// each pair owned by one thread (read, then written): quant::rotation::fwht's
+// each pair owned by one thread (read, then written): cpu::turboquant::fwht's
 // order, bit for bit the CPU's. Ends with a barrier.
 template <int D>
 __device__ __forceinline__ void tq_butterflies(float* V) {
@@ -413,7 +413,7 @@ __device__ __forceinline__ unsigned tq_lane_code_bits(unsigned word, int lane) {
 }
 
 // u <- H u (unnormalised) for a vector held by LANES consecutive lanes, E
-// coordinates each, as quant::rotation::fwht: for h = 1, 2, 4, ... each
+// coordinates each, as cpu::turboquant::fwht: for h = 1, 2, 4, ... each
 // pair (j, j + h) becomes (u_j + u_{j+h}, u_j - u_{j+h}); the first log2 E
 // stages within the lane, the log2 LANES others across lanes by shuffles
 // (every lane of the warp must call).

@@ -341,7 +341,7 @@ __device__ void tq_prod_decode_tensor_cores_dense(const uint8_t* codes, const ui
 // (E = D / 32): its codes from one coalesced read of the row, the centroids
 // from shared memory, and the butterflies in registers, E log2 E of them in
 // the lane and 5 stages across lanes by shuffles, each stage's pairs added
-// and subtracted as quant::rotation::fwht does. P is double-buffered: one
+// and subtracted as cpu::turboquant::fwht does. P is double-buffered: one
 // barrier per tile.
 template <int D, int MSE_BITS, bool ROTATE, typename T>
 __device__ void tq_prod_decode_tensor_cores_rows(const uint8_t* codes, const uint8_t* signs, const __half* norms,

@@ -15,7 +15,8 @@ use veloxquant::kernels::Kernel;
 use metal_emulator::{Dtype, Element, HostArray, TemplateArg};
 use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
-use veloxquant::cpu::kv_attention::{self as kv, Codec, KvShape, KvSide, SideCodec};
+use veloxquant::codec::{kivi_bit_offsets, Codec, SideCodec, SideLayout};
+use veloxquant::cpu::kv_attention::{self as kv, KvShape, KvSide};
 use veloxquant::cpu::turboquant::{self as tq, FromF32};
 use veloxquant::cpu::{Float, VqElement};
 use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
@@ -98,7 +99,7 @@ fn build_side<T: Float + Element>(
         scales: if pc > 0 { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
         zeros: if sc.has_zeros() { vec![f16::NAN; heads * pr * pc] } else { Vec::new() },
         table: if sc.codec == Codec::KiviPerChannel {
-            kv::kivi_bit_offsets(widths, d, sc.bits)
+            kivi_bit_offsets(widths, d, sc.bits)
         } else {
             sc.table(d, 0).unwrap().unwrap_or_default()
         },
@@ -229,9 +230,9 @@ fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, key: SideCodec, va
         kv_heads: hkv,
         queries: l,
         dim: d,
-        key,
-        value,
-        query_features: veloxquant::kernels::kv_attention::query_features(d, &key),
+        key: key.layout(d),
+        value: value.layout(d),
+        query_features: key.query_features(d),
         sinks,
         compressed,
         recent,
@@ -336,8 +337,8 @@ fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[
         })
         .collect();
     let values: Vec<Vec<f32>> = (0..heads).map(|_| gaussian(&mut rng, sh.total() * d, 1.0)).collect();
-    let k = build_side::<T>(sh.key, &sh, &rot, &keys, key_widths, &mut rng);
-    let v = build_side::<T>(sh.value, &sh, &rot, &values, None, &mut rng);
+    let k = build_side::<T>(side_codec(&sh.key), &sh, &rot, &keys, key_widths, &mut rng);
+    let v = build_side::<T>(side_codec(&sh.value), &sh, &rot, &values, None, &mut rng);
     // The host's prepared queries: scale * (Π q or q).
     let scale = 1.0 / (d as f32).sqrt();
     let q = gaussian(&mut rng, sh.batch * sh.q_heads * sh.queries * d, 1.0);
@@ -361,7 +362,7 @@ fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[
     if matches!(sh.key.codec, Codec::Qjl | Codec::TurboQuantProd) {
         // Each row followed by its sketched query c S q (the sketch after
         // Prod's centroids).
-        let m = sh.key.sketch_rows(d);
+        let m = sh.key.sketch_rows;
         let sketch = &k.table[k.table.len() - m * d..];
         let c = kv::sketch_scale(m);
         qf = qf
@@ -393,6 +394,11 @@ fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[
     eprintln!("{:?} key {:?} value {:?} D={} L={} splits={splits}: relative error {rel:.2e}", T::DTYPE, sh.key, sh.value, d, sh.queries);
     assert!(max_ref > 0.0 && rel <= tol, "{:?} {sh:?}: relative error {rel:e} > {tol:e}", T::DTYPE);
     splits
+}
+
+/// The codec a layout was computed from.
+fn side_codec(l: &SideLayout) -> SideCodec {
+    SideCodec { codec: l.codec, bits: l.bits, group: l.group }
 }
 
 fn codec(codec: Codec, bits: u32, group: usize) -> SideCodec {

@@ -232,7 +232,7 @@ fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32, tg:
         cb[3 * s..4 * s].copy_from_slice(&first);
     }
     let per = d / s;
-    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let (lo, hi) = veloxquant::cpu::code_planes(bits);
     let nbytes = cpu::packed_len(per, lo);
     let nbytes_hi = if hi > 0 { cpu::packed_len(per, hi) } else { 0 };
     let hi_shape = if hi > 0 { vec![n, nbytes_hi] } else { vec![1] };

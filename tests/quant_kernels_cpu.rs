@@ -269,7 +269,7 @@ fn pq_case(sub: usize, bits: u32, n: usize, d: usize, seed: u64) {
     let enc = pq.encode(&xf).unwrap();
     let buf = |name: &str| enc.buffers.iter().find(|b| b.name == name).map(|b| b.bytes.clone());
     let (want, want_hi) = (buf("codes").unwrap(), buf("codes_hi"));
-    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let (lo, hi) = veloxquant::cpu::code_planes(bits);
     assert_eq!(want_hi.is_some(), hi > 0);
     let cb = arr(pq.codebook(), &[k, sub]);
     let per = d / sub;

@@ -421,7 +421,7 @@ fn gpu_qjl_tensor_core_signs_at_ties() {
 
 /// The codes of `n` rows of `per` sub-vectors from both planes.
 fn pq_indices(codes: &[u8], codes_hi: &[u8], n: usize, per: usize, bits: u32) -> Vec<u32> {
-    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let (lo, hi) = veloxquant::cpu::code_planes(bits);
     let mut low = vec![0u8; n * per];
     cpu::bit_unpack(codes, n, per, lo, &mut low);
     let mut high = vec![0u8; n * per];
@@ -470,7 +470,7 @@ fn pq<T: Float + Element>(n: usize, d: usize, s: usize, k: usize, bits: u32) {
 fn pq_with<T: Float + Element>(x: &[T], xa: &Array, n: usize, d: usize, s: usize, cb: &[f32], bits: u32) -> usize {
     let k = cb.len() / s;
     let per = d / s;
-    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let (lo, hi) = veloxquant::cpu::code_planes(bits);
     let mut want = vec![0u8; n * cpu::packed_len(per, lo)];
     let mut want_hi = vec![0u8; if hi > 0 { n * cpu::packed_len(per, hi) } else { 0 }];
     cpu::pq_encode(x, n, d, cb, s, bits, &mut want, &mut want_hi);
@@ -603,7 +603,7 @@ fn gpu_pq_tensor_core_edges() {
 fn gpu_pq_decode_strides_over_rounds() {
     let (n, d, s, k, bits) = (140_001usize, 128usize, 4usize, 1024usize, 10u32);
     let per = d / s;
-    let (lo, hi) = veloxquant::quant::pq::planes(bits);
+    let (lo, hi) = veloxquant::cpu::code_planes(bits);
     let (nb, nb_hi) = (cpu::packed_len(per, lo), cpu::packed_len(per, hi));
     let mut rng = ChaCha8Rng::seed_from_u64(13);
     let codes: Vec<u8> = (0..n * nb).map(|_| rng.random()).collect();

@@ -1,57 +1,43 @@
 //! How one side (keys or values) of a compressed cache stores its tokens.
 //!
-//! Each codec is defined once, by a [`CodecDef`] in `defs.rs`: the name its
-//! GPU bodies know it by, its frame, how its keys are scored, the layout of a
-//! token's codes and side data, and the table it reads. [`Codec::def`] is the
-//! registry. The ids the Metal and CUDA bodies switch on are generated from
-//! it ([`Codec::gpu_defines`]), never written by hand.
+//! Each codec is defined once, by a [`CodecDef`] in `defs.rs`: its frame,
+//! how its keys are scored, the layout of a token's codes and side data,
+//! the table it reads, and its hooks (encode, non-finite marks, decode,
+//! the query features its keys are scored from). [`Codec::def`] is the
+//! registry. The kernels read only `layout.rs` (the ids, which the Metal and
+//! CUDA bodies get generated as `#define`s, and a side's layout as plain
+//! numbers); the hooks, built from kernel calls, sit above them, and
+//! `graphs.rs` hands the fused attention what it needs from them.
 
 mod defs;
-mod tables;
+pub mod graphs;
+pub mod layout;
+pub mod tables;
 
+pub use layout::{Codec, SideLayout};
 pub use tables::{centroids, kivi_bit_offsets, pq_codebook, qjl_sketch, PQ_CODE_BITS};
 
+use crate::array::Array;
+use crate::dtype::Dtype;
 use crate::error::Result;
+use crate::cpu::kv_attention::KvShape;
+use crate::kernels::kv_attention::KvSideArrays;
+use crate::kernels::Options;
+use crate::stream::Stream;
 
-/// How one side (keys or values) stores its compressed tokens.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Codec {
-    /// The tokens themselves, in the cache's dtype.
-    Dense,
-    /// Norm (float16) + `bits`-bit Lloyd–Max codes of the rotated unit vector.
-    TurboQuantMse,
-    /// KIVI per channel: a float16 (scale, zero) per channel for every group
-    /// of `group` consecutive tokens.
-    KiviPerChannel,
-    /// KIVI per token: a float16 (scale, zero) per group of `group` channels.
-    KiviPerToken,
-    /// Product quantization of the rotated unit vector: a float16 norm and
-    /// one `bits`-bit code per sub-vector of `group` channels, into one
-    /// codebook of `2^bits` entries shared by every position.
-    ProductQuantized,
-    /// QJL (keys only): the packed signs of `S k` for a sketch of `m = bits *
-    /// dim` rows and the float16 norm; scored as `‖k‖ · Σ_r ±(c S q)_r`, the
-    /// unbiased estimator of `crate::quant::qjl`.
-    Qjl,
-    /// TurboQuant-Prod (keys only), rotated frame: `bits − 1`-bit Lloyd–Max
-    /// codes of the unit vector, then the signs of `S r` for its residual `r`
-    /// (a `dim x dim` sketch); float16 (norm, residual norm) per token.
-    /// Scored as `norm · (⟨Πq, c[code]⟩ + ‖r‖ · Σ_j ±(c S Πq)_j)`, the
-    /// estimator of `crate::quant::TurboQuantProd`.
-    TurboQuantProd,
-    /// TurboQuant-RVQ, rotated frame: `bits − 1`-bit codes of the unit
-    /// vector, then 1-bit codes of the residual (`ScalarCodebook::
-    /// sphere_residual`); a float16 norm. Decoded as `norm · (c1 + c2)`.
-    TurboQuantRvq,
+/// A compressed side's new tokens, encoded: codes `[B, Hkv, m, row_len]`
+/// and the codec's scales or norms and zeros.
+pub struct Encoded {
+    pub codes: Array,
+    pub scales: Option<Array>,
+    pub zeros: Option<Array>,
 }
 
 /// What defines a codec. Layout methods take the side's [`SideCodec`] (its
-/// bits and group) and the head size.
+/// bits and group) and the head size; hooks take the side's [`SideLayout`].
 pub trait CodecDef: Sync {
     /// The variant this definition is for.
     fn codec(&self) -> Codec;
-    /// The macro the GPU bodies name the codec's id by (`KV_*`).
-    fn gpu_name(&self) -> &'static str;
     /// Whether the side's frame is the cache's rotation (else the identity).
     fn rotated(&self) -> bool;
     /// Whether keys of this codec are scored from features of the prepared
@@ -63,13 +49,18 @@ pub trait CodecDef: Sync {
     fn row_len(&self, sc: &SideCodec, dim: usize) -> usize {
         crate::cpu::packed_len(dim, sc.bits)
     }
+    /// Bytes of the first stage's codes in a two-stage row; 0 for a codec
+    /// of one stage.
+    fn first_len(&self, _sc: &SideCodec, _dim: usize) -> usize {
+        0
+    }
     /// Rows of the QJL sketch the codec scores with.
     fn sketch_rows(&self, _sc: &SideCodec, dim: usize) -> usize {
         dim
     }
-    /// Rows of the scale and zero arrays for `tokens` token slots.
-    fn param_rows(&self, _sc: &SideCodec, tokens: usize) -> usize {
-        tokens
+    /// Token slots that share one row of the scale and zero arrays.
+    fn tokens_per_param_row(&self, _sc: &SideCodec) -> usize {
+        1
     }
     /// Columns of the scale and zero arrays (0: the codec has none).
     fn param_cols(&self, _sc: &SideCodec, _dim: usize) -> usize {
@@ -79,47 +70,65 @@ pub trait CodecDef: Sync {
     fn has_zeros(&self) -> bool {
         false
     }
+    /// Whether its norms are stored `[B, Hkv, slots]` (the layout
+    /// `tq_attention` reads) rather than `[B, Hkv, rows, param_cols]`.
+    fn flat_norms(&self) -> bool {
+        false
+    }
+    /// Name of the scale array in a saved state (what it holds).
+    fn scales_name(&self) -> &'static str {
+        "norms"
+    }
     /// The float32 table the codec reads (`KvSide::table`), for heads of
     /// `dim` and the cache's `seed`; `None` for a codec without one.
     fn table(&self, _sc: &SideCodec, _dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
         Ok(None)
     }
+    /// Floats per prepared query row: the query in the key frame, then what
+    /// the key codec scores against besides it.
+    fn query_features(&self, _sc: &SideCodec, dim: usize) -> usize {
+        dim
+    }
+
+    /// The two parts of a two-part table (1-D float32, as [`CodecDef::table`]
+    /// makes it): a first codebook, if any, and the second part.
+    fn table_parts(&self, _l: &SideLayout, _table: &Array, _dim: usize, _s: &Stream) -> Result<(Option<Array>, Array)> {
+        Err(crate::error::Error::invalid("layer", format!("{:?} has a one-part table", self.codec())))
+    }
+    /// Encodes `x` `[B, Hkv, m, D]`, in the side's frame (`m` a whole number
+    /// of the codec's token groups), with the side's `table` and, for KIVI
+    /// keys of unequal widths, the bits of each head's channels.
+    fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, widths: Option<&[u8]>, dtype: Dtype, opts: &Options) -> Result<Encoded>;
+    /// NaN where the tokens of `x` `[B, Hkv, m, D]` hold a NaN or an
+    /// infinity, 0 elsewhere, float32, shaped to add to the codec's scales
+    /// (by default from the norm, which is also infinite beyond float16's
+    /// range).
+    fn non_finite(&self, _l: &SideLayout, x: &Array, s: &Stream) -> Result<Array> {
+        defs::norm_non_finite(x, false, s)
+    }
+    /// `scales` (what `encode` made of `x`) with a NaN for every token of
+    /// `x` that holds a NaN or an infinity, so that it decodes to NaN.
+    fn mark_non_finite(&self, l: &SideLayout, x: &Array, scales: &Array, s: &Stream) -> Result<Array> {
+        let bad = self.non_finite(l, x, s)?;
+        crate::ops::add(scales, &crate::ops::astype(&bad, Dtype::F16, s)?, s)
+    }
+    /// The side's compressed tokens decoded in its frame, float32 `[B, Hkv,
+    /// compressed, D]`, with plain MLX ops (the reference the fused kernels
+    /// are checked against).
+    fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array>;
+    /// What keys of this codec are scored against besides the framed
+    /// query `framed` `[B, Hq, L, D]` (scaled): `None` for a codec whose keys
+    /// are decoded.
+    fn query_extras(&self, _l: &SideLayout, _framed: &Array, _table: Option<&Array>, _sh: &KvShape, _s: &Stream) -> Result<Option<Array>> {
+        Ok(None)
+    }
 }
 
 impl Codec {
-    /// Every codec, in the order of its id.
-    pub const ALL: [Codec; 8] = [
-        Codec::Dense,
-        Codec::TurboQuantMse,
-        Codec::KiviPerChannel,
-        Codec::KiviPerToken,
-        Codec::ProductQuantized,
-        Codec::Qjl,
-        Codec::TurboQuantProd,
-        Codec::TurboQuantRvq,
-    ];
-
     /// The codec's definition.
     #[inline]
     pub fn def(self) -> &'static dyn CodecDef {
         defs::DEFS[self as usize]
-    }
-
-    /// The number the GPU bodies know the codec by (template `KM` / `VM`):
-    /// its place in [`Codec::ALL`], the variants' order.
-    pub fn id(self) -> i32 {
-        self as i32
-    }
-
-    /// The macro the GPU bodies name the codec's id by.
-    pub fn gpu_name(self) -> &'static str {
-        self.def().gpu_name()
-    }
-
-    /// The codec ids as the GPU bodies read them: one `#define` each, put
-    /// before the header of every kernel declared with `codec_ids`.
-    pub fn gpu_defines() -> String {
-        Codec::ALL.iter().map(|c| format!("#define {} {}\n", c.gpu_name(), c.id())).collect()
     }
 
     /// See [`CodecDef::keys_scored_from_query`].
@@ -157,7 +166,7 @@ impl SideCodec {
 
     /// Bytes of the first stage's codes in a TurboQuant-Prod or -RVQ row.
     pub fn first_len(&self, dim: usize) -> usize {
-        crate::cpu::packed_len(dim, self.bits - 1)
+        self.codec.def().first_len(self, dim)
     }
 
     /// Rows of the QJL sketch.
@@ -167,7 +176,7 @@ impl SideCodec {
 
     /// Rows of the scale and zero arrays for `tokens` token slots.
     pub fn param_rows(&self, tokens: usize) -> usize {
-        self.codec.def().param_rows(self, tokens)
+        tokens.div_ceil(self.codec.def().tokens_per_param_row(self))
     }
 
     /// Columns of the scale and zero arrays (0: the codec has none).
@@ -183,6 +192,29 @@ impl SideCodec {
     /// The float32 table the codec reads (see [`CodecDef::table`]).
     pub fn table(&self, dim: usize, seed: u64) -> Result<Option<Vec<f32>>> {
         self.codec.def().table(self, dim, seed)
+    }
+
+    /// Floats per prepared query row (see [`CodecDef::query_features`]).
+    pub fn query_features(&self, dim: usize) -> usize {
+        self.codec.def().query_features(self, dim)
+    }
+
+    /// The side's layout for heads of `dim`, as the kernels read it.
+    pub fn layout(&self, dim: usize) -> SideLayout {
+        let def = self.codec.def();
+        SideLayout {
+            codec: self.codec,
+            bits: self.bits,
+            group: self.group,
+            row_len: def.row_len(self, dim),
+            first_len: def.first_len(self, dim),
+            sketch_rows: def.sketch_rows(self, dim),
+            tokens_per_param_row: def.tokens_per_param_row(self),
+            param_cols: def.param_cols(self, dim),
+            has_zeros: def.has_zeros(),
+            rotated: def.rotated(),
+            scored_from_query: def.keys_scored_from_query(),
+        }
     }
 }
 

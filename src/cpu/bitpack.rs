@@ -109,3 +109,13 @@ mod tests {
         }
     }
 }
+
+/// Bit planes for `c`-bit codes (product quantization's, up to 12 bits):
+/// the (low, high) widths `bit_pack` takes.
+pub fn code_planes(c: u32) -> (u32, u32) {
+    match c {
+        1 | 2 | 3 | 4 | 8 => (c, 0),
+        5..=7 => (4, c - 4),
+        _ => (8, c - 8),
+    }
+}

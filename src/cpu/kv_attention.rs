@@ -18,7 +18,7 @@ use super::split_attention;
 use super::split_attention::FromF32;
 use super::turboquant::{code_at, code_bits};
 use super::vq::VqElement;
-pub use crate::codec::{kivi_bit_offsets, Codec, SideCodec};
+use crate::codec::layout::{Codec, SideLayout};
 
 /// KV head `hk`'s `dim + 1` offsets in a KIVI keys' table (empty without one).
 #[inline]
@@ -44,8 +44,8 @@ pub struct KvShape {
     /// Queries per head (1 when decoding).
     pub queries: usize,
     pub dim: usize,
-    pub key: SideCodec,
-    pub value: SideCodec,
+    pub key: SideLayout,
+    pub value: SideLayout,
     /// Floats per prepared query row (`dim` plus what the key codec needs).
     pub query_features: usize,
     /// Tokens held: float16 sinks first, then compressed, then the recent window.
@@ -94,7 +94,7 @@ pub struct KvSide<'a, T> {
 /// scored from features of the prepared row `q` rather than from a decoded
 /// key (product quantization's lookup table, the sketched query).
 #[inline]
-fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, row: usize, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
+fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideLayout, row: usize, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
     let d = sh.dim;
     let slot = head * sh.capacity + ct;
     let codes = &k.codes[slot * row..(slot + 1) * row];
@@ -111,14 +111,14 @@ fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, row: usize, sh: &K
         Codec::Qjl => {
             // The sketched query follows the first `d` features.
             let mut s = 0.0f32;
-            for r in 0..sc.sketch_rows(d) {
+            for r in 0..sc.sketch_rows {
                 let f = q[d + r];
                 s += if code_at(codes, r, 1) != 0 { f } else { -f };
             }
             s * k.scales[slot].to_f32()
         }
         Codec::TurboQuantProd => {
-            let (mse, signs) = codes.split_at(sc.first_len(d));
+            let (mse, signs) = codes.split_at(sc.first_len);
             let (mut s, mut z) = (0.0f32, 0.0f32);
             for j in 0..d {
                 s += q[j] * k.table[code_at(mse, j, sc.bits - 1)];
@@ -133,8 +133,8 @@ fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideCodec, row: usize, sh: &K
 
 /// Element `j` of a TurboQuant-RVQ unit vector: first plus second stage.
 #[inline]
-fn rvq_element(table: &[f32], codes: &[u8], sc: &SideCodec, d: usize, j: usize) -> f32 {
-    let (first, second) = codes.split_at(sc.first_len(d));
+fn rvq_element(table: &[f32], codes: &[u8], sc: &SideLayout, j: usize) -> f32 {
+    let (first, second) = codes.split_at(sc.first_len);
     table[code_at(first, j, sc.bits - 1)] + table[(1 << (sc.bits - 1)) + code_at(second, j, 1)]
 }
 
@@ -158,8 +158,8 @@ const CODE_VALUES: [f32; 256] = {
 /// group read.
 struct SideReader<'a, 'b, T> {
     side: &'b KvSide<'a, T>,
-    sc: SideCodec,
-    /// `sc.row_len(dim)`, once.
+    sc: SideLayout,
+    /// `sc.row_len`.
     row: usize,
     dim: usize,
     head: usize,
@@ -176,7 +176,7 @@ struct SideReader<'a, 'b, T> {
 }
 
 impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
-    fn new(side: &'b KvSide<'a, T>, sc: SideCodec, sh: &KvShape, head: usize) -> Self {
+    fn new(side: &'b KvSide<'a, T>, sc: SideLayout, sh: &KvShape, head: usize) -> Self {
         let d = sh.dim;
         let mut table = [0.0f32; 256];
         if matches!(sc.codec, Codec::TurboQuantMse) {
@@ -190,7 +190,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         SideReader {
             side,
             sc,
-            row: sc.row_len(d),
+            row: sc.row_len,
             dim: d,
             head,
             capacity: sh.capacity,
@@ -227,7 +227,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
             Codec::TurboQuantRvq => {
                 let n = side.scales[slot].to_f32();
                 for (j, o) in out.iter_mut().enumerate() {
-                    *o = rvq_element(side.table, codes, &sc, d, j);
+                    *o = rvq_element(side.table, codes, &sc, j);
                 }
                 if scaled {
                     out.iter_mut().for_each(|o| *o *= n);
@@ -308,9 +308,9 @@ pub fn kv_attention<T: VqElement + FromF32>(
     assert!(rot_v.is_empty() || rot_v.len() == d * d, "rot_v size");
     assert_eq!(mask.len(), sh.batch * sh.mask_heads * sh.queries * total, "mask length");
     let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
-    let key_decodes = !sh.key.codec.keys_scored_from_query();
+    let key_decodes = !sh.key.scored_from_query;
     // Bytes of a key's code row, once (the codec's definition is a dynamic call).
-    let key_row = sh.key.row_len(d);
+    let key_row = sh.key.row_len;
     super::split_attention::attend(sh.batch * sh.kv_heads, rows, d, total, rot_v, out, |unit, t0, t1| {
         let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
         let head = b * sh.kv_heads + hk;

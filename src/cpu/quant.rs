@@ -480,9 +480,9 @@ pub const PQ_BITS: std::ops::RangeInclusive<u32> = 1..=12;
 /// Product quantization of `x` (`n * d`): each of the `d / s` sub-vectors of
 /// `s` elements is replaced by the index of its nearest entry of `codebook`
 /// (`k * s`, `k ≤ 2^bits`, `bits` in 1..=12). Codes are packed along the row in
-/// `crate::quant::pq`'s planes: the low `lo` bits in `out`
+/// `code_planes`: the low `lo` bits in `out`
 /// (`n * packed_len(d / s, lo)`), the high `hi` bits in `out_hi` (empty when
-/// `hi` is 0), `(lo, hi) = crate::quant::pq::planes(bits)`.
+/// `hi` is 0), `(lo, hi) = super::bitpack::code_planes(bits)`.
 #[allow(clippy::too_many_arguments)]
 pub fn pq_encode<T: Float>(
     x: &[T],
@@ -499,7 +499,7 @@ pub fn pq_encode<T: Float>(
     assert!(PQ_BITS.contains(&bits), "bits");
     assert!(codebook.len() / s <= 1 << bits && !codebook.is_empty(), "codebook size");
     let per = d / s;
-    let (lo, hi) = crate::quant::pq::planes(bits);
+    let (lo, hi) = super::bitpack::code_planes(bits);
     let mut idx = vec![0u16; n * per];
     super::for_each_chunk(&mut idx, per, 256, |row0, chunk| {
         for (r, codes) in chunk.chunks_mut(per.max(1)).enumerate() {
@@ -550,7 +550,7 @@ pub fn pq_decode<T: Float>(
     assert_eq!(out.len(), n * d, "out length");
     let k = codebook.len() / s;
     let per = d / s;
-    let (lo, hi) = crate::quant::pq::planes(bits);
+    let (lo, hi) = super::bitpack::code_planes(bits);
     let (nb_lo, nb_hi) = (packed_len(per, lo), if hi > 0 { packed_len(per, hi) } else { 0 });
     assert_eq!(packed.len(), n * nb_lo, "packed length");
     assert_eq!(packed_hi.len(), n * nb_hi, "high plane length");

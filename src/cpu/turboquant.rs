@@ -59,10 +59,33 @@ fn nearest(y: f32, centroids: &[f32]) -> u8 {
 /// Largest finite float16: norms beyond it are stored saturated.
 pub const MAX_NORM: f32 = 65504.0;
 
+/// The Euclidean norm of `a`, summed in float64 (the quantizers' and the
+/// fused encoders' norm, bit for bit).
+pub(crate) fn norm(a: &[f32]) -> f32 {
+    a.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt() as f32
+}
+
+/// In-place unnormalized fast Walsh–Hadamard transform (Sylvester order).
+pub fn fwht(x: &mut [f32]) {
+    let n = x.len();
+    debug_assert!(n.is_power_of_two());
+    let mut h = 1;
+    while h < n {
+        for i in (0..n).step_by(2 * h) {
+            for j in i..i + h {
+                let (a, b) = (x[j], x[j + h]);
+                x[j] = a + b;
+                x[j + h] = a - b;
+            }
+        }
+        h *= 2;
+    }
+}
+
 /// `Π` or `Πᵀ` as the CPU kernels apply it: a dense row-major `[d, d]`
 /// matrix (sums in order), or the ±1 signs `[d]` of a Hadamard rotation, `d`
 /// a power of two: `Π u = H (s ⊙ u) / √d` and `Πᵀ y = s ⊙ (H y / √d)` by
-/// butterflies, in `quant::rotation::fwht`'s order (`Rotation::forward`'s and
+/// butterflies, in [`fwht`]'s order (`Rotation::forward`'s and
 /// `inverse`'s arithmetic, so bit for bit the quantizer's).
 pub(crate) enum KernelRotation<'a> {
     Dense(OrderedDots),
@@ -100,12 +123,12 @@ impl<'a> KernelRotation<'a> {
                 for ((o, &xj), &sj) in out.iter_mut().zip(x).zip(signs.iter()) {
                     *o = xj * sj;
                 }
-                crate::quant::rotation::fwht(out);
+                fwht(out);
                 out.iter_mut().for_each(|v| *v *= scale);
             }
             KernelRotation::Hadamard { signs, scale, inverse: true } => {
                 out.copy_from_slice(x);
-                crate::quant::rotation::fwht(out);
+                fwht(out);
                 for (o, &sj) in out.iter_mut().zip(signs.iter()) {
                     *o = *o * scale * sj;
                 }
@@ -344,7 +367,7 @@ fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&KernelRotatio
     for (uj, v) in u.iter_mut().zip(src) {
         *uj = v.to_f32();
     }
-    let s = crate::quant::norm(u);
+    let s = norm(u);
     for uj in u.iter_mut() {
         *uj = if s > 0.0 { *uj / s } else { 0.0 };
     }
@@ -436,7 +459,7 @@ pub fn tq_prod_encode<T: VqElement>(
                     *v -= centroids[*c as usize];
                 }
                 super::bit_pack(&idx, 1, d, mse_bits, &mut out.codes[r * code_bytes..(r + 1) * code_bytes]);
-                out.norms2[r] = f16::from_f32(crate::quant::norm(&y).min(MAX_NORM));
+                out.norms2[r] = f16::from_f32(norm(&y).min(MAX_NORM));
             }
             sketch_dots.apply(&y, &mut proj);
             for (b, p) in bits.iter_mut().zip(&proj) {

@@ -5,7 +5,7 @@
 //! CPU implementation is the primitive its op builds (`kernels::<op>`), run
 //! under the kernel's MLX name. docs/KERNELS.md has each contract in full.
 
-use crate::codec::Codec;
+use crate::codec::layout::Codec;
 use crate::dtype::Dtype;
 use crate::stream::Backend;
 

@@ -465,7 +465,7 @@ fn kivi_q_reference(
 /// number of `group`-token groups) quantized per channel and group as
 /// [`kivi_quantize`] does, channel `c` of head `h` with `widths[h * D + c]`
 /// bits, and packed at the bit offsets of
-/// [`kivi_bit_offsets`](crate::cpu::kv_attention::kivi_bit_offsets) (each
+/// [`kivi_bit_offsets`](crate::codec::tables::kivi_bit_offsets) (each
 /// head's widths adding up to `D * bits`, a row's size at `bits`). Returns
 /// codes uint8 `[B, Hkv, m, D * bits / 8]`, scales and zeros float16 `[B,
 /// Hkv, m / group, D]`. One graph of MLX ops for every backend: it runs once
@@ -491,7 +491,7 @@ pub fn kivi_quantize_widths(x: &Array, widths: &[u8], bits: u32, group: usize, s
     // Each code shifted to its bit offset spans its byte and the next: the
     // low and high parts land in the row's bytes through 0/1 matrices
     // `[Hkv, D, row]` (exact: the parts of one byte never overlap).
-    let offsets = crate::cpu::kv_attention::kivi_bit_offsets(Some(widths), du, bits);
+    let offsets = crate::codec::tables::kivi_bit_offsets(Some(widths), du, bits);
     let (mut shifts, mut at_lo, mut at_hi) = (vec![0u32; hu * du], vec![0f32; hu * du * row as usize], vec![0f32; hu * du * row as usize]);
     for hh in 0..hu {
         for c in 0..du {
@@ -826,7 +826,7 @@ pub const PQ_STAGE_FLOATS: usize = 4096;
 
 /// Packed product-quantization codes, named as the buffers of
 /// `ProductQuantizer`'s encoding: `codes` holds the low plane, `codes_hi` the
-/// high bits for widths other than 1, 2, 3, 4 and 8 (`crate::quant::pq::planes`).
+/// high bits for widths other than 1, 2, 3, 4 and 8 (`crate::cpu::code_planes`).
 #[derive(Debug)]
 pub struct PqCodes {
     pub codes: Array,
@@ -835,7 +835,7 @@ pub struct PqCodes {
 
 fn check_pq_bits(bits: u32) -> Result<(u32, u32)> {
     if cpu::PQ_BITS.contains(&bits) {
-        Ok(crate::quant::pq::planes(bits))
+        Ok(crate::cpu::code_planes(bits))
     } else {
         Err(Error::invalid("bits", format!("{bits} is not supported; product quantization takes 1..=12")))
     }
@@ -859,7 +859,7 @@ fn check_pq_codebook(codebook: &Array, bits: u32) -> Result<(usize, usize)> {
 /// (`vq_quantize`'s arithmetic and ties), `bits` bits per code (1..=12;
 /// `K ≤ 2^bits`), packed in `ProductQuantizer`'s planes: `codes` uint8
 /// `[..., ceil(D/s · lo / 8)]` and, when `hi > 0`, `codes_hi` uint8
-/// `[..., ceil(D/s · hi / 8)]`, `(lo, hi) = crate::quant::pq::planes(bits)`.
+/// `[..., ceil(D/s · hi / 8)]`, `(lo, hi) = crate::cpu::code_planes(bits)`.
 /// On CUDA, float16 and bfloat16 inputs within [`pq_tensor_cores`] are
 /// searched on the tensor cores: codes then equal the exact search's but at
 /// near-ties.

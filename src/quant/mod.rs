@@ -229,9 +229,7 @@ pub(crate) fn dot(a: &[f32], b: &[f32]) -> f32 {
     a.iter().zip(b).map(|(x, y)| x * y).sum()
 }
 
-pub(crate) fn norm(a: &[f32]) -> f32 {
-    a.iter().map(|x| (*x as f64) * (*x as f64)).sum::<f64>().sqrt() as f32
-}
+pub(crate) use crate::cpu::turboquant::norm;
 
 #[cfg(test)]
 pub(crate) mod testutil {

@@ -23,6 +23,7 @@
 //! An empty cluster is re-seeded at the sub-vector with the largest error.
 
 use super::*;
+use crate::cpu::code_planes;
 use rand::RngExt;
 
 pub const METHOD: &str = "pq";
@@ -72,15 +73,6 @@ pub struct KmeansReport {
     /// Mean squared distance to the assigned centroid after each assignment.
     pub distortion: Vec<f64>,
     pub reseeded: usize,
-}
-
-/// Bit planes for `c`-bit codes: (low, high) widths that `bit_pack` takes.
-pub fn planes(c: u32) -> (u32, u32) {
-    match c {
-        1 | 2 | 3 | 4 | 8 => (c, 0),
-        5..=7 => (4, c - 4),
-        _ => (8, c - 8),
-    }
 }
 
 fn sq_dist(a: &[f32], b: &[f32]) -> f32 {
@@ -294,7 +286,7 @@ impl Quantizer for ProductQuantizer {
         let per = self.dim / self.sub_dim;
         let mut idx = vec![0u32; n * per];
         crate::cpu::vq_quantize(&t, &self.codebook, n * per, 1 << self.bits, self.sub_dim, &mut idx);
-        let (lo, hi) = planes(self.bits);
+        let (lo, hi) = code_planes(self.bits);
         let low: Vec<u8> = idx.iter().map(|&c| (c & ((1 << lo) - 1)) as u8).collect();
         let mut e = Encoded::new(METHOD, n, self.dim);
         e.push("codes", pack(&low, n, per, lo));
@@ -309,7 +301,7 @@ impl Quantizer for ProductQuantizer {
         enc.check(METHOD, self.dim)?;
         let (n, d, s) = (enc.rows, self.dim, self.sub_dim);
         let per = d / s;
-        let (lo, hi) = planes(self.bits);
+        let (lo, hi) = code_planes(self.bits);
         let low = unpack(enc.buffer("codes", packed_bytes(n, per, lo))?, n, per, lo);
         let high = if hi > 0 {
             unpack(enc.buffer("codes_hi", packed_bytes(n, per, hi))?, n, per, hi)

@@ -13,6 +13,7 @@
 //!   matrix; any `d`, O(d²) per vector.
 
 use super::{rng, QuantError, Result};
+use crate::cpu::turboquant::fwht;
 use rand::RngExt;
 use rand_distr::StandardNormal;
 
@@ -82,23 +83,6 @@ fn paley(q: usize) -> Vec<f32> {
 pub fn sylvester_hadamard(n: usize) -> Vec<f32> {
     debug_assert!(n.is_power_of_two());
     (0..n * n).map(|e| if ((e / n) & (e % n)).count_ones() % 2 == 0 { 1.0 } else { -1.0 }).collect()
-}
-
-/// In-place unnormalized fast Walsh–Hadamard transform (Sylvester order).
-pub fn fwht(x: &mut [f32]) {
-    let n = x.len();
-    debug_assert!(n.is_power_of_two());
-    let mut h = 1;
-    while h < n {
-        for i in (0..n).step_by(2 * h) {
-            for j in i..i + h {
-                let (a, b) = (x[j], x[j + h]);
-                x[j] = a + b;
-                x[j + h] = a - b;
-            }
-        }
-        h *= 2;
-    }
 }
 
 /// The `m` of `d = m · 2^k` that the Hadamard rotation uses, if any.

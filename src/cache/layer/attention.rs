@@ -74,7 +74,7 @@ impl LayerCache {
                 let mut layer = self.kv_layer(hq, l, false)?;
                 layer.shape.mask_heads = *heads;
                 layer.mask = Some(m);
-                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s))
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s), &CodecGraphs)
             }
             Store::Compressed(_) if Self::turboquant_only(&self.cfg) => {
                 let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
@@ -82,7 +82,7 @@ impl LayerCache {
             }
             Store::Compressed(_) => {
                 let layer = self.kv_layer(qs[1] as usize, qs[2] as usize, causal)?;
-                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s))
+                kv_attention::kv_attention(queries, &layer, scale, &self.opts(s), &CodecGraphs)
             }
         }
     }
@@ -183,7 +183,7 @@ impl LayerCache {
                 let opts = self.opts(&s);
                 let sh = &layer.shape;
                 // TurboQuant-MSE sides in one pass; the other codecs as parts joined.
-                let framed = |side: &kv_attention::KvSideArrays<'_>, sc: &SideCodec, chunk: &Array| -> Result<Array> {
+                let framed = |side: &kv_attention::KvSideArrays<'_>, sc: &SideLayout, chunk: &Array| -> Result<Array> {
                     if sh.sinks + sh.compressed + sh.recent == 0 {
                         return Ok(chunk.clone());
                     }
@@ -206,7 +206,7 @@ impl LayerCache {
                             },
                             &opts,
                         ),
-                        _ => join(kv_attention::framed_parts(side, sc, sh, self.dtype, &opts)?, chunk),
+                        _ => join(graphs::framed_parts(side, sc, sh, self.dtype, &opts)?, chunk),
                     }
                 };
                 Ok(((framed(&layer.keys, &sh.key, &rk)?, framed(&layer.values, &sh.value, &rv)?), frames))
@@ -353,7 +353,7 @@ impl LayerCache {
             return Err(Error::invalid("method", "not a compressed cache"));
         };
         let sh = self.shared.as_ref().expect("initialised");
-        let key = c.keys.codec;
+        let dim = self.cfg.head_dim;
         Ok(KvLayer {
             shape: KvShape {
                 batch: self.batch,
@@ -361,9 +361,9 @@ impl LayerCache {
                 kv_heads: self.cfg.kv_heads,
                 queries,
                 dim: self.cfg.head_dim,
-                key,
-                value: c.values.codec,
-                query_features: kv_attention::query_features(self.cfg.head_dim, &key),
+                key: c.keys.codec.layout(dim),
+                value: c.values.codec.layout(dim),
+                query_features: c.keys.codec.query_features(dim),
                 sinks: c.n_sink,
                 compressed: c.len,
                 recent: c.n_recent,

@@ -10,9 +10,10 @@ mod tables;
 use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use super::{AttentionMask, CacheConfig};
+use super::config::{AttentionMask, CacheConfig};
 use crate::array::Array;
-use crate::codec::{kivi_bit_offsets, Codec, SideCodec};
+use crate::codec::graphs::{self, CodecGraphs};
+use crate::codec::{kivi_bit_offsets, Codec, Encoded, SideCodec, SideLayout};
 use crate::cpu::kv_attention::KvShape;
 use crate::cpu::turboquant::AttentionShape;
 use crate::dtype::Dtype;
@@ -20,7 +21,7 @@ use crate::error::{Error, Result};
 use crate::kernels::kv_attention::{self, KvLayer, KvSideArrays};
 use crate::kernels::turboquant::{self, TqLayer};
 use crate::kernels::window::{self, WindowAppend};
-use crate::kernels::{self, KiviMode, Options, Policy};
+use crate::kernels::{self, Options, Policy};
 use crate::ops;
 use crate::quant::{Rotation, RotationKind};
 use crate::stream::{Device, Stream};
@@ -551,8 +552,8 @@ impl LayerCache {
         let s = &self.stream()?;
         let sh = &layer.shape;
         let (b, h, d) = (self.batch as i32, self.cfg.kv_heads as i32, self.cfg.head_dim as i32);
-        let tail = |side: &KvSideArrays<'_>, sc: &SideCodec| -> Result<Array> {
-            let all = kv_attention::decode_compressed(side, sc, sh, s)?;
+        let tail = |side: &KvSideArrays<'_>, sc: &SideLayout| -> Result<Array> {
+            let all = graphs::decode_compressed(side, sc, sh, s)?;
             ops::slice(&all, &[0, 0, (c.len - partial) as i32, 0], &[b, h, c.len as i32, d], s)
         };
         Ok(Some((tail(&layer.keys, &sh.key)?, tail(&layer.values, &sh.value)?)))
@@ -571,7 +572,7 @@ impl LayerCache {
             )),
             Some(Store::Compressed(c)) => {
                 let layer = self.kv_layer(self.cfg.kv_heads, 1, false)?;
-                let mut keys = kv_attention::decode(&layer, false, s)?;
+                let mut keys = graphs::decode(&layer, false, s)?;
                 if !c.keys.codec.codec.rotated() {
                     // Held as `k/F` (the rotation's `F·Π` undoes rotated ones).
                     keys = ops::multiply(&keys, &Array::scalar_f32(frame_scale(self.cfg.head_dim))?, s)?;
@@ -579,7 +580,7 @@ impl LayerCache {
                 if let Some(mean) = &c.k_mean {
                     keys = ops::add(&keys, mean, s)?;
                 }
-                let values = kv_attention::decode(&layer, true, s)?;
+                let values = graphs::decode(&layer, true, s)?;
                 Ok((self.decoded_out(&keys)?, self.decoded_out(&values)?))
             }
         }

@@ -230,7 +230,7 @@ fn check_format(meta: &HashMap<String, String>) -> Result<()> {
 pub(super) fn from_parts(tensors: &HashMap<String, Array>, meta: &HashMap<String, String>, stream: Option<Stream>) -> Result<LayerCache> {
     check_format(meta)?;
     let mut cfg = CacheConfig::new(field(&meta, "head_dim")?, field(&meta, "kv_heads")?);
-    let method = |key: &str| -> Result<crate::cache::Method> {
+    let method = |key: &str| -> Result<crate::cache::config::Method> {
         meta.get(key).ok_or_else(|| corrupt(format!("missing field {key:?}")))?.parse().map_err(|e: Error| corrupt(e.to_string()))
     };
     cfg.key_method = method("key_method")?;

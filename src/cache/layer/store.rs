@@ -84,29 +84,19 @@ pub(super) struct Side {
     pub(super) layout: Option<Array>,
 }
 
-/// A compressed side's new tokens, encoded.
-pub(super) struct Encoded {
-    pub(super) codes: Array,
-    pub(super) scales: Option<Array>,
-    pub(super) zeros: Option<Array>,
-}
-
 impl Side {
     /// Shape of the scale and zero arrays for `rows` parameter rows.
     pub(super) fn param_shape(&self, b: i32, h: i32, rows: usize, dim: usize) -> Vec<i32> {
-        match self.codec.codec {
-            // Norms keep the layout `tq_attention` reads.
-            Codec::TurboQuantMse | Codec::ProductQuantized | Codec::Qjl | Codec::TurboQuantRvq => vec![b, h, rows as i32],
-            _ => vec![b, h, rows as i32, self.codec.param_cols(dim) as i32],
+        if self.codec.codec.def().flat_norms() {
+            vec![b, h, rows as i32]
+        } else {
+            vec![b, h, rows as i32, self.codec.param_cols(dim) as i32]
         }
     }
 
     /// Name of the scale array in the state (what it holds).
     pub(super) fn scales_name(&self) -> &'static str {
-        match self.codec.codec {
-            Codec::KiviPerChannel | Codec::KiviPerToken => "scales",
-            _ => "norms",
-        }
+        self.codec.codec.def().scales_name()
     }
 
     pub(super) fn arrays(&self) -> impl Iterator<Item = &Array> {
@@ -159,144 +149,17 @@ impl Side {
 
     /// Encodes `x` `[B, Hkv, m, D]` (in the side's frame; `m` a whole number
     /// of the codec's token groups). A token holding a NaN or an infinity
-    /// gets a NaN norm or scale (see [`non_finite`]; TurboQuant-MSE, from the
-    /// norms it stores: also a norm of 65504 or more), whatever the encoder
-    /// made of it, so that it decodes to NaN and makes every query that sees
-    /// it NaN: no non-finite input becomes a finite value.
+    /// gets a NaN norm or scale (`CodecDef::mark_non_finite`), whatever the
+    /// encoder made of it, so that it decodes to NaN and makes every query
+    /// that sees it NaN: no non-finite input becomes a finite value.
     pub(super) fn encode(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
-        let mut e = self.encode_values(x, table, dtype, opts)?;
+        let def = self.codec.codec.def();
+        let l = self.codec.layout(x.shape()[3] as usize);
+        let mut e = def.encode(&l, x, table, self.widths.as_deref(), dtype, opts)?;
         if let Some(scales) = e.scales.take() {
-            let s = opts.resolve_stream()?;
-            e.scales = Some(if self.codec.codec == Codec::TurboQuantMse {
-                // `tq_encode` holds a norm at float16's largest (65504) for a
-                // token with a NaN or an infinity or a norm past that range
-                // (NaN where a back-end's min keeps NaN): one pass over the
-                // norms instead of computing them again from `x`.
-                // Float16 constants: the norms compare and select without casts
-                // (two launches a side and flush, not four).
-                let limit = Array::from_slice(&[half::f16::from_f32(crate::cpu::turboquant::MAX_NORM)], &[])?;
-                let nan = Array::from_slice(&[half::f16::NAN], &[])?;
-                ops::where_(&ops::greater_equal(&scales, &limit, &s)?, &nan, &scales, &s)?
-            } else {
-                let bad = self.non_finite(x, &s)?;
-                ops::add(&scales, &ops::astype(&bad, Dtype::F16, &s)?, &s)?
-            });
+            e.scales = Some(def.mark_non_finite(&l, x, &scales, &opts.resolve_stream()?)?);
         }
         Ok(e)
-    }
-
-    /// NaN where the tokens of `x` `[B, Hkv, m, D]` hold a NaN or an
-    /// infinity, or (codecs with a norm) where the norm exceeds float16's
-    /// range, 0 elsewhere, float32, shaped to add to the codec's norms or
-    /// scales: per token for norms (`[B, Hkv, m]`; TurboQuant-Prod's
-    /// `[B, Hkv, m, 1]` for both of its norms) and for KIVI values (`[B, Hkv,
-    /// m, 1]`, every channel group), per token group and channel for KIVI
-    /// keys (their scales are shared by the group's tokens in that channel,
-    /// which therefore decode to NaN too).
-    pub(super) fn non_finite(&self, x: &Array, s: &Stream) -> Result<Array> {
-        let shape = x.shape();
-        let (b, h, m, d) = (shape[0], shape[1], shape[2], shape[3]);
-        let zero = Array::scalar_f32(0.0)?;
-        let xf = ops::astype(x, Dtype::F32, s)?;
-        let g = self.codec.group as i32;
-        match self.codec.codec {
-            Codec::KiviPerToken | Codec::KiviPerChannel => {
-                // x * 0 is NaN exactly where x is NaN or infinite. (KIVI's
-                // float16 scales and zeros overflow to infinities, which
-                // decode non-finite.)
-                let z = ops::multiply(&xf, &zero, s)?;
-                if self.codec.codec == Codec::KiviPerToken {
-                    ops::sum_axis(&z, -1, true, s)
-                } else {
-                    ops::sum_axis(&ops::reshape(&z, &[b, h, m / g, g, d], s)?, 3, false, s)
-                }
-            }
-            _ => {
-                // The norm as float16 (infinite beyond its range; NaN or
-                // infinite for a non-finite input), times 0.
-                let keep = self.codec.codec == Codec::TurboQuantProd;
-                let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, s)?, -1, keep, s)?, s)?;
-                ops::multiply(&ops::astype(&ops::astype(&norm, Dtype::F16, s)?, Dtype::F32, s)?, &zero, s)
-            }
-        }
-    }
-
-    pub(super) fn encode_values(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
-        let s = opts.resolve_stream()?;
-        let shape = x.shape();
-        let (b, h, m, d) = (shape[0], shape[1], shape[2], shape[3]);
-        let sc = self.codec;
-        let flat = |a: &Array| ops::reshape(a, &[b * h * m, d], &s);
-        let per_head = |a: Array, rows: usize, cols: usize| ops::reshape(&a, &[b, h, rows as i32, cols as i32], &s);
-        // Norm (saturated at float16's largest, as `tq_encode` stores it) and
-        // unit vector, float32.
-        let norm_unit = || -> Result<(Array, Array)> {
-            let xf = ops::astype(x, Dtype::F32, &s)?;
-            let norm = ops::sqrt(&ops::sum_axis(&ops::square(&xf, &s)?, -1, true, &s)?, &s)?;
-            let unit = ops::divide(&xf, &ops::maximum(&norm, &Array::scalar_f32(f32::MIN_POSITIVE)?, &s)?, &s)?;
-            let norm = ops::minimum(&norm, &Array::scalar_f32(crate::cpu::turboquant::MAX_NORM)?, &s)?;
-            Ok((ops::astype(&norm, Dtype::F16, &s)?, unit))
-        };
-        let parts = |table: Option<&Array>| kv_attention::table_parts(table.expect("the codec has a table"), &sc, d as usize, &s);
-        Ok(match sc.codec {
-            Codec::Dense => Encoded { codes: ops::astype(x, dtype, &s)?, scales: None, zeros: None },
-            Codec::Qjl => {
-                let (norm, _) = norm_unit()?;
-                let (_, sketch) = parts(table)?;
-                let (signs, _) = kernels::qjl_encode(x, &sketch, opts)?;
-                Encoded { codes: signs, scales: Some(ops::reshape(&norm, &[b, h, m], &s)?), zeros: None }
-            }
-            Codec::TurboQuantProd | Codec::TurboQuantRvq => {
-                // First stage: `bits − 1`-bit codes of the unit vector; then the
-                // residual's QJL signs and norm (Prod) or 1-bit codes (RVQ).
-                let (norm, unit) = norm_unit()?;
-                let (first, second) = parts(table)?;
-                let first = first.expect("two parts");
-                let codes1 = kernels::scalar_quantize(&unit, &first, sc.bits - 1, opts)?;
-                let approx = kernels::scalar_dequantize(&codes1, &first, sc.bits - 1, d as usize, Dtype::F32, opts)?;
-                let residual = ops::subtract(&unit, &approx, &s)?;
-                let norm = ops::reshape(&norm, &[b, h, m], &s)?;
-                if sc.codec == Codec::TurboQuantProd {
-                    let (signs, rnorm) = kernels::qjl_encode(&residual, &second, opts)?;
-                    let scales = ops::concatenate(&[ops::expand_dims(&norm, -1, &s)?, ops::expand_dims(&rnorm, -1, &s)?], 3, &s)?;
-                    Encoded { codes: ops::concatenate(&[codes1, signs], 3, &s)?, scales: Some(scales), zeros: None }
-                } else {
-                    let codes2 = kernels::scalar_quantize(&residual, &second, 1, opts)?;
-                    Encoded { codes: ops::concatenate(&[codes1, codes2], 3, &s)?, scales: Some(norm), zeros: None }
-                }
-            }
-            Codec::TurboQuantMse => {
-                let table = table.expect("TurboQuant has centroids");
-                let (codes, norms) = turboquant::tq_encode(x, None, table, sc.bits, opts)?;
-                Encoded { codes, scales: Some(norms), zeros: None }
-            }
-            Codec::ProductQuantized => {
-                // The unit vector's sub-vectors into the codebook.
-                let (norm, unit) = norm_unit()?;
-                let table = table.expect("product quantization has a codebook");
-                let codebook = ops::reshape(table, &[1 << sc.bits, sc.group as i32], &s)?;
-                // 8-bit codes: one plane, no high bits.
-                let codes = kernels::pq_encode(&unit, &codebook, sc.bits, opts)?.codes;
-                Encoded { codes, scales: Some(ops::reshape(&norm, &[b, h, m], &s)?), zeros: None }
-            }
-            Codec::KiviPerChannel if self.widths.is_some() => {
-                let widths = self.widths.as_deref().expect("matched");
-                let (codes, scales, zeros) = kernels::kivi_quantize_widths(x, widths, sc.bits, sc.group, &s)?;
-                Encoded { codes, scales: Some(scales), zeros: Some(zeros) }
-            }
-            Codec::KiviPerChannel | Codec::KiviPerToken => {
-                let mode = if sc.codec == Codec::KiviPerChannel { KiviMode::Keys } else { KiviMode::Values };
-                // Per channel, groups of rows never cross heads: m is a whole
-                // number of groups.
-                let (codes, scales, zeros) = kernels::kivi_quantize(&flat(x)?, sc.bits, sc.group, mode, opts)?;
-                let (rows, cols) = (sc.param_rows(m as usize), sc.param_cols(d as usize));
-                Encoded {
-                    codes: per_head(codes, m as usize, sc.row_len(d as usize))?,
-                    scales: Some(per_head(scales, rows, cols)?),
-                    zeros: Some(per_head(zeros, rows, cols)?),
-                }
-            }
-        })
     }
 
     /// Writes `e` at token slot `lo` (a multiple of the codec's token group).
@@ -391,7 +254,7 @@ impl Compressed {
     /// Tokens both sides compress together: a flush starts and ends on a
     /// multiple of it.
     pub(super) fn token_group(&self) -> usize {
-        let group = |sc: &SideCodec| if sc.codec == Codec::KiviPerChannel { sc.group } else { 1 };
+        let group = |sc: &SideCodec| sc.codec.def().tokens_per_param_row(sc);
         let (a, b) = (group(&self.keys.codec), group(&self.values.codec));
         let gcd = |mut x: usize, mut y: usize| {
             while y != 0 {

@@ -32,7 +32,7 @@ inline float tq_norm(threadgroup const float* v, int n) {
 
 // (H u)_i, unnormalized, for this thread's coordinate i of u (threadgroup
 // memory, D threads, D a power of two, every one calling): the butterflies
-// in place in quant::rotation::fwht's order, both operands of a pair read
+// in place in cpu::turboquant::fwht's order, both operands of a pair read
 // before a barrier and written after it.
 template <int D>
 inline float tq_butterflies(threadgroup float* u, int i) {
@@ -52,7 +52,7 @@ inline float tq_butterflies(threadgroup float* u, int i) {
 // thread per coordinate, D threads; every thread must call it): the dense
 // row-major Π [D, D] summed in order, or with `hadamard` the ±1 signs s [D]
 // of Π u = H (s ⊙ u) / √D, by butterflies on u in place (both operands of a
-// pair read before a barrier, written after it): quant::rotation::fwht's
+// pair read before a barrier, written after it): cpu::turboquant::fwht's
 // order, bit for bit the CPU's.
 template <int D>
 inline float tq_rotate_coord(threadgroup float* u, int i, const device float* rotation, bool hadamard) {
