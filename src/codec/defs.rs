@@ -170,6 +170,15 @@ fn kivi_codes_at(codes: &Array, layout: &Array, sh: &KvShape, s: &Stream) -> Res
     ops::astype(&ops::concatenate(&heads, 1, s)?, Dtype::F32, s)
 }
 
+/// A two-stage codec's first stage: the `bits − 1`-bit codes of `unit`
+/// into the `first` codebook, and the residual they leave, float32.
+fn first_stage(l: &SideLayout, unit: &Array, first: &Array, opts: &Options) -> Result<(Array, Array)> {
+    let d = unit.shape()[3] as usize;
+    let codes = kernels::scalar_quantize(unit, first, l.bits - 1, opts)?;
+    let approx = kernels::scalar_dequantize(&codes, first, l.bits - 1, d, Dtype::F32, opts)?;
+    Ok((codes, ops::subtract(unit, &approx, &opts.resolve_stream()?)?))
+}
+
 struct Dense;
 
 impl CodecDef for Dense {
@@ -465,10 +474,8 @@ impl CodecDef for TurboQuantProd {
         let d = x.shape()[3] as usize;
         let (norm, unit) = norm_unit(x, &s)?;
         let (first, sketch) = self.table_parts(l, table.ok_or_else(|| missing(l, "its table"))?, d, &s)?;
-        let first = first.expect("two parts");
-        let codes1 = kernels::scalar_quantize(&unit, &first, l.bits - 1, opts)?;
-        let approx = kernels::scalar_dequantize(&codes1, &first, l.bits - 1, d, Dtype::F32, opts)?;
-        let (signs, rnorm) = kernels::qjl_encode(&ops::subtract(&unit, &approx, &s)?, &sketch, opts)?;
+        let (codes1, residual) = first_stage(l, &unit, &first.expect("two parts"), opts)?;
+        let (signs, rnorm) = kernels::qjl_encode(&residual, &sketch, opts)?;
         let scales = ops::concatenate(&[ops::expand_dims(&norm, -1, &s)?, ops::expand_dims(&rnorm, -1, &s)?], 3, &s)?;
         Ok(Encoded { codes: ops::concatenate(&[codes1, signs], 3, &s)?, scales: Some(scales), zeros: None })
     }
@@ -532,10 +539,8 @@ impl CodecDef for TurboQuantRvq {
         let d = x.shape()[3] as usize;
         let (norm, unit) = norm_unit(x, &s)?;
         let (first, second) = self.table_parts(l, table.ok_or_else(|| missing(l, "its table"))?, d, &s)?;
-        let first = first.expect("two parts");
-        let codes1 = kernels::scalar_quantize(&unit, &first, l.bits - 1, opts)?;
-        let approx = kernels::scalar_dequantize(&codes1, &first, l.bits - 1, d, Dtype::F32, opts)?;
-        let codes2 = kernels::scalar_quantize(&ops::subtract(&unit, &approx, &s)?, &second, 1, opts)?;
+        let (codes1, residual) = first_stage(l, &unit, &first.expect("two parts"), opts)?;
+        let codes2 = kernels::scalar_quantize(&residual, &second, 1, opts)?;
         Ok(Encoded { codes: ops::concatenate(&[codes1, codes2], 3, &s)?, scales: Some(norm), zeros: None })
     }
     /// `norm · (c1 + c2)`.
