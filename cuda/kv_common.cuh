@@ -3,7 +3,7 @@
 // `Codec` (KIVI per channel over groups of G tokens, KIVI per token over
 // groups of G channels, product quantization with sub-vectors of G channels,
 // TurboQuant-RVQ: B-1 bits then 1 residual bit, the first codebook then the
-// second in `table`; QJL and TurboQuant-Prod are keys only and scored in
+// second in `table`; FP8 reads its e4m3 grid as TurboQuant-MSE its centroids; QJL and TurboQuant-Prod are keys only and scored in
 // kv_attention.cu).
 
 template <typename X>
@@ -72,7 +72,7 @@ __device__ inline float kv_element(const C* codes, const S* scales, const S* zer
   } else {
     constexpr int ROW = (D * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));
-    if constexpr (M == KV_TURBOQUANT_MSE) {
+    if constexpr (M == KV_TURBOQUANT_MSE || M == KV_FP8) {
       return table[c] * kv_float(scales[slot]);
     } else {
       const uint64_t p = slot * (D / G) + j / G;

@@ -5,14 +5,15 @@
 // KIVI per channel over groups of G tokens, KIVI per token over groups of G
 // channels, product quantization with sub-vectors of G channels,
 // TurboQuant-RVQ: B-1 bits then 1 residual bit, the first codebook then the
-// second in `table`; QJL and TurboQuant-Prod are keys only and scored in
+// second in `table`; FP8 reads its e4m3 grid as TurboQuant-MSE its
+// centroids; QJL and TurboQuant-Prod are keys only and scored in
 // kv_attention.metal); B: bits; ROW:
 // elements of a code row; CAP: token slots per head. A macro, so that it reads
 // any address space. Every branch compiles for any codec; the constant
 // template arguments leave one.
 #define KV_ELEMENT(M, B, G, ROW, codes, scales, zeros, table, head, ct, CAP, j)                          \
   ((M) == KV_DENSE ? float((codes)[((head) * (CAP) + (ct)) * D + (j)])                                          \
-   : (M) == KV_TURBOQUANT_MSE                                                                                            \
+   : (M) == KV_TURBOQUANT_MSE || (M) == KV_FP8                                                                           \
        ? (table)[VQ_CODE_AT(codes, ((head) * (CAP) + (ct)) * (ROW), uint(j), uint(B))] *                 \
              float((scales)[(head) * (CAP) + (ct)])                                                      \
    : (M) == KV_PRODUCT_QUANTIZED                                                                                            \

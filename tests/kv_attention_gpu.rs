@@ -33,6 +33,9 @@ fn gpu_mixed_methods_match_cpu_kernel() {
         // Per-token groups on the key side too (64 channels; 32 for d = 96).
         (Method::Affine, 4, Method::Affine, 4, 128, 8, 32, Dtype::F16, 1e-2),
         (Method::Affine, 8, Method::TurboQuantMse, 3, 96, 2, 8, Dtype::F32, 1e-5),
+        // FP8 on both sides, and beside TurboQuant values.
+        (Method::Fp8, 8, Method::Fp8, 8, 128, 8, 32, Dtype::F16, 1e-2),
+        (Method::Fp8, 8, Method::TurboQuantMse, 3, 64, 2, 8, Dtype::BF16, 2e-2),
         // TurboQuant on both sides: its own kernels, and the generic one under a mask.
         (Method::TurboQuantMse, 4, Method::TurboQuantMse, 3, 128, 8, 32, Dtype::F16, 1e-2),
     ] {

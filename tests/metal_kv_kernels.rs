@@ -113,6 +113,8 @@ fn build_side<T: Float + Element>(
         let slots = hd * cap..hd * cap + n;
         match sc.codec {
             Codec::Dense => side.dense[slots.start * d..slots.end * d].copy_from_slice(comp),
+            // Any grid index is a valid code: random codes, each token's scale.
+            Codec::Fp8 => slots.for_each(|i| side.scales[i] = f16::from_f32(rng.random_range(0.001f32..0.05))),
             Codec::TurboQuantMse => tq::tq_encode(
                 comp,
                 None,
@@ -429,6 +431,15 @@ fn dense_sides_and_f16_match_cpu() {
     check::<f16>(shape(1, 4, 2, 1, 80, k, v, (4, 140, 7), true), 1e-2, 4);
     let (k, v) = (codec(Codec::Dense, 16, 1), codec(Codec::KiviPerToken, 4, 16));
     check::<f32>(shape(1, 2, 2, 1, 256, k, v, (0, 60, 3), true), 1e-5, 5);
+}
+
+#[test]
+fn fp8_keys_and_values_match_cpu() {
+    let (k, v) = (codec(Codec::Fp8, 8, 1), codec(Codec::Fp8, 8, 1));
+    check::<f16>(shape(1, 8, 2, 1, 128, k, v, (4, 200, 9), true), 1e-2, 43);
+    // Beside TurboQuant values (rotated back by the reduction), float32.
+    let (k, v) = (codec(Codec::Fp8, 8, 1), codec(Codec::TurboQuantMse, 3, 1));
+    check::<f32>(shape(1, 4, 2, 3, 64, k, v, (2, 130, 11), false), 1e-5, 44);
 }
 
 #[test]

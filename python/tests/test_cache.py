@@ -499,6 +499,40 @@ def test_concat_joins_equal_length_batches_as_one_cache():
         VeloxQuantCache.concat([])
 
 
+def test_fp8_stores_a_byte_an_element_and_a_scale_a_token():
+    """``fp8`` (float8 e4m3 codes, a float16 scale per token): the error of
+    e4m3's 3 mantissa bits, between 8- and 4-bit affine codes, in a byte an
+    element, and the fused attention of the codes."""
+    mx.random.seed(2)
+    b, hkv, hq, t, d = 1, 2, 8, 300, 128
+    k, v = (mx.random.normal((b, hkv, t, d)).astype(mx.float16) for _ in range(2))
+    q = mx.random.normal((b, hq, 1, d)).astype(mx.float16)
+    scale = d**-0.5
+
+    def rel(a, r):
+        return (mx.linalg.norm((a - r).astype(mx.float32)) / mx.linalg.norm(r.astype(mx.float32))).item()
+
+    def cache(method, bits, n=t):
+        c = VeloxQuantCache(KVConfig(key_method=method, value_method=method, key_bits=bits, value_bits=bits, window=16, sinks=0))
+        c.update_and_fetch(k[:, :, :n], v[:, :, :n])
+        c.attention(mx.zeros((b, hq, n, d), mx.float16), scale, "causal")
+        return c
+
+    c = cache("fp8", 8)
+    kd, vd = c.layer.dequantize()
+    # e4m3 rounds to 3 mantissa bits: about 2.5% RMS on Gaussian tokens (the
+    # last 16, the float16 window, left out).
+    fp8_err = rel(kd[:, :, :-16], k[:, :, :-16])
+    assert 0.01 < fp8_err < 0.035 and 0.01 < rel(vd[:, :, :-16], v[:, :, :-16]) < 0.035
+    affine = {bits: rel(cache("affine", bits).layer.dequantize()[0][:, :, :-16], k[:, :, :-16]) for bits in (8, 4)}
+    assert affine[8] < fp8_err < 0.5 * affine[4]
+    decoded = mx.fast.scaled_dot_product_attention(q, kd.astype(mx.float16), vd.astype(mx.float16), scale=scale)
+    assert rel(c.attention(q, scale), decoded) < 2e-3
+    # 32 more compressed tokens hold 32 * (D codes + a float16 scale) bytes a head and side.
+    held = [cache("fp8", 8, n).layer.data_nbytes for n in (t - 32, t)]
+    assert held[1] - held[0] == 32 * hkv * 2 * (d + 2)
+
+
 @pytest.mark.parametrize("bits", [4, 8])
 def test_affine_method_stores_what_mlx_lm_quantized_cache_does(bits):
     """``affine`` keeps mlx_lm's QuantizedKVCache layout (per token, a float16

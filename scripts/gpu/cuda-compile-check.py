@@ -135,9 +135,9 @@ KERNELS = {
                       ("params", "uint32_t"), ("params_hi", "uint32_t")],
                      [("m_out", "float"), ("l_out", "float"), ("acc_out", "float")],
                      {"T": ELEMENT, "D": [128, 64], "KM,KB,KG,QF": [("KV_KIVI_PER_CHANNEL", 2, 32, 128), ("KV_DENSE", 16, 1, 128),
-                                                         ("KV_QJL", 1, 256, 256)],
+                                                         ("KV_QJL", 1, 256, 256), ("KV_FP8", 8, 1, 128)],
                       "VM,VB,VG": [("KV_KIVI_PER_TOKEN", 2, 32), ("KV_PRODUCT_QUANTIZED", 8, 4),
-                                   ("KV_TURBOQUANT_MSE", 4, 1)], "QN": [4, 1]}),
+                                   ("KV_TURBOQUANT_MSE", 4, 1), ("KV_FP8", 8, 1)], "QN": [4, 1]}),
     "tq_prod_encode": ([("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
                         ("params", "uint32_t")],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half")],
@@ -194,11 +194,15 @@ def instantiations(axes, every):
     return out
 
 
+def flat_args(args):
+    """An instantiation's arguments one by one: an axis named "A,B" takes
+    (a, b) values, arguments valid only together."""
+    return [(n, x) for k, v in args.items() for n, x in (zip(k.split(","), v) if "," in k else [(k, v)])]
+
+
 def template_lines(args):
     out = []
-    # An axis named "A,B" takes (a, b) values: arguments valid only together.
-    pairs = [(n, x) for k, v in args.items() for n, x in (zip(k.split(","), v) if "," in k else [(k, v)])]
-    for k, v in pairs:
+    for k, v in flat_args(args):
         if k == "T":
             out.append(f"using T = {v};")
         elif isinstance(v, bool):
@@ -350,7 +354,8 @@ def main():
         families = spec[2] if isinstance(spec[2], list) else [spec[2]]
         only = dict(kv.split("=", 1) for kv in a.only.split(",") if kv)
         for args in [x for axes in families for x in instantiations(axes, a.all)]:
-            if any(str(args.get(k)) != v for k, v in only.items()):
+            flat = dict(flat_args(args))
+            if any(str(flat.get(k)) != v for k, v in only.items()):
                 continue
             label = f"{name}{args}"
             cubin = None

@@ -51,11 +51,14 @@ pub enum Method {
     /// `QuantizedKVCache` (`group_size` 64), here with the cache's windows
     /// and fused attention: the like-for-like baseline at equal bits.
     Affine,
+    /// FP8: float8 e4m3 codes per element and a float16 scale per token,
+    /// keys and values alike (the FP8 KV caches of serving engines).
+    Fp8,
 }
 
 /// Every method, in the order the documentation lists them (and of
 /// [`Method::def`]'s table).
-pub const METHODS: [Method; 8] = [
+pub const METHODS: [Method; 9] = [
     Method::Fp16,
     Method::TurboQuantMse,
     Method::Kivi,
@@ -64,6 +67,7 @@ pub const METHODS: [Method; 8] = [
     Method::TurboQuantProd,
     Method::TurboQuantRvq,
     Method::Affine,
+    Method::Fp8,
 ];
 
 /// One method's definition: the names arguments and saved states use, the
@@ -85,7 +89,7 @@ pub struct MethodDef {
 }
 
 /// The definitions, in the order of [`METHODS`].
-static METHOD_DEFS: [MethodDef; 8] = [
+static METHOD_DEFS: [MethodDef; 9] = [
     MethodDef {
         method: Method::Fp16,
         name: "fp16",
@@ -162,6 +166,14 @@ static METHOD_DEFS: [MethodDef; 8] = [
         keys_only: false,
         // KIVI's per-token codec on both sides.
         codec: |cfg, bits, _| SideCodec { codec: Codec::KiviPerToken, bits, group: channel_group(cfg.head_dim, AFFINE_GROUP) },
+    },
+    MethodDef {
+        method: Method::Fp8,
+        name: "fp8",
+        aliases: &["e4m3"],
+        bits: Some(&[8]),
+        keys_only: false,
+        codec: |_, bits, _| SideCodec { codec: Codec::Fp8, bits, group: 1 },
     },
 ];
 

@@ -3,7 +3,7 @@
 //! `layout.rs`), a block here, its entry in [`DEFS`], and its arms in the
 //! attention bodies (CPU, Metal, CUDA).
 
-use super::tables::{centroids, kivi_bit_offsets, pq_codebook, qjl_sketch};
+use super::tables::{centroids, e4m3_grid, kivi_bit_offsets, pq_codebook, qjl_sketch, E4M3_MAX};
 use super::{Codec, CodecDef, Encoded, SideCodec, SideLayout};
 use crate::array::Array;
 use crate::cpu::kv_attention::{sketch_scale, KvShape};
@@ -18,8 +18,8 @@ use crate::quant::ScalarCodebook;
 use crate::stream::Stream;
 
 /// The definitions, in the order of [`Codec::ALL`] (the ids).
-pub(super) static DEFS: [&dyn CodecDef; 8] =
-    [&Dense, &TurboQuantMse, &KiviPerChannel, &KiviPerToken, &ProductQuantized, &Qjl, &TurboQuantProd, &TurboQuantRvq];
+pub(super) static DEFS: [&dyn CodecDef; 9] =
+    [&Dense, &TurboQuantMse, &KiviPerChannel, &KiviPerToken, &ProductQuantized, &Qjl, &TurboQuantProd, &TurboQuantRvq, &Fp8];
 
 /// A two-stage code row (TurboQuant-Prod, -RVQ): the first stage's `bits −
 /// 1`-bit codes, then one bit per channel (the residual's sign or code).
@@ -549,5 +549,47 @@ impl CodecDef for TurboQuantRvq {
         let stage1 = ops::take_axis(&first.expect("two parts"), &unpacked(side, sh, 0, l.first_len, l.bits - 1, sh.dim, s)?, 0, s)?;
         let stage2 = ops::take_axis(&second, &unpacked(side, sh, l.first_len, l.row_len, 1, sh.dim, s)?, 0, s)?;
         ops::multiply(&ops::add(&stage1, &stage2, s)?, &flat_norms(l, side, sh, s)?, s)
+    }
+}
+
+struct Fp8;
+
+impl CodecDef for Fp8 {
+    fn codec(&self) -> Codec {
+        Codec::Fp8
+    }
+    fn rotated(&self) -> bool {
+        false
+    }
+    fn flat_norms(&self) -> bool {
+        true
+    }
+    fn scales_name(&self) -> &'static str {
+        "scales"
+    }
+    fn table(&self, _sc: &SideCodec, _dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
+        Ok(Some(e4m3_grid()))
+    }
+    /// `scale = max|x| / 448` per token, rounded to float16 before the
+    /// elements divide by it, so that decoding multiplies by what is stored.
+    fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
+        let s = opts.resolve_stream()?;
+        let sh = x.shape();
+        let xf = ops::astype(x, Dtype::F32, &s)?;
+        let magnitude = ops::maximum(&xf, &ops::multiply(&xf, &Array::scalar_f32(-1.0)?, &s)?, &s)?;
+        let scale = ops::divide(&ops::max_axis(&magnitude, -1, true, &s)?, &Array::scalar_f32(E4M3_MAX)?, &s)?;
+        let scale = ops::astype(&ops::maximum(&scale, &Array::scalar_f32(half::f16::MIN_POSITIVE.to_f32())?, &s)?, Dtype::F16, &s)?;
+        let unit = ops::divide(&xf, &ops::astype(&scale, Dtype::F32, &s)?, &s)?;
+        let codes = kernels::scalar_quantize(&unit, table.ok_or_else(|| missing(l, "its grid"))?, l.bits, opts)?;
+        Ok(Encoded { codes, scales: Some(ops::reshape(&scale, &sh[..3], &s)?), zeros: None })
+    }
+    /// Per token `[B, Hkv, m]`: a scale is finite wherever the token is.
+    fn non_finite(&self, _l: &SideLayout, x: &Array, s: &Stream) -> Result<Array> {
+        ops::sum_axis(&times_zero(x, s)?, -1, false, s)
+    }
+    fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
+        let idx = unpacked(side, sh, 0, l.row_len, l.bits, sh.dim, s)?;
+        let vals = ops::take_axis(side.table.ok_or_else(|| missing(l, "its grid"))?, &idx, 0, s)?;
+        ops::multiply(&vals, &flat_norms(l, side, sh, s)?, s)
     }
 }

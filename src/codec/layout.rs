@@ -33,11 +33,14 @@ pub enum Codec {
     /// vector, then 1-bit codes of the residual (`ScalarCodebook::
     /// sphere_residual`); a float16 norm. Decoded as `norm · (c1 + c2)`.
     TurboQuantRvq,
+    /// FP8: each element the nearest float8 e4m3 value of `x / scale`, with a
+    /// float16 `scale = max|x| / 448` per token; decoded as `scale · grid[code]`.
+    Fp8,
 }
 
 impl Codec {
     /// Every codec, in the order of its id.
-    pub const ALL: [Codec; 8] = [
+    pub const ALL: [Codec; 9] = [
         Codec::Dense,
         Codec::TurboQuantMse,
         Codec::KiviPerChannel,
@@ -46,6 +49,7 @@ impl Codec {
         Codec::Qjl,
         Codec::TurboQuantProd,
         Codec::TurboQuantRvq,
+        Codec::Fp8,
     ];
 
     /// The number the GPU bodies know the codec by (template `KM` / `VM`):
@@ -65,6 +69,7 @@ impl Codec {
             Codec::Qjl => "KV_QJL",
             Codec::TurboQuantProd => "KV_TURBOQUANT_PROD",
             Codec::TurboQuantRvq => "KV_TURBOQUANT_RVQ",
+            Codec::Fp8 => "KV_FP8",
         }
     }
 

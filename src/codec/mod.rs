@@ -15,7 +15,7 @@ pub mod layout;
 pub mod tables;
 
 pub use layout::{Codec, SideLayout};
-pub use tables::{centroids, kivi_bit_offsets, pq_codebook, qjl_sketch, PQ_CODE_BITS};
+pub use tables::{centroids, e4m3_grid, kivi_bit_offsets, pq_codebook, qjl_sketch, E4M3_MAX, PQ_CODE_BITS};
 
 use crate::array::Array;
 use crate::dtype::Dtype;

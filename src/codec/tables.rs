@@ -54,6 +54,25 @@ pub fn qjl_sketch(rows: usize, dim: usize, seed: u64) -> Vec<f32> {
     m
 }
 
+/// The largest finite float8 e4m3 value.
+pub const E4M3_MAX: f32 = 448.0;
+
+/// Every finite float8 e4m3 value (OCP FP8: bias 7, subnormals, no
+/// infinities, S.1111.111 NaN), sorted, zero once, then `E4M3_MAX` again up
+/// to 256 entries: the codebook of the FP8 codec, which `scalar_quantize`
+/// takes as 8-bit codes (an index into it, not the e4m3 bit pattern).
+pub fn e4m3_grid() -> Vec<f32> {
+    let positive: Vec<f32> = (1u32..0x7f)
+        .map(|b| {
+            let (e, m) = ((b >> 3) as i32, (b & 7) as f32);
+            if e == 0 { m / 8.0 * 2f32.powi(-6) } else { (1.0 + m / 8.0) * 2f32.powi(e - 7) }
+        })
+        .collect();
+    let mut grid: Vec<f32> = positive.iter().rev().map(|v| -v).chain(std::iter::once(0.0)).chain(positive.iter().copied()).collect();
+    grid.resize(256, E4M3_MAX);
+    grid
+}
+
 /// Bit offsets of KIVI keys' channels within a code row: what the kernels
 /// read as the KIVI-per-channel table. Element 0 is the stride between the
 /// heads' rows, then the rows of `dim + 1` offsets (exact integers in
