@@ -77,6 +77,14 @@ fn flat_norms(l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream)
     ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)
 }
 
+/// `table[code] · norm` for every element of the compressed tokens (one
+/// `bits`-bit code an element, a norm or scale a token), float32.
+fn table_times_norm(l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, table_name: &str, s: &Stream) -> Result<Array> {
+    let idx = unpacked(side, sh, 0, l.row_len, l.bits, sh.dim, s)?;
+    let vals = ops::take_axis(side.table.ok_or_else(|| missing(l, table_name))?, &idx, 0, s)?;
+    ops::multiply(&vals, &flat_norms(l, side, sh, s)?, s)
+}
+
 /// The compressed tokens' rows of a `[B, Hkv, rows, cols]` parameter array, float32.
 fn params_of(l: &SideLayout, a: Option<&Array>, what: &str, sh: &KvShape, s: &Stream) -> Result<Array> {
     let a = a.ok_or_else(|| missing(l, what))?;
@@ -233,9 +241,7 @@ impl CodecDef for TurboQuantMse {
         ops::where_(&ops::greater_equal(scales, &limit, s)?, &nan, scales, s)
     }
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        let idx = unpacked(side, sh, 0, l.row_len, l.bits, sh.dim, s)?;
-        let vals = ops::take_axis(side.table.ok_or_else(|| missing(l, "centroids"))?, &idx, 0, s)?;
-        ops::multiply(&vals, &flat_norms(l, side, sh, s)?, s)
+        table_times_norm(l, side, sh, "centroids", s)
     }
 }
 
@@ -588,8 +594,6 @@ impl CodecDef for Fp8 {
         ops::sum_axis(&times_zero(x, s)?, -1, false, s)
     }
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        let idx = unpacked(side, sh, 0, l.row_len, l.bits, sh.dim, s)?;
-        let vals = ops::take_axis(side.table.ok_or_else(|| missing(l, "its grid"))?, &idx, 0, s)?;
-        ops::multiply(&vals, &flat_norms(l, side, sh, s)?, s)
+        table_times_norm(l, side, sh, "its grid", s)
     }
 }
