@@ -71,7 +71,7 @@ fn unpacked(side: &KvSideArrays<'_>, sh: &KvShape, lo: usize, hi: usize, bits: u
 
 /// The compressed tokens' norms `[B, Hkv, n, 1]`, float32, from norms stored
 /// `[B, Hkv, slots]`.
-fn flat_norms(l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
+fn token_norms(l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
     let (b, h, n) = (sh.batch as i32, sh.kv_heads as i32, sh.compressed as i32);
     let norms = ops::slice(side.scales.ok_or_else(|| missing(l, "norms"))?, &[0, 0, 0], &[b, h, n], s)?;
     ops::expand_dims(&ops::astype(&norms, Dtype::F32, s)?, -1, s)
@@ -82,7 +82,7 @@ fn flat_norms(l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream)
 fn table_times_norm(l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, table_name: &str, s: &Stream) -> Result<Array> {
     let idx = unpacked(side, sh, 0, l.row_len, l.bits, sh.dim, s)?;
     let vals = ops::take_axis(side.table.ok_or_else(|| missing(l, table_name))?, &idx, 0, s)?;
-    ops::multiply(&vals, &flat_norms(l, side, sh, s)?, s)
+    ops::multiply(&vals, &token_norms(l, side, sh, s)?, s)
 }
 
 /// The compressed tokens' rows of a `[B, Hkv, rows, cols]` parameter array, float32.
@@ -371,7 +371,7 @@ impl CodecDef for ProductQuantized {
         let entries = ops::reshape(table, &[1 << l.bits, l.group as i32], s)?;
         let shape = [sh.batch as i32, sh.kv_heads as i32, sh.compressed as i32, sh.dim as i32];
         let vals = ops::reshape(&ops::take_axis(&entries, &idx, 0, s)?, &shape, s)?;
-        ops::multiply(&vals, &flat_norms(l, side, sh, s)?, s)
+        ops::multiply(&vals, &token_norms(l, side, sh, s)?, s)
     }
     /// The lookup table ⟨q_p, codebook[c]⟩: [..., D/s, s] x [s, K].
     fn query_extras(&self, l: &SideLayout, framed: &Array, table: Option<&Array>, sh: &KvShape, s: &Stream) -> Result<Option<Array>> {
@@ -386,6 +386,13 @@ impl CodecDef for ProductQuantized {
 }
 
 struct Qjl;
+
+impl Qjl {
+    /// The table is the sketch `[m, D]`, whole.
+    fn sketch(l: &SideLayout, table: Option<&Array>, dim: usize, s: &Stream) -> Result<Array> {
+        ops::reshape(table.ok_or_else(|| missing(l, "its sketch"))?, &[l.sketch_rows as i32, dim as i32], s)
+    }
+}
 
 impl CodecDef for Qjl {
     fn codec(&self) -> Codec {
@@ -411,30 +418,37 @@ impl CodecDef for Qjl {
     fn query_features(&self, sc: &SideCodec, dim: usize) -> usize {
         dim + self.sketch_rows(sc, dim)
     }
-    /// The whole table is the sketch `[m, D]` (second part).
-    fn table_parts(&self, l: &SideLayout, table: &Array, dim: usize, s: &Stream) -> Result<(Option<Array>, Array)> {
-        Ok((None, ops::reshape(table, &[l.sketch_rows as i32, dim as i32], s)?))
-    }
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let s = opts.resolve_stream()?;
         let (norm, _) = norm_unit(x, &s)?;
-        let (_, sketch) = self.table_parts(l, table.ok_or_else(|| missing(l, "its sketch"))?, x.shape()[3] as usize, &s)?;
+        let sketch = Self::sketch(l, table, x.shape()[3] as usize, &s)?;
         let (signs, _) = kernels::qjl_encode(x, &sketch, opts)?;
         Ok(Encoded { codes: signs, scales: Some(norm), zeros: None })
     }
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        let (_, sketch) = self.table_parts(l, side.table.ok_or_else(|| missing(l, "its table"))?, sh.dim, s)?;
+        let sketch = Self::sketch(l, side.table, sh.dim, s)?;
         let z = signs(&unpacked(side, sh, 0, l.row_len, 1, l.sketch_rows, s)?, s)?;
         let unit = ops::multiply(&sketch_t(&z, &sketch, s)?, &Array::scalar_f32(sketch_scale(l.sketch_rows))?, s)?;
-        ops::multiply(&unit, &flat_norms(l, side, sh, s)?, s)
+        ops::multiply(&unit, &token_norms(l, side, sh, s)?, s)
     }
     fn query_extras(&self, l: &SideLayout, framed: &Array, table: Option<&Array>, sh: &KvShape, s: &Stream) -> Result<Option<Array>> {
-        let (_, sketch) = self.table_parts(l, table.ok_or_else(|| missing(l, "its sketch"))?, sh.dim, s)?;
+        let sketch = Self::sketch(l, table, sh.dim, s)?;
         Ok(Some(sketched_query(framed, &sketch, l.sketch_rows, s)?))
     }
 }
 
 struct TurboQuantProd;
+
+impl TurboQuantProd {
+    /// The table's two parts: the first stage's centroids and the residual's
+    /// sketch `[D, D]`.
+    fn parts(l: &SideLayout, table: Option<&Array>, dim: usize, s: &Stream) -> Result<(Array, Array)> {
+        let table = table.ok_or_else(|| missing(l, "its table"))?;
+        let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
+        let sketch = ops::reshape(&ops::slice(table, &[first], &[len], s)?, &[dim as i32, dim as i32], s)?;
+        Ok((ops::slice(table, &[0], &[first], s)?, aligned(&sketch, s)?))
+    }
+}
 
 impl CodecDef for TurboQuantProd {
     fn codec(&self) -> Codec {
@@ -466,21 +480,14 @@ impl CodecDef for TurboQuantProd {
     fn query_features(&self, sc: &SideCodec, dim: usize) -> usize {
         dim + self.sketch_rows(sc, dim)
     }
-    fn table_parts(&self, l: &SideLayout, table: &Array, dim: usize, s: &Stream) -> Result<(Option<Array>, Array)> {
-        let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
-        Ok((
-            Some(ops::slice(table, &[0], &[first], s)?),
-            aligned(&ops::reshape(&ops::slice(table, &[first], &[len], s)?, &[dim as i32, dim as i32], s)?, s)?,
-        ))
-    }
     /// First stage: `bits − 1`-bit codes of the unit vector; then the
     /// residual's QJL signs and norm.
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let s = opts.resolve_stream()?;
         let d = x.shape()[3] as usize;
         let (norm, unit) = norm_unit(x, &s)?;
-        let (first, sketch) = self.table_parts(l, table.ok_or_else(|| missing(l, "its table"))?, d, &s)?;
-        let (codes1, residual) = first_stage(l, &unit, &first.expect("two parts"), opts)?;
+        let (first, sketch) = Self::parts(l, table, d, &s)?;
+        let (codes1, residual) = first_stage(l, &unit, &first, opts)?;
         let (signs, rnorm) = kernels::qjl_encode(&residual, &sketch, opts)?;
         let scales = ops::concatenate(&[ops::expand_dims(&norm, -1, &s)?, ops::expand_dims(&rnorm, -1, &s)?], 3, &s)?;
         Ok(Encoded { codes: ops::concatenate(&[codes1, signs], 3, &s)?, scales: Some(scales), zeros: None })
@@ -491,8 +498,8 @@ impl CodecDef for TurboQuantProd {
     }
     /// `norm · (ŷ + √(π/2)/D · ‖r‖ · Sᵀ z)`.
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        let (first, sketch) = self.table_parts(l, side.table.ok_or_else(|| missing(l, "its table"))?, sh.dim, s)?;
-        let stage1 = ops::take_axis(&first.expect("two parts"), &unpacked(side, sh, 0, l.first_len, l.bits - 1, sh.dim, s)?, 0, s)?;
+        let (first, sketch) = Self::parts(l, side.table, sh.dim, s)?;
+        let stage1 = ops::take_axis(&first, &unpacked(side, sh, 0, l.first_len, l.bits - 1, sh.dim, s)?, 0, s)?;
         let z = signs(&unpacked(side, sh, l.first_len, l.row_len, 1, sh.dim, s)?, s)?;
         // (norm, residual norm) `[B, Hkv, n, 2]`.
         let scales = params_of(l, side.scales, "norms", sh, s)?;
@@ -504,12 +511,21 @@ impl CodecDef for TurboQuantProd {
         ops::multiply(&ops::add(&stage1, &qjl, s)?, &norm, s)
     }
     fn query_extras(&self, l: &SideLayout, framed: &Array, table: Option<&Array>, sh: &KvShape, s: &Stream) -> Result<Option<Array>> {
-        let (_, sketch) = self.table_parts(l, table.ok_or_else(|| missing(l, "its table"))?, sh.dim, s)?;
+        let (_, sketch) = Self::parts(l, table, sh.dim, s)?;
         Ok(Some(sketched_query(framed, &sketch, l.sketch_rows, s)?))
     }
 }
 
 struct TurboQuantRvq;
+
+impl TurboQuantRvq {
+    /// The table's two parts: the first and the residual's codebooks.
+    fn parts(l: &SideLayout, table: Option<&Array>, s: &Stream) -> Result<(Array, Array)> {
+        let table = table.ok_or_else(|| missing(l, "its table"))?;
+        let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
+        Ok((ops::slice(table, &[0], &[first], s)?, ops::slice(table, &[first], &[len], s)?))
+    }
+}
 
 impl CodecDef for TurboQuantRvq {
     fn codec(&self) -> Codec {
@@ -534,27 +550,22 @@ impl CodecDef for TurboQuantRvq {
         t.extend_from_slice(second.centroids());
         Ok(Some(t))
     }
-    fn table_parts(&self, l: &SideLayout, table: &Array, _dim: usize, s: &Stream) -> Result<(Option<Array>, Array)> {
-        let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
-        Ok((Some(ops::slice(table, &[0], &[first], s)?), ops::slice(table, &[first], &[len], s)?))
-    }
     /// First stage: `bits − 1`-bit codes of the unit vector; then the
     /// residual's 1-bit codes.
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let s = opts.resolve_stream()?;
-        let d = x.shape()[3] as usize;
         let (norm, unit) = norm_unit(x, &s)?;
-        let (first, second) = self.table_parts(l, table.ok_or_else(|| missing(l, "its table"))?, d, &s)?;
-        let (codes1, residual) = first_stage(l, &unit, &first.expect("two parts"), opts)?;
+        let (first, second) = Self::parts(l, table, &s)?;
+        let (codes1, residual) = first_stage(l, &unit, &first, opts)?;
         let codes2 = kernels::scalar_quantize(&residual, &second, 1, opts)?;
         Ok(Encoded { codes: ops::concatenate(&[codes1, codes2], 3, &s)?, scales: Some(norm), zeros: None })
     }
     /// `norm · (c1 + c2)`.
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        let (first, second) = self.table_parts(l, side.table.ok_or_else(|| missing(l, "its table"))?, sh.dim, s)?;
-        let stage1 = ops::take_axis(&first.expect("two parts"), &unpacked(side, sh, 0, l.first_len, l.bits - 1, sh.dim, s)?, 0, s)?;
+        let (first, second) = Self::parts(l, side.table, s)?;
+        let stage1 = ops::take_axis(&first, &unpacked(side, sh, 0, l.first_len, l.bits - 1, sh.dim, s)?, 0, s)?;
         let stage2 = ops::take_axis(&second, &unpacked(side, sh, l.first_len, l.row_len, 1, sh.dim, s)?, 0, s)?;
-        ops::multiply(&ops::add(&stage1, &stage2, s)?, &flat_norms(l, side, sh, s)?, s)
+        ops::multiply(&ops::add(&stage1, &stage2, s)?, &token_norms(l, side, sh, s)?, s)
     }
 }
 

@@ -14,13 +14,6 @@ use crate::kernels::{self, times_transpose, Options};
 use crate::ops;
 use crate::stream::Stream;
 
-/// The two parts of a codec's table (1-D float32): TurboQuant-Prod's
-/// centroids and sketch `[D, D]`, TurboQuant-RVQ's first and second
-/// codebooks; QJL's table is its sketch `[m, D]` whole (second part).
-pub fn table_parts(table: &Array, l: &SideLayout, dim: usize, s: &Stream) -> Result<(Option<Array>, Array)> {
-    l.codec.def().table_parts(l, table, dim, s)
-}
-
 /// The compressed tokens of one side decoded in its frame, float32
 /// `[B, Hkv, compressed, D]`, with plain MLX ops.
 pub fn decode_compressed(side: &KvSideArrays<'_>, l: &SideLayout, sh: &KvShape, s: &Stream) -> Result<Array> {

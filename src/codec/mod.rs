@@ -90,11 +90,6 @@ pub trait CodecDef: Sync {
         dim
     }
 
-    /// The two parts of a two-part table (1-D float32, as [`CodecDef::table`]
-    /// makes it): a first codebook, if any, and the second part.
-    fn table_parts(&self, _l: &SideLayout, _table: &Array, _dim: usize, _s: &Stream) -> Result<(Option<Array>, Array)> {
-        Err(crate::error::Error::invalid("layer", format!("{:?} has a one-part table", self.codec())))
-    }
     /// Encodes `x` `[B, Hkv, m, D]`, in the side's frame (`m` a whole number
     /// of the codec's token groups), with the side's `table` and, for KIVI
     /// keys of unequal widths, the bits of each head's channels.
@@ -129,11 +124,6 @@ impl Codec {
     #[inline]
     pub fn def(self) -> &'static dyn CodecDef {
         defs::DEFS[self as usize]
-    }
-
-    /// See [`CodecDef::keys_scored_from_query`].
-    pub fn keys_scored_from_query(self) -> bool {
-        self.def().keys_scored_from_query()
     }
 
     /// See [`CodecDef::rotated`].

@@ -94,8 +94,8 @@ pub struct KvSide<'a, T> {
 /// scored from features of the prepared row `q` rather than from a decoded
 /// key (product quantization's lookup table, the sketched query).
 #[inline]
-fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideLayout, row: usize, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
-    let d = sh.dim;
+fn key_score<T: VqElement>(k: &KvSide<'_, T>, sc: &SideLayout, sh: &KvShape, head: usize, ct: usize, q: &[f32]) -> f32 {
+    let (d, row) = (sh.dim, sc.row_len);
     let slot = head * sh.capacity + ct;
     let codes = &k.codes[slot * row..(slot + 1) * row];
     match sc.codec {
@@ -159,8 +159,6 @@ const CODE_VALUES: [f32; 256] = {
 struct SideReader<'a, 'b, T> {
     side: &'b KvSide<'a, T>,
     sc: SideLayout,
-    /// `sc.row_len`.
-    row: usize,
     dim: usize,
     head: usize,
     capacity: usize,
@@ -190,7 +188,6 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         SideReader {
             side,
             sc,
-            row: sc.row_len,
             dim: d,
             head,
             capacity: sh.capacity,
@@ -212,7 +209,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         let (d, sc) = (self.dim, self.sc);
         let side = self.side;
         let slot = self.head * self.capacity + ct;
-        let row = self.row;
+        let row = sc.row_len;
         let codes = if sc.codec == Codec::Dense { &[][..] } else { &side.codes[slot * row..(slot + 1) * row] };
         match sc.codec {
             Codec::Dense => {
@@ -310,7 +307,6 @@ pub fn kv_attention<T: VqElement + FromF32>(
     let compressed = |t: usize| t >= sh.sinks && t < sh.sinks + sh.compressed;
     let key_decodes = !sh.key.scored_from_query;
     // Bytes of a key's code row, once (the codec's definition is a dynamic call).
-    let key_row = sh.key.row_len;
     super::split_attention::attend(sh.batch * sh.kv_heads, rows, d, total, rot_v, out, |unit, t0, t1| {
         let (b, hk) = (unit / sh.kv_heads, unit % sh.kv_heads);
         let head = b * sh.kv_heads + hk;
@@ -325,7 +321,7 @@ pub fn kv_attention<T: VqElement + FromF32>(
         let scores = |t: usize, s: &mut [f32]| {
             if compressed(t) && !key_decodes {
                 for (r, sr) in s.iter_mut().enumerate() {
-                    *sr = key_score(keys, &sh.key, key_row, sh, head, t - sh.sinks, q_row(r));
+                    *sr = key_score(keys, &sh.key, sh, head, t - sh.sinks, q_row(r));
                 }
             } else {
                 let factor = if compressed(t) {
