@@ -120,13 +120,6 @@ __shared__ __align__(1024) uint32_t kt[KPAIR ? 256 : 1 << KB];
 // (Heads of at most 128: the queries of a longer head would not fit the
 // registers beside the accumulators.)
 constexpr bool KA = (VARIANT & 8) != 0 && D <= 128;
-// VARIANT bit 4 (with KA, 4-bit keys): a key code c becomes float16
-// 1024 + c or 1024 + 16 c by one LOP3 (the code's nibble ORed into the
-// mantissa of 1024), two codes a register, no table: the value a uniform
-// grid gives, (c - 7.5) step. The queries' fragments take 1/16 where the
-// nibble sits 4 bits up, and each query's sum of 1024 q' + 7.5 q over its
-// dimensions is taken off its scores.
-constexpr bool KLIN = KA && KB == 4 && KALIGNED && (VARIANT & 16) != 0;
 constexpr bool QA2 = (VARIANT & 4) != 0;
 __shared__ uint4 qa_s[MMA && !QA2 && !KA ? (D / 16) * 32 : 1];
 __shared__ uint2 qa2_s[MMA && QA2 && !KA ? (D / 16) * 32 : 1];
@@ -337,28 +330,12 @@ if (MMA && compressed) {
   // Scores: the A fragments hold rows g (rows g + 8 and past QN are zero);
   // with KA each lane's B fragments, column g, in registers.
   uint32_t qb[KA ? KS : 1][2];
-  // With KLIN, query g's offset (over this lane's dimensions first).
-  float q_off = 0.0f;
   if (KA || warp == 0) {
 #pragma unroll
     for (int ks = 0; ks < KS; ++ks) {
       const bool on = g < uint32_t(QN);
-      uint32_t lo, hi;
-      if constexpr (KLIN) {
-        // Step ks reads nibbles m, m + 4 (low) and m + 1, m + 5 (high,
-        // 16 times their code) of word ks / 2 of the segment.
-        const float* x = qs + (on ? g : 0u) * D + tg * KSEG + 8 * (ks / 2) + 2 * (ks % 2);
-        const __half2 l = __floats2half2_rn(x[0], x[4]);
-        const __half2 h = __floats2half2_rn(x[1] * 0.0625f, x[5] * 0.0625f);
-        lo = on ? *reinterpret_cast<const uint32_t*>(&l) : 0u;
-        hi = on ? *reinterpret_cast<const uint32_t*>(&h) : 0u;
-        const float2 lf = __half22float2(l), hf = __half22float2(h);
-        q_off += on ? 1024.0f * (lf.x + lf.y + hf.x + hf.y) + 7.5f * (lf.x + lf.y + 16.0f * (hf.x + hf.y)) : 0.0f;
-      } else {
-        const float* x = qs + (on ? g : 0u) * D + tg * KSEG + 4 * ks;
-        lo = on ? tq_half2_bits(x[0], x[1]) : 0u;
-        hi = on ? tq_half2_bits(x[2], x[3]) : 0u;
-      }
+      const float* x = qs + (on ? g : 0u) * D + tg * KSEG + 4 * ks;
+      const uint32_t lo = on ? tq_half2_bits(x[0], x[1]) : 0u, hi = on ? tq_half2_bits(x[2], x[3]) : 0u;
       if constexpr (KA) {
         qb[ks][0] = lo;
         qb[ks][1] = hi;
@@ -368,17 +345,6 @@ if (MMA && compressed) {
         qa_s[ks * 32 + lane] = make_uint4(lo, 0u, hi, 0u);
       }
     }
-  }
-  // Columns 2tg + e's offsets (query rows, summed over their quads) and
-  // the grid's step.
-  float col_off[2] = {0.0f, 0.0f};
-  float k_step = 1.0f;
-  if constexpr (KLIN) {
-    q_off += __shfl_xor_sync(FULL, q_off, 1);
-    q_off += __shfl_xor_sync(FULL, q_off, 2);
-    col_off[0] = __shfl_sync(FULL, q_off, 4 * (2 * tg));
-    col_off[1] = __shfl_sync(FULL, q_off, 4 * (2 * tg + 1));
-    k_step = (kc[15] - kc[0]) * (1.0f / 15.0f);
   }
   const uint32_t kt_base = static_cast<uint32_t>(__cvta_generic_to_shared(kt));
   // Codes j, j + 1 of a key row's words as a half2 B register.
@@ -447,19 +413,8 @@ if (MMA && compressed) {
         float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
-          uint32_t a[4];
-          if constexpr (KLIN) {
-            const uint32_t x0 = ks % 2 ? w0[ks / 2] >> 8 : w0[ks / 2], x1 = ks % 2 ? w1[ks / 2] >> 8 : w1[ks / 2];
-            a[0] = (x0 & 0x000f000fu) | 0x64006400u;
-            a[1] = (x1 & 0x000f000fu) | 0x64006400u;
-            a[2] = (x0 & 0x00f000f0u) | 0x64006400u;
-            a[3] = (x1 & 0x00f000f0u) | 0x64006400u;
-          } else {
-            a[0] = key_pair(w0, 4 * ks);
-            a[1] = key_pair(w1, 4 * ks);
-            a[2] = key_pair(w0, 4 * ks + 2);
-            a[3] = key_pair(w1, 4 * ks + 2);
-          }
+          const uint32_t a[4] = {key_pair(w0, 4 * ks), key_pair(w1, 4 * ks), key_pair(w0, 4 * ks + 2),
+                                 key_pair(w1, 4 * ks + 2)};
           if (ks % 2 == 0) {
             vq_mma(sa, a, qb[ks][0], qb[ks][1]);
           } else {
@@ -470,7 +425,7 @@ if (MMA && compressed) {
         float sv[4], knv[2], vnv[2];
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          knv[h] = __half2float(kn[tk[h] < n ? tk[h] : 0u]) * k_step;
+          knv[h] = __half2float(kn[tk[h] < n ? tk[h] : 0u]);
           vnv[h] = __half2float(vn[tk[h] < n ? tk[h] : 0u]);
         }
         float mx[2];
@@ -482,7 +437,7 @@ if (MMA && compressed) {
             // A token past the end, masked, or a column past the tile's rows: -inf.
             const uint32_t pos = N_SINK + t_begin + c0 + tk[h];
             const bool in = col_on[e] && tk[h] < n && (!CAUSAL || pos <= col_last[e]);
-            const float x = in ? (sa[2 * h + e] + sb[2 * h + e] - col_off[e]) * knv[h] : ninf;
+            const float x = in ? (sa[2 * h + e] + sb[2 * h + e]) * knv[h] : ninf;
             sv[2 * h + e] = x;
             mx[e] = fmaxf(mx[e], x);
           }

@@ -257,18 +257,16 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
 }
 
 /// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
-/// to 31): bit 0 looks 4-bit keys up one code at a time rather than two, bit
+/// to 15): bit 0 looks 4-bit keys up one code at a time rather than two, bit
 /// 1 decodes values of at most 3 bits by byte permutes of registers rather
 /// than a shared table, bit 2 loads the queries' fragments without their
 /// zero words, bit 3 makes a 16-token tile of keys the scores' A operand
-/// and the queries their B operand (heads of at most 128), bit 4 (a speed
-/// probe, right only for a uniform key grid) reads 4-bit keys as the
-/// uniform grid's values by float16 bit tricks, without a table.
-/// `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 32: the variant plus one) sets
+/// and the queries their B operand (heads of at most 128).
+/// `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 16: the variant plus one) sets
 /// another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 32, "a decode variant plus one")? - 1)
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 16, "a decode variant plus one")? - 1)
 }
 
 /// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
