@@ -120,21 +120,10 @@ __shared__ __align__(1024) uint32_t kt[KPAIR ? 256 : 1 << KB];
 // (Heads of at most 128: the queries of a longer head would not fit the
 // registers beside the accumulators.)
 constexpr bool KA = (VARIANT & 8) != 0 && D <= 128;
-// VARIANT bit 4 (with KA) splits the warps' work by role: warps 0-3 score
-// keys and weigh them, warps 4-7 decode values and accumulate, in pairs
-// (warp w and w + 4) that hand each 16-token step's weights over through
-// shared memory under two named barriers. Neither role holds both the
-// queries' fragments and the 32 accumulators, so that ptxas fits three
-// blocks an SM (the host's decode_blocks), 24 warps where there were 16.
-constexpr bool ROLES = KA && (VARIANT & 16) != 0;
-constexpr int PAIRS = WARPS / 2;
 constexpr bool QA2 = (VARIANT & 4) != 0;
 __shared__ uint4 qa_s[MMA && !QA2 && !KA ? (D / 16) * 32 : 1];
 __shared__ uint2 qa2_s[MMA && QA2 && !KA ? (D / 16) * 32 : 1];
 __shared__ uint32_t vt[1 << VB];
-// With ROLES, one step's hand-over a pair: a lane's two B fragments and its
-// two columns' rescale factors.
-__shared__ uint4 hand_s[ROLES ? PAIRS * 32 : 1];
 // 16-byte aligned: the queries' rotation reads the raw rows here as float4.
 __shared__ __align__(16) float sc[QN * TT];
 __shared__ float m_s[QN];
@@ -399,10 +388,6 @@ if (MMA && compressed) {
     col_on[e] = r < uint32_t(QN) && rc < head_rows;
     col_last[e] = total - L + rc % L;
   }
-  // With ROLES: the warp's pair, its role, the steps it handed over.
-  const uint32_t pair = warp % uint32_t(PAIRS);
-  const bool scorer = !ROLES || warp < uint32_t(PAIRS);
-  uint32_t handed = 0;
   const uint32_t chunks = (tn + TT - 1) / TT;
   for (uint32_t ch = 0; ch < chunks; ++ch) {
     vq_copy_wait();
@@ -414,25 +399,15 @@ if (MMA && compressed) {
     const __half* kn = kn_h + (ch & 1u) * TT;
     const __half* vn = vn_h + (ch & 1u) * TT;
     const uint32_t c0 = ch * TT, n = min(uint32_t(TT), tn - c0);
-    for (uint32_t t0 = (ROLES ? pair : warp) * 16; t0 < n; t0 += (ROLES ? PAIRS : WARPS) * 16) {
+    for (uint32_t t0 = warp * 16; t0 < n; t0 += WARPS * 16) {
+      // Key words of tokens t0 + g and t0 + 8 + g: dimensions [tg KSEG, (tg + 1) KSEG).
+      uint32_t w0[KNW], w1[KNW];
+      tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + g) * (KROW * 8) + tg * (KSEG * KB), w0);
+      tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + 8 + g) * (KROW * 8) + tg * (KSEG * KB), w1);
       // The values' B fragments: weights times value norms of tokens 2tg,
       // 2tg + 1 (b0) and 2tg + 8, 2tg + 9 (b1) of the step for query row g.
       uint32_t b0, b1;
-      float al[2];
-      if (ROLES && !scorer) {
-        // The pair's scorer wrote this step: take it, free the slot.
-        tq_bar_sync(1 + pair, 64);
-        const uint4 h = hand_s[pair * 32 + lane];
-        tq_bar_arrive(1 + PAIRS + pair, 64);
-        b0 = h.x;
-        b1 = h.y;
-        al[0] = __uint_as_float(h.z);
-        al[1] = __uint_as_float(h.w);
-      } else if constexpr (KA) {
-        // Key words of tokens t0 + g and t0 + 8 + g: dimensions [tg KSEG, (tg + 1) KSEG).
-        uint32_t w0[KNW], w1[KNW];
-        tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + g) * (KROW * 8) + tg * (KSEG * KB), w0);
-        tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + 8 + g) * (KROW * 8) + tg * (KSEG * KB), w1);
+      if constexpr (KA) {
         // S^T = K Q^T: C holds tokens g, g + 8 (rows) of query rows 2tg,
         // 2tg + 1 (columns); two chains of four mma.
         float sa[4] = {0.0f, 0.0f, 0.0f, 0.0f}, sb[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -473,7 +448,7 @@ if (MMA && compressed) {
           mx[0] = fmaxf(mx[0], __shfl_xor_sync(FULL, mx[0], lm));
           mx[1] = fmaxf(mx[1], __shfl_xor_sync(FULL, mx[1], lm));
         }
-        float p[4];
+        float al[2], p[4];
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           const float m_new = fmaxf(mc_run[e], mx[e]);
@@ -484,22 +459,21 @@ if (MMA && compressed) {
           lc_run[e] = lc_run[e] * al[e] + (p[e] + p[2 + e]);
           mc_run[e] = m_new;
         }
+        // Columns 2tg + e of the accumulators are this lane's own columns.
+        if (__any_sync(FULL, al[0] != 1.0f || al[1] != 1.0f)) {
+#pragma unroll
+          for (int j = 0; j < MT; ++j) {
+            o[j][0] *= al[0];
+            o[j][2] *= al[0];
+            o[j][1] *= al[1];
+            o[j][3] *= al[1];
+          }
+        }
         // Rows token g (g + 8), columns queries 2tg, 2tg + 1: transposed,
         // row query g, columns tokens 2tg, 2tg + 1 (2tg + 8, 2tg + 9).
         b0 = vq_transpose8(tq_half2_bits(p[0] * vnv[0], p[1] * vnv[0]));
         b1 = vq_transpose8(tq_half2_bits(p[2] * vnv[1], p[3] * vnv[1]));
-        if constexpr (ROLES) {
-          // The slot is free once the pair's value warp took the last step.
-          if (handed > 0) tq_bar_sync(1 + PAIRS + pair, 64);
-          hand_s[pair * 32 + lane] = make_uint4(b0, b1, __float_as_uint(al[0]), __float_as_uint(al[1]));
-          tq_bar_arrive(1 + pair, 64);
-          ++handed;
-          continue;
-        }
       } else {
-        uint32_t w0[KNW], w1[KNW];
-        tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + g) * (KROW * 8) + tg * (KSEG * KB), w0);
-        tq_shared_bits<KNW, KALIGNED>(kcodes, (t0 + 8 + g) * (KROW * 8) + tg * (KSEG * KB), w1);
         // Scores of tokens t0 + 8h + (2tg, 2tg + 1), h = 0, 1: two tiles, two
         // independent mma chains.
         float s0[4] = {0.0f, 0.0f, 0.0f, 0.0f}, s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
@@ -555,18 +529,6 @@ if (MMA && compressed) {
         b0 = tq_half2_bits(p[0], p[1]);
         b1 = tq_half2_bits(p[2], p[3]);
       }
-      if constexpr (KA) {
-        // Columns 2tg + e of the accumulators are this lane's own columns.
-        if (__any_sync(FULL, al[0] != 1.0f || al[1] != 1.0f)) {
-#pragma unroll
-          for (int j = 0; j < MT; ++j) {
-            o[j][0] *= al[0];
-            o[j][2] *= al[0];
-            o[j][1] *= al[1];
-            o[j][3] *= al[1];
-          }
-        }
-      }
       // Value codes of tokens 2tg, 2tg + 1, 2tg + 8, 2tg + 9: dimensions [g VSEG, (g + 1) VSEG).
       uint32_t w[4][VNW];
 #pragma unroll
@@ -598,14 +560,9 @@ if (MMA && compressed) {
       }
     }
   }
-  // A scorer waits for its last slot to be taken, so that no arrival is
-  // left on the pair's barrier.
-  if (ROLES && scorer && handed > 0) tq_bar_sync(1 + PAIRS + pair, 64);
   // The warps' states: each warp's row max and sum, then its accumulators
   // scaled to the block's max into the codes' space (free once every warp
-  // is past this barrier). With ROLES a value warp's max is -inf (it
-  // scores nothing) and its accumulators take its scorer's factor; a
-  // scorer's accumulators are zeros.
+  // is past this barrier).
   if constexpr (KA) {
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
@@ -635,7 +592,7 @@ if (MMA && compressed) {
   for (int e = 0; e < 2; ++e) {
     const uint32_t r = 2 * tg + e;
     if (r < uint32_t(QN)) {
-      const float mw = mw_s[(ROLES ? pair : warp) * QN + r];
+      const float mw = mw_s[warp * QN + r];
       const float f = mw == ninf ? 0.0f : __expf(mw - block_max(r));
 #pragma unroll
       for (int j = 0; j < MT; ++j) {

@@ -212,15 +212,6 @@ __device__ __forceinline__ float tq_exp(float x) {
   return y;
 }
 
-// Named barrier `id` of `n` threads (a multiple of 32): wait for them, or
-// arrive without waiting (the producer's side of a hand-over).
-__device__ __forceinline__ void tq_bar_sync(uint32_t id, uint32_t n) {
-  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-__device__ __forceinline__ void tq_bar_arrive(uint32_t id, uint32_t n) {
-  asm volatile("bar.arrive %0, %1;" ::"r"(id), "r"(n) : "memory");
-}
-
 // Two floats as a half2 word (lo in the low half).
 __device__ __forceinline__ uint32_t tq_half2_bits(float lo, float hi) {
   const __half2 h = __floats2half2_rn(lo, hi);

@@ -185,7 +185,7 @@ kernels! {
         metal: metal [],
         // Only what the decode reads: MLX's host time per launch grows with
         // the source's length (gpu::compact_source).
-        cuda: cuda ["quant_load.cuh", "mma.cuh", "tq_decode_common.cuh", "three_blocks_per_sm.cuh"],
+        cuda: cuda ["quant_load.cuh", "mma.cuh", "tq_decode_common.cuh", "two_blocks_per_sm.cuh"],
         cpu: false,
         strided: true,
     },
