@@ -239,6 +239,12 @@ fn bad_input_names_the_argument() {
     assert!(cache.append(&f32k, &f32k).unwrap_err().to_string().starts_with("keys: dtype float32"));
     let q5 = normal(&mut rng, &[1, 5, 1, 64], Dtype::F16);
     assert!(cache.attention(&q5, 0.1, false).unwrap_err().to_string().starts_with("queries: 5 heads"));
+    let q4 = normal(&mut rng, &[1, 4, 1, 64], Dtype::F16);
+    for scale in [f32::NAN, f32::INFINITY] {
+        let e = cache.attention(&q4, scale, false).unwrap_err().to_string();
+        assert!(e.starts_with("scale: ") && e.contains("not a finite number"), "{e}");
+    }
+    assert!(cache.attention(&q4, 0.1, false).is_ok());
     let mut c = cfg.clone();
     c.key_bits = 5;
     assert!(LayerCache::new(c, None).err().unwrap().to_string().starts_with("key_bits: 5"));

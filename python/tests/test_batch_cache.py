@@ -451,5 +451,7 @@ def test_attention_each_names_bad_arguments():
         LayerCache.attention_each(caches, mx.zeros((2, 8, 1, 32), dtype=mx.float16), 0.125)
     with pytest.raises(ValueError, match="caches"):
         LayerCache.attention_each([], mx.zeros((0, 8, 1, 64), dtype=mx.float16), 0.125)
+    with pytest.raises(ValueError, match="scale"):
+        LayerCache.attention_each(caches, mx.zeros((2, 8, 1, 64), dtype=mx.float16), float("nan"))
     with pytest.raises(TypeError):
         LayerCache.attention_each([object()], mx.zeros((1, 8, 1, 64), dtype=mx.float16), 0.125)

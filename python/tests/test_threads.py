@@ -145,6 +145,9 @@ def test_bad_calls_raise_exceptions_naming_the_argument(key, value):
         ("mask", lambda: filled.attention(q, 0.1, mask="sliding")),
         ("mask", lambda: filled.attention(q, 0.1, mask=mx.zeros((3, 3), mx.bool_))),
         ("keys", lambda: filled.attend_framed(q, k, k[:, :, :3], 0.1)),
+        ("scale", lambda: filled.attention(q, float("nan"))),
+        ("scale", lambda: filled.attention(q, float("inf"), mask="causal")),
+        ("scale", lambda: filled.attend_framed(q, *filled.framed_with(k, k), float("nan"))),
     ]
     data = filled.to_bytes()
     calls += [("state", lambda cut=cut: LayerCache.from_bytes(data[:cut])) for cut in (0, 9, len(data) // 2, len(data) - 1)]

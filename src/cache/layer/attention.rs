@@ -13,6 +13,16 @@ fn sdpa(q: &Array, k: &Array, v: &Array, scale: f32, mask: Option<&Array>, causa
     }
 }
 
+/// The scores' scale must be a finite number: a NaN or an infinity would
+/// make every output NaN without a word.
+fn check_scale(scale: f32) -> Result<()> {
+    if scale.is_finite() {
+        Ok(())
+    } else {
+        Err(Error::invalid("scale", format!("{scale} is not a finite number (the scores' factor, usually 1/sqrt(head_dim))")))
+    }
+}
+
 impl LayerCache {
     /// Attention of `queries` `[B, Hq, L, D]` over the cache. With `causal`,
     /// query `l` sits at position `offset - L + l` and sees tokens up to it.
@@ -38,6 +48,7 @@ impl LayerCache {
         let causal = matches!(mask, AttentionMask::Causal);
         let qs = queries.shape();
         self.check_query_heads(&qs)?;
+        check_scale(scale)?;
         let Some(store) = &self.store else {
             return Err(Error::invalid("queries", "the cache is empty: append keys and values first"));
         };
@@ -97,6 +108,7 @@ impl LayerCache {
         let Some(first) = caches.first() else {
             return Err(Error::invalid("caches", "no cache given"));
         };
+        check_scale(scale)?;
         let qs = queries.shape();
         if qs.len() != 4 || qs[0] as usize != caches.len() || qs[2] != 1 {
             return Err(Error::invalid(
@@ -232,6 +244,7 @@ impl LayerCache {
     ) -> Result<Array> {
         let qs = queries.shape();
         let ks = keys.shape();
+        check_scale(scale)?;
         if qs.len() != 4 || qs[0] as usize != self.batch || qs[3] as usize != self.cfg.head_dim || qs[1] as usize % self.cfg.kv_heads != 0 {
             return Err(Error::invalid(
                 "queries",
