@@ -204,6 +204,15 @@ def test_eval_unknown_method_is_an_error(methods):
     assert "Traceback" not in r.stderr
 
 
+def test_eval_bits_no_method_takes_is_an_error_before_the_model_loads():
+    # A sweep skips widths a method lacks (pq has no 3 bits); one with no
+    # compressed row left fails at once, naming the widths the methods take.
+    r = run("eval", "--methods", "turboquant-mse,pq", "--bits", "9,5/3", timeout=60)
+    one_line_error(r, "--bits: 9,5/3 fits none of --methods turboquant-mse,pq", "pq: [1, 2, 4]")
+    r = run("eval", "--methods", "kivi/fp16", "--bits", "7", timeout=60)
+    one_line_error(r, "--bits", "kivi/fp16: [1, 2, 3, 4, 8]/any")
+
+
 def test_eval_methods_are_the_cache_methods():
     # eval and KVConfig take the methods from the crate (_native.CACHE_METHODS).
     from veloxquant import LayerCache

@@ -564,6 +564,26 @@ def _int_list(s: str, name: str) -> List[int]:
         raise SystemExit(f"{name}: expected comma-separated integers, got {s!r}")
 
 
+def _method_widths(method: str) -> Optional[List[int]]:
+    """The bit widths a cache method takes (kivi-query: KIVI's; None: any)."""
+    from .._native import CACHE_METHODS
+
+    entry = CACHE_METHODS.get("kivi" if method == "kivi-query" else method)
+    return None if entry is None else entry[0]
+
+
+def _widths_supported(spec: str, kb: int, vb: int) -> bool:
+    """Whether `spec` (a method, or key/value methods) takes key bits `kb`
+    and value bits `vb` (a float16 side takes any)."""
+    key, _, value = spec.partition("/")
+    pairs = ((key, kb), (value or key, vb))
+    return all((w := _method_widths(m)) is None or b in w for m, b in pairs)
+
+
+def _widths_text(spec: str) -> str:
+    return "/".join(f"{w}" if (w := _method_widths(m)) is not None else "any" for m in dict.fromkeys(spec.split("/")))
+
+
 def _bit_pairs(s: str) -> List[tuple]:
     """'2,3,4/3' -> [(2, 2), (3, 3), (4, 3)]: key bits, or key/value bits."""
     out = []
@@ -648,6 +668,11 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     for kb, vb in bits:
         if not (1 <= kb <= 16 and 1 <= vb <= 16):
             raise SystemExit(f"--bits: {kb}/{vb} is out of range 1..16")
+    # A sweep skips the widths a method lacks (below); a sweep left with no
+    # compressed row at all is an error now, before the model loads.
+    if methods and bits and not any(_widths_supported(m, kb, vb) for m in methods for kb, vb in bits):
+        p.error(f"--bits: {args.bits} fits none of --methods {','.join(methods)} "
+                f"({'; '.join(f'{m}: {_widths_text(m)}' for m in methods)})")
 
     from . import models
 
