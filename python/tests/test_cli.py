@@ -63,6 +63,7 @@ def test_generate_quiet_prints_only_the_text():
     [
         (["generate", "--kv-cache", "zip"], "--kv-cache: invalid choice"),
         (["generate", "--kv-cache", "mlx-quantized", "--kv-bits", "7"], "--kv-bits for mlx-quantized must be"),
+        (["generate", "--kv-bits", "9"], "--kv-bits for mlx_lm's quantized cache (--kv-bits without --kv-cache) must be"),
         (["generate", "--kv-cache", "fp16", "--kv-value-bits", "3"], "--kv-value-bits applies only to --kv-cache veloxquant"),
         (["generate", "--kv-cache", "veloxquant", "--kv-window", "-2"], "window must be an integer >= 0"),
         (["generate", "--kv-cache", "veloxquant", "--kv-key-group", "12"], "key_group must be a multiple of 8"),

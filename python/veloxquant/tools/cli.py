@@ -280,8 +280,12 @@ def validate_kv_args(args) -> None:
     elif args.kv_cache == "mlx-quantized":
         if args.kv_bits is None:
             args.kv_bits = 4
-        if args.kv_bits not in (2, 3, 4, 5, 6, 8):
-            raise SystemExit(f"--kv-bits for mlx-quantized must be 2, 3, 4, 5, 6 or 8, got {args.kv_bits}")
+    # mlx_lm's quantized cache (also --kv-bits alone, from --quantized-kv-start
+    # on) takes MLX's quantization widths; another would fail mid-generation.
+    bits = args.kv_bits if args.kv_cache == "mlx-quantized" else getattr(args, "mlx_kv_bits", None)
+    if bits is not None and bits not in (2, 3, 4, 5, 6, 8):
+        which = "mlx-quantized" if args.kv_cache == "mlx-quantized" else "mlx_lm's quantized cache (--kv-bits without --kv-cache)"
+        raise SystemExit(f"--kv-bits for {which} must be 2, 3, 4, 5, 6 or 8, got {bits}")
 
 
 def install_kv_cache(model, args, tokenizer=None) -> None:
