@@ -63,6 +63,8 @@ def test_method_aliases_become_the_crates_names():
         ({"sinks": True}, "sinks"),
         ({"policy": "fast"}, "policy"),
         ({"key_method": ""}, "key_method"),
+        ({"key_method": "bogus"}, "key_method: unknown method 'bogus'"),
+        ({"value_method": "zip"}, "value_method: unknown method 'zip'"),
         ({"layers": {"0": None}}, "layers"),
         ({"layers": {1: {"bitz": 3}}}, "unknown fields"),
     ],

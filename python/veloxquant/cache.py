@@ -128,6 +128,8 @@ class KVConfig:
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
                 raise ValueError(f"KVConfig.{name} must be a method name (e.g. 'turboquant-mse'), got {v!r}")
+            if v not in METHODS:
+                raise ValueError(f"KVConfig.{name}: unknown method {v!r}; choose from {', '.join(METHODS)}")
         for name in ("key_bits", "value_bits"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 16:
@@ -296,7 +298,7 @@ class KVConfig:
         return cls(**d)
 
     def check(self) -> "KVConfig":
-        """Raise ValueError now if the native cache refuses these settings (e.g. a method name)."""
+        """Raise ValueError now if the native cache refuses these settings (e.g. a width the method lacks)."""
         for cfg in [self] + [self.for_layer(i) for i in self.layers]:
             if cfg is None:
                 continue
