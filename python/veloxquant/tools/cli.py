@@ -218,14 +218,25 @@ def kv_config_from_args(args):
             layers=layers,
         )
     except ValueError as e:
-        opt = "--kv-protect-bits" if "protect_bits" in str(e) else "--kv-protect" if "protect" in str(e) else "--kv-* options"
-        raise SystemExit(f"{opt}: {e}")
+        raise SystemExit(f"{_option_of(str(e))}: {e}")
     try:
         return cfg.check()
     except ValueError as e:
         if "protect_bits" in str(e):
             raise SystemExit(f"--kv-protect-bits: {e}")
         raise SystemExit(f"--kv-method/--kv-value-method/--kv-bits: {e}")
+
+
+def _option_of(message: str) -> str:
+    """The --kv-* option a KVConfig error names (by its field)."""
+    if "protect_bits" in message:
+        return "--kv-protect-bits"
+    if "protect" in message:
+        return "--kv-protect"
+    for dest, field in _CONFIG_FIELDS.items():
+        if f"KVConfig.{field} " in message or f"KVConfig.{field}:" in message:
+            return "--" + dest.replace("_", "-")
+    return "--kv-* options"
 
 
 def kv_recipe_config(model, args, tokens):
