@@ -42,6 +42,8 @@ _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "si
            "key_channel_bits")
 # How KIVI keys share their bits among channels.
 KEY_CHANNEL_BITS = ("uniform", "query")
+# The widths MLX quantizes to: mlx_lm's QuantizedKVCache takes no other.
+MLX_QUANTIZED_BITS = (2, 3, 4, 5, 6, 8)
 POLICIES = ("auto", "require", "off")
 # The cache's methods, in the crate's order (`cache::METHODS`).
 METHODS = tuple(CACHE_METHODS)
@@ -676,7 +678,7 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
 
 def make_mlx_quantized_cache(model, bits: int = 4, group_size: int = 64) -> List[Any]:
     """mlx_lm's affine ``QuantizedKVCache`` from the first token in every plain KVCache layer."""
-    if bits not in (2, 3, 4, 5, 6, 8):
+    if bits not in MLX_QUANTIZED_BITS:
         raise ValueError(f"bits for mlx's quantized KV cache must be one of 2, 3, 4, 5, 6, 8, got {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")

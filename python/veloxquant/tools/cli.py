@@ -293,8 +293,10 @@ def validate_kv_args(args) -> None:
             args.kv_bits = 4
     # mlx_lm's quantized cache (also --kv-bits alone, from --quantized-kv-start
     # on) takes MLX's quantization widths; another would fail mid-generation.
+    from ..cache import MLX_QUANTIZED_BITS
+
     bits = args.kv_bits if args.kv_cache == "mlx-quantized" else getattr(args, "mlx_kv_bits", None)
-    if bits is not None and bits not in (2, 3, 4, 5, 6, 8):
+    if bits is not None and bits not in MLX_QUANTIZED_BITS:
         which = "mlx-quantized" if args.kv_cache == "mlx-quantized" else "mlx_lm's quantized cache (--kv-bits without --kv-cache)"
         raise SystemExit(f"--kv-bits for {which} must be 2, 3, 4, 5, 6 or 8, got {bits}")
 

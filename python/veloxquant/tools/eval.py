@@ -662,8 +662,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         # A longer chunk would attend its first tokens' successors exactly
         # beyond the window, and the figures would flatter the codes.
         raise SystemExit(f"--chunk {args.chunk} exceeds --kv-window {args.kv_window}: chunks no longer than the window")
+    from ..cache import MLX_QUANTIZED_BITS
+
     for b in mlx_bits:
-        if b not in (2, 3, 4, 5, 6, 8):
+        if b not in MLX_QUANTIZED_BITS:
             raise SystemExit(f"--mlx-bits: {b} is not one of 2, 3, 4, 5, 6, 8")
     for kb, vb in bits:
         if not (1 <= kb <= 16 and 1 <= vb <= 16):
