@@ -439,14 +439,20 @@ impl CodecDef for Qjl {
 
 struct TurboQuantProd;
 
+/// A two-stage codec's table split after the first stage's `2^(bits − 1)`
+/// centroids: those, and the second stage's part as it follows them.
+fn first_stage_split(l: &SideLayout, table: Option<&Array>, s: &Stream) -> Result<(Array, Array)> {
+    let table = table.ok_or_else(|| missing(l, "its table"))?;
+    let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
+    Ok((ops::slice(table, &[0], &[first], s)?, ops::slice(table, &[first], &[len], s)?))
+}
+
 impl TurboQuantProd {
     /// The table's two parts: the first stage's centroids and the residual's
     /// sketch `[D, D]`.
     fn parts(l: &SideLayout, table: Option<&Array>, dim: usize, s: &Stream) -> Result<(Array, Array)> {
-        let table = table.ok_or_else(|| missing(l, "its table"))?;
-        let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
-        let sketch = ops::reshape(&ops::slice(table, &[first], &[len], s)?, &[dim as i32, dim as i32], s)?;
-        Ok((ops::slice(table, &[0], &[first], s)?, aligned(&sketch, s)?))
+        let (first, rest) = first_stage_split(l, table, s)?;
+        Ok((first, aligned(&ops::reshape(&rest, &[dim as i32, dim as i32], s)?, s)?))
     }
 }
 
@@ -518,15 +524,6 @@ impl CodecDef for TurboQuantProd {
 
 struct TurboQuantRvq;
 
-impl TurboQuantRvq {
-    /// The table's two parts: the first and the residual's codebooks.
-    fn parts(l: &SideLayout, table: Option<&Array>, s: &Stream) -> Result<(Array, Array)> {
-        let table = table.ok_or_else(|| missing(l, "its table"))?;
-        let (first, len) = (1i32 << (l.bits - 1), table.shape()[0]);
-        Ok((ops::slice(table, &[0], &[first], s)?, ops::slice(table, &[first], &[len], s)?))
-    }
-}
-
 impl CodecDef for TurboQuantRvq {
     fn codec(&self) -> Codec {
         Codec::TurboQuantRvq
@@ -555,14 +552,14 @@ impl CodecDef for TurboQuantRvq {
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let s = opts.resolve_stream()?;
         let (norm, unit) = norm_unit(x, &s)?;
-        let (first, second) = Self::parts(l, table, &s)?;
+        let (first, second) = first_stage_split(l, table, &s)?;
         let (codes1, residual) = first_stage(l, &unit, &first, opts)?;
         let codes2 = kernels::scalar_quantize(&residual, &second, 1, opts)?;
         Ok(Encoded { codes: ops::concatenate(&[codes1, codes2], 3, &s)?, scales: Some(norm), zeros: None })
     }
     /// `norm · (c1 + c2)`.
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        let (first, second) = Self::parts(l, side.table, s)?;
+        let (first, second) = first_stage_split(l, side.table, s)?;
         let stage1 = ops::take_axis(&first, &unpacked(side, sh, 0, l.first_len, l.bits - 1, sh.dim, s)?, 0, s)?;
         let stage2 = ops::take_axis(&second, &unpacked(side, sh, l.first_len, l.row_len, 1, sh.dim, s)?, 0, s)?;
         ops::multiply(&ops::add(&stage1, &stage2, s)?, &token_norms(l, side, sh, s)?, s)
