@@ -120,6 +120,14 @@ __shared__ __align__(1024) uint32_t kt[KPAIR ? 256 : 1 << KB];
 // (Heads of at most 128: the queries of a longer head would not fit the
 // registers beside the accumulators.)
 constexpr bool KA = (VARIANT & 8) != 0 && D <= 128;
+// VARIANT bit 4 (with KA, 3-bit values, the value table a uniform grid
+// c0 + c step): a value code c becomes the float16 subnormal c 2^(p - 24)
+// by one AND (its three bits left where a byte permute of the code words
+// puts them, at mantissa bits p..p+2, p = 0..7 by its place in a 24-bit
+// group), no table. The mma then sums weight times code; one more mma a
+// step, over ones, sums the weights, and the end takes
+// c0 sum(w) + step 2^(24 - p) sum(w c) for each dimension.
+constexpr bool VLIN = KA && VB == 3 && VSEG % 8 == 0 && (VARIANT & 16) != 0;
 constexpr bool QA2 = (VARIANT & 4) != 0;
 __shared__ uint4 qa_s[MMA && !QA2 && !KA ? (D / 16) * 32 : 1];
 __shared__ uint2 qa2_s[MMA && QA2 && !KA ? (D / 16) * 32 : 1];
@@ -363,7 +371,9 @@ if (MMA && compressed) {
   };
   // The values' centroids as byte tables for tq_perm_pairs.
   TqPermTable vperm{};
-  if constexpr (VPERM) vperm = tq_perm_table<VB>(vt);
+  if constexpr (VPERM && !VLIN) vperm = tq_perm_table<VB>(vt);
+  // With VLIN, each column's sum of the weights (rows alike).
+  float s1[4] = {0.0f, 0.0f, 0.0f, 0.0f};
   // Values: C holds dimensions g VSEG + 2j (rows g) and g VSEG + 2j + 1
   // (rows g + 8) of query rows 2tg, 2tg + 1 (columns).
   constexpr int MT = D / 16;
@@ -468,6 +478,12 @@ if (MMA && compressed) {
             o[j][1] *= al[1];
             o[j][3] *= al[1];
           }
+          if constexpr (VLIN) {
+            s1[0] *= al[0];
+            s1[2] *= al[0];
+            s1[1] *= al[1];
+            s1[3] *= al[1];
+          }
         }
         // Rows token g (g + 8), columns queries 2tg, 2tg + 1: transposed,
         // row query g, columns tokens 2tg, 2tg + 1 (2tg + 8, 2tg + 9).
@@ -534,15 +550,27 @@ if (MMA && compressed) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) tq_shared_bits<VNW, VALIGNED>(vcodes, (t0 + 2 * tg + (e & 1) + 8 * (e >> 1)) * (VROW * 8) + g * (VSEG * VB), w[e]);
       // 3-bit codes: every selector of the step's value permutes at once.
-      constexpr bool VSEL = KA && VPERM && VB == 3 && VSEG % 8 == 0;
+      constexpr bool VSEL = KA && VPERM && VB == 3 && VSEG % 8 == 0 && !VLIN;
       uint32_t sx[VSEL ? MT : 1], sy[VSEL ? MT : 1];
       if constexpr (VSEL) {
         tq_perm_sels3<VNW, VSEG>(w[0], w[1], sx);
         tq_perm_sels3<VNW, VSEG>(w[2], w[3], sy);
       }
+      // With VLIN: code i of token pair (2tg, 2tg + 1) (x) and (2tg + 8,
+      // 2tg + 9) (y) as a subnormal half2 register.
+      uint32_t vx[VLIN ? VSEG : 1], vy[VLIN ? VSEG : 1];
+      if constexpr (VLIN) {
+        tq_lin_codes3<VNW, VSEG>(w[0], w[1], vx);
+        tq_lin_codes3<VNW, VSEG>(w[2], w[3], vy);
+        const uint32_t ones[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};
+        vq_mma(s1, ones, b0, b1);
+      }
 #pragma unroll
       for (int j = 0; j < MT; ++j) {
-        if constexpr (VSEL) {
+        if constexpr (VLIN) {
+          const uint32_t a[4] = {vx[2 * j], vx[2 * j + 1], vy[2 * j], vy[2 * j + 1]};
+          vq_mma(o[j], a, b0, b1);
+        } else if constexpr (VSEL) {
           const uint2 x = tq_perm_lookup(vperm, sx[j]);
           const uint2 y = tq_perm_lookup(vperm, sy[j]);
           const uint32_t a[4] = {x.x, x.y, y.x, y.y};
@@ -557,6 +585,20 @@ if (MMA && compressed) {
                                  tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j), tq_pair_across<VB, VNW>(vt, w[2], w[3], 2 * j + 1)};
           vq_mma(o[j], a, b0, b1);
         }
+      }
+    }
+  }
+  if constexpr (VLIN) {
+    // Dimension g VSEG + i holds sum(w c) 2^(p_i - 24): the values are
+    // c0 + c step.
+    const float c0 = vc[0], step = (vc[(1 << VB) - 1] - vc[0]) * (1.0f / float((1 << VB) - 1));
+#pragma unroll
+    for (int j = 0; j < MT; ++j) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const float f = step * tq_lin_scale3(2 * j + h);
+#pragma unroll
+        for (int e = 0; e < 2; ++e) o[j][2 * h + e] = c0 * s1[e] + f * o[j][2 * h + e];
       }
     }
   }

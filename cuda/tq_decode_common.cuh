@@ -191,6 +191,36 @@ __device__ __forceinline__ void tq_perm_sels3(const uint32_t (&lo)[NW], const ui
   }
 }
 
+// Code i of two rows of N 3-bit codes (lo's in the low half) as a half2
+// word of float16 subnormals: bits p..p+2 of each half hold the code, the
+// rest zero, so that the half is c 2^(p - 24) (tq_lin_scale3(i) =
+// 2^(24 - p)). Each 24-bit group of eight codes is read through three byte
+// permutes (bytes 0-1, 1-2 and 2-3 of both rows), which leave its codes at
+// p = 0, 3, 6, 1, 4, 7, 2, 5; one AND a word then keeps a code.
+// (M, the output's room, is N where the caller uses it, as in tq_perm_sels3.)
+template <int NW, int N, int M>
+__device__ __forceinline__ void tq_lin_codes3(const uint32_t (&lo)[NW], const uint32_t (&hi)[NW], uint32_t (&out)[M]) {
+  static_assert(N % 8 == 0 || M < N, "rows of whole 24-bit groups");
+#pragma unroll
+  for (int q = 0; q < (M < N ? 0 : N / 8); ++q) {
+    const int bit = 24 * q, k = bit / 32, sh = bit % 32;
+    const uint32_t xl = sh + 24 > 32 ? __funnelshift_r(lo[k], lo[k + 1], sh) : lo[k] >> sh;
+    const uint32_t xh = sh + 24 > 32 ? __funnelshift_r(hi[k], hi[k + 1], sh) : hi[k] >> sh;
+    const uint32_t u[3] = {__byte_perm(xl, xh, 0x5410), __byte_perm(xl, xh, 0x6521), __byte_perm(xl, xh, 0x7632)};
+#pragma unroll
+    for (int c = 0; c < 8; ++c) {
+      const int p = 3 * c - 8 * (c / 3);
+      out[8 * q + c] = u[c / 3] & ((7u << p) | (7u << (p + 16)));
+    }
+  }
+}
+
+// 2^(24 - p) of code i's half in tq_lin_codes3.
+__device__ __forceinline__ float tq_lin_scale3(int i) {
+  const int c = i % 8;
+  return float(1 << (24 - (3 * c - 8 * (c / 3))));
+}
+
 // The max and the sum of x over a warp's 32 lanes, in every lane.
 __device__ __forceinline__ float tq_warp_max(float x) {
 #pragma unroll

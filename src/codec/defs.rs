@@ -223,6 +223,11 @@ impl CodecDef for TurboQuantMse {
         true
     }
     fn table(&self, sc: &SideCodec, dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
+        if std::env::var("VQ_UNIFORM_BITS").ok().and_then(|v| v.parse::<u32>().ok()) == Some(sc.bits) {
+            let step: f32 = std::env::var("VQ_UNIFORM_STEP").ok().and_then(|v| v.parse().ok()).unwrap_or(0.3352) / (dim as f32).sqrt();
+            let n = 1u32 << sc.bits;
+            return Ok(Some((0..n).map(|i| (i as f32 - (n as f32 - 1.0) / 2.0) * step).collect()));
+        }
         Ok(Some(centroids(dim, sc.bits)?))
     }
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {

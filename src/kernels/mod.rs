@@ -266,7 +266,7 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
 /// another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 16, "a decode variant plus one")? - 1)
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 32, "a decode variant plus one")? - 1)
 }
 
 /// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
