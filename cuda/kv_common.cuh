@@ -72,7 +72,7 @@ __device__ inline float kv_element(const C* codes, const S* scales, const S* zer
   } else {
     constexpr int ROW = (D * B + 7) / 8;
     const unsigned c = kv_code_at(reinterpret_cast<const uint8_t*>(codes) + slot * ROW, unsigned(j), unsigned(B));
-    if constexpr (M == KV_TURBOQUANT_MSE || M == KV_FP8) {
+    if constexpr (M == KV_TURBOQUANT_MSE || M == KV_TURBOQUANT_UNIFORM || M == KV_FP8) {
       return table[c] * kv_float(scales[slot]);
     } else {
       const uint64_t p = slot * (D / G) + j / G;

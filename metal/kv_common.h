@@ -13,7 +13,7 @@
 // template arguments leave one.
 #define KV_ELEMENT(M, B, G, ROW, codes, scales, zeros, table, head, ct, CAP, j)                          \
   ((M) == KV_DENSE ? float((codes)[((head) * (CAP) + (ct)) * D + (j)])                                          \
-   : (M) == KV_TURBOQUANT_MSE || (M) == KV_FP8                                                                           \
+   : (M) == KV_TURBOQUANT_MSE || (M) == KV_TURBOQUANT_UNIFORM || (M) == KV_FP8                                           \
        ? (table)[VQ_CODE_AT(codes, ((head) * (CAP) + (ct)) * (ROW), uint(j), uint(B))] *                 \
              float((scales)[(head) * (CAP) + (ct)])                                                      \
    : (M) == KV_PRODUCT_QUANTIZED                                                                                            \

@@ -169,9 +169,14 @@ fn state_round_trips_and_rejects_corruption() {
     assert!(e.starts_with("state:"), "{e}");
     // A state of another version (here the last one with unscaled rotated
     // frames) is refused, naming the version.
-    let old = replace_bytes(&bytes, b"\"version\":\"5\"", b"\"version\":\"4\"");
+    let old = replace_bytes(&bytes, b"\"version\":\"7\"", b"\"version\":\"4\"");
     let e = LayerCache::from_bytes(&old, None).err().unwrap().to_string();
     assert!(e.starts_with("state: version \"4\" is not supported"), "{e}");
+    // Version 5's 3-bit TurboQuant-MSE values are Lloyd–Max codes, which
+    // this version's uniform grid would decode wrongly: refused too.
+    let v5 = replace_bytes(&bytes, b"\"version\":\"7\"", b"\"version\":\"5\"");
+    let e = LayerCache::from_bytes(&v5, None).err().unwrap().to_string();
+    assert!(e.starts_with("state: version \"5\" is not supported"), "{e}");
 }
 
 /// `bytes` with the one occurrence of `from` replaced by `to` (same length).
@@ -502,7 +507,7 @@ fn wrong_bits_and_methods_name_the_argument() {
     let (tensors, meta) = cache.state_parts().unwrap();
     let tensors: std::collections::HashMap<String, Array> = tensors.into_iter().collect();
     for (key, value, want) in [
-        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads versions 5 and 6"),
+        ("version", "2", "state: version \"2\" is not supported: this veloxquant reads versions 7 and 8"),
         ("format", "zip", "state: format \"zip\" is not \"veloxquant-layer-cache\""),
         ("dtype", "float64", "state: dtype \"float64\" is not one of"),
         ("window", "-1", "state: field \"window\": \"-1\" is not a valid value"),
@@ -1044,9 +1049,9 @@ fn kivi_keys_with_bits_per_channel_decode_attend_and_round_trip() {
         let sdpa = ops::scaled_dot_product_attention(&q, &k, &v, 0.125, causal, &s).unwrap();
         assert!(rel_err(&fused, &sdpa) <= 1e-5, "L={l}: {}", rel_err(&fused, &sdpa));
     }
-    // State: the widths travel with it (version 6), bit-identically.
+    // State: the widths travel with it (version 8), bit-identically.
     let (_, meta) = cache.state_parts().unwrap();
-    assert_eq!(meta.get("version").map(String::as_str), Some("6"));
+    assert_eq!(meta.get("version").map(String::as_str), Some("8"));
     let bytes = cache.to_bytes().unwrap();
     let back = LayerCache::from_bytes(&bytes, Some(Stream::cpu())).unwrap();
     assert_eq!(back.config(), cache.config());
@@ -1156,4 +1161,30 @@ fn every_method_is_defined_once_and_parses_from_its_names() {
     }
     let err = "turboquant-msee".parse::<Method>().unwrap_err().to_string();
     assert!(err.contains("turboquant-mse") && err.contains("kivi"), "{err}");
+}
+
+#[test]
+fn turboquant_values_at_three_bits_sit_on_a_uniform_grid() {
+    use veloxquant::codec::Codec;
+    let cfg = mixed_config(128, 2, (Method::TurboQuantMse, 4, Method::TurboQuantMse, 3), Policy::Auto);
+    assert_eq!(cfg.key_codec().codec, Codec::TurboQuantMse, "keys keep the Lloyd–Max table");
+    assert_eq!(cfg.value_codec().codec, Codec::TurboQuantUniform);
+    // Values of other widths, and 3-bit keys, keep the table.
+    let k3 = mixed_config(128, 2, (Method::TurboQuantMse, 3, Method::TurboQuantMse, 4), Policy::Auto);
+    assert_eq!((k3.key_codec().codec, k3.value_codec().codec), (Codec::TurboQuantMse, Codec::TurboQuantMse));
+    // The grid: symmetric, evenly spaced, the Gaussian's step over √d.
+    let grid = cfg.value_codec().table(128, 0).unwrap().unwrap();
+    assert_eq!(grid.len(), 8);
+    let step = grid[1] - grid[0];
+    for (i, g) in grid.iter().enumerate() {
+        assert!((g - (i as f32 - 3.5) * step).abs() < 1e-6, "{grid:?}");
+    }
+    assert!((step * (128f32).sqrt() - 0.586).abs() < 1e-3, "step {step}");
+    // Gaussian values decode with about the uniform quantizer's error
+    // (relative MSE 0.0374 for a Gaussian; the table's 0.0345).
+    let (cache, chunks) = filled(cfg, 1, 300, 0, Dtype::F32, 21);
+    let (_, v) = cache.dequantize().unwrap();
+    let (_, want) = &chunks[0];
+    let e = rel_err(&v, want);
+    assert!((0.12..0.21).contains(&e), "relative error {e}");
 }

@@ -115,7 +115,7 @@ fn build_side<T: Float + Element>(
             Codec::Dense => side.dense[slots.start * d..slots.end * d].copy_from_slice(comp),
             // Any grid index is a valid code: random codes, each token's scale.
             Codec::Fp8 => slots.for_each(|i| side.scales[i] = f16::from_f32(rng.random_range(0.001f32..0.05))),
-            Codec::TurboQuantMse => tq::tq_encode(
+            Codec::TurboQuantMse | Codec::TurboQuantUniform => tq::tq_encode(
                 comp,
                 None,
                 &side.table,
@@ -438,7 +438,7 @@ fn fp8_keys_and_values_match_cpu() {
     let (k, v) = (codec(Codec::Fp8, 8, 1), codec(Codec::Fp8, 8, 1));
     check::<f16>(shape(1, 8, 2, 1, 128, k, v, (4, 200, 9), true), 1e-2, 43);
     // Beside TurboQuant values (rotated back by the reduction), float32.
-    let (k, v) = (codec(Codec::Fp8, 8, 1), codec(Codec::TurboQuantMse, 3, 1));
+    let (k, v) = (codec(Codec::Fp8, 8, 1), codec(Codec::TurboQuantUniform, 3, 1));
     check::<f32>(shape(1, 4, 2, 3, 64, k, v, (2, 130, 11), false), 1e-5, 44);
 }
 
@@ -477,7 +477,7 @@ fn sketched_keys_match_cpu() {
 fn array_masks_match_cpu() {
     // One mask for every head, decoding, with TurboQuant on both sides (the
     // cache sends masked attention here for every method).
-    let (k, v) = (codec(Codec::TurboQuantMse, 4, 1), codec(Codec::TurboQuantMse, 3, 1));
+    let (k, v) = (codec(Codec::TurboQuantMse, 4, 1), codec(Codec::TurboQuantUniform, 3, 1));
     let mut sh = shape(2, 4, 2, 1, 64, k, v, (4, 300, 21), false);
     sh.mask_heads = 1;
     check::<f32>(sh, 1e-5, 20);

@@ -3,7 +3,7 @@
 //! `layout.rs`), a block here, its entry in [`DEFS`], and its arms in the
 //! attention bodies (CPU, Metal, CUDA).
 
-use super::tables::{centroids, e4m3_grid, kivi_bit_offsets, pq_codebook, qjl_sketch, E4M3_MAX};
+use super::tables::{centroids, e4m3_grid, kivi_bit_offsets, pq_codebook, qjl_sketch, uniform_grid, E4M3_MAX};
 use super::{Codec, CodecDef, Encoded, SideCodec, SideLayout};
 use crate::array::Array;
 use crate::cpu::kv_attention::{sketch_scale, KvShape};
@@ -18,8 +18,18 @@ use crate::quant::ScalarCodebook;
 use crate::stream::Stream;
 
 /// The definitions, in the order of [`Codec::ALL`] (the ids).
-pub(super) static DEFS: [&dyn CodecDef; 9] =
-    [&Dense, &TurboQuantMse, &KiviPerChannel, &KiviPerToken, &ProductQuantized, &Qjl, &TurboQuantProd, &TurboQuantRvq, &Fp8];
+pub(super) static DEFS: [&dyn CodecDef; 10] = [
+    &Dense,
+    &TurboQuantMse,
+    &KiviPerChannel,
+    &KiviPerToken,
+    &ProductQuantized,
+    &Qjl,
+    &TurboQuantProd,
+    &TurboQuantRvq,
+    &Fp8,
+    &TurboQuantUniform,
+];
 
 /// A two-stage code row (TurboQuant-Prod, -RVQ): the first stage's `bits −
 /// 1`-bit codes, then one bit per channel (the residual's sign or code).
@@ -223,11 +233,6 @@ impl CodecDef for TurboQuantMse {
         true
     }
     fn table(&self, sc: &SideCodec, dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
-        if std::env::var("VQ_UNIFORM_BITS").ok().and_then(|v| v.parse::<u32>().ok()) == Some(sc.bits) {
-            let step: f32 = std::env::var("VQ_UNIFORM_STEP").ok().and_then(|v| v.parse().ok()).unwrap_or(0.3352) / (dim as f32).sqrt();
-            let n = 1u32 << sc.bits;
-            return Ok(Some((0..n).map(|i| (i as f32 - (n as f32 - 1.0) / 2.0) * step).collect()));
-        }
         Ok(Some(centroids(dim, sc.bits)?))
     }
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
@@ -247,6 +252,34 @@ impl CodecDef for TurboQuantMse {
     }
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
         table_times_norm(l, side, sh, "centroids", s)
+    }
+}
+
+/// TurboQuant-MSE on a uniform grid: its encoder, non-finite marks and
+/// decode, another table.
+struct TurboQuantUniform;
+
+impl CodecDef for TurboQuantUniform {
+    fn codec(&self) -> Codec {
+        Codec::TurboQuantUniform
+    }
+    fn rotated(&self) -> bool {
+        true
+    }
+    fn flat_norms(&self) -> bool {
+        true
+    }
+    fn table(&self, sc: &SideCodec, dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
+        Ok(Some(uniform_grid(dim, sc.bits)?))
+    }
+    fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, widths: Option<&[u8]>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
+        TurboQuantMse.encode(l, x, table, widths, dtype, opts)
+    }
+    fn mark_non_finite(&self, l: &SideLayout, x: &Array, scales: &Array, s: &Stream) -> Result<Array> {
+        TurboQuantMse.mark_non_finite(l, x, scales, s)
+    }
+    fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
+        TurboQuantMse.decode(l, side, sh, s)
     }
 }
 

@@ -53,7 +53,7 @@ pub fn framed_parts(side: &KvSideArrays<'_>, l: &SideLayout, sh: &KvShape, dtype
     if sh.compressed > 0 {
         let n = sh.compressed as i32;
         parts.push(match (l.codec, side.table, side.scales) {
-            (super::Codec::TurboQuantMse, Some(table), Some(norms)) => {
+            (c, Some(table), Some(norms)) if c.turboquant_mse() => {
                 let codes = ops::slice(side.codes, &[0, 0, 0, 0], &[b, h, n, l.row_len as i32], s)?;
                 let unit = kernels::scalar_dequantize(&codes, table, l.bits, sh.dim, dtype, opts)?;
                 let norms = ops::astype(&ops::slice(norms, &[0, 0, 0], &[b, h, n], s)?, dtype, s)?;

@@ -36,11 +36,16 @@ pub enum Codec {
     /// FP8: each element the nearest float8 e4m3 value of `x / scale`, with a
     /// float16 `scale = max|x| / 448` per token; decoded as `scale · grid[code]`.
     Fp8,
+    /// TurboQuant-MSE's frame and norm with codes on a uniform grid
+    /// (`tables::uniform_grid`) instead of Lloyd–Max centroids: the values
+    /// of TurboQuant-MSE at 3 bits, which lose no quality by it, and which
+    /// CUDA's decode then reads without a table.
+    TurboQuantUniform,
 }
 
 impl Codec {
     /// Every codec, in the order of its id.
-    pub const ALL: [Codec; 9] = [
+    pub const ALL: [Codec; 10] = [
         Codec::Dense,
         Codec::TurboQuantMse,
         Codec::KiviPerChannel,
@@ -50,12 +55,19 @@ impl Codec {
         Codec::TurboQuantProd,
         Codec::TurboQuantRvq,
         Codec::Fp8,
+        Codec::TurboQuantUniform,
     ];
 
     /// The number the GPU bodies know the codec by (template `KM` / `VM`):
     /// its place in [`Codec::ALL`], the variants' order.
     pub fn id(self) -> i32 {
         self as i32
+    }
+
+    /// TurboQuant-MSE on either table: an element is a table entry times its
+    /// token's norm, and the fused TurboQuant kernels read it.
+    pub fn turboquant_mse(self) -> bool {
+        matches!(self, Codec::TurboQuantMse | Codec::TurboQuantUniform)
     }
 
     /// The macro the GPU bodies name the codec's id by.
@@ -70,6 +82,7 @@ impl Codec {
             Codec::TurboQuantProd => "KV_TURBOQUANT_PROD",
             Codec::TurboQuantRvq => "KV_TURBOQUANT_RVQ",
             Codec::Fp8 => "KV_FP8",
+            Codec::TurboQuantUniform => "KV_TURBOQUANT_UNIFORM",
         }
     }
 

@@ -17,6 +17,24 @@ pub fn centroids(dim: usize, bits: u32) -> Result<Vec<f32>> {
     Ok(ScalarCodebook::sphere(dim, bits).map_err(|e| Error::invalid("bits", e.to_string()))?.centroids().to_vec())
 }
 
+/// Steps of the uniform quantizer of least mean squared error for a unit
+/// Gaussian at 1 to 4 bits (Max, 1960).
+const UNIFORM_GAUSS_STEP: [f32; 4] = [1.5958, 0.9957, 0.5860, 0.3352];
+
+/// A uniform grid of `2^bits` points for the coordinates of a rotated unit
+/// vector of size `dim` (close to Gaussians of variance `1/dim`): `(i −
+/// (2^bits − 1)/2) · step / √dim`, the step of least error for a Gaussian.
+/// Symmetric and evenly spaced, so that a kernel may read a code as its
+/// value's place on the grid instead of looking it up.
+pub fn uniform_grid(dim: usize, bits: u32) -> Result<Vec<f32>> {
+    let step = UNIFORM_GAUSS_STEP
+        .get((bits as usize).wrapping_sub(1))
+        .ok_or_else(|| Error::invalid("bits", format!("{bits}: a uniform grid has 1 to 4 bits")))?
+        / (dim as f32).sqrt();
+    let n = 1u32 << bits;
+    Ok((0..n).map(|i| (i as f32 - (n - 1) as f32 / 2.0) * step).collect())
+}
+
 /// The product-quantization codebook `[2^PQ_CODE_BITS, sub]` (row-major) for
 /// rotated unit vectors of size `dim`: k-means over seeded Gaussian
 /// sub-vectors of variance `1/dim` (what a rotated unit vector's coordinates

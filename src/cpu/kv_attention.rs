@@ -177,7 +177,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
     fn new(side: &'b KvSide<'a, T>, sc: SideLayout, sh: &KvShape, head: usize) -> Self {
         let d = sh.dim;
         let mut table = [0.0f32; 256];
-        if matches!(sc.codec, Codec::TurboQuantMse | Codec::Fp8) {
+        if matches!(sc.codec, Codec::TurboQuantMse | Codec::TurboQuantUniform | Codec::Fp8) {
             table = super::turboquant::padded_table(side.table);
         }
         let mut channels = Vec::new();
@@ -216,7 +216,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
                 out.iter_mut().zip(&side.dense[slot * d..(slot + 1) * d]).for_each(|(o, x)| *o = x.to_f32());
                 1.0
             }
-            Codec::TurboQuantMse | Codec::Fp8 => {
+            Codec::TurboQuantMse | Codec::TurboQuantUniform | Codec::Fp8 => {
                 let n = side.scales[slot].to_f32();
                 super::turboquant::decode_row(codes, sc.bits, &self.table, if scaled { n } else { 1.0 }, out);
                 if scaled { 1.0 } else { n }

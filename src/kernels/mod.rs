@@ -257,27 +257,35 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
 }
 
 /// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
-/// to 15): bit 0 looks 4-bit keys up one code at a time rather than two, bit
+/// to 31): bit 0 looks 4-bit keys up one code at a time rather than two, bit
 /// 1 decodes values of at most 3 bits by byte permutes of registers rather
 /// than a shared table, bit 2 loads the queries' fragments without their
 /// zero words, bit 3 makes a 16-token tile of keys the scores' A operand
-/// and the queries their B operand (heads of at most 128).
-/// `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 16: the variant plus one) sets
-/// another, to compare them on a device.
+/// and the queries their B operand (heads of at most 128), bit 4
+/// ([`DECODE_UNIFORM_VALUES`], with bit 3) reads 3-bit values on a uniform
+/// grid without a table. `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 32: the
+/// variant plus one) sets another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
     Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 32, "a decode variant plus one")? - 1)
 }
 
+/// [`decode_variant`]'s bit that reads 3-bit value codes as float16
+/// subnormals and maps each dimension's sum back to the grid at the end (no
+/// table): only for a uniform value grid (`Codec::TurboQuantUniform`), and
+/// the launch clears it for any other.
+pub(crate) const DECODE_UNIFORM_VALUES: usize = 16;
+
 /// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
-/// values through byte permutes (14). Its 16-token loop at llama-8b's
-/// instantiation is 451 instructions against the former default 6's 578
-/// (ptxas for sm_90a, `scripts/gpu/cuda-compile-check.py --loop-stats`). On
-/// an H100 at B=1 Hq=32 Hkv=8 D=128, 16 calls an evaluation
-/// (`bench_attention`): 136 µs a call at 128K against variant 6's 147, 85
-/// against 83 at 32K; llama-8b 128K batch 1 decoded 105.5 tok/s against
-/// 102.8 (docs/results/cuda_decode_variants.md).
-const DECODE_VARIANT: usize = 14;
+/// values through byte permutes (14), and values on a uniform grid without
+/// a table (30). The 16-token loop at llama-8b's instantiation (K4, uniform
+/// V3) is 352 instructions against variant 14's 452 (ptxas for sm_90a,
+/// `scripts/gpu/cuda-compile-check.py --loop-stats`). On an H100 at B=1
+/// Hq=32 Hkv=8 D=128, 16 calls an evaluation (`bench_attention`, two rounds):
+/// 136 / 136 µs a call at 128K against variant 14's 160 / 155; llama-8b
+/// 128K batch 1 decoded 108.6 tok/s against 102.5
+/// (docs/results/cuda_decode_variants.md).
+const DECODE_VARIANT: usize = 30;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
 pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));

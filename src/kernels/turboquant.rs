@@ -256,6 +256,14 @@ fn encode_reference(x: &Array, rotation: Option<&Array>, centroids: &Array, bits
 }
 
 /// One layer's stored keys and values, as the attention kernels read them.
+/// The decode variant for `layer`: [`super::decode_variant`], less the bit
+/// that reads values as a uniform grid's places where the layer's value
+/// table is not one.
+fn decode_variant_for(layer: &TqLayer<'_>) -> Result<usize> {
+    let v = super::decode_variant()?;
+    Ok(if layer.values_uniform { v } else { v & !super::DECODE_UNIFORM_VALUES })
+}
+
 pub struct TqLayer<'a> {
     pub shape: AttentionShape,
     pub rot_k: &'a Array,
@@ -266,6 +274,9 @@ pub struct TqLayer<'a> {
     pub v_codes: &'a Array,
     pub v_norms: &'a Array,
     pub v_centroids: &'a Array,
+    /// Whether `v_centroids` is a uniform grid (`Codec::TurboQuantUniform`):
+    /// CUDA's decode then reads 3-bit value codes as their places on it.
+    pub values_uniform: bool,
     pub win_k: &'a Array,
     pub win_v: &'a Array,
     /// `DECODE_COUNTERS` uint32 zeros per (batch, KV head), which CUDA's
@@ -647,7 +658,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         outputs.push((q.shape(), q.dtype()));
         outputs.push((current.shape(), Dtype::U32));
         template.push(("REDUCE", TemplateArg::Bool(reduce)));
-        template.push(("VARIANT", TemplateArg::Int(super::decode_variant()? as i32)));
+        template.push(("VARIANT", TemplateArg::Int(decode_variant_for(layer)? as i32)));
     }
     let mut parts = gpu::launch(
         &Launch {

@@ -199,7 +199,7 @@ impl LayerCache {
                     if sh.sinks + sh.compressed + sh.recent == 0 {
                         return Ok(chunk.clone());
                     }
-                    let one_pass = sc.codec == Codec::TurboQuantMse
+                    let one_pass = sc.codec.turboquant_mse()
                         && sh.dim % 8 == 0
                         && [side.window.dtype(), chunk.dtype()] == [self.dtype; 2];
                     match (side.table, side.scales) {
@@ -355,6 +355,7 @@ impl LayerCache {
             v_codes: &c.values.codes,
             v_norms: norms(&c.values),
             v_centroids: table(&sh.v_table),
+            values_uniform: c.values.codec.codec == Codec::TurboQuantUniform,
             win_k: &c.keys.window,
             win_v: &c.values.window,
             counters: &c.decode_counters,

@@ -71,7 +71,7 @@ impl LayerCache {
 
     /// TurboQuant-MSE keys and values: the `tq_attention` fast path.
     fn turboquant_only(cfg: &CacheConfig) -> bool {
-        cfg.key_codec().codec == Codec::TurboQuantMse && cfg.value_codec().codec == Codec::TurboQuantMse
+        cfg.key_codec().codec.turboquant_mse() && cfg.value_codec().codec.turboquant_mse()
     }
 
     pub fn config(&self) -> &CacheConfig {

@@ -8,10 +8,13 @@ use super::*;
 const STATE_FORMAT: &str = "veloxquant-layer-cache";
 /// Version 4: `to_bytes` adds a CRC-32 of every tensor and of the header.
 /// Version 5: rotated frames are scaled by `1/F` (`frame_scale`).
-const STATE_VERSION: &str = "5";
-/// Version 6: version 5 with KIVI keys of unequal bits per channel
-/// (`key_widths`), which a reader of version 5 would decode wrongly.
-const STATE_VERSION_WIDTHS: &str = "6";
+/// Version 7: TurboQuant-MSE's 3-bit values on a uniform grid
+/// (`Codec::TurboQuantUniform`), whose codes the Lloyd–Max table of
+/// versions 5 and 6 would decode wrongly.
+const STATE_VERSION: &str = "7";
+/// Version 6, now 8: with KIVI keys of unequal bits per channel
+/// (`key_widths`), which a reader of version 5 (7) would decode wrongly.
+const STATE_VERSION_WIDTHS: &str = "8";
 
 fn st_name(d: Dtype) -> &'static str {
     match d {
