@@ -400,3 +400,17 @@ def test_sphere_codebook_approaches_gaussian_levels_and_checks_its_arguments():
             _native.sphere_codebook(*args)
     with pytest.raises(TypeError, match="bits: expected an int"):
         _native.sphere_codebook(64, 2.5)
+
+
+def test_turboquant_levels_are_the_caches_tables():
+    from veloxquant import _native
+
+    # Keys, and values of other widths, on the Lloyd-Max levels; 3-bit values
+    # on the uniform grid (step 0.586 / sqrt(d)).
+    for bits in (2, 3, 4):
+        assert _native.turboquant_levels(128, bits, True) == _native.sphere_codebook(128, bits)
+    assert _native.turboquant_levels(128, 4, False) == _native.sphere_codebook(128, 4)
+    grid = np.array(_native.turboquant_levels(128, 3, False))
+    np.testing.assert_allclose(grid * np.sqrt(128), (np.arange(8) - 3.5) * 0.586, atol=1e-5)
+    with pytest.raises(ValueError, match="dim"):
+        _native.turboquant_levels(1, 3, False)

@@ -25,6 +25,10 @@ _Device = Optional[Literal["cpu", "gpu"]]
 def sphere_codebook(dim: int, bits: int) -> list[float]:
     """TurboQuant-MSE's Lloyd-Max levels for a rotated, normalised coordinate (ascending)."""
     ...
+def turboquant_levels(dim: int, bits: int, keys: bool) -> list[float]:
+    """The levels a cache's TurboQuant-MSE keys or values quantize a rotated, normalised
+    coordinate with (ascending): Lloyd-Max, or the uniform grid of 3-bit values."""
+    ...
 def kivi_channel_widths(weights: Sequence[Sequence[float]], bits: int) -> List[int]:
     """KIVI keys' bits per channel (1 to 8, `bits` on average per KV head) from
     `weights` `[kv_heads][head_dim]`, what an error in each channel costs the

@@ -24,8 +24,9 @@ MLX operations (:class:`Codecs`), all layers of one shape in one graph: the
 cache's own round trip (``LayerCache``) costs about 0.1 s per candidate for
 SmolLM2-135M and the whole calibration has to stay near a second on a CPU.
 The stand-ins follow the cache's layouts (keys centred by their mean;
-TurboQuant-MSE: float16 norm, a seeded orthogonal rotation, the Lloyd-Max
-codebook of a unit vector's coordinate; KIVI keys: per-channel float16
+TurboQuant-MSE: float16 norm, a seeded orthogonal rotation, the levels of
+a unit vector's coordinate the cache's side uses (Lloyd-Max; a uniform grid
+for 3-bit values); KIVI keys: per-channel float16
 scale and zero over 32-token groups); python/tests checks their error
 against the cache's.
 
@@ -273,20 +274,12 @@ def calibrate(model, tokens: Sequence[int]) -> List[LayerSample]:
 
 
 @functools.lru_cache(maxsize=None)
-def sphere_codebook(head_dim: int, bits: int) -> Tuple[float, ...]:
-    """Lloyd-Max levels for one coordinate of a uniformly random unit vector
-    in ``head_dim`` dimensions: the codebook TurboQuant-MSE quantizes its
-    rotated, normalised coordinates with (the crate's, as the cache uses)."""
-    return tuple(_native.sphere_codebook(head_dim, bits))
-
-
-@functools.lru_cache(maxsize=None)
-def _nearest_level_table(head_dim: int, bits: int) -> Tuple[mx.array, float, float]:
+def _nearest_level_table(head_dim: int, bits: int, keys: bool) -> Tuple[mx.array, float, float]:
     """The nearest codebook level on a fine uniform grid (4096 points over
     ±8 standard deviations of a coordinate): one rounding and one lookup per
     coordinate instead of a comparison per level. It differs from the exact
     nearest level only within half a grid step of a midpoint."""
-    levels = sphere_codebook(head_dim, bits)
+    levels = _native.turboquant_levels(head_dim, bits, keys)
     lo = -min(1.0, 8 / math.sqrt(head_dim))
     n = 4096
     step = -2 * lo / (n - 1)
@@ -345,7 +338,7 @@ class Codecs:
 
     def _turboquant(self, side: str, bits: int) -> mx.array:
         norm, unit = self._polar(side)
-        table, lo, step = _nearest_level_table(unit.shape[-1], bits)
+        table, lo, step = _nearest_level_table(unit.shape[-1], bits, side == "k")
         j = mx.clip(mx.round((unit - lo) / step), 0, table.size - 1).astype(mx.uint32)
         y = table[j]
         return norm * (y.reshape(-1, unit.shape[-1]) @ self.rotation).reshape(unit.shape)

@@ -165,6 +165,23 @@ fn sphere_codebook(dim: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>) -> PyResult<
     Ok(book.centroids().to_vec())
 }
 
+/// The levels a cache's TurboQuant-MSE keys (`keys`) or values of `bits`
+/// bits quantize a rotated, normalised coordinate of a `dim`-dimensional
+/// vector with (ascending): the Lloyd–Max levels, or the uniform grid of
+/// 3-bit values (`CacheConfig`'s choice of codec).
+#[pyfunction]
+fn turboquant_levels(dim: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>, keys: bool) -> PyResult<Vec<f32>> {
+    let dim = size_arg(dim, "dim", "a vector size >= 2")?;
+    if dim < 2 {
+        return Err(PyValueError::new_err(format!("dim: {dim} is out of range; expected a vector size >= 2")));
+    }
+    let bits = bits_arg(bits, "bits", "1 to 8")?;
+    let mut cfg = crate::cache::CacheConfig::new(dim, 1);
+    (cfg.key_bits, cfg.value_bits) = (bits, bits);
+    let side = if keys { cfg.key_codec() } else { cfg.value_codec() };
+    side.table(dim, cfg.seed).map_err(to_py_err)?.ok_or_else(|| PyValueError::new_err("TurboQuant-MSE has a table"))
+}
+
 /// KIVI keys' bits per channel from `weights` `[kv_heads][head_dim]` (what
 /// an error in each channel costs the scores), `bits` on average: the
 /// `key_widths` of a `LayerCache`, flat (`crate::cache::channel_widths`).
@@ -613,6 +630,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add("VQ_DIMS", kernels::VQ_DIMS.to_vec())?;
     m.add("MAX_CODEBOOK_SIZE", kernels::MAX_CODEBOOK_SIZE)?;
     m.add_function(wrap_pyfunction!(sphere_codebook, m)?)?;
+    m.add_function(wrap_pyfunction!(turboquant_levels, m)?)?;
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
     m.add_function(wrap_pyfunction!(kivi_channel_widths, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;
