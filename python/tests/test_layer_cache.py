@@ -248,7 +248,7 @@ def test_wrong_types_are_type_errors_naming_the_argument(call, message):
         (lambda: LayerCache(64, 2, key_group=2048), r"^key_group: 2048 is not a multiple of 8 from 8 to 1024 tokens$"),
         (lambda: LayerCache(64, 2, key_group=-8), r"^key_group: -8 is out of range; expected a multiple of 8 from 8 to 1024 tokens$"),
         (lambda: _filled_small().trim(-1), r"^n: -1 is out of range; expected a number of tokens >= 0$"),
-        (lambda: LayerCache.from_state_parts({}, {"format": "veloxquant-layer-cache", "version": "2"}), r'^state: version "2" is not supported: this veloxquant reads versions 5 and 6'),
+        (lambda: LayerCache.from_state_parts({}, {"format": "veloxquant-layer-cache", "version": "2"}), r'^state: version "2" is not supported: this veloxquant reads versions 7 and 8'),
         (lambda: LayerCache.from_state_parts({}, {"version": "4"}), r'^state: no format field \(expected "veloxquant-layer-cache"\)'),
     ],
 )
