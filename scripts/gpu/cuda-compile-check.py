@@ -137,7 +137,7 @@ KERNELS = {
                      {"T": ELEMENT, "D": [128, 64], "KM,KB,KG,QF": [("KV_KIVI_PER_CHANNEL", 2, 32, 128), ("KV_DENSE", 16, 1, 128),
                                                          ("KV_QJL", 1, 256, 256), ("KV_FP8", 8, 1, 128)],
                       "VM,VB,VG": [("KV_KIVI_PER_TOKEN", 2, 32), ("KV_PRODUCT_QUANTIZED", 8, 4),
-                                   ("KV_TURBOQUANT_MSE", 4, 1), ("KV_FP8", 8, 1)], "QN": [4, 1]}),
+                                   ("KV_TURBOQUANT_MSE", 4, 1), ("KV_FP8", 8, 1), ("KV_TURBOQUANT_UNIFORM", 3, 1)], "QN": [4, 1]}),
     "tq_prod_encode": ([("x", "T"), ("rotation", "float"), ("centroids", "float"), ("sketch", "float"),
                         ("params", "uint32_t")],
                        [("codes", "uint8_t"), ("signs", "uint8_t"), ("norms", "__half"), ("residual_norms", "__half")],
