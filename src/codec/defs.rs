@@ -20,7 +20,7 @@ use crate::stream::Stream;
 /// The definitions, in the order of [`Codec::ALL`] (the ids).
 pub(super) static DEFS: [&dyn CodecDef; 10] = [
     &Dense,
-    &TurboQuantMse,
+    &TurboQuantMse(false),
     &KiviPerChannel,
     &KiviPerToken,
     &ProductQuantized,
@@ -28,7 +28,7 @@ pub(super) static DEFS: [&dyn CodecDef; 10] = [
     &TurboQuantProd,
     &TurboQuantRvq,
     &Fp8,
-    &TurboQuantUniform,
+    &TurboQuantMse(true),
 ];
 
 /// A two-stage code row (TurboQuant-Prod, -RVQ): the first stage's `bits −
@@ -220,11 +220,18 @@ impl CodecDef for Dense {
     }
 }
 
-struct TurboQuantMse;
+/// TurboQuant-MSE, on the Lloyd–Max centroids (`TurboQuantMse(false)`) or
+/// on a uniform grid (`TurboQuantMse(true)`, `Codec::TurboQuantUniform`):
+/// one encoder, non-finite marks and decode, two tables.
+struct TurboQuantMse(bool);
 
 impl CodecDef for TurboQuantMse {
     fn codec(&self) -> Codec {
-        Codec::TurboQuantMse
+        if self.0 {
+            Codec::TurboQuantUniform
+        } else {
+            Codec::TurboQuantMse
+        }
     }
     fn rotated(&self) -> bool {
         true
@@ -233,7 +240,7 @@ impl CodecDef for TurboQuantMse {
         true
     }
     fn table(&self, sc: &SideCodec, dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
-        Ok(Some(centroids(dim, sc.bits)?))
+        Ok(Some(if self.0 { uniform_grid(dim, sc.bits)? } else { centroids(dim, sc.bits)? }))
     }
     fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, _widths: Option<&[u8]>, _dtype: Dtype, opts: &Options) -> Result<Encoded> {
         let table = table.ok_or_else(|| missing(l, "its centroids"))?;
@@ -252,34 +259,6 @@ impl CodecDef for TurboQuantMse {
     }
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
         table_times_norm(l, side, sh, "centroids", s)
-    }
-}
-
-/// TurboQuant-MSE on a uniform grid: its encoder, non-finite marks and
-/// decode, another table.
-struct TurboQuantUniform;
-
-impl CodecDef for TurboQuantUniform {
-    fn codec(&self) -> Codec {
-        Codec::TurboQuantUniform
-    }
-    fn rotated(&self) -> bool {
-        true
-    }
-    fn flat_norms(&self) -> bool {
-        true
-    }
-    fn table(&self, sc: &SideCodec, dim: usize, _seed: u64) -> Result<Option<Vec<f32>>> {
-        Ok(Some(uniform_grid(dim, sc.bits)?))
-    }
-    fn encode(&self, l: &SideLayout, x: &Array, table: Option<&Array>, widths: Option<&[u8]>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
-        TurboQuantMse.encode(l, x, table, widths, dtype, opts)
-    }
-    fn mark_non_finite(&self, l: &SideLayout, x: &Array, scales: &Array, s: &Stream) -> Result<Array> {
-        TurboQuantMse.mark_non_finite(l, x, scales, s)
-    }
-    fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
-        TurboQuantMse.decode(l, side, sh, s)
     }
 }
 
