@@ -255,7 +255,6 @@ fn encode_reference(x: &Array, rotation: Option<&Array>, centroids: &Array, bits
     Ok(vec![codes, norms])
 }
 
-/// One layer's stored keys and values, as the attention kernels read them.
 /// The decode variant for `layer`: [`super::decode_variant`], less the bit
 /// that reads values as a uniform grid's places where the layer's value
 /// table is not one.
@@ -264,6 +263,7 @@ fn decode_variant_for(layer: &TqLayer<'_>) -> Result<usize> {
     Ok(if layer.values_uniform { v } else { v & !super::DECODE_UNIFORM_VALUES })
 }
 
+/// One layer's stored keys and values, as the attention kernels read them.
 pub struct TqLayer<'a> {
     pub shape: AttentionShape,
     pub rot_k: &'a Array,
