@@ -198,6 +198,11 @@ __device__ __forceinline__ void tq_perm_sels3(const uint32_t (&lo)[NW], const ui
 // permutes (bytes 0-1, 1-2 and 2-3 of both rows), which leave its codes at
 // p = 0, 3, 6, 1, 4, 7, 2, 5; one AND a word then keeps a code.
 // (M, the output's room, is N where the caller uses it, as in tq_perm_sels3.)
+// Mantissa bit p of code c (0..7) of a 24-bit group in tq_lin_codes3.
+__device__ __forceinline__ constexpr int tq_lin_pos3(int c) {
+  return 3 * c - 8 * (c / 3);
+}
+
 template <int NW, int N, int M>
 __device__ __forceinline__ void tq_lin_codes3(const uint32_t (&lo)[NW], const uint32_t (&hi)[NW], uint32_t (&out)[M]) {
   static_assert(N % 8 == 0 || M < N, "rows of whole 24-bit groups");
@@ -209,7 +214,7 @@ __device__ __forceinline__ void tq_lin_codes3(const uint32_t (&lo)[NW], const ui
     const uint32_t u[3] = {__byte_perm(xl, xh, 0x5410), __byte_perm(xl, xh, 0x6521), __byte_perm(xl, xh, 0x7632)};
 #pragma unroll
     for (int c = 0; c < 8; ++c) {
-      const int p = 3 * c - 8 * (c / 3);
+      const int p = tq_lin_pos3(c);
       out[8 * q + c] = u[c / 3] & ((7u << p) | (7u << (p + 16)));
     }
   }
@@ -217,8 +222,7 @@ __device__ __forceinline__ void tq_lin_codes3(const uint32_t (&lo)[NW], const ui
 
 // 2^(24 - p) of code i's half in tq_lin_codes3.
 __device__ __forceinline__ float tq_lin_scale3(int i) {
-  const int c = i % 8;
-  return float(1 << (24 - (3 * c - 8 * (c / 3))));
+  return float(1 << (24 - tq_lin_pos3(i % 8)));
 }
 
 // The max and the sum of x over a warp's 32 lanes, in every lane.
