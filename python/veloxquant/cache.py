@@ -679,7 +679,7 @@ def make_prompt_cache(model, config: Optional[KVConfig] = None) -> List[Any]:
 def make_mlx_quantized_cache(model, bits: int = 4, group_size: int = 64) -> List[Any]:
     """mlx_lm's affine ``QuantizedKVCache`` from the first token in every plain KVCache layer."""
     if bits not in MLX_QUANTIZED_BITS:
-        raise ValueError(f"bits for mlx's quantized KV cache must be one of 2, 3, 4, 5, 6, 8, got {bits}")
+        raise ValueError(f"bits for mlx's quantized KV cache must be one of {', '.join(map(str, MLX_QUANTIZED_BITS))}, got {bits}")
     if group_size not in (32, 64, 128):
         raise ValueError(f"group_size must be 32, 64 or 128, got {group_size}")
     caches = base_caches(model)

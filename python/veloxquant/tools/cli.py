@@ -298,7 +298,7 @@ def validate_kv_args(args) -> None:
     bits = args.kv_bits if args.kv_cache == "mlx-quantized" else getattr(args, "mlx_kv_bits", None)
     if bits is not None and bits not in MLX_QUANTIZED_BITS:
         which = "mlx-quantized" if args.kv_cache == "mlx-quantized" else "mlx_lm's quantized cache (--kv-bits without --kv-cache)"
-        raise SystemExit(f"--kv-bits for {which} must be 2, 3, 4, 5, 6 or 8, got {bits}")
+        raise SystemExit(f"--kv-bits for {which} must be {', '.join(map(str, MLX_QUANTIZED_BITS))}, got {bits}")
 
 
 def install_kv_cache(model, args, tokenizer=None) -> None:

@@ -666,7 +666,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
 
     for b in mlx_bits:
         if b not in MLX_QUANTIZED_BITS:
-            raise SystemExit(f"--mlx-bits: {b} is not one of 2, 3, 4, 5, 6, 8")
+            raise SystemExit(f"--mlx-bits: {b} is not one of {', '.join(map(str, MLX_QUANTIZED_BITS))}")
     for kb, vb in bits:
         if not (1 <= kb <= 16 and 1 <= vb <= 16):
             raise SystemExit(f"--bits: {kb}/{vb} is out of range 1..16")
