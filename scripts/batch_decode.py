@@ -10,6 +10,10 @@ rows alternate (A B A B) so that the host's drift shows.
 
     .venv/bin/python scripts/batch_decode.py --sequences 32 --min-tokens 40 --step 5 \\
         --out docs/results/batch-decode-cpu.md
+
+``--shape`` takes one of ``veloxquant bench``'s shapes with random weights
+(``llama-8b`` on the GPU machine) instead of a model; prompts are then
+prefilled in chunks of 2048 tokens.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ import time
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default=None, help="an mlx_lm model path (default: SmolLM2-135M)")
+    p.add_argument("--shape", default=None, help="a veloxquant bench shape with random weights (llama-8b, ...) instead of --model")
     p.add_argument("--sequences", type=int, default=32)
     p.add_argument("--min-tokens", type=int, default=40)
     p.add_argument("--step", type=int, default=5, help="tokens added to each next prompt")
@@ -40,17 +45,24 @@ def main() -> None:
     from veloxquant.batch_cache import VeloxQuantBatchCache
     from veloxquant.cache import KVConfig, make_prompt_cache
 
-    model, _ = models.load(args.model)
-    blas.maybe_float32_compute(model)
+    if args.shape and args.model:
+        p.error("--shape and --model: give one")
+    if args.shape:
+        model = bench.build_model({"shape": args.shape})
+    else:
+        model, _ = models.load(args.model)
+        blas.maybe_float32_compute(model)
+    name = args.shape or args.model or "SmolLM2-135M"
     lengths = [args.min_tokens + args.step * i for i in range(args.sequences)]
     mx.random.seed(0)
     prompts = [mx.random.randint(0, 1000, (1, n)) for n in lengths]
+    chunk = 2048 if args.shape else 256
 
     def run(row: str) -> float:
         per_seq, first = [], []
         for prompt in prompts:
             cache = mlx_prompt_cache(model) if row == "fp16" else make_prompt_cache(model, KVConfig())
-            first.append(bench.prefill(model, cache, prompt, 256))
+            first.append(bench.prefill(model, cache, prompt, chunk))
             per_seq.append(cache)
         batch = [type(layer[0]).merge(list(layer)) for layer in zip(*per_seq)]
         attend_each = VeloxQuantBatchCache.attend_each
@@ -69,10 +81,10 @@ def main() -> None:
             VeloxQuantBatchCache.attend_each = attend_each
 
     lines = [
-        f"# Batched decode over per-sequence caches ({args.model or 'SmolLM2-135M'}, {args.sequences} sequences "
+        f"# Batched decode over per-sequence caches ({name}, {args.sequences} sequences "
         f"of {lengths[0]}-{lengths[-1]} tokens)",
         "",
-        f"`python scripts/batch_decode.py --sequences {args.sequences} --min-tokens {args.min_tokens} "
+        f"`python scripts/batch_decode.py{' --shape ' + args.shape if args.shape else ''} --sequences {args.sequences} --min-tokens {args.min_tokens} "
         f"--step {args.step} --steps {args.steps}`; {mx.default_device()}. Aggregate decode tokens/s over "
         f"{args.steps} steps; rows in the order run.",
         "",
