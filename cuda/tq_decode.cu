@@ -102,15 +102,9 @@ __shared__ float vc[1 << VB];
 // shared table (four PRMTs for four codes, no shared-memory reads).
 constexpr bool KPAIR = KB == 4 && (VARIANT & 1) == 0;
 constexpr bool VPERM = VB <= 3 && (VARIANT & 2) != 0;
-// VARIANT bit 5 (with KA and the pair table): the pair table held once for
-// each lane, entry e of lane l at word 32 e + l, so that a warp's 32
-// lookups fall in 32 distinct banks (one shared-memory cycle, where the
-// one table's random entries conflict); 32 KB of shared memory, two
-// blocks an SM still fit.
-constexpr bool KREP = KPAIR && (VARIANT & 8) != 0 && D <= 128 && (VARIANT & 32) != 0;
 // Aligned to its size, so that an entry's address is the table's base OR
 // its byte offset: one LOP3 masks a code byte into place and adds the base.
-__shared__ __align__(1024) uint32_t kt[KREP ? 256 * 32 : (KPAIR ? 256 : 1 << KB)];
+__shared__ __align__(1024) uint32_t kt[KPAIR ? 256 : 1 << KB];
 // The queries' A fragments, alike in every warp, with their zero rows: one
 // 16-byte load a k-step instead of 16 registers held and two moves (with
 // tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
@@ -276,13 +270,7 @@ if (MMA && compressed) {
   for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
   for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
   if (MMA && compressed) {
-    if (KREP) {
-      // A warp writes one entry's 32 copies at once: 32 banks.
-      for (uint32_t i = tid; i < 256u * 32u; i += TG) {
-        const uint32_t e = i >> 5;
-        kt[i] = tq_half_entry(k_cent, e & 15u) | (tq_half_entry(k_cent, e >> 4) << 16);
-      }
-    } else if (KPAIR) {
+    if (KPAIR) {
       for (uint32_t e = tid; e < 256u; e += TG) kt[e] = tq_half_entry(k_cent, e & 15u) | (tq_half_entry(k_cent, e >> 4) << 16);
     } else {
       for (uint32_t e = tid; e < (1u << KB); e += TG) kt[e] = tq_half_entry(k_cent, e);
@@ -367,20 +355,9 @@ if (MMA && compressed) {
     }
   }
   const uint32_t kt_base = static_cast<uint32_t>(__cvta_generic_to_shared(kt));
-  // With KREP, this lane's column of the tables: its byte offset, and the
-  // table's base plus it (the table is not aligned to its 32 KB, which
-  // would cost as much shared memory again, so the base is added, not ORed).
-  const uint32_t kt_lane = kt_base + (lane << 2);
   // Codes j, j + 1 of a key row's words as a half2 B register.
   auto key_pair = [&](const uint32_t(&w)[KNW], int j) -> uint32_t {
-    if constexpr (KREP) {
-      // The code byte at bits 7-14 (128 bytes an entry), the lane's column below.
-      const int sh = 4 * (j % 8);
-      const uint32_t x = w[j / 8], off = (sh >= 7 ? x >> (sh - 7) : x << (7 - sh)) & 0x7f80u;
-      uint32_t r;
-      asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(kt_lane + off));
-      return r;
-    } else if constexpr (KPAIR && !KA) {
+    if constexpr (KPAIR && !KA) {
       return kt[(w[j / 8] >> (4 * (j % 8))) & 0xffu];
     } else if constexpr (KPAIR) {
       const int sh = 4 * (j % 8);

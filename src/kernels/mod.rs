@@ -263,13 +263,11 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
 /// zero words, bit 3 makes a 16-token tile of keys the scores' A operand
 /// and the queries their B operand (heads of at most 128), bit 4
 /// ([`DECODE_UNIFORM_VALUES`], with bit 3) reads 3-bit values on a uniform
-/// grid without a table, bit 5 (with bit 3 and 4-bit keys) holds the key
-/// pair table once for each lane so that a warp's lookups never share a
-/// bank (not yet timed). `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 64: the
+/// grid without a table. `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 32: the
 /// variant plus one) sets another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 64, "a decode variant plus one")? - 1)
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 32, "a decode variant plus one")? - 1)
 }
 
 /// [`decode_variant`]'s bit that reads 3-bit value codes as float16
