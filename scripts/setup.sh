@@ -9,7 +9,7 @@ root="$(cd "$(dirname "$0")/.." && pwd)"
 cd "$root"
 
 MLX_VERSION=0.32.4
-PINNED=(nanobind==3.1.0 maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 mlx-lm==0.32.2
+PINNED=(nanobind==3.1.0 maturin==1.16.0 numpy==2.4.6 pytest==9.2.0 mlx-lm==0.32.2 gguf==0.19.0
         matplotlib==3.11.2 nbclient==0.11.0 nbformat==5.11.1 ipykernel==7.4.0)
 
 if [ "$(uname)" = "Linux" ]; then
@@ -33,7 +33,7 @@ if [ ! -x .venv/bin/python ]; then
   python3 -m venv .venv
 fi
 PY="$root/.venv/bin/python"
-if ! "$PY" -m pip show -q mlx nanobind maturin numpy pytest mlx-lm matplotlib nbclient nbformat ipykernel >/dev/null 2>&1 ||
+if ! "$PY" -m pip show -q mlx nanobind maturin numpy pytest mlx-lm gguf matplotlib nbclient nbformat ipykernel >/dev/null 2>&1 ||
    [ "$("$PY" -c 'import importlib.metadata as m; print(m.version("mlx"))')" != "$MLX_VERSION" ]; then
   echo "== installing Python packages"
   "$PY" -m pip install -q --upgrade pip

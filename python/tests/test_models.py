@@ -67,10 +67,10 @@ def test_kv_cache_decode_matches_full_forward(smollm):
     assert got.tolist() == full.tolist()
 
 
-def test_convert_rejects_non_llama(tmp_path):
+def test_convert_rejects_other_architectures(tmp_path):
     bad = tmp_path / "x.gguf"
     mx.save_gguf(str(bad), {"w": mx.zeros((2,))}, {"general.architecture": "mamba"})
-    with pytest.raises(ValueError, match="only the llama architecture"):
+    with pytest.raises(ValueError, match="only the llama and gemma3 architectures .* found .mamba"):
         models.convert_gguf(bad, tmp_path / "out", progress=lambda m: None)
 
 

@@ -157,12 +157,22 @@ def _tokenizer_json(meta: dict) -> str:
 
 
 def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = _say) -> Path:
-    """Convert a Llama-architecture GGUF into an mlx_lm model directory (float16)."""
-    progress(f"converting {gguf.name} to an MLX model in {out_dir} (once)")
-    tensors, meta = mx.load(str(gguf), return_metadata=True)
+    """Convert a GGUF into an mlx_lm model directory: the llama architecture
+    (float16), or Gemma 3 (:mod:`veloxquant.tools.gemma3`)."""
+    from . import gemma3
+
+    try:
+        tensors, meta = mx.load(str(gguf), return_metadata=True)
+    except RuntimeError:
+        # K-quant tensors (Gemma 3's file) are beyond mx.load; gemma3 reads
+        # them with the gguf package, and refuses any other architecture.
+        return gemma3.convert(gguf, out_dir, progress)
     arch = meta.get("general.architecture")
+    if arch == "gemma3":
+        return gemma3.convert(gguf, out_dir, progress)
     if arch != "llama":
-        raise ValueError(f"{gguf}: only the llama architecture is converted, found {arch!r}")
+        raise ValueError(f"{gguf}: only the llama and gemma3 architectures are converted, found {arch!r}")
+    progress(f"converting {gguf.name} to an MLX model in {out_dir} (once)")
     n_layers = _meta_int(meta, "llama.block_count")
     n_head = _meta_int(meta, "llama.attention.head_count")
     n_kv = _meta_int(meta, "llama.attention.head_count_kv")
@@ -225,13 +235,20 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = _s
     if "tokenizer.chat_template" in meta:
         tok_config["chat_template"] = meta["tokenizer.chat_template"]
 
+    return write_model_dir(out_dir, weights, config, _tokenizer_json(meta), tok_config, progress)
+
+
+def write_model_dir(out_dir: Path, weights: dict, config: dict, tokenizer_json: str, tok_config: dict,
+                    progress: Callable[[str], None] = _say) -> Path:
+    """An mlx_lm model directory at ``out_dir``, written whole or not at all
+    (a temporary directory beside it, renamed in place)."""
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
     tmp.chmod(0o755)
     try:
         mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
         (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(_tokenizer_json(meta))
+        (tmp / "tokenizer.json").write_text(tokenizer_json)
         (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -307,9 +324,16 @@ def check_model(model: str) -> str:
 
 
 def resolve_model(model: Optional[str]) -> str:
-    """``--model`` as given (checked by :func:`check_model`), or the default
-    model's directory (converted if needed)."""
-    return str(default_model_path()) if model in (None, "", "default") else check_model(model)
+    """``--model`` as given (checked by :func:`check_model`), or the directory
+    of a model veloxquant converts offline (if needed): the default model, or
+    ``gemma-3-270m``."""
+    from . import gemma3
+
+    if model in (None, "", "default"):
+        return str(default_model_path())
+    if model == gemma3.MODEL_NAME:
+        return str(gemma3.model_path())
+    return check_model(model)
 
 
 def load(model: Optional[str] = None, **kwargs):
