@@ -150,11 +150,25 @@ def _log_softmax(x: mx.array) -> mx.array:
     return x - mx.logsumexp(x, axis=-1, keepdims=True)
 
 
-def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int, on_tokens: Optional[Callable[[int], None]] = None):
+def replaced_layers(cache) -> List[int]:
+    """The layers of a model's own cache list that the compressed caches take:
+    those mlx_lm gives a plain ``KVCache`` (not sliding windows or recurrent
+    state). Bits per element and the share read from codes count these."""
+    from mlx_lm.models.cache import KVCache
+
+    return [i for i, c in enumerate(cache) if type(c) is KVCache]
+
+
+def teacher_forced(
+    model, ids: List[int], cache, prefix: int, chunk: int, on_tokens: Optional[Callable[[int], None]] = None,
+    layers: Optional[List[int]] = None,
+):
     """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``,
     and the share of the history the chunks' predictions read from codes
-    (tokens compressed over tokens held, before each chunk); ``on_tokens(n)``
-    after each forward, with the tokens fed so far."""
+    (tokens compressed over tokens held, before each chunk, in ``layers``, by
+    default all); ``on_tokens(n)`` after each forward, with the tokens fed so
+    far."""
+    counted = cache if layers is None else [cache[i] for i in layers]
     x = mx.array(ids)[None]
     outs = []
     logits = model(x[:, :prefix], cache=cache)
@@ -168,7 +182,7 @@ def teacher_forced(model, ids: List[int], cache, prefix: int, chunk: int, on_tok
         n = min(chunk, len(ids) - 1 - pos)
         # What the chunk's predictions will read of the history: held before
         # the chunk enters (the chunk itself is exact within its forward).
-        c, h = _compressed_share(cache)
+        c, h = _compressed_share(counted)
         comp, held = comp + c, held + h
         logits = model(x[:, pos : pos + n], cache=cache)
         outs.append(_log_softmax(logits[0]))
@@ -257,13 +271,17 @@ def evaluate(
     failed=None, progress: bool = False,
 ):
     """One `Result` per spec. A baseline that MLX cannot run on this device
-    (mlx_lm's quantized cache meets shapes MLX's CUDA back-end lacks) is
+    (mlx_lm's quantized cache meets shapes MLX's CUDA back-end lacks, or a
+    head size its 3-bit packing does not fit) is
     reported in `failed` with MLX's message when a list is given, and raises
     otherwise; the fp16 reference and veloxquant caches always raise.
     ``progress``: a bar on stderr within each spec, over the tokens it feeds
     (teacher forcing, then each needle prompt and its answer)."""
     from .compare import Progress
 
+    if not specs or specs[0].kind != "fp16":
+        # The reference, and the layers the others' figures count.
+        raise ValueError("the first spec must be the fp16 cache (the reference)")
     text_ids = encode_text(tokenizer, english_text())
     ids = text_ids[text_offset : text_offset + tokens]
     if len(ids) < tokens:
@@ -280,17 +298,22 @@ def evaluate(
     forced = len(ids) - 1
     total = forced + sum(len(p) + m for _, _, p, m in needles)
 
-    results, ref = [], None
+    results, ref, layers = [], None, None
     for spec in specs:
         t0 = time.time()
         _say(f"{spec.label}: teacher forcing over {tokens} tokens ({prefix} prefix, chunks of {chunk})")
         bar = Progress(spec.label, total, progress)
         cache = spec.make(model)
+        if spec.kind == "fp16":
+            layers = replaced_layers(cache)
         try:
             lp, share = teacher_forced(
-                model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing")
+                model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing"), layers=layers
             )
-        except RuntimeError as e:
+        except (RuntimeError, ValueError) as e:
+            # mlx_lm's QuantizedKVCache at 3 bits cannot hold head_dim 256
+            # (a ValueError from its own slice update), MLX's CUDA back-end
+            # lacks shapes (a RuntimeError).
             bar.close()
             if failed is None or spec.kind != "mlx-quantized":
                 raise
@@ -300,12 +323,12 @@ def evaluate(
         r = Result(spec)
         nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).squeeze(-1)
         r.ppl = math.exp(nll.mean().item())
-        r.kv_bytes = cache_nbytes(cache)
-        r.data_bytes = cache_data_nbytes(cache)
+        r.kv_bytes = cache_nbytes([cache[i] for i in layers])
+        r.data_bytes = cache_data_nbytes([cache[i] for i in layers])
         r.compressed_share = share
         if spec.kind == "fp16":
             ref = lp
-            elements = _kv_elements(cache)
+            elements = _kv_elements([cache[i] for i in layers])
             r.top1, r.kl = 1.0, 0.0
         if ref is not None:
             r.top1 = (lp.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
@@ -333,8 +356,6 @@ def evaluate(
             f"needle {sum(r.needle.values())}/{len(r.needle)} ({r.seconds:.0f}s)"
         )
         results.append(r)
-    if ref is None:
-        raise ValueError("the specs must include the fp16 cache (the reference)")
     return results
 
 
@@ -363,6 +384,16 @@ def targets_met(results: List[Result]) -> List[str]:
     return lines
 
 
+def _layers_note(layers) -> str:
+    """Which layers the figures count, where a model keeps some of its own caches."""
+    if not layers or layers[0] == layers[1]:
+        return ""
+    return (
+        f"; both, and 'from codes', count the {layers[0]} of {layers[1]} layers that the compared caches take "
+        "(those with a full-context KVCache; the others keep the model's sliding-window caches in every row)"
+    )
+
+
 def to_markdown(results: List[Result], meta: dict) -> str:
     fp = next(r for r in results if r.spec.kind == "fp16")
     needle_keys = list(fp.needle)
@@ -375,7 +406,9 @@ def to_markdown(results: List[Result], meta: dict) -> str:
         "A chunk's predictions read the history as the cache holds it when the chunk arrives (the chunk's own "
         "tokens exactly); chunks are no longer than the window, and 'from codes' is the measured share of that "
         "history read from codes. Bits per element: 'stored' counts the data of the tokens held (codes, norms, "
-        "scales, means, windows, rotations and codebooks), 'held' adds the capacity allocated ahead. "
+        "scales, means, windows, rotations and codebooks), 'held' adds the capacity allocated ahead"
+        + _layers_note(meta.get("layers"))
+        + ". "
         f"Needle: pass-key retrieval, greedy, at length@depth {', '.join(needle_keys) or 'none'}. "
         f"Device: {meta['device']}.",
         "",
@@ -401,7 +434,7 @@ def to_markdown(results: List[Result], meta: dict) -> str:
     if meta.get("skipped"):
         lines += ["", "Skipped (width not offered by the method): " + "; ".join(meta["skipped"]) + "."]
     if meta.get("failed"):
-        lines += ["", "Not run (MLX has no implementation for it on this device): " + "; ".join(meta["failed"])]
+        lines += ["", "Not run (MLX or mlx_lm cannot run it here): " + "; ".join(meta["failed"])]
     t = targets_met(results)
     lines += ["", "## Targets", ""] + ([f"- {x}" for x in t] or ["- no veloxquant configuration near 2.5 or 3.5 bits/element was run"])
     return "\n".join(lines) + "\n"
@@ -749,6 +782,10 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "skipped": skipped,
         "failed": failed,
     }
+    from mlx_lm.models.cache import make_prompt_cache as model_cache
+
+    own = model_cache(model)
+    meta["layers"] = [len(replaced_layers(own)), len(own)]
     md = to_markdown(results, meta)
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(
