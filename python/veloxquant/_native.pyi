@@ -228,7 +228,9 @@ class LayerCache:
     group), a multiple of 8 from 8 to 1024. ``key_widths``: KIVI keys' bits
     per channel, ``n_kv_heads * head_dim`` widths of 1 to 8, each head's
     adding up to ``head_dim * key_bits`` (``kivi_channel_widths``); None
-    gives every channel ``key_bits``.
+    gives every channel ``key_bits``. Without bits the cache takes the
+    default recipe, keys at 4 bits and values at 3; ``value_bits`` otherwise
+    defaults to ``key_bits``.
 
     A cache may be made, used and dropped on any thread. MLX streams are per
     thread: work a cache queued on one thread must be evaluated there before
@@ -242,7 +244,7 @@ class LayerCache:
         key_method: _Method = "turboquant-mse",
         key_bits: int = 4,
         value_method: _Method = "turboquant-mse",
-        value_bits: int = 4,
+        value_bits: Optional[int] = None,
         window: int = 128,
         sinks: int = 4,
         seed: int = 0,

@@ -73,7 +73,7 @@ impl PyLayerCache {
         signature = (head_dim, n_kv_heads, key_method = None, key_bits = None, value_method = None, value_bits = None,
                      window = None, sinks = None, seed = None, policy = None, device = None, key_group = None, key_widths = None),
         text_signature = "(head_dim, n_kv_heads, key_method='turboquant-mse', key_bits=4, value_method='turboquant-mse', \
-                          value_bits=4, window=128, sinks=4, seed=0, policy='auto', device=None, key_group=32, key_widths=None)"
+                          value_bits=None, window=128, sinks=4, seed=0, policy='auto', device=None, key_group=32, key_widths=None)"
     )]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -99,16 +99,20 @@ impl PyLayerCache {
         let mut cfg = CacheConfig::new(head, heads);
         cfg.key_method = Method::parse_arg("key_method", &str_or(key_method, "key_method", "turboquant-mse")?).map_err(to_py_err)?;
         cfg.value_method = Method::parse_arg("value_method", &str_or(value_method, "value_method", "turboquant-mse")?).map_err(to_py_err)?;
-        let bits = |o: Option<&Bound<'_, PyAny>>, name: &str, method: Method| -> PyResult<u32> {
-            let Some(o) = given(o) else { return Ok(4) };
+        let bits = |o: Option<&Bound<'_, PyAny>>, name: &str, method: Method, default: u32| -> PyResult<u32> {
+            let Some(o) = given(o) else { return Ok(default) };
             let allowed = match method.supported_bits() {
                 Some(b) => format!("one of {b:?} for {method}"),
                 None => format!("an integer >= 0 ({method} ignores bits)"),
             };
             bits_arg(&o, name, &allowed)
         };
-        cfg.key_bits = bits(key_bits, "key_bits", cfg.key_method)?;
-        cfg.value_bits = bits(value_bits, "value_bits", cfg.value_method)?;
+        // CacheConfig's recipe (TurboQuant-MSE K4/V3) where no bits are
+        // given; otherwise the values take the keys' bits, as KVConfig does.
+        let recipe = given(key_bits).is_none() && [cfg.key_method, cfg.value_method] == [Method::TurboQuantMse; 2];
+        cfg.key_bits = bits(key_bits, "key_bits", cfg.key_method, cfg.key_bits)?;
+        let value_default = if recipe { cfg.value_bits } else { cfg.key_bits };
+        cfg.value_bits = bits(value_bits, "value_bits", cfg.value_method, value_default)?;
         let size = |o: Option<&Bound<'_, PyAny>>, name: &str, default: usize, allowed: &str| -> PyResult<usize> {
             given(o).map_or(Ok(default), |o| size_arg(&o, name, allowed))
         };
