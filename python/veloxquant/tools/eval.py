@@ -770,7 +770,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     meta = {
-        "model": path if args.model else models.DEFAULT_MODEL_NAME,
+        "model": Path(path).name if args.model else models.DEFAULT_MODEL_NAME,
         "tokens": args.tokens,
         "prefix": args.prefix,
         "chunk": args.chunk,
