@@ -18,7 +18,9 @@ channels get unequal bits (a candidate, not in the cache): each KV head's
 channels share the same total of bits, given greedily where a bit removes
 the most score error, weighing channel c by E[q_c^2] * range(k_c)^2 over
 the first --calibration tokens (the attention's own queries: weighting by
-the keys alone gains nothing).
+the keys alone gains nothing); and the same weights choosing only which half
+of the channels takes one bit more and which one bit less (two code widths,
+a layout a kernel reads without per-channel offsets).
 Bits per element are what each quantizer stores (codes, norms, scales and
 zeros, the mean), from its own accounting.
 
@@ -42,6 +44,17 @@ def channel_bits(weight, bits: float, low: int = 1, high: int = 8):
         gain = weight * (4.0 ** -widths - 4.0 ** -(widths + 1.0))
         gain[widths >= high] = -1.0
         widths[int(np.argmax(gain))] += 1
+    return widths
+
+
+def two_widths(weight, bits: int):
+    """Half the channels (those of most weight) at ``bits + 1``, the other
+    half at ``bits - 1``: ``bits`` on average, and two planes of one code
+    width each, which a kernel reads as it reads one width."""
+    import numpy as np
+
+    widths = np.full(len(weight), bits - 1)
+    widths[np.argsort(-weight)[: len(weight) // 2]] = bits + 1
     return widths
 
 
@@ -128,12 +141,12 @@ def main() -> None:
             return np.stack([kv.decode(e) for e in encs]), stored
         return run
 
-    def kivi_channel_bits(group):
+    def kivi_channel_bits(group, allot=channel_bits):
         def run(q, k, bits):
             heads, n, d = k.shape
             calib = max(1, min(args.calibration, n))
             q_heads = q.reshape(heads, -1, n, d)[:, :, :calib].reshape(heads, -1, d)
-            widths = np.stack([channel_bits((q_heads[h] ** 2).mean(0) * np.ptp(k[h, :calib], 0) ** 2, bits)
+            widths = np.stack([allot((q_heads[h] ** 2).mean(0) * np.ptp(k[h, :calib], 0) ** 2, bits)
                                for h in range(heads)])
             full = n // group * group
             x = k[:, :full].reshape(heads, -1, group, d)
@@ -152,7 +165,9 @@ def main() -> None:
     methods = [("TurboQuant-MSE", turboquant(False)), ("TurboQuant-MSE, centred", turboquant(True)),
                ("TurboQuant-MSE, centred, channels scaled by query energy", turboquant(True, True))]
     methods += [(f"KIVI keys, group {g}", kivi(g)) for g in (32, 64, 128)]
-    methods += [("KIVI keys, group 128, bits per channel by query energy", kivi_channel_bits(128))]
+    methods += [(f"KIVI keys, group {g}, bits per channel by query energy", kivi_channel_bits(g)) for g in (64, 128)]
+    methods += [(f"KIVI keys, group {g}, half the channels at bits + 1 and half at bits - 1 by query energy",
+                 kivi_channel_bits(g, two_widths)) for g in (64, 128)]
     t0 = time.perf_counter()
     lines = [
         f"# Attention error of key quantizers ({args.model or 'SmolLM2-135M'}, {len(ids)} tokens, "
