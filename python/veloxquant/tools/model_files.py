@@ -61,6 +61,15 @@ def is_current(path: Path) -> bool:
     return conv.get("version") == CONVERSION_VERSION and (path / "model.safetensors").is_file()
 
 
+def converted_model(name: str, find: Callable, convert: Callable, progress: Callable[[str], None] = say) -> Path:
+    """``<home>/models/<name>``, converted first from the GGUF that ``find``
+    gives unless a current conversion is there."""
+    path = home() / "models" / name
+    if not is_current(path):
+        convert(find(progress), path, progress)
+    return path
+
+
 def tokenizer_config(tokens, bos: int, eos: int, unk: int, pad: int, max_length: int, chat_template=None, **extra) -> dict:
     """A converted model's ``tokenizer_config.json``: a fast tokenizer (from
     its ``tokenizer.json``) and its special tokens, given by id."""

