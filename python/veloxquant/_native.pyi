@@ -8,6 +8,8 @@ import numpy as np
 
 MLX_VERSION: str
 MAX_KIVI_KEY_GROUP: int  # the longest KIVI key group a cache takes (tokens)
+DEFAULT_KEY_BITS: int  # the default recipe's key bits (TurboQuant-MSE K4/V3)
+DEFAULT_VALUE_BITS: int  # the default recipe's value bits
 # The cache's methods: name -> (supported bits, or None where bits are ignored; keys only).
 CACHE_METHODS: Dict[str, Tuple[Optional[list[int]], bool]]
 CACHE_METHOD_ALIASES: Dict[str, str]

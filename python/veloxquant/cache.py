@@ -36,7 +36,9 @@ from .state_files import (
     state_checksums,
 )
 from .attention import FUSED_MAX_QUERIES, _up
-from ._native import CACHE_METHOD_ALIASES, CACHE_METHODS, MAX_KIVI_KEY_GROUP, LayerCache
+# DEFAULT_KEY_BITS, DEFAULT_VALUE_BITS: the default recipe (KVConfig without
+# key_bits or value_bits; bench's k4v3), CacheConfig's.
+from ._native import CACHE_METHOD_ALIASES, CACHE_METHODS, DEFAULT_KEY_BITS, DEFAULT_VALUE_BITS, MAX_KIVI_KEY_GROUP, LayerCache
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group",
            "key_channel_bits")
@@ -55,9 +57,6 @@ KEY_ONLY_METHODS = tuple(m for m, (_, keys_only) in CACHE_METHODS.items() if key
 # layers measure at most 0.02 at 4 bits, 0.09 at 3 and 0.25 at 2 (256
 # tokens of English); a layer past this loses much of what it attends to.
 AUTO_PROTECT_ERROR = 0.3
-# The default recipe's bits (KVConfig without key_bits or value_bits; bench's k4v3).
-DEFAULT_KEY_BITS = 4
-DEFAULT_VALUE_BITS = 3
 # A chunk added before the last one was attended through the cache.
 _BYPASSED = (
     "the model's attention bypassed mlx_lm.models.base.scaled_dot_product_attention, so it "

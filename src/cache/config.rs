@@ -274,17 +274,16 @@ pub struct CacheConfig {
 }
 
 impl CacheConfig {
-    /// The default recipe: TurboQuant-MSE keys at 4 bits and values at 3
-    /// (keys cause nearly all of the loss), a window of 128 recent tokens
-    /// and 4 sinks in float16.
+    /// The default recipe ([`DEFAULT_KEY_BITS`], [`DEFAULT_VALUE_BITS`]), a
+    /// window of 128 recent tokens and 4 sinks in float16.
     pub fn new(head_dim: usize, kv_heads: usize) -> Self {
         CacheConfig {
             head_dim,
             kv_heads,
             key_method: Method::TurboQuantMse,
-            key_bits: 4,
+            key_bits: DEFAULT_KEY_BITS,
             value_method: Method::TurboQuantMse,
-            value_bits: 3,
+            value_bits: DEFAULT_VALUE_BITS,
             window: 128,
             sinks: 4,
             key_group: KIVI_GROUP,
@@ -428,5 +427,9 @@ pub fn channel_widths(weights: &[f32], dim: usize, bits: u32) -> Result<Vec<u8>>
 
 /// KIVI's group size (tokens for keys by default, channels for values).
 pub const KIVI_GROUP: usize = 32;
+/// The default recipe's bits: TurboQuant-MSE keys at 4 and values at 3
+/// (keys cause nearly all of the loss).
+pub const DEFAULT_KEY_BITS: u32 = 4;
+pub const DEFAULT_VALUE_BITS: u32 = 3;
 /// The longest KIVI key group a cache takes (tokens).
 pub const MAX_KIVI_KEY_GROUP: usize = 1024;

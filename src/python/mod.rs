@@ -607,6 +607,8 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     }
     m.add("MLX_VERSION", mlx_compiled_version())?;
     m.add("MAX_KIVI_KEY_GROUP", crate::cache::MAX_KIVI_KEY_GROUP)?;
+    m.add("DEFAULT_KEY_BITS", crate::cache::DEFAULT_KEY_BITS)?;
+    m.add("DEFAULT_VALUE_BITS", crate::cache::DEFAULT_VALUE_BITS)?;
     // The cache's methods as the crate defines them: name -> (supported
     // bits or None where bits are ignored, keys only).
     let methods = pyo3::types::PyDict::new(m.py());
