@@ -161,14 +161,14 @@ def replaced_layers(cache) -> List[int]:
 
 def teacher_forced(
     model, ids: List[int], cache, prefix: int, chunk: int, on_tokens: Optional[Callable[[int], None]] = None,
-    layers: Optional[List[int]] = None,
+    counted: Optional[list] = None,
 ):
     """Log-probabilities [T, V] predicting ids[prefix:], fed through ``cache``,
     and the share of the history the chunks' predictions read from codes
-    (tokens compressed over tokens held, before each chunk, in ``layers``, by
-    default all); ``on_tokens(n)`` after each forward, with the tokens fed so
-    far."""
-    counted = cache if layers is None else [cache[i] for i in layers]
+    (tokens compressed over tokens held, before each chunk, in the layers'
+    caches ``counted``, by default all); ``on_tokens(n)`` after each forward,
+    with the tokens fed so far."""
+    counted = cache if counted is None else counted
     x = mx.array(ids)[None]
     outs = []
     logits = model(x[:, :prefix], cache=cache)
@@ -268,7 +268,7 @@ def _method_specs(m: str, key_method: str, value_method: str, bits, window: int,
 
 def evaluate(
     model, tokenizer, specs, tokens: int, prefix: int, chunk: int, needle_lengths, needle_depths, text_offset: int = 0,
-    failed=None, progress: bool = False,
+    failed=None, progress: bool = False, layers: Optional[List[int]] = None,
 ):
     """One `Result` per spec. A baseline that MLX cannot run on this device
     (mlx_lm's quantized cache meets shapes MLX's CUDA back-end lacks, or a
@@ -276,12 +276,15 @@ def evaluate(
     reported in `failed` with MLX's message when a list is given, and raises
     otherwise; the fp16 reference and veloxquant caches always raise.
     ``progress``: a bar on stderr within each spec, over the tokens it feeds
-    (teacher forcing, then each needle prompt and its answer)."""
+    (teacher forcing, then each needle prompt and its answer). Bits, bytes
+    and the share read from codes count ``layers`` (default: those the
+    compressed caches take, :func:`replaced_layers`)."""
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
     from .compare import Progress
 
-    if not specs or specs[0].kind != "fp16":
-        # The reference, and the layers the others' figures count.
-        raise ValueError("the first spec must be the fp16 cache (the reference)")
+    if layers is None:
+        layers = replaced_layers(mlx_make(model))
     text_ids = encode_text(tokenizer, english_text())
     ids = text_ids[text_offset : text_offset + tokens]
     if len(ids) < tokens:
@@ -298,17 +301,16 @@ def evaluate(
     forced = len(ids) - 1
     total = forced + sum(len(p) + m for _, _, p, m in needles)
 
-    results, ref, layers = [], None, None
+    results, ref = [], None
     for spec in specs:
         t0 = time.time()
         _say(f"{spec.label}: teacher forcing over {tokens} tokens ({prefix} prefix, chunks of {chunk})")
         bar = Progress(spec.label, total, progress)
         cache = spec.make(model)
-        if spec.kind == "fp16":
-            layers = replaced_layers(cache)
+        counted = [cache[i] for i in layers]
         try:
             lp, share = teacher_forced(
-                model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing"), layers=layers
+                model, ids, cache, prefix, chunk, on_tokens=lambda n: bar.to(n, "teacher forcing"), counted=counted
             )
         except (RuntimeError, ValueError) as e:
             # mlx_lm's QuantizedKVCache at 3 bits cannot hold head_dim 256
@@ -323,12 +325,12 @@ def evaluate(
         r = Result(spec)
         nll = -mx.take_along_axis(lp, targets[:, None], axis=-1).squeeze(-1)
         r.ppl = math.exp(nll.mean().item())
-        r.kv_bytes = cache_nbytes([cache[i] for i in layers])
-        r.data_bytes = cache_data_nbytes([cache[i] for i in layers])
+        r.kv_bytes = cache_nbytes(counted)
+        r.data_bytes = cache_data_nbytes(counted)
         r.compressed_share = share
         if spec.kind == "fp16":
             ref = lp
-            elements = _kv_elements([cache[i] for i in layers])
+            elements = _kv_elements(counted)
             r.top1, r.kl = 1.0, 0.0
         if ref is not None:
             r.top1 = (lp.argmax(-1) == ref.argmax(-1)).astype(mx.float32).mean().item()
@@ -356,6 +358,8 @@ def evaluate(
             f"needle {sum(r.needle.values())}/{len(r.needle)} ({r.seconds:.0f}s)"
         )
         results.append(r)
+    if ref is None:
+        raise ValueError("the specs must include the fp16 cache (the reference)")
     return results
 
 
@@ -763,9 +767,13 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         kept.append(s)
     specs = kept
     failed: List[str] = []
+    from mlx_lm.models.cache import make_prompt_cache as mlx_make
+
+    own = mlx_make(model)
+    layers = replaced_layers(own)
     results = evaluate(
         model, tokenizer, specs, args.tokens, args.prefix, args.chunk, lengths, depths, failed=failed,
-        progress=not args.no_progress,
+        progress=not args.no_progress, layers=layers,
     )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -782,10 +790,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         "skipped": skipped,
         "failed": failed,
     }
-    from mlx_lm.models.cache import make_prompt_cache as model_cache
-
-    own = model_cache(model)
-    meta["layers"] = [len(replaced_layers(own)), len(own)]
+    meta["layers"] = [len(layers), len(own)]
     md = to_markdown(results, meta)
     (out / "results.md").write_text(md)
     (out / "results.json").write_text(

@@ -21,6 +21,7 @@ from typing import Callable, Optional
 
 import mlx.core as mx
 
+from . import gemma3
 from .model_files import CONVERSION_VERSION, converted_model, home, say, tokenizer_config, write_model_dir
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -148,8 +149,6 @@ def _tokenizer_json(meta: dict) -> str:
 def convert_gguf(gguf: Path, out_dir: Path, progress: Callable[[str], None] = say) -> Path:
     """Convert a GGUF into an mlx_lm model directory: the llama architecture
     (float16), or Gemma 3 (:mod:`veloxquant.tools.gemma3`)."""
-    from . import gemma3
-
     try:
         tensors, meta = mx.load(str(gguf), return_metadata=True)
     except RuntimeError:
@@ -274,8 +273,6 @@ def resolve_model(model: Optional[str]) -> str:
     """``--model`` as given (checked by :func:`check_model`), or the directory
     of a model veloxquant converts offline (if needed): the default model, or
     ``gemma-3-270m``."""
-    from . import gemma3
-
     if model in (None, "", "default"):
         return str(default_model_path())
     if model == gemma3.MODEL_NAME:
