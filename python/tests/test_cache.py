@@ -11,6 +11,7 @@ import pytest
 from mlx_lm.models.cache import KVCache, QuantizedKVCache, RotatingKVCache, load_prompt_cache, save_prompt_cache
 
 from veloxquant import attention
+from veloxquant._native import LayerCache
 from veloxquant.cache import (
     CorruptStateError,
     KVConfig,
@@ -47,6 +48,16 @@ def test_default_recipe_is_k4v3_and_given_key_bits_carry_to_values():
     assert KVConfig(key_method="kivi", value_method="turboquant-mse").value_bits == 4
     assert KVConfig(value_bits=2).key_bits == 4
     assert KVConfig.from_json(c.to_json()) == c
+
+
+@pytest.mark.parametrize("methods", [{}, {"key_method": "kivi"}, {"value_method": "kivi"}, {"key_method": "affine", "value_method": "affine"}])
+@pytest.mark.parametrize("key_bits", [None, 2, 8])
+def test_kvconfig_and_layer_cache_take_the_same_value_bits(methods, key_bits):
+    # One rule (the crate's default_value_bits) for both entry points.
+    bits = {} if key_bits is None else {"key_bits": key_bits}
+    c = KVConfig(**methods, **bits)
+    layer = LayerCache(64, 2, **methods, **bits)
+    assert (layer.config["key_bits"], layer.config["value_bits"]) == (c.key_bits, c.value_bits)
 
 
 def test_key_only_methods_pair_with_turboquant_values():

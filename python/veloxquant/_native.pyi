@@ -31,6 +31,12 @@ def turboquant_levels(dim: int, bits: int, keys: bool) -> list[float]:
     """The levels a cache's TurboQuant-MSE keys or values quantize a rotated, normalised
     coordinate with (ascending): Lloyd-Max, or the uniform grid of 3-bit values."""
     ...
+def default_value_bits(key_method: str, value_method: str, key_bits: Optional[int] = None) -> int:
+    """The values' bits when a configuration gives none: DEFAULT_VALUE_BITS
+    where no key bits are given and both methods are turboquant-mse, else
+    the keys' bits (DEFAULT_KEY_BITS where not given)."""
+    ...
+
 def kivi_channel_widths(weights: Sequence[Sequence[float]], bits: int) -> List[int]:
     """KIVI keys' bits per channel (1 to 8, `bits` on average per KV head) from
     `weights` `[kv_heads][head_dim]`, what an error in each channel costs the

@@ -36,9 +36,9 @@ from .state_files import (
     state_checksums,
 )
 from .attention import FUSED_MAX_QUERIES, _up
-# DEFAULT_KEY_BITS, DEFAULT_VALUE_BITS: the default recipe (KVConfig without
-# key_bits or value_bits; bench's k4v3), CacheConfig's.
-from ._native import CACHE_METHOD_ALIASES, CACHE_METHODS, DEFAULT_KEY_BITS, DEFAULT_VALUE_BITS, MAX_KIVI_KEY_GROUP, LayerCache
+# DEFAULT_KEY_BITS and default_value_bits: the default recipe (KVConfig without
+# key_bits or value_bits; bench's k4v3), the crate's, as LayerCache takes it.
+from ._native import CACHE_METHOD_ALIASES, CACHE_METHODS, DEFAULT_KEY_BITS, MAX_KIVI_KEY_GROUP, LayerCache, default_value_bits
 
 _FIELDS = ("key_method", "key_bits", "value_method", "value_bits", "window", "sinks", "seed", "policy", "key_group",
            "key_channel_bits")
@@ -131,9 +131,6 @@ class KVConfig:
                     object.__setattr__(self, "value_bits", 4)
             else:
                 object.__setattr__(self, "value_method", self.key_method)
-        if self.value_bits is None:
-            default_values = default_bits and self.key_method == self.value_method == "turboquant-mse"
-            object.__setattr__(self, "value_bits", DEFAULT_VALUE_BITS if default_values else self.key_bits)
         for name in ("key_method", "value_method"):
             v = getattr(self, name)
             if not isinstance(v, str) or not v:
@@ -141,6 +138,9 @@ class KVConfig:
             if v not in METHODS:
                 raise ValueError(f"KVConfig.{name}: unknown method {v!r}; choose from {', '.join(METHODS)}")
         for name in ("key_bits", "value_bits"):
+            if name == "value_bits" and self.value_bits is None:
+                given = None if default_bits else self.key_bits
+                object.__setattr__(self, "value_bits", default_value_bits(self.key_method, self.value_method, given))
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 16:
                 raise ValueError(f"KVConfig.{name} must be an integer from 1 to 16, got {v!r}")

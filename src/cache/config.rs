@@ -431,5 +431,17 @@ pub const KIVI_GROUP: usize = 32;
 /// (keys cause nearly all of the loss).
 pub const DEFAULT_KEY_BITS: u32 = 4;
 pub const DEFAULT_VALUE_BITS: u32 = 3;
+
+/// The values' bits when a configuration gives none: the default recipe's
+/// [`DEFAULT_VALUE_BITS`] where no key bits are given either and both sides
+/// are TurboQuant-MSE; otherwise the keys' bits ([`DEFAULT_KEY_BITS`] where
+/// not given).
+pub fn default_value_bits(key_method: Method, value_method: Method, key_bits: Option<u32>) -> u32 {
+    match key_bits {
+        Some(bits) => bits,
+        None if [key_method, value_method] == [Method::TurboQuantMse; 2] => DEFAULT_VALUE_BITS,
+        None => DEFAULT_KEY_BITS,
+    }
+}
 /// The longest KIVI key group a cache takes (tokens).
 pub const MAX_KIVI_KEY_GROUP: usize = 1024;

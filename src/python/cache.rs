@@ -107,11 +107,9 @@ impl PyLayerCache {
             };
             bits_arg(&o, name, &allowed)
         };
-        // CacheConfig's recipe (TurboQuant-MSE K4/V3) where no bits are
-        // given; otherwise the values take the keys' bits, as KVConfig does.
-        let recipe = given(key_bits).is_none() && [cfg.key_method, cfg.value_method] == [Method::TurboQuantMse; 2];
         cfg.key_bits = bits(key_bits, "key_bits", cfg.key_method, cfg.key_bits)?;
-        let value_default = if recipe { cfg.value_bits } else { cfg.key_bits };
+        let keys_given = given(key_bits).is_some().then_some(cfg.key_bits);
+        let value_default = crate::cache::default_value_bits(cfg.key_method, cfg.value_method, keys_given);
         cfg.value_bits = bits(value_bits, "value_bits", cfg.value_method, value_default)?;
         let size = |o: Option<&Bound<'_, PyAny>>, name: &str, default: usize, allowed: &str| -> PyResult<usize> {
             given(o).map_or(Ok(default), |o| size_arg(&o, name, allowed))

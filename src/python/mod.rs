@@ -182,6 +182,17 @@ fn turboquant_levels(dim: &Bound<'_, PyAny>, bits: &Bound<'_, PyAny>, keys: bool
     side.table(dim, cfg.seed).map_err(to_py_err)?.ok_or_else(|| PyValueError::new_err("TurboQuant-MSE has a table"))
 }
 
+/// The values' bits when a configuration gives none
+/// (`crate::cache::default_value_bits`): what `KVConfig` and `LayerCache`
+/// both take.
+#[pyfunction]
+#[pyo3(signature = (key_method, value_method, key_bits = None))]
+fn default_value_bits(key_method: &str, value_method: &str, key_bits: Option<u32>) -> PyResult<u32> {
+    let key = crate::cache::Method::parse_arg("key_method", key_method).map_err(to_py_err)?;
+    let value = crate::cache::Method::parse_arg("value_method", value_method).map_err(to_py_err)?;
+    Ok(crate::cache::default_value_bits(key, value, key_bits))
+}
+
 /// KIVI keys' bits per channel from `weights` `[kv_heads][head_dim]` (what
 /// an error in each channel costs the scores), `bits` on average: the
 /// `key_widths` of a `LayerCache`, flat (`crate::cache::channel_widths`).
@@ -635,6 +646,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(turboquant_levels, m)?)?;
     m.add_function(wrap_pyfunction!(bit_pack, m)?)?;
     m.add_function(wrap_pyfunction!(kivi_channel_widths, m)?)?;
+    m.add_function(wrap_pyfunction!(default_value_bits, m)?)?;
     m.add_function(wrap_pyfunction!(bit_unpack, m)?)?;
     m.add_function(wrap_pyfunction!(vq_quantize, m)?)?;
     m.add_function(wrap_pyfunction!(scalar_quantize, m)?)?;
