@@ -58,7 +58,9 @@ def main() -> None:
     prompts = [mx.random.randint(0, 1000, (1, n)) for n in lengths]
     chunk = 2048 if args.shape else 256
 
-    def run(row: str) -> float:
+    def run(row: str):
+        """Aggregate tokens/s, then the seconds a step spends building its
+        graph on the host and evaluating it (launches and the device's work)."""
         per_seq, first = [], []
         for prompt in prompts:
             cache = mlx_prompt_cache(model) if row == "fp16" else make_prompt_cache(model, KVConfig())
@@ -71,12 +73,16 @@ def main() -> None:
             VeloxQuantBatchCache.attend_each = lambda self, q, attend, scale=None: attend_each(self, q, attend)
         try:
             y = mx.concatenate(first)
+            build = 0.0
             for i in range(3 + args.steps):
                 if i == 3:
-                    t0 = time.perf_counter()
+                    t0, build = time.perf_counter(), 0.0
+                tb = time.perf_counter()
                 y = mx.argmax(model(y[:, None], cache=batch)[:, -1], axis=-1)
+                build += time.perf_counter() - tb
                 mx.eval(y)
-            return args.sequences * args.steps / (time.perf_counter() - t0)
+            elapsed = time.perf_counter() - t0
+            return args.sequences * args.steps / elapsed, build / args.steps, (elapsed - build) / args.steps
         finally:
             VeloxQuantBatchCache.attend_each = attend_each
 
@@ -86,17 +92,19 @@ def main() -> None:
         "",
         f"`python scripts/batch_decode.py{' --shape ' + args.shape if args.shape else ''} --sequences {args.sequences} --min-tokens {args.min_tokens} "
         f"--step {args.step} --steps {args.steps}`; {mx.default_device()}. Aggregate decode tokens/s over "
-        f"{args.steps} steps; rows in the order run.",
+        f"{args.steps} steps, and a step's time split into building its graph (host) and evaluating it "
+        "(launches and the device's work); rows in the order run.",
         "",
-        "| cache | attention | tok/s aggregate |",
-        "|---|---|---|",
+        "| cache | attention | tok/s aggregate | build ms/step | eval ms/step |",
+        "|---|---|---|---|---|",
     ]
     print("\n".join(lines), flush=True)
     for row in ("fp16", "batched", "per-sequence", "batched", "per-sequence"):
         cache = "float16 (mlx_lm BatchKVCache)" if row == "fp16" else "veloxquant (default recipe)"
         how = {"fp16": "SDPA over the batch", "batched": "one operation a layer",
                "per-sequence": "one call per sequence"}[row]
-        line = f"| {cache} | {how} | {run(row):.1f} |"
+        tok_s, build, evaluate = run(row)
+        line = f"| {cache} | {how} | {tok_s:.1f} | {build * 1e3:.2f} | {evaluate * 1e3:.2f} |"
         lines.append(line)
         print(line, flush=True)
     if args.out:

@@ -419,6 +419,14 @@ def test_append_each_equals_each_sequence_alone(kw):
     LayerCache.append_each(ready, k, k)
     ops = pending_primitives([a for c in ready for a in held(c)])
     assert ops.count("veloxquant_window_append_each") == 1 and "veloxquant_window_append" not in ops, ops
+    # A sequence whose sinks are still filling takes the general path; the
+    # others' tokens still join their windows in one operation.
+    mixed = [_layer_holding(n, **kw) for n in (20, 2, 33)]
+    for c in mixed:
+        mx.eval(held(c))
+    LayerCache.append_each(mixed, k, k)
+    ops = pending_primitives([a for c in (mixed[0], mixed[2]) for a in held(c)])
+    assert ops.count("veloxquant_window_append_each") == 1 and "veloxquant_window_append" not in ops, ops
 
 
 def test_append_each_names_bad_arguments():

@@ -15,7 +15,7 @@ mod vq;
 pub mod window;
 
 pub use bitpack::{bit_pack, bit_unpack, code_planes, packed_len, SUPPORTED_BITS};
-pub use parallel::{for_each_chunk, map_row_ranges};
+pub use parallel::{for_each_chunk, map_row_ranges, min_rows_for_work};
 pub use quant::{
     kivi_code, kivi_dequantize, kivi_params, kivi_quantize, pq_decode, pq_encode, PQ_BITS, qjl_encode, qjl_score,
     scalar_boundaries, scalar_dequantize, scalar_quantize, Float,

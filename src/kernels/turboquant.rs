@@ -451,15 +451,23 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
             cpu_primitive::by_dtype!(dtype, T => {
                 let q = ins[0].as_slice::<T>()?;
                 let out = outs[0].as_mut_slice::<T>()?;
-                for (b, sh) in shapes.iter().enumerate() {
-                    let dst = &mut out[b * row..(b + 1) * row];
-                    if sh.total() == 0 {
-                        dst.fill(<T>::default());
-                        continue;
+                let inputs = (0..shapes.len())
+                    .map(|b| attention_inputs::<T>(&ins[1 + 10 * b..11 + 10 * b]))
+                    .collect::<std::result::Result<Vec<_>, String>>()?;
+                // Sequences over the cores: a short sequence's own call
+                // stays on one thread, so a batch of them would use one.
+                let work = shapes.iter().map(|sh| 2 * sh.q_heads * sh.total() * sh.dim).sum();
+                let min_rows = crate::cpu::min_rows_for_work(shapes.len(), work);
+                crate::cpu::for_each_chunk(out, row, min_rows, |first, chunk| {
+                    for (i, dst) in chunk.chunks_mut(row).enumerate() {
+                        let b = first + i;
+                        if shapes[b].total() == 0 {
+                            dst.fill(<T>::default());
+                        } else {
+                            tq::tq_attention(&q[b * row..(b + 1) * row], &inputs[b], &shapes[b], scale, dst);
+                        }
                     }
-                    let inp = attention_inputs::<T>(&ins[1 + 10 * b..11 + 10 * b])?;
-                    tq::tq_attention(&q[b * row..(b + 1) * row], &inp, sh, scale, dst);
-                }
+                });
             });
             Ok(())
         }),

@@ -168,6 +168,8 @@ fn on_cpu(a: &WindowAppend<'_>, sh: WindowShape, s: &Stream) -> Result<(Array, A
 
 /// One sequence's windows in [`window_append_each`].
 pub struct WindowRow<'a> {
+    /// The batch row of `keys` and `values` it takes.
+    pub row: usize,
     /// The sequence's windows `[1, Hkv, W, D]` (any slots `W`).
     pub win_k: &'a Array,
     pub win_v: &'a Array,
@@ -177,11 +179,11 @@ pub struct WindowRow<'a> {
     pub at: usize,
 }
 
-/// A decode step of a batch whose sequences keep their own windows: row `b`
-/// of `keys` and `values` `[B, Hkv, T, D]` written into `rows[b]`'s windows
-/// from its slot, in the frames of [`window_append`] (shared by the rows).
-/// On the CPU one operation for the batch; elsewhere one [`window_append`]
-/// per row. The rows' new `(win_k, win_v)`.
+/// A decode step of a batch whose sequences keep their own windows: row
+/// `rows[i].row` of `keys` and `values` `[B, Hkv, T, D]` written into
+/// `rows[i]`'s windows from its slot, in the frames of [`window_append`]
+/// (shared by the rows). On the CPU one operation for the rows; elsewhere
+/// one [`window_append`] per row. The rows' new `(win_k, win_v)`.
 pub fn window_append_each<'a>(
     keys: &'a Array,
     values: &'a Array,
@@ -191,10 +193,13 @@ pub fn window_append_each<'a>(
     opts: &Options,
 ) -> Result<Vec<(Array, Array)>> {
     let ks = keys.shape();
-    if ks.len() != 4 || ks[0] as usize != rows.len() {
-        return Err(Error::invalid("keys", format!("shape {ks:?}, expected [{}, heads, tokens, head_dim]: a row per window", rows.len())));
+    if ks.len() != 4 {
+        return Err(Error::invalid("keys", format!("shape {ks:?}, expected [batch, heads, tokens, head_dim]")));
     }
     let batch = ks[0];
+    if let Some(r) = rows.iter().find(|r| r.row >= batch as usize) {
+        return Err(Error::invalid("rows", format!("row {} of keys with a batch of {batch}", r.row)));
+    }
     let append = |r: &WindowRow<'a>| -> WindowAppend<'a> {
         WindowAppend { keys, values, key_frame, key_offset: r.key_offset, value_frame, win_k: r.win_k, win_v: r.win_v, at: r.at }
     };
@@ -207,9 +212,8 @@ pub fn window_append_each<'a>(
         let row = |x: &Array, b: usize| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t, d], &stream);
         return rows
             .iter()
-            .enumerate()
-            .map(|(b, r)| {
-                let (k, v) = (row(keys, b)?, row(values, b)?);
+            .map(|r| {
+                let (k, v) = (row(keys, r.row)?, row(values, r.row)?);
                 window_append(&WindowAppend { keys: &k, values: &v, ..append(r) }, opts)
             })
             .collect();
@@ -225,6 +229,7 @@ pub fn window_append_each<'a>(
         rows.iter().flat_map(|r| [(r.win_k.shape(), dtype), (r.win_v.shape(), dtype)]).collect();
     let per_row = 2 + has_off as usize;
     let first = 3 + has_vf as usize;
+    let key_rows: Vec<usize> = rows.iter().map(|r| r.row).collect();
     let outs = cpu_primitive::apply(
         Kernel::WindowAppendEach.name(),
         &inputs,
@@ -234,8 +239,9 @@ pub fn window_append_each<'a>(
             cpu_primitive::by_dtype!(dtype, T => {
                 let (keys, values, kf) = (ins[0].as_slice::<T>()?, ins[1].as_slice::<T>()?, ins[2].as_slice::<T>()?);
                 let vf = if has_vf { Some(ins[3].as_slice::<T>()?) } else { None };
-                for (b, (sh, out)) in shapes.iter().zip(outs.chunks_mut(2)).enumerate() {
-                    let at = first + b * per_row;
+                for (i, (sh, out)) in shapes.iter().zip(outs.chunks_mut(2)).enumerate() {
+                    let at = first + i * per_row;
+                    let b = key_rows[i];
                     let n = sh.heads * sh.tokens * sh.dim;
                     let off = if has_off { Some(ins[at + 2].as_slice::<T>()?) } else { None };
                     let (ok, ov) = out.split_at_mut(1);

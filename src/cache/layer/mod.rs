@@ -330,10 +330,11 @@ impl LayerCache {
 
     /// A decode step of a batch whose sequences each have their own cache:
     /// row `b` of `keys` and `values` `[B, Hkv, T, D]` appended to
-    /// `caches[b]` (batch 1 each). Compressed caches on the CPU of one
-    /// configuration whose tokens all join their windows take them in one
-    /// operation (`window::window_append_each`); any other set is appended
-    /// sequence by sequence.
+    /// `caches[b]` (batch 1 each). On the CPU, the compressed caches of one
+    /// configuration whose tokens join their windows take them in one
+    /// operation (`window::window_append_each`); the others (a flush due,
+    /// sinks still filling, another back-end) are appended one by one, so
+    /// that one sequence's flush does not send the whole batch that way.
     pub fn append_each(caches: &mut [&mut LayerCache], keys: &Array, values: &Array) -> Result<()> {
         if caches.is_empty() {
             return Err(Error::invalid("caches", "no cache given"));
@@ -348,47 +349,52 @@ impl LayerCache {
         let s = caches[0].stream()?;
         let (cfg, device, dtype) = (caches[0].cfg.clone(), caches[0].device, caches[0].dtype);
         let t = ks[2] as usize;
-        let mut slots = Vec::with_capacity(caches.len());
+        // (cache, window slot of its first new token) for the one operation.
+        let mut fused = Vec::with_capacity(caches.len());
         let together = s.backend()? == crate::stream::Backend::Cpu
             && keys.dtype() == dtype
             && values.dtype() == dtype
             && caches.iter().all(|c| c.batch == 1 && c.cfg == cfg && c.device == device && c.dtype == dtype);
         if together {
-            for c in caches.iter_mut() {
-                let Some(Store::Compressed(cc)) = &mut c.store else { break };
-                if cc.partial_group() != 0 {
-                    break; // reopened by the general path
-                }
-                match Self::window_slot(&cfg, cc, t, &s)? {
-                    Some(at) => slots.push(at),
-                    None => break,
-                }
-            }
-        }
-        if slots.len() != caches.len() {
-            let (h, d) = (ks[1], ks[3]);
             for (b, c) in caches.iter_mut().enumerate() {
-                let row = |x: &Array| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t as i32, d], &s);
-                c.append(&row(keys)?, &row(values)?)?;
+                let Some(Store::Compressed(cc)) = &mut c.store else { continue };
+                if cc.partial_group() != 0 {
+                    continue; // reopened by the general path
+                }
+                if let Some(at) = Self::window_slot(&cfg, cc, t, &s)? {
+                    fused.push((b, at));
+                }
             }
-            return Ok(());
         }
+        if fused.len() < 2 {
+            fused.clear(); // one operation for one sequence is its own append
+        }
+        let (h, d) = (ks[1], ks[3]);
+        let mut next = fused.iter().map(|&(b, _)| b).peekable();
+        for (b, c) in caches.iter_mut().enumerate() {
+            if next.peek() == Some(&b) {
+                next.next();
+                continue;
+            }
+            let row = |x: &Array| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t as i32, d], &s);
+            c.append(&row(keys)?, &row(values)?)?;
+        }
+        let Some(&(b0, _)) = fused.first() else { return Ok(()) };
         let written = {
-            let first = &caches[0];
+            let first = &caches[b0];
             let shared = first.shared.as_ref().expect("initialised with the store");
             let Some(Store::Compressed(c0)) = &first.store else { unreachable!() };
-            let rows = caches
+            let rows = fused
                 .iter()
-                .zip(&slots)
-                .map(|(c, &at)| {
-                    let Some(Store::Compressed(cc)) = &c.store else { unreachable!() };
-                    window::WindowRow { win_k: &cc.keys.window, win_v: &cc.values.window, key_offset: cc.k_offset.as_ref(), at }
+                .map(|&(b, at)| {
+                    let Some(Store::Compressed(cc)) = &caches[b].store else { unreachable!() };
+                    window::WindowRow { row: b, win_k: &cc.keys.window, win_v: &cc.values.window, key_offset: cc.k_offset.as_ref(), at }
                 })
                 .collect::<Vec<_>>();
             window::window_append_each(keys, values, key_frame(shared, c0), value_frame(shared, c0), &rows, &first.opts(&s))?
         };
-        for (c, (win_k, win_v)) in caches.iter_mut().zip(written) {
-            let Some(Store::Compressed(cc)) = &mut c.store else { unreachable!() };
+        for (&(b, _), (win_k, win_v)) in fused.iter().zip(written) {
+            let Some(Store::Compressed(cc)) = &mut caches[b].store else { unreachable!() };
             cc.windows_written(win_k, win_v, t);
         }
         Ok(())
