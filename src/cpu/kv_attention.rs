@@ -213,7 +213,7 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
         let codes = if sc.codec == Codec::Dense { &[][..] } else { &side.codes[slot * row..(slot + 1) * row] };
         match sc.codec {
             Codec::Dense => {
-                out.iter_mut().zip(&side.dense[slot * d..(slot + 1) * d]).for_each(|(o, x)| *o = x.to_f32());
+                T::row_to_f32(&side.dense[slot * d..(slot + 1) * d], out);
                 1.0
             }
             Codec::TurboQuantMse | Codec::TurboQuantUniform | Codec::Fp8 => {
@@ -248,8 +248,8 @@ impl<'a, 'b, T: VqElement> SideReader<'a, 'b, T> {
                 let group = ct / sc.group;
                 if group != self.group {
                     let p0 = (self.head * sc.param_rows(self.capacity) + group) * d;
-                    self.scales.iter_mut().zip(&side.scales[p0..p0 + d]).for_each(|(o, x)| *o = x.to_f32());
-                    self.zeros.iter_mut().zip(&side.zeros[p0..p0 + d]).for_each(|(o, x)| *o = x.to_f32());
+                    f16::row_to_f32(&side.scales[p0..p0 + d], &mut self.scales);
+                    f16::row_to_f32(&side.zeros[p0..p0 + d], &mut self.zeros);
                     self.group = group;
                 }
                 if self.channels.is_empty() {
@@ -328,7 +328,7 @@ pub fn kv_attention<T: VqElement + FromF32>(
                     key_reader.decode(t - sh.sinks, false, &mut x)
                 } else {
                     let slot = window_slot(t);
-                    x.iter_mut().zip(&keys.window[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
+                    T::row_to_f32(&keys.window[slot * d..(slot + 1) * d], &mut x);
                     1.0
                 };
                 for (r, sr) in s.iter_mut().enumerate() {
@@ -349,7 +349,7 @@ pub fn kv_attention<T: VqElement + FromF32>(
                 value_reader.decode(t - sh.sinks, true, x);
             } else {
                 let slot = window_slot(t);
-                x.iter_mut().zip(&values.window[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
+                T::row_to_f32(&values.window[slot * d..(slot + 1) * d], x);
             }
         };
         split_attention::online_softmax(rows, d, t0, t1, scores, value)

@@ -313,7 +313,7 @@ pub fn tq_attention<T: VqElement + FromF32>(
         for r in 0..rows {
             let (hq, ql) = (hk * g + r / sh.queries, r % sh.queries);
             let src = &q[((b * sh.q_heads + hq) * sh.queries + ql) * d..][..d];
-            x.iter_mut().zip(src).for_each(|(x, v)| *x = v.to_f32());
+            T::row_to_f32(src, &mut x);
             for (i, y) in qr[r * d..(r + 1) * d].iter_mut().enumerate() {
                 *y = dot(&inp.rot_k[i * d..(i + 1) * d], &x) * scale;
             }
@@ -325,7 +325,7 @@ pub fn tq_attention<T: VqElement + FromF32>(
                 inp.k_norms[slot].to_f32()
             } else {
                 let slot = window_slot(t);
-                x.iter_mut().zip(&inp.win_k[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
+                T::row_to_f32(&inp.win_k[slot * d..(slot + 1) * d], &mut x);
                 1.0
             };
             for (r, sr) in s.iter_mut().enumerate() {
@@ -339,7 +339,7 @@ pub fn tq_attention<T: VqElement + FromF32>(
                 decode_row(&inp.v_codes[slot * vb..(slot + 1) * vb], sh.value_bits, &v_table, inp.v_norms[slot].to_f32(), x);
             } else {
                 let slot = window_slot(t);
-                x.iter_mut().zip(&inp.win_v[slot * d..(slot + 1) * d]).for_each(|(v, k)| *v = k.to_f32());
+                T::row_to_f32(&inp.win_v[slot * d..(slot + 1) * d], x);
             }
         };
         split_attention::online_softmax(rows, d, t0, t1, scores, value)
