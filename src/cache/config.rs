@@ -443,5 +443,6 @@ pub fn default_value_bits(key_method: Method, value_method: Method, key_bits: Op
         None => DEFAULT_KEY_BITS,
     }
 }
+
 /// The longest KIVI key group a cache takes (tokens).
 pub const MAX_KIVI_KEY_GROUP: usize = 1024;

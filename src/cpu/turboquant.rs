@@ -168,15 +168,10 @@ pub fn tq_encode<T: VqElement>(
         let (mut u, mut y) = (vec![0.0f32; d], vec![0.0f32; d]);
         let mut idx = vec![0u8; d];
         for (r, dst) in chunk.chunks_mut(row_bytes).enumerate() {
-            let src = &x[(row0 + r) * d..(row0 + r + 1) * d];
-            let mut s2 = 0.0f32;
-            for v in src {
-                let f = v.to_f32();
-                s2 += f * f;
-            }
-            let s = s2.sqrt();
-            for (uj, v) in u.iter_mut().zip(src) {
-                *uj = if s > 0.0 { v.to_f32() / s } else { 0.0 };
+            T::row_to_f32(&x[(row0 + r) * d..(row0 + r + 1) * d], &mut u);
+            let s = u.iter().map(|f| f * f).fold(0.0f32, |s2, f2| s2 + f2).sqrt();
+            for uj in u.iter_mut() {
+                *uj = if s > 0.0 { *uj / s } else { 0.0 };
             }
             match &rotation {
                 Some(rot) => rot.apply(&u, &mut y),
@@ -364,9 +359,7 @@ pub fn prod_scale(d: usize) -> f32 {
 /// Loads one row into `u`, normalizes it and writes `y = Π u` (zeros for a
 /// zero row). Returns the norm.
 fn normalize_rotate_row<T: VqElement>(src: &[T], rotation: Option<&KernelRotation>, u: &mut [f32], y: &mut [f32]) -> f32 {
-    for (uj, v) in u.iter_mut().zip(src) {
-        *uj = v.to_f32();
-    }
+    T::row_to_f32(src, u);
     let s = norm(u);
     for uj in u.iter_mut() {
         *uj = if s > 0.0 { *uj / s } else { 0.0 };

@@ -34,11 +34,17 @@ pub fn window_append<T: Float>(
     assert!(sh.at + t <= w, "{} tokens from slot {} past {w} slots", t, sh.at);
     out.copy_from_slice(window);
     let mut acc = vec![0.0f32; d];
+    // The frame in float32 once a call, not an element at a time per token.
+    let frame = frame.map(|f| {
+        let mut f32s = vec![0.0f32; f.len()];
+        T::row_to_f32(f, &mut f32s);
+        f32s
+    });
     for bh in 0..sh.batch * sh.heads {
         for k in 0..t {
             let src = &x[(bh * t + k) * d..][..d];
             let dst = &mut out[(bh * w + sh.at + k) * d..][..d];
-            let Some(frame) = frame else {
+            let Some(frame) = &frame else {
                 dst.copy_from_slice(src);
                 continue;
             };
@@ -46,7 +52,7 @@ pub fn window_append<T: Float>(
             for (i, xi) in src.iter().enumerate() {
                 let xi = xi.to_f32();
                 for (a, f) in acc.iter_mut().zip(&frame[i * d..][..d]) {
-                    *a += xi * f.to_f32();
+                    *a += xi * f;
                 }
             }
             match offset {
