@@ -6,7 +6,11 @@
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
 // CAUSAL, SCALE (the score scale's float32 bits), ROTATED, REDUCE, VARIANT
 // (bits that choose how the tensor-core path reads its operands: see KPAIR,
-// QA2 and KA below).
+// QA2 and KA below), EACH (0: one cache; n > 0: row b of q attends over
+// sequence b's own cache, batch 1, among n sequences' inputs: the host's
+// `each_prelude` binds the names below to sequence b's inputs first, so
+// that every store is read at batch index 0 and each sequence's lengths
+// are its own).
 // Inputs, read through their shapes and strides (no parameter buffer, no
 // copies): q [B, Hq, L, D] as the model gives it, or with ROTATED already
 // rotated and scaled by tq_rotate (float32); rot [D, D] float32, the keys'
@@ -176,8 +180,10 @@ const uint32_t tile = blk % tiles;
 blk /= tiles;
 const uint32_t hk = blk % Hkv;
 const uint32_t b = blk / Hkv;
+// The stores' batch index: sequence b's own cache holds one row.
+const uint32_t bs = EACH ? 0u : b;
 const float ninf = -__int_as_float(0x7f800000);
-if (blockIdx.x == 0) {
+if (blockIdx.x % (EACH ? gridDim.x / Bn : gridDim.x) == 0) {
   for (uint32_t i = tid; i < uint32_t(counters_shape[0]); i += TG) counters_out[i] = 0u;
 }
 // Row rr of this tile's KV head (its G heads times L queries) among q's rows.
@@ -196,15 +202,15 @@ if (compressed) {
 const uint32_t tn = t_end > t_begin ? t_end - t_begin : 0u;
 // This (batch, KV head)'s rows of every input; a token adds its index times
 // the token stride.
-const uint8_t* kp0 = k_codes + int64_t(b) * k_codes_strides[0] + int64_t(hk) * k_codes_strides[1];
-const uint8_t* vp0 = v_codes + int64_t(b) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1];
-const __half* kn0 = k_norms + int64_t(b) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1];
-const __half* vn0 = v_norms + int64_t(b) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1];
+const uint8_t* kp0 = k_codes + int64_t(bs) * k_codes_strides[0] + int64_t(hk) * k_codes_strides[1];
+const uint8_t* vp0 = v_codes + int64_t(bs) * v_codes_strides[0] + int64_t(hk) * v_codes_strides[1];
+const __half* kn0 = k_norms + int64_t(bs) * k_norms_strides[0] + int64_t(hk) * k_norms_strides[1];
+const __half* vn0 = v_norms + int64_t(bs) * v_norms_strides[0] + int64_t(hk) * v_norms_strides[1];
 const int64_t ks = k_codes_strides[2], vs = v_codes_strides[2], kns = k_norms_strides[2], vns = v_norms_strides[2];
 const int64_t wks = win_k_strides[2], wvs = win_v_strides[2];
 // A window split's first rows (its tokens are indexed from there).
-const T* wk = win_k + int64_t(b) * win_k_strides[0] + int64_t(hk) * win_k_strides[1] + int64_t(t_begin) * wks;
-const T* wv = win_v + int64_t(b) * win_v_strides[0] + int64_t(hk) * win_v_strides[1] + int64_t(t_begin) * wvs;
+const T* wk = win_k + int64_t(bs) * win_k_strides[0] + int64_t(hk) * win_k_strides[1] + int64_t(t_begin) * wks;
+const T* wv = win_v + int64_t(bs) * win_v_strides[0] + int64_t(hk) * win_v_strides[1] + int64_t(t_begin) * wvs;
 // Tokens [t0, t1) of the split's codes into shared memory: rows back to
 // back in the stores (the cache's layout) go as one block copy, else byte by
 // byte; with MMA their norms too (float16, as stored).
@@ -814,7 +820,7 @@ __shared__ bool last_s;
 __threadfence();
 __syncthreads();
 if (tid == 0) {
-  uint32_t* const counter = const_cast<uint32_t*>(counters) + (uint64_t(b) * Hkv + hk) * tiles + tile;
+  uint32_t* const counter = const_cast<uint32_t*>(counters) + (uint64_t(bs) * Hkv + hk) * tiles + tile;
   last_s = atomicAdd(counter, 1u) + 1u == num_splits;
   if (last_s) atomicExch(counter, 0u);
 }

@@ -7,7 +7,9 @@
 //! - `<name>.tc.cuh`: the header of the tensor-core instantiations
 //!   (template `TC` > 0) where it differs;
 //! - `<name>.args`: the input names, then on a second line the output
-//!   names, as MLX passes them (the CUDA body's own after the declared).
+//!   names, as MLX passes them (the CUDA body's own after the declared);
+//! - and `tq_decode_each.*`, `tq_decode` over four sequences' own caches
+//!   (`EACH` = 4).
 //!
 //!     cargo run --release --example kernel_sources -- DIR
 
@@ -28,10 +30,17 @@ fn main() -> std::io::Result<()> {
         if tensor_cores != header {
             std::fs::write(dir.join(format!("{}.tc.cuh", d.name)), tensor_cores)?;
         }
-        std::fs::write(dir.join(format!("{}.cuh", d.name)), header)?;
-        let inputs: Vec<&str> = d.inputs.iter().chain(d.cuda_inputs).copied().collect();
-        let outputs: Vec<&str> = d.outputs.iter().chain(d.cuda_outputs).copied().collect();
+        std::fs::write(dir.join(format!("{}.cuh", d.name)), &header)?;
+        let (inputs, outputs, _) = kernel.cuda_signature(&[]);
         std::fs::write(dir.join(format!("{}.args", d.name)), format!("{}\n{}\n", inputs.join(" "), outputs.join(" ")))?;
+        if kernel == Kernel::TqDecode {
+            // Its instantiations over four sequences' own caches.
+            let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(4))]);
+            let name = format!("{}_each", d.name);
+            std::fs::write(dir.join(format!("{name}.cu")), compact_source(&body.expect("a CUDA body")))?;
+            std::fs::write(dir.join(format!("{name}.cuh")), &header)?;
+            std::fs::write(dir.join(format!("{name}.args")), format!("{}\n{}\n", inputs.join(" "), outputs.join(" ")))?;
+        }
     }
     Ok(())
 }

@@ -6,6 +6,10 @@ evaluated, profiled after ten warm-up steps. Prints the calls by own time;
 graph building per layer (divide by layers x steps).
 
     python3 scripts/gpu/decode_host_profile.py --shape llama-1b --context 8192 --steps 64
+
+With ``--chunk N``, the steps are prefill chunks of N tokens instead (each
+built, then evaluated with the caches' state, as ``bench.prefill`` does),
+after one chunk of warm-up.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=64)
     p.add_argument("--cache", choices=("veloxquant", "fp16"), default="veloxquant")
     p.add_argument("--top", type=int, default=22, help="calls printed")
+    p.add_argument("--chunk", type=int, default=0, help="profile prefill chunks of this many tokens")
     args = p.parse_args()
 
     import veloxquant  # noqa: F401  (before mlx: veloxquant.blas chooses the BLAS)
@@ -38,10 +43,15 @@ def main() -> None:
     def run(n: int) -> None:
         nonlocal y
         for _ in range(n):
+            if args.chunk:
+                chunk = mx.random.randint(0, 1000, (1, args.chunk))
+                model(chunk, cache=cache)
+                mx.eval([c.state for c in cache])
+                continue
             y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
             mx.eval(y)
 
-    run(10)
+    run(1 if args.chunk else 10)
     profile = cProfile.Profile()
     profile.enable()
     run(args.steps)

@@ -383,6 +383,50 @@ fn opted_in(dynamic: i32, statics: i32) -> i32 {
     }
 }
 
+/// `tq_decode`'s inputs that sequences share (one rotation and codebooks)
+/// when it runs over several sequences' own caches.
+const TQ_DECODE_SHARED: [&str; 4] = ["q", "rot", "k_cent", "v_cent"];
+
+/// `tq_decode`'s inputs that each sequence has (`_i` appended), and which of
+/// their shape and strides its body reads.
+const TQ_DECODE_PER_SEQUENCE: [(&str, (bool, bool)); 7] = [
+    ("k_codes", (false, true)),
+    ("k_norms", (true, true)),
+    ("v_codes", (false, true)),
+    ("v_norms", (false, true)),
+    ("win_k", (true, true)),
+    ("win_v", (false, true)),
+    ("counters", (true, false)),
+];
+
+/// Source placed before `tq_decode`'s body over `n` sequences: the block's
+/// sequence (the grid's slowest index; `q`'s rows are the sequences), then
+/// each name the body reads bound to that sequence's input (its pointer,
+/// and its shape and strides as pointers into the parameters). Every input
+/// of `n` is named; launches of fewer sequences repeat the first's arrays
+/// in the slots past them, which no block reads.
+fn each_prelude(n: usize) -> String {
+    let pick = |f: &dyn Fn(usize) -> String| -> String {
+        let mut x = f(n - 1);
+        for i in (0..n - 1).rev() {
+            x = format!("seq_ == {i} ? {} : {x}", f(i));
+        }
+        x
+    };
+    let mut s = String::from("const uint32_t seq_ = blockIdx.x / (gridDim.x / uint32_t(q_shape[0]));\n");
+    for (name, (shape, strides)) in TQ_DECODE_PER_SEQUENCE {
+        s += &format!("const auto {name} = {};\n", pick(&|i| format!("{name}_{i}")));
+        if shape {
+            s += &format!("const int32_t* const {name}_shape = {};\n", pick(&|i| format!("&{name}_{i}_shape[0]")));
+        }
+        if strides {
+            s += &format!("const int64_t* const {name}_strides = {};\n", pick(&|i| format!("&{name}_{i}_strides[0]")));
+        }
+    }
+    s += &format!("uint32_t* const counters_out = {};\n", pick(&|i| format!("counters_out_{i}")));
+    s
+}
+
 impl Kernel {
     pub fn declaration(self) -> &'static Declaration {
         &DECLARATIONS[self as usize]
@@ -468,6 +512,39 @@ impl Kernel {
         match self {
             Kernel::TqProdEncode if tensor_cores => Kernel::TqEncode.declaration().cuda_header,
             _ => self.declaration().cuda_header,
+        }
+    }
+
+    /// The CUDA body's input names, output names and source for an
+    /// instantiation with these template arguments: the declared ones, but
+    /// `tq_decode` over `n` sequences' own caches (`EACH` = n > 0) takes the
+    /// shared inputs once and each sequence's stores, windows and counters
+    /// suffixed `_0` to `_{n-1}` (its counters' successors likewise among the
+    /// outputs), behind [`each_prelude`], which binds the body's names to
+    /// block's sequence.
+    pub fn cuda_signature(self, template: &[(&str, TemplateArg)]) -> (Vec<String>, Vec<String>, Option<String>) {
+        let d = self.declaration();
+        let each = template.iter().find_map(|(k, v)| match (*k, v) {
+            ("EACH", TemplateArg::Int(n)) if *n > 0 => Some(*n as usize),
+            _ => None,
+        });
+        let names = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+        match (self, each, d.cuda) {
+            (Kernel::TqDecode, Some(n), Some(body)) => {
+                let mut inputs = names(&TQ_DECODE_SHARED);
+                let mut outputs = names(&["m_out", "l_out", "acc_out", "out"]);
+                for i in 0..n {
+                    inputs.extend(TQ_DECODE_PER_SEQUENCE.iter().map(|(x, _)| format!("{x}_{i}")));
+                    outputs.push(format!("counters_out_{i}"));
+                }
+                (inputs, outputs, Some(each_prelude(n) + body))
+            }
+            _ => {
+                let (mut inputs, mut outputs) = (names(d.inputs), names(d.outputs));
+                inputs.extend(names(d.cuda_inputs));
+                outputs.extend(names(d.cuda_outputs));
+                (inputs, outputs, d.cuda.map(str::to_string))
+            }
         }
     }
 
@@ -571,5 +648,34 @@ mod tests {
         assert!(!bound(Kernel::TqProdEncode.cuda_header_for(&tc(0))));
         assert!(Kernel::TqProdEncode.cuda_header_for(&tc(1)).starts_with(Kernel::TqProdEncode.declaration().cuda_header));
         assert_eq!(Kernel::TqEncode.cuda_header_for(&tc(0)), Kernel::TqEncode.declaration().cuda_header);
+    }
+
+    #[test]
+    fn the_decode_over_sequences_names_each_sequence_input_and_binds_what_the_body_reads() {
+        let (inputs, outputs, body) = Kernel::TqDecode.cuda_signature(&[("EACH", TemplateArg::Int(3))]);
+        assert_eq!(inputs.len(), TQ_DECODE_SHARED.len() + 3 * TQ_DECODE_PER_SEQUENCE.len());
+        assert_eq!(&inputs[..4], ["q", "rot", "k_cent", "v_cent"]);
+        assert_eq!(inputs[4], "k_codes_0");
+        assert_eq!(inputs.last().map(String::as_str), Some("counters_2"));
+        assert_eq!(outputs, ["m_out", "l_out", "acc_out", "out", "counters_out_0", "counters_out_1", "counters_out_2"]);
+        let body = body.expect("a CUDA body");
+        let cuda = Kernel::TqDecode.declaration().cuda.expect("a CUDA body");
+        assert!(body.ends_with(cuda));
+        let prelude = &body[..body.len() - cuda.len()];
+        // Each binding picks among the three sequences, and MLX sees each
+        // sequence's shape and strides where the body reads the bound name's.
+        for (name, (shape, strides)) in TQ_DECODE_PER_SEQUENCE {
+            assert!(prelude.contains(&format!("const auto {name} = seq_ == 0 ? {name}_0 : seq_ == 1 ? {name}_1 : {name}_2;")), "{name}");
+            for (read, suffix) in [(shape, "shape"), (strides, "strides")] {
+                assert_eq!(prelude.contains(&format!("&{name}_2_{suffix}[0]")), read, "{name}_{suffix}");
+                assert_eq!(cuda.contains(&format!("{name}_{suffix}")), read, "the body and {name}_{suffix}");
+            }
+        }
+        // One cache: the declared signature and body.
+        let (inputs, outputs, body) = Kernel::TqDecode.cuda_signature(&[("EACH", TemplateArg::Int(0))]);
+        let d = Kernel::TqDecode.declaration();
+        assert_eq!(inputs, d.inputs.iter().chain(d.cuda_inputs).map(|x| x.to_string()).collect::<Vec<_>>());
+        assert_eq!(outputs, d.outputs.iter().chain(d.cuda_outputs).map(|x| x.to_string()).collect::<Vec<_>>());
+        assert_eq!(body.as_deref(), d.cuda);
     }
 }

@@ -100,24 +100,21 @@ pub fn compact_source(text: &str) -> String {
 fn create(backend: Backend, kernel: Kernel, template: &[(&'static str, TemplateArg)]) -> Result<Handle> {
     let d = kernel.declaration();
     let name = CString::new(d.mlx_name).expect("static name");
-    let body = match backend {
-        Backend::Metal => d.metal,
-        Backend::Cuda => d.cuda,
-        Backend::Cpu => None,
+    let (input_names, output_names, body) = match backend {
+        Backend::Metal => {
+            let own = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+            (own(d.inputs), own(d.outputs), d.metal.map(str::to_string))
+        }
+        Backend::Cuda => kernel.cuda_signature(template),
+        Backend::Cpu => (Vec::new(), Vec::new(), None),
     };
     let Some(body) = body else {
         return Err(Error::Unsupported(format!("{}: no kernel body for the {} back-end", d.name, backend.name())));
     };
-    let body = CString::new(compact_source(body)).map_err(|_| Error::invalid("source", "contains NUL"))?;
+    let body = CString::new(compact_source(&body)).map_err(|_| Error::invalid("source", "contains NUL"))?;
     let header = CString::new(compact_source(&kernel.header(backend, template))).map_err(|_| Error::invalid("header", "contains NUL"))?;
-    let mut input_names = d.inputs.to_vec();
-    let mut output_names = d.outputs.to_vec();
-    if backend == Backend::Cuda {
-        input_names.extend_from_slice(d.cuda_inputs);
-        output_names.extend_from_slice(d.cuda_outputs);
-    }
-    let inputs = strings(&input_names)?;
-    let outputs = strings(&output_names)?;
+    let inputs = strings(&input_names.iter().map(String::as_str).collect::<Vec<_>>())?;
+    let outputs = strings(&output_names.iter().map(String::as_str).collect::<Vec<_>>())?;
     // SAFETY: all pointers are valid for the call; MLX copies the strings.
     let handle = unsafe {
         match backend {

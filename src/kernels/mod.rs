@@ -256,6 +256,16 @@ pub(crate) fn decode_blocks(batch: usize) -> Result<usize> {
     Ok(per_sm * cuda_sms()?)
 }
 
+/// Which stages of CUDA's tensor-core decode run as launches of their own
+/// where the decode would fuse them: bit 0 the queries' rotation
+/// (`tq_rotate`), bit 1 the merge of the splits (`tq_reduce`).
+/// `VELOXQUANT_DECODE_APART` (1 to 3) sets them, to time each stage's share
+/// of a call on a device; unset, a sequence's decode fuses both.
+pub(crate) fn decode_apart() -> Result<usize> {
+    static APART: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
+    env_count(&APART, "VELOXQUANT_DECODE_APART", 0, 3, "a stage mask")
+}
+
 /// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
 /// to 31): bit 0 looks 4-bit keys up one code at a time rather than two, bit
 /// 1 decodes values of at most 3 bits by byte permutes of registers rather

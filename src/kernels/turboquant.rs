@@ -409,8 +409,10 @@ fn attention_inputs<'a, T: crate::dtype::Element>(i: &'a [cpu_primitive::Tensor<
 /// Decode attention of a batch whose sequences each have their own cache:
 /// `q` `[B, Hq, 1, D]`, row `b` over `layers[b]` (each of batch 1, lengths
 /// free), as one CPU primitive for the whole batch instead of one per
-/// sequence (a batch's graph holds one node a layer, not `B`). The same
-/// arithmetic as [`tq_attention`] sequence by sequence.
+/// sequence (a batch's graph holds one node a layer, not `B`), the same
+/// arithmetic as [`tq_attention`] sequence by sequence; on CUDA as one
+/// `tq_decode` per run of up to [`DECODE_EACH_MAX`] sequences, whose layers
+/// share the first one's rotation and codebooks (the caller's to ensure).
 pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: &Stream) -> Result<Array> {
     check_float("queries", q)?;
     let Some(first) = layers.first() else {
@@ -432,8 +434,10 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
             return Err(Error::Dtype { argument: "queries", found: q.dtype().to_string(), expected: format!("{} (the caches' dtype)", l.win_k.dtype()) });
         }
     }
-    if stream.backend()? != crate::stream::Backend::Cpu {
-        return Err(Error::Unsupported("tq_attention_each runs on the CPU".into()));
+    match stream.backend()? {
+        crate::stream::Backend::Cpu => {}
+        crate::stream::Backend::Cuda => return attention_each_cuda(q, layers, scale, stream),
+        _ => return Err(Error::Unsupported("tq_attention_each runs on the CPU and CUDA".into())),
     }
     let mut inputs: Vec<&Array> = vec![q];
     for l in layers {
@@ -472,6 +476,129 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
             Ok(())
         }),
     )
+}
+
+/// Sequences one CUDA `tq_decode` over per-sequence caches serves at most.
+/// Each adds seven inputs (about 660 bytes of kernel parameters, past the
+/// 4 KB CUDA allowed before 12.1) and the kernel picks its inputs by a chain
+/// of comparisons as long as the launch's slots.
+pub const DECODE_EACH_MAX: usize = 16;
+
+/// [`tq_attention_each`] on CUDA: runs of consecutive sequences that hold
+/// as many sink tokens (a template argument), up to [`DECODE_EACH_MAX`],
+/// each one `tq_decode` over the run's own caches; a run of one, or a cache
+/// off the tensor-core path, its own decode.
+fn attention_each_cuda(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Result<Array> {
+    let sh0 = layers[0].shape;
+    let (hq, d) = (sh0.q_heads as i32, sh0.dim as i32);
+    let fused = decode_on_tensor_cores(q.dtype(), sh0.dim);
+    let mut outs = Vec::new();
+    let mut first = 0;
+    while first < layers.len() {
+        let mut end = first + 1;
+        while fused && end < layers.len() && end - first < DECODE_EACH_MAX && layers[end].shape.sinks == layers[first].shape.sinks {
+            end += 1;
+        }
+        let rows = ops::slice(q, &[first as i32, 0, 0, 0], &[end as i32, hq, 1, d], s)?;
+        let run = &layers[first..end];
+        outs.push(if run.iter().all(|l| l.shape.total() == 0) {
+            ops::zeros(&rows.shape(), q.dtype(), s)?
+        } else if run.len() == 1 {
+            decode(&rows, &run[0], scale, s)?
+        } else {
+            decode_each(&rows, run, scale, s)?
+        });
+        first = end;
+    }
+    if outs.len() == 1 {
+        return Ok(outs.remove(0));
+    }
+    ops::concatenate(&outs, 0, s)
+}
+
+/// `a` `[B, H, N, ...]` cut to its first `len` tokens (a view).
+fn used(a: &Array, len: i32, s: &Stream) -> Result<Array> {
+    let mut stop = a.shape();
+    stop[2] = len;
+    ops::slice(a, &vec![0; stop.len()], &stop, s)
+}
+
+/// One CUDA `tq_decode` for `q` `[n, Hq, 1, D]`, row `b` over `layers[b]`
+/// (each batch 1, its own lengths and counters; the rotation and codebooks
+/// of the first serve all, as caches of one shared set have them). The
+/// split plan is the longest sequence's, and each sequence cuts its own
+/// tokens into that many splits. The launch names a power of two of
+/// sequence slots (one compiled kernel each), the slots past `n` holding
+/// the first sequence's arrays, which no block reads.
+fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Result<Array> {
+    let n = layers.len();
+    let slots = n.next_power_of_two().max(2);
+    let sh0 = layers[0].shape;
+    let head_rows = sh0.q_heads / sh0.kv_heads;
+    let qn = head_rows.min(DECODE_TILE_ROWS);
+    let tiles = head_rows.div_ceil(qn);
+    let units = n * sh0.kv_heads * tiles;
+    let mut widest = sh0;
+    widest.compressed = layers.iter().map(|l| l.shape.compressed).max().unwrap_or(0);
+    widest.sinks = 0;
+    widest.recent = layers.iter().map(|l| l.shape.sinks + l.shape.recent).max().unwrap_or(0);
+    let (_, _, num_splits) = chunked_split_plan(&widest, units, super::decode_blocks(n)?);
+    let reduce = tiles <= DECODE_COUNTERS && layers.iter().all(|l| std::ptr::eq(l.rot_k, l.rot_v));
+    let per_block = decode_threads(true);
+    let threads = i32::try_from(units * num_splits * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
+    let (rows, sp, d) = ((n * sh0.q_heads) as i32, num_splits as i32, sh0.dim as i32);
+    let views = layers
+        .iter()
+        .map(|l| Ok((used(l.k_norms, l.shape.compressed as i32, s)?, used(l.win_k, (l.shape.sinks + l.shape.recent) as i32, s)?)))
+        .collect::<Result<Vec<_>>>()?;
+    // A poisoned lock still holds valid counters (see `decode`).
+    let mut counters = layers.iter().map(|l| l.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).collect::<Vec<_>>();
+    let current = counters.iter().map(|c| Array::clone(c)).collect::<Vec<_>>();
+    let l0 = &layers[0];
+    let mut inputs: Vec<&Array> = vec![q, l0.rot_k, l0.k_centroids, l0.v_centroids];
+    let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32), (q.shape(), q.dtype())];
+    for i in 0..slots {
+        let b = if i < n { i } else { 0 };
+        let (l, (k_norms, win_k)) = (&layers[b], &views[b]);
+        inputs.extend([l.k_codes, k_norms, l.v_codes, l.v_norms, win_k, l.win_v, &current[b]]);
+        outputs.push((current[b].shape(), Dtype::U32));
+    }
+    let template = [
+        ("T", TemplateArg::Dtype(q.dtype())),
+        ("D", TemplateArg::Int(d)),
+        ("KB", TemplateArg::Int(sh0.key_bits as i32)),
+        ("VB", TemplateArg::Int(sh0.value_bits as i32)),
+        ("QN", TemplateArg::Int(qn as i32)),
+        ("TPT", TemplateArg::Int(decode_lanes(sh0.dim) as i32)),
+        ("N_SINK", TemplateArg::Int(sh0.sinks as i32)),
+        ("CAUSAL", TemplateArg::Bool(false)),
+        ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
+        ("ROTATED", TemplateArg::Bool(false)),
+        ("REDUCE", TemplateArg::Bool(reduce)),
+        ("VARIANT", TemplateArg::Int(decode_variant_for(l0)? as i32)),
+        ("EACH", TemplateArg::Int(slots as i32)),
+    ];
+    let mut parts = gpu::launch(
+        &Launch {
+            kernel: Kernel::TqDecode,
+            inputs: &inputs,
+            outputs: &outputs,
+            grid: (threads, 1, 1),
+            threadgroup: (per_block as i32, 1, 1),
+            template: &template,
+        },
+        s,
+    )?;
+    let next = parts.split_off(4);
+    for (c, x) in counters.iter_mut().zip(next) {
+        **c = x;
+    }
+    drop(counters);
+    if reduce {
+        return Ok(parts.remove(3));
+    }
+    parts.truncate(3);
+    reduce_partials(&parts, Some(l0.rot_v), q, s)
 }
 
 /// Threads of an attention threadgroup, and tokens per tile.
@@ -613,19 +740,15 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
     };
     let (b, h, d) = (sh.batch as i32, sh.kv_heads as i32, sh.dim as i32);
     let (nc, nw) = (sh.compressed as i32, (sh.sinks + sh.recent) as i32);
-    let used = |a: &Array, len: i32| -> Result<Array> {
-        let mut stop = a.shape();
-        stop[2] = len;
-        ops::slice(a, &vec![0; stop.len()], &stop, s)
-    };
     let rows = (sh.batch * sh.q_heads * sh.queries) as i32;
     // CUDA's chunked blocks of a batch take the queries rotated and scaled
     // by one tq_rotate per call; elsewhere each block rotates its own. One
     // sequence's decode is bound by the host, where the launch costs more
     // than the blocks' rotations (a fifth of tq_decode's GPU time).
-    let rotated = chunked && sh.dim % 32 == 0 && rotate_apart(sh.batch);
+    let apart = if chunked { super::decode_apart()? } else { 0 };
+    let rotated = chunked && sh.dim % 32 == 0 && (rotate_apart(sh.batch) || apart & 1 != 0);
     // The values share the keys' rotation (the kernel rotates back with it).
-    let reduce = chunked && tiles <= DECODE_COUNTERS && std::ptr::eq(layer.rot_k, layer.rot_v);
+    let reduce = chunked && tiles <= DECODE_COUNTERS && std::ptr::eq(layer.rot_k, layer.rot_v) && apart & 2 == 0;
     let q_rot;
     let q_in = if rotated {
         q_rot = rotate_queries(q, layer.rot_k, scale, s)?;
@@ -638,7 +761,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
     let threads = i32::try_from(blocks * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let sp = num_splits as i32;
     debug_assert_eq!(layer.win_k.shape()[..2], [b, h]);
-    let (k_norms, win_k) = (used(layer.k_norms, nc)?, used(layer.win_k, nw)?);
+    let (k_norms, win_k) = (used(layer.k_norms, nc, s)?, used(layer.win_k, nw, s)?);
     let mut inputs = vec![q_in, layer.rot_k, layer.k_codes, &k_norms, layer.k_centroids, layer.v_codes,
                           layer.v_norms, layer.v_centroids, &win_k, layer.win_v];
     let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)];
@@ -667,6 +790,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         outputs.push((current.shape(), Dtype::U32));
         template.push(("REDUCE", TemplateArg::Bool(reduce)));
         template.push(("VARIANT", TemplateArg::Int(decode_variant_for(layer)? as i32)));
+        template.push(("EACH", TemplateArg::Int(0)));
     }
     let mut parts = gpu::launch(
         &Launch {
