@@ -8,8 +8,8 @@
 //!   (template `TC` > 0) where it differs;
 //! - `<name>.args`: the input names, then on a second line the output
 //!   names, as MLX passes them (the CUDA body's own after the declared);
-//! - and `tq_decode_each.*`, `tq_decode` over four sequences' own caches
-//!   (`EACH` = 4).
+//! - and `tq_decode_each.*` and `window_append_each.*`, those kernels over
+//!   four sequences' own arrays (`EACH` = 4).
 //!
 //!     cargo run --release --example kernel_sources -- DIR
 
@@ -33,8 +33,8 @@ fn main() -> std::io::Result<()> {
         std::fs::write(dir.join(format!("{}.cuh", d.name)), &header)?;
         let (inputs, outputs, _) = kernel.cuda_signature(&[]);
         std::fs::write(dir.join(format!("{}.args", d.name)), format!("{}\n{}\n", inputs.join(" "), outputs.join(" ")))?;
-        if kernel == Kernel::TqDecode {
-            // Its instantiations over four sequences' own caches.
+        if matches!(kernel, Kernel::TqDecode | Kernel::WindowAppend) {
+            // Its instantiations over four sequences' own arrays.
             let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(4))]);
             let name = format!("{}_each", d.name);
             std::fs::write(dir.join(format!("{name}.cu")), compact_source(&body.expect("a CUDA body")))?;

@@ -14,6 +14,11 @@ order of the float16 products' sums), every output must be finite, and a
 second pair of calls built into the same graph must agree with the first
 (each call hands the next its zeroed counters). Sets longer than one launch
 serves, and one whose sinks are still filling, take several launches.
+
+Then ``LayerCache.append_each`` on CUDA (one ``window_append`` per run of
+sequences): 20 decode steps appended to one set of caches through it and
+to a copy cache by cache must leave caches that attend exactly alike
+(flushes every 16 tokens go cache by cache in both).
 Prints one line per case and the largest error.
 """
 
@@ -55,6 +60,24 @@ def case(d, dtype, group, lengths, seed):
     return err, finite and same
 
 
+def append_case(d, dtype, lengths, seed):
+    hkv = 2
+    together, alone = caches_for(d, dtype, hkv, lengths, seed), caches_for(d, dtype, hkv, lengths, seed)
+    q = (mx.random.normal((len(lengths), hkv * 4, 1, d)) * 2.0).astype(dtype)
+    for step in range(20):
+        k = mx.random.normal((len(lengths), hkv, 1, d)).astype(dtype)
+        v = mx.random.normal((len(lengths), hkv, 1, d)).astype(dtype)
+        LayerCache.append_each(together, k, v)
+        for b, c in enumerate(alone):
+            c.append(k[b : b + 1], v[b : b + 1])
+        if step % 5 == 4:
+            for b in range(len(lengths)):
+                x, y = together[b].attention(q[b : b + 1], d**-0.5), alone[b].attention(q[b : b + 1], d**-0.5)
+                if not mx.array_equal(x, y).item():
+                    return False
+    return True
+
+
 def main() -> int:
     worst, failed = 0.0, 0
     sets = (
@@ -71,6 +94,10 @@ def main() -> int:
         failed += not good
         worst = max(worst, err)
         print(f"{'ok  ' if good else 'FAIL'} d={d} {dtype} group={group} sequences={len(lengths)} err={err:.2e}", flush=True)
+    for d, dtype, lengths in itertools.product((64, 128), (mx.float16, mx.bfloat16), sets):
+        good = append_case(d, dtype, lengths, seed=len(lengths) + d + 1)
+        failed += not good
+        print(f"{'ok  ' if good else 'FAIL'} append_each d={d} {dtype} sequences={len(lengths)}", flush=True)
     print(f"largest error {worst:.2e}; {failed} failed")
     return 1 if failed else 0
 

@@ -125,6 +125,12 @@ KERNELS = {
                        {"T": ["__half", "__nv_bfloat16"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4], "TPT": [16, 8],
                         "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392], "ROTATED": [False],
                         "REDUCE": [True, False], "VARIANT": [30, 14], "EACH": [4]}),
+    # window_append over four sequences' own windows (EACH = 4)
+    "window_append_each": ([("key_frame", "T"), ("value_frame", "T")]
+                           + [(f"{n}_{i}", "T") for i in range(4)
+                              for n in ("keys", "values", "key_offset", "win_k", "win_v", "filled")],
+                           [(f"{n}_{i}", "T") for i in range(4) for n in ("out_k", "out_v")],
+                           {"T": ELEMENT, "D": [128, 64], "OFFSET": [True, False], "ROTATE_V": [True, False], "EACH": [4]}),
     "tq_rotate": ([("q", "T"), ("rot", "float")], [("out", "float")],
                   {"T": ELEMENT, "D": [128, 64, 256, 96], "QR": [4, 1], "SCALE": [1040187392]}),
     "tq_reduce": ([("part_m", "float"), ("part_l", "float"), ("part_acc", "float"), ("rot_v", "float")],

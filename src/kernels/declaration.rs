@@ -383,48 +383,96 @@ fn opted_in(dynamic: i32, statics: i32) -> i32 {
     }
 }
 
-/// `tq_decode`'s inputs that sequences share (one rotation and codebooks)
-/// when it runs over several sequences' own caches.
-const TQ_DECODE_SHARED: [&str; 4] = ["q", "rot", "k_cent", "v_cent"];
+/// A kernel body's instantiation over several sequences' own arrays
+/// (template argument `EACH` = n > 0): inputs the sequences share, each
+/// sequence's own (`_i` appended; whether the body reads its shape and its
+/// strides), outputs of the launch, each sequence's own outputs, and the
+/// source that finds the block's sequence, `seq_`.
+struct EachSignature {
+    shared: &'static [&'static str],
+    per_sequence: &'static [(&'static str, (bool, bool))],
+    outputs: &'static [&'static str],
+    per_sequence_outputs: &'static [&'static str],
+    sequence: &'static str,
+}
 
-/// `tq_decode`'s inputs that each sequence has (`_i` appended), and which of
-/// their shape and strides its body reads.
-const TQ_DECODE_PER_SEQUENCE: [(&str, (bool, bool)); 7] = [
-    ("k_codes", (false, true)),
-    ("k_norms", (true, true)),
-    ("v_codes", (false, true)),
-    ("v_norms", (false, true)),
-    ("win_k", (true, true)),
-    ("win_v", (false, true)),
-    ("counters", (true, false)),
-];
+/// `tq_decode` over sequences: one rotation and codebooks for all; the
+/// grid's slowest index is the sequence (`q`'s rows).
+const TQ_DECODE_EACH: EachSignature = EachSignature {
+    shared: &["q", "rot", "k_cent", "v_cent"],
+    per_sequence: &[
+        ("k_codes", (false, true)),
+        ("k_norms", (true, true)),
+        ("v_codes", (false, true)),
+        ("v_norms", (false, true)),
+        ("win_k", (true, true)),
+        ("win_v", (false, true)),
+        ("counters", (true, false)),
+    ],
+    outputs: &["m_out", "l_out", "acc_out", "out"],
+    per_sequence_outputs: &["counters_out"],
+    sequence: "blockIdx.x / (gridDim.x / uint32_t(q_shape[0]))",
+};
 
-/// Source placed before `tq_decode`'s body over `n` sequences: the block's
-/// sequence (the grid's slowest index; `q`'s rows are the sequences), then
-/// each name the body reads bound to that sequence's input (its pointer,
-/// and its shape and strides as pointers into the parameters). Every input
-/// of `n` is named; launches of fewer sequences repeat the first's arrays
-/// in the slots past them, which no block reads.
-fn each_prelude(n: usize) -> String {
-    let pick = |f: &dyn Fn(usize) -> String| -> String {
-        let mut x = f(n - 1);
-        for i in (0..n - 1).rev() {
-            x = format!("seq_ == {i} ? {} : {x}", f(i));
+/// `window_append` over sequences: one pair of frames for all; each
+/// sequence's row of the new keys and values, its windows, slot and key
+/// offset its own; the grid's `y` index is the sequence.
+const WINDOW_APPEND_EACH: EachSignature = EachSignature {
+    shared: &["key_frame", "value_frame"],
+    per_sequence: &[
+        ("keys", (true, true)),
+        ("values", (false, true)),
+        ("key_offset", (false, true)),
+        ("win_k", (true, true)),
+        ("win_v", (false, true)),
+        ("filled", (true, false)),
+    ],
+    outputs: &[],
+    per_sequence_outputs: &["out_k", "out_v"],
+    sequence: "blockIdx.y",
+};
+
+impl EachSignature {
+    /// Inputs and outputs for `n` sequences.
+    fn names(&self, n: usize) -> (Vec<String>, Vec<String>) {
+        let mut inputs: Vec<String> = self.shared.iter().map(|x| x.to_string()).collect();
+        let mut outputs: Vec<String> = self.outputs.iter().map(|x| x.to_string()).collect();
+        for i in 0..n {
+            inputs.extend(self.per_sequence.iter().map(|(x, _)| format!("{x}_{i}")));
+            outputs.extend(self.per_sequence_outputs.iter().map(|x| format!("{x}_{i}")));
         }
-        x
-    };
-    let mut s = String::from("const uint32_t seq_ = blockIdx.x / (gridDim.x / uint32_t(q_shape[0]));\n");
-    for (name, (shape, strides)) in TQ_DECODE_PER_SEQUENCE {
-        s += &format!("const auto {name} = {};\n", pick(&|i| format!("{name}_{i}")));
-        if shape {
-            s += &format!("const int32_t* const {name}_shape = {};\n", pick(&|i| format!("&{name}_{i}_shape[0]")));
-        }
-        if strides {
-            s += &format!("const int64_t* const {name}_strides = {};\n", pick(&|i| format!("&{name}_{i}_strides[0]")));
-        }
+        (inputs, outputs)
     }
-    s += &format!("uint32_t* const counters_out = {};\n", pick(&|i| format!("counters_out_{i}")));
-    s
+
+    /// Source placed before the body for `n` sequences: the block's
+    /// sequence, then each name the body reads bound to that sequence's
+    /// input or output (its pointer, and its shape and strides as pointers
+    /// into the parameters). Every slot of `n` is named; launches of fewer
+    /// sequences repeat the first's arrays in the slots past them, which no
+    /// block reads.
+    fn prelude(&self, n: usize) -> String {
+        let pick = |f: &dyn Fn(usize) -> String| -> String {
+            let mut x = f(n - 1);
+            for i in (0..n - 1).rev() {
+                x = format!("seq_ == {i} ? {} : {x}", f(i));
+            }
+            x
+        };
+        let mut s = format!("const uint32_t seq_ = {};\n", self.sequence);
+        for (name, (shape, strides)) in self.per_sequence {
+            s += &format!("const auto {name} = {};\n", pick(&|i| format!("{name}_{i}")));
+            if *shape {
+                s += &format!("const int32_t* const {name}_shape = {};\n", pick(&|i| format!("&{name}_{i}_shape[0]")));
+            }
+            if *strides {
+                s += &format!("const int64_t* const {name}_strides = {};\n", pick(&|i| format!("&{name}_{i}_strides[0]")));
+            }
+        }
+        for name in self.per_sequence_outputs {
+            s += &format!("auto* const {name} = {};\n", pick(&|i| format!("{name}_{i}")));
+        }
+        s
+    }
 }
 
 impl Kernel {
@@ -517,11 +565,10 @@ impl Kernel {
 
     /// The CUDA body's input names, output names and source for an
     /// instantiation with these template arguments: the declared ones, but
-    /// `tq_decode` over `n` sequences' own caches (`EACH` = n > 0) takes the
-    /// shared inputs once and each sequence's stores, windows and counters
-    /// suffixed `_0` to `_{n-1}` (its counters' successors likewise among the
-    /// outputs), behind [`each_prelude`], which binds the body's names to
-    /// block's sequence.
+    /// `tq_decode` and `window_append` over `n` sequences' own arrays
+    /// (`EACH` = n > 0) take the shared inputs once and each sequence's
+    /// suffixed `_0` to `_{n-1}`, behind a prelude that binds the body's
+    /// names to the block's sequence ([`EachSignature`]).
     pub fn cuda_signature(self, template: &[(&str, TemplateArg)]) -> (Vec<String>, Vec<String>, Option<String>) {
         let d = self.declaration();
         let each = template.iter().find_map(|(k, v)| match (*k, v) {
@@ -529,15 +576,15 @@ impl Kernel {
             _ => None,
         });
         let names = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        match (self, each, d.cuda) {
-            (Kernel::TqDecode, Some(n), Some(body)) => {
-                let mut inputs = names(&TQ_DECODE_SHARED);
-                let mut outputs = names(&["m_out", "l_out", "acc_out", "out"]);
-                for i in 0..n {
-                    inputs.extend(TQ_DECODE_PER_SEQUENCE.iter().map(|(x, _)| format!("{x}_{i}")));
-                    outputs.push(format!("counters_out_{i}"));
-                }
-                (inputs, outputs, Some(each_prelude(n) + body))
+        let signature = match self {
+            Kernel::TqDecode => Some(&TQ_DECODE_EACH),
+            Kernel::WindowAppend => Some(&WINDOW_APPEND_EACH),
+            _ => None,
+        };
+        match (signature, each, d.cuda) {
+            (Some(sig), Some(n), Some(body)) => {
+                let (inputs, outputs) = sig.names(n);
+                (inputs, outputs, Some(sig.prelude(n) + body))
             }
             _ => {
                 let (mut inputs, mut outputs) = (names(d.inputs), names(d.outputs));
@@ -651,31 +698,42 @@ mod tests {
     }
 
     #[test]
-    fn the_decode_over_sequences_names_each_sequence_input_and_binds_what_the_body_reads() {
-        let (inputs, outputs, body) = Kernel::TqDecode.cuda_signature(&[("EACH", TemplateArg::Int(3))]);
-        assert_eq!(inputs.len(), TQ_DECODE_SHARED.len() + 3 * TQ_DECODE_PER_SEQUENCE.len());
-        assert_eq!(&inputs[..4], ["q", "rot", "k_cent", "v_cent"]);
-        assert_eq!(inputs[4], "k_codes_0");
+    fn kernels_over_sequences_name_each_sequence_input_and_bind_what_the_body_reads() {
+        let (inputs, outputs, _) = Kernel::TqDecode.cuda_signature(&[("EACH", TemplateArg::Int(3))]);
+        assert_eq!(&inputs[..5], ["q", "rot", "k_cent", "v_cent", "k_codes_0"]);
         assert_eq!(inputs.last().map(String::as_str), Some("counters_2"));
         assert_eq!(outputs, ["m_out", "l_out", "acc_out", "out", "counters_out_0", "counters_out_1", "counters_out_2"]);
-        let body = body.expect("a CUDA body");
-        let cuda = Kernel::TqDecode.declaration().cuda.expect("a CUDA body");
-        assert!(body.ends_with(cuda));
-        let prelude = &body[..body.len() - cuda.len()];
-        // Each binding picks among the three sequences, and MLX sees each
-        // sequence's shape and strides where the body reads the bound name's.
-        for (name, (shape, strides)) in TQ_DECODE_PER_SEQUENCE {
-            assert!(prelude.contains(&format!("const auto {name} = seq_ == 0 ? {name}_0 : seq_ == 1 ? {name}_1 : {name}_2;")), "{name}");
-            for (read, suffix) in [(shape, "shape"), (strides, "strides")] {
-                assert_eq!(prelude.contains(&format!("&{name}_2_{suffix}[0]")), read, "{name}_{suffix}");
-                assert_eq!(cuda.contains(&format!("{name}_{suffix}")), read, "the body and {name}_{suffix}");
+        let (_, outputs, _) = Kernel::WindowAppend.cuda_signature(&[("EACH", TemplateArg::Int(2))]);
+        assert_eq!(outputs, ["out_k_0", "out_v_0", "out_k_1", "out_v_1"]);
+        for (kernel, sig) in [(Kernel::TqDecode, &TQ_DECODE_EACH), (Kernel::WindowAppend, &WINDOW_APPEND_EACH)] {
+            let d = kernel.declaration();
+            let cuda = d.cuda.expect("a CUDA body");
+            let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(3))]);
+            assert_eq!(inputs.len(), sig.shared.len() + 3 * sig.per_sequence.len(), "{}", d.name);
+            assert_eq!(outputs.len(), sig.outputs.len() + 3 * sig.per_sequence_outputs.len(), "{}", d.name);
+            // Shared and per-sequence names together are the declared ones.
+            let mut each: Vec<&str> = sig.shared.iter().copied().chain(sig.per_sequence.iter().map(|(x, _)| *x)).collect();
+            let mut declared: Vec<&str> = d.inputs.iter().chain(d.cuda_inputs).copied().collect();
+            each.sort();
+            declared.sort();
+            assert_eq!(each, declared, "{}", d.name);
+            let body = body.expect("a CUDA body");
+            assert!(body.ends_with(cuda));
+            let prelude = &body[..body.len() - cuda.len()];
+            // Each binding picks among the three sequences, and MLX sees each
+            // sequence's shape and strides where the body reads the bound name's.
+            for &(name, (shape, strides)) in sig.per_sequence {
+                assert!(prelude.contains(&format!("const auto {name} = seq_ == 0 ? {name}_0 : seq_ == 1 ? {name}_1 : {name}_2;")), "{name}");
+                for (read, suffix) in [(shape, "shape"), (strides, "strides")] {
+                    assert_eq!(prelude.contains(&format!("&{name}_2_{suffix}[0]")), read, "{name}_{suffix}");
+                    assert_eq!(cuda.contains(&format!("{name}_{suffix}")), read, "{}: the body and {name}_{suffix}", d.name);
+                }
             }
+            // One set of arrays: the declared signature and body.
+            let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(0))]);
+            assert_eq!(inputs, d.inputs.iter().chain(d.cuda_inputs).map(|x| x.to_string()).collect::<Vec<_>>());
+            assert_eq!(outputs, d.outputs.iter().chain(d.cuda_outputs).map(|x| x.to_string()).collect::<Vec<_>>());
+            assert_eq!(body.as_deref(), d.cuda);
         }
-        // One cache: the declared signature and body.
-        let (inputs, outputs, body) = Kernel::TqDecode.cuda_signature(&[("EACH", TemplateArg::Int(0))]);
-        let d = Kernel::TqDecode.declaration();
-        assert_eq!(inputs, d.inputs.iter().chain(d.cuda_inputs).map(|x| x.to_string()).collect::<Vec<_>>());
-        assert_eq!(outputs, d.outputs.iter().chain(d.cuda_outputs).map(|x| x.to_string()).collect::<Vec<_>>());
-        assert_eq!(body.as_deref(), d.cuda);
     }
 }

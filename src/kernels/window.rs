@@ -182,8 +182,10 @@ pub struct WindowRow<'a> {
 /// A decode step of a batch whose sequences keep their own windows: row
 /// `rows[i].row` of `keys` and `values` `[B, Hkv, T, D]` written into
 /// `rows[i]`'s windows from its slot, in the frames of [`window_append`]
-/// (shared by the rows). On the CPU one operation for the rows; elsewhere
-/// one [`window_append`] per row. The rows' new `(win_k, win_v)`.
+/// (shared by the rows). On the CPU one operation for the rows; on CUDA one
+/// launch per run of up to [`APPEND_EACH_MAX`] rows whose windows hold a
+/// token; elsewhere one [`window_append`] per row. The rows' new
+/// `(win_k, win_v)`.
 pub fn window_append_each<'a>(
     keys: &'a Array,
     values: &'a Array,
@@ -206,17 +208,42 @@ pub fn window_append_each<'a>(
     let shapes = rows.iter().map(|r| append(r).check_rows(Some(batch))).collect::<Result<Vec<_>>>()?;
     let stream = opts.resolve_stream()?;
     let same_offsets = rows.iter().all(|r| r.key_offset.is_some() == rows[0].key_offset.is_some());
+    let (h, t, d) = (ks[1], ks[2], ks[3]);
+    let row = |x: &Array, b: usize| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t, d], &stream);
+    let alone = |r: &WindowRow<'a>| -> Result<(Array, Array)> {
+        let (k, v) = (row(keys, r.row)?, row(values, r.row)?);
+        window_append(&WindowAppend { keys: &k, values: &v, ..append(r) }, opts)
+    };
+    // CUDA runs the rows through its `window_append` (WindowAppendEach
+    // names the CPU's operation).
+    if stream.backend()? == Backend::Cuda {
+        let fused = select(Kernel::WindowAppend, opts.policy, &stream)? == Implementation::Cuda && d % 8 == 0;
+        if !(fused && same_offsets && t > 0) {
+            return rows.iter().map(alone).collect();
+        }
+        // Runs of rows whose windows already hold a token (the kernel's
+        // slot view is not empty), up to APPEND_EACH_MAX a launch.
+        let mut out = Vec::with_capacity(rows.len());
+        let mut first = 0;
+        while first < rows.len() {
+            let mut end = first + 1;
+            while shapes[first].at > 0 && end < rows.len() && end - first < APPEND_EACH_MAX && shapes[end].at > 0 {
+                end += 1;
+            }
+            if end - first == 1 {
+                out.push(alone(&rows[first])?);
+            } else {
+                let ks: Vec<Array> = rows[first..end].iter().map(|r| row(keys, r.row)).collect::<Result<_>>()?;
+                let vs: Vec<Array> = rows[first..end].iter().map(|r| row(values, r.row)).collect::<Result<_>>()?;
+                out.extend(each_on_cuda(&ks, &vs, key_frame, value_frame, &rows[first..end], &shapes[first..end], &stream)?);
+            }
+            first = end;
+        }
+        return Ok(out);
+    }
     let imp = select(Kernel::WindowAppendEach, opts.policy, &stream)?;
-    if imp != Implementation::Cpu || !same_offsets || ks[2] == 0 {
-        let (h, t, d) = (ks[1], ks[2], ks[3]);
-        let row = |x: &Array, b: usize| ops::slice(x, &[b as i32, 0, 0, 0], &[b as i32 + 1, h, t, d], &stream);
-        return rows
-            .iter()
-            .map(|r| {
-                let (k, v) = (row(keys, r.row)?, row(values, r.row)?);
-                window_append(&WindowAppend { keys: &k, values: &v, ..append(r) }, opts)
-            })
-            .collect();
+    if imp != Implementation::Cpu || !same_offsets || t == 0 {
+        return rows.iter().map(alone).collect();
     }
     let dtype = rows[0].win_k.dtype();
     let (has_off, has_vf) = (rows[0].key_offset.is_some(), value_frame.is_some());
@@ -254,6 +281,65 @@ pub fn window_append_each<'a>(
     )?;
     let mut outs = outs.into_iter();
     Ok((0..rows.len()).map(|_| (outs.next().expect("two outputs a row"), outs.next().expect("two outputs a row"))).collect())
+}
+
+/// Sequences one CUDA `window_append` over several sequences' windows
+/// serves at most (each adds six inputs and two outputs to the launch).
+pub const APPEND_EACH_MAX: usize = 16;
+
+/// One CUDA `window_append` over `rows` (at least two), whose new tokens
+/// are `keys[i]`/`values[i]` `[1, Hkv, T, D]`: the grid's `y` index is the
+/// row, each row's blocks the single launch's for batch 1. Names a power of
+/// two of row slots (one compiled kernel each); the slots past the rows
+/// repeat the first row's arrays, which no block reads, and their outputs
+/// are dropped.
+fn each_on_cuda(
+    keys: &[Array],
+    values: &[Array],
+    key_frame: &Array,
+    value_frame: Option<&Array>,
+    rows: &[WindowRow<'_>],
+    shapes: &[WindowShape],
+    s: &Stream,
+) -> Result<Vec<(Array, Array)>> {
+    let n = rows.len();
+    let slots = n.next_power_of_two().max(2);
+    let sh = &shapes[0];
+    let filled = rows
+        .iter()
+        .zip(shapes)
+        .map(|(r, x)| ops::slice(r.win_k, &[0, 0, 0, 0], &[1, x.heads as i32, x.at as i32, x.dim as i32], s))
+        .collect::<Result<Vec<_>>>()?;
+    let lanes = cuda_window_lanes(sh.dim);
+    let items = (2 * sh.heads * sh.tokens * (sh.dim / 8) * lanes).div_ceil(32) * 32 + 2 * sh.heads * sh.slots * (sh.dim / 8);
+    let ((gx, _, _), threadgroup) = grid_1d("win_k", items)?;
+    let mut inputs: Vec<&Array> = vec![key_frame, value_frame.unwrap_or(key_frame)];
+    let mut outputs = Vec::with_capacity(2 * slots);
+    for i in 0..slots {
+        let b = if i < n { i } else { 0 };
+        let r = &rows[b];
+        inputs.extend([&keys[b], &values[b], r.key_offset.unwrap_or(&keys[b]), r.win_k, r.win_v, &filled[b]]);
+        outputs.extend([(r.win_k.shape(), r.win_k.dtype()), (r.win_v.shape(), r.win_v.dtype())]);
+    }
+    let outs = gpu::launch(
+        &Launch {
+            kernel: Kernel::WindowAppend,
+            inputs: &inputs,
+            outputs: &outputs,
+            grid: (gx, n as i32, 1),
+            threadgroup,
+            template: &[
+                ("T", TemplateArg::Dtype(rows[0].win_k.dtype())),
+                ("D", TemplateArg::Int(sh.dim as i32)),
+                ("OFFSET", TemplateArg::Bool(rows[0].key_offset.is_some())),
+                ("ROTATE_V", TemplateArg::Bool(value_frame.is_some())),
+                ("EACH", TemplateArg::Int(slots as i32)),
+            ],
+        },
+        s,
+    )?;
+    let mut outs = outs.into_iter();
+    Ok((0..n).map(|_| (outs.next().expect("two outputs a row"), outs.next().expect("two outputs a row"))).collect())
 }
 
 /// Lanes of CUDA's `window_append` per 8 output dimensions of a new slot
