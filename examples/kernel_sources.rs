@@ -31,11 +31,11 @@ fn main() -> std::io::Result<()> {
             std::fs::write(dir.join(format!("{}.tc.cuh", d.name)), tensor_cores)?;
         }
         std::fs::write(dir.join(format!("{}.cuh", d.name)), &header)?;
-        let (inputs, outputs, _) = kernel.cuda_signature(&[]);
+        let (inputs, outputs, _) = kernel.signature(Backend::Cuda, &[]);
         std::fs::write(dir.join(format!("{}.args", d.name)), format!("{}\n{}\n", inputs.join(" "), outputs.join(" ")))?;
         if matches!(kernel, Kernel::TqDecode | Kernel::WindowAppend) {
             // Its instantiations over four sequences' own arrays.
-            let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(4))]);
+            let (inputs, outputs, body) = kernel.signature(Backend::Cuda, &[("EACH", TemplateArg::Int(4))]);
             let name = format!("{}_each", d.name);
             std::fs::write(dir.join(format!("{name}.cu")), compact_source(&body.expect("a CUDA body")))?;
             std::fs::write(dir.join(format!("{name}.cuh")), &header)?;

@@ -414,9 +414,27 @@ const TQ_DECODE_EACH: EachSignature = EachSignature {
     sequence: "blockIdx.x / (gridDim.x / uint32_t(q_shape[0]))",
 };
 
+/// Metal's `tq_decode` over sequences: as CUDA's, without the counters
+/// (`tq_reduce` merges the splits).
+const TQ_DECODE_EACH_METAL: EachSignature = EachSignature {
+    shared: &["q", "rot", "k_cent", "v_cent"],
+    per_sequence: &[
+        ("k_codes", (false, true)),
+        ("k_norms", (true, true)),
+        ("v_codes", (false, true)),
+        ("v_norms", (false, true)),
+        ("win_k", (true, true)),
+        ("win_v", (false, true)),
+    ],
+    outputs: &["m_out", "l_out", "acc_out"],
+    per_sequence_outputs: &[],
+    sequence: "threadgroup_position_in_grid.x / (threadgroups_per_grid.x / uint(q_shape[0]))",
+};
+
 /// `window_append` over sequences: one pair of frames for all; each
 /// sequence's row of the new keys and values, its windows, slot and key
-/// offset its own; the grid's `y` index is the sequence.
+/// offset its own; the grid's `y` index is the sequence (Metal's grid
+/// counts threads: [`WINDOW_APPEND_EACH_METAL`]).
 const WINDOW_APPEND_EACH: EachSignature = EachSignature {
     shared: &["key_frame", "value_frame"],
     per_sequence: &[
@@ -431,6 +449,8 @@ const WINDOW_APPEND_EACH: EachSignature = EachSignature {
     per_sequence_outputs: &["out_k", "out_v"],
     sequence: "blockIdx.y",
 };
+
+const WINDOW_APPEND_EACH_METAL: EachSignature = EachSignature { sequence: "thread_position_in_grid.y", ..WINDOW_APPEND_EACH };
 
 impl EachSignature {
     /// Inputs and outputs for `n` sequences.
@@ -458,14 +478,14 @@ impl EachSignature {
             }
             x
         };
-        let mut s = format!("const uint32_t seq_ = {};\n", self.sequence);
+        let mut s = format!("const unsigned seq_ = {};\n", self.sequence);
         for (name, (shape, strides)) in self.per_sequence {
             s += &format!("const auto {name} = {};\n", pick(&|i| format!("{name}_{i}")));
             if *shape {
-                s += &format!("const int32_t* const {name}_shape = {};\n", pick(&|i| format!("&{name}_{i}_shape[0]")));
+                s += &format!("const auto {name}_shape = {};\n", pick(&|i| format!("&{name}_{i}_shape[0]")));
             }
             if *strides {
-                s += &format!("const int64_t* const {name}_strides = {};\n", pick(&|i| format!("&{name}_{i}_strides[0]")));
+                s += &format!("const auto {name}_strides = {};\n", pick(&|i| format!("&{name}_{i}_strides[0]")));
             }
         }
         for name in self.per_sequence_outputs {
@@ -563,34 +583,41 @@ impl Kernel {
         }
     }
 
-    /// The CUDA body's input names, output names and source for an
-    /// instantiation with these template arguments: the declared ones, but
-    /// `tq_decode` and `window_append` over `n` sequences' own arrays
-    /// (`EACH` = n > 0) take the shared inputs once and each sequence's
-    /// suffixed `_0` to `_{n-1}`, behind a prelude that binds the body's
-    /// names to the block's sequence ([`EachSignature`]).
-    pub fn cuda_signature(self, template: &[(&str, TemplateArg)]) -> (Vec<String>, Vec<String>, Option<String>) {
+    /// The body's input names, output names and source on `backend` for an
+    /// instantiation with these template arguments: the declared ones (on
+    /// CUDA with its own names after them), but `tq_decode` and
+    /// `window_append` over `n` sequences' own arrays (`EACH` =
+    /// n > 0) take the shared inputs once and each sequence's suffixed `_0`
+    /// to `_{n-1}`, behind a prelude that binds the body's names to the
+    /// block's sequence ([`EachSignature`]).
+    pub fn signature(self, backend: Backend, template: &[(&str, TemplateArg)]) -> (Vec<String>, Vec<String>, Option<String>) {
         let d = self.declaration();
         let each = template.iter().find_map(|(k, v)| match (*k, v) {
             ("EACH", TemplateArg::Int(n)) if *n > 0 => Some(*n as usize),
             _ => None,
         });
         let names = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-        let signature = match self {
-            Kernel::TqDecode => Some(&TQ_DECODE_EACH),
-            Kernel::WindowAppend => Some(&WINDOW_APPEND_EACH),
-            _ => None,
+        let (signature, body) = match (backend, self) {
+            (Backend::Cuda, Kernel::TqDecode) => (Some(&TQ_DECODE_EACH), d.cuda),
+            (Backend::Cuda, Kernel::WindowAppend) => (Some(&WINDOW_APPEND_EACH), d.cuda),
+            (Backend::Cuda, _) => (None, d.cuda),
+            (Backend::Metal, Kernel::TqDecode) => (Some(&TQ_DECODE_EACH_METAL), d.metal),
+            (Backend::Metal, Kernel::WindowAppend) => (Some(&WINDOW_APPEND_EACH_METAL), d.metal),
+            (Backend::Metal, _) => (None, d.metal),
+            (Backend::Cpu, _) => (None, None),
         };
-        match (signature, each, d.cuda) {
+        match (signature, each, body) {
             (Some(sig), Some(n), Some(body)) => {
                 let (inputs, outputs) = sig.names(n);
                 (inputs, outputs, Some(sig.prelude(n) + body))
             }
             _ => {
                 let (mut inputs, mut outputs) = (names(d.inputs), names(d.outputs));
-                inputs.extend(names(d.cuda_inputs));
-                outputs.extend(names(d.cuda_outputs));
-                (inputs, outputs, d.cuda.map(str::to_string))
+                if backend == Backend::Cuda {
+                    inputs.extend(names(d.cuda_inputs));
+                    outputs.extend(names(d.cuda_outputs));
+                }
+                (inputs, outputs, body.map(str::to_string))
             }
         }
     }
@@ -699,21 +726,27 @@ mod tests {
 
     #[test]
     fn kernels_over_sequences_name_each_sequence_input_and_bind_what_the_body_reads() {
-        let (inputs, outputs, _) = Kernel::TqDecode.cuda_signature(&[("EACH", TemplateArg::Int(3))]);
+        let (inputs, outputs, _) = Kernel::TqDecode.signature(Backend::Cuda, &[("EACH", TemplateArg::Int(3))]);
         assert_eq!(&inputs[..5], ["q", "rot", "k_cent", "v_cent", "k_codes_0"]);
         assert_eq!(inputs.last().map(String::as_str), Some("counters_2"));
         assert_eq!(outputs, ["m_out", "l_out", "acc_out", "out", "counters_out_0", "counters_out_1", "counters_out_2"]);
-        let (_, outputs, _) = Kernel::WindowAppend.cuda_signature(&[("EACH", TemplateArg::Int(2))]);
+        let (_, outputs, _) = Kernel::WindowAppend.signature(Backend::Cuda, &[("EACH", TemplateArg::Int(2))]);
         assert_eq!(outputs, ["out_k_0", "out_v_0", "out_k_1", "out_v_1"]);
-        for (kernel, sig) in [(Kernel::TqDecode, &TQ_DECODE_EACH), (Kernel::WindowAppend, &WINDOW_APPEND_EACH)] {
+        for (backend, kernel, sig) in [
+            (Backend::Cuda, Kernel::TqDecode, &TQ_DECODE_EACH),
+            (Backend::Cuda, Kernel::WindowAppend, &WINDOW_APPEND_EACH),
+            (Backend::Metal, Kernel::TqDecode, &TQ_DECODE_EACH_METAL),
+            (Backend::Metal, Kernel::WindowAppend, &WINDOW_APPEND_EACH_METAL),
+        ] {
             let d = kernel.declaration();
-            let cuda = d.cuda.expect("a CUDA body");
-            let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(3))]);
+            let cuda = if backend == Backend::Cuda { d.cuda } else { d.metal }.expect("a body");
+            let (inputs, outputs, body) = kernel.signature(backend, &[("EACH", TemplateArg::Int(3))]);
             assert_eq!(inputs.len(), sig.shared.len() + 3 * sig.per_sequence.len(), "{}", d.name);
             assert_eq!(outputs.len(), sig.outputs.len() + 3 * sig.per_sequence_outputs.len(), "{}", d.name);
             // Shared and per-sequence names together are the declared ones.
             let mut each: Vec<&str> = sig.shared.iter().copied().chain(sig.per_sequence.iter().map(|(x, _)| *x)).collect();
-            let mut declared: Vec<&str> = d.inputs.iter().chain(d.cuda_inputs).copied().collect();
+            let extra: &[&str] = if backend == Backend::Cuda { d.cuda_inputs } else { &[] };
+            let mut declared: Vec<&str> = d.inputs.iter().chain(extra).copied().collect();
             each.sort();
             declared.sort();
             assert_eq!(each, declared, "{}", d.name);
@@ -730,10 +763,11 @@ mod tests {
                 }
             }
             // One set of arrays: the declared signature and body.
-            let (inputs, outputs, body) = kernel.cuda_signature(&[("EACH", TemplateArg::Int(0))]);
-            assert_eq!(inputs, d.inputs.iter().chain(d.cuda_inputs).map(|x| x.to_string()).collect::<Vec<_>>());
-            assert_eq!(outputs, d.outputs.iter().chain(d.cuda_outputs).map(|x| x.to_string()).collect::<Vec<_>>());
-            assert_eq!(body.as_deref(), d.cuda);
+            let (inputs, outputs, body) = kernel.signature(backend, &[("EACH", TemplateArg::Int(0))]);
+            let extra_out: &[&str] = if backend == Backend::Cuda { d.cuda_outputs } else { &[] };
+            assert_eq!(inputs, d.inputs.iter().chain(extra).map(|x| x.to_string()).collect::<Vec<_>>());
+            assert_eq!(outputs, d.outputs.iter().chain(extra_out).map(|x| x.to_string()).collect::<Vec<_>>());
+            assert_eq!(body.as_deref(), Some(cuda));
         }
     }
 }

@@ -100,14 +100,7 @@ pub fn compact_source(text: &str) -> String {
 fn create(backend: Backend, kernel: Kernel, template: &[(&'static str, TemplateArg)]) -> Result<Handle> {
     let d = kernel.declaration();
     let name = CString::new(d.mlx_name).expect("static name");
-    let (input_names, output_names, body) = match backend {
-        Backend::Metal => {
-            let own = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
-            (own(d.inputs), own(d.outputs), d.metal.map(str::to_string))
-        }
-        Backend::Cuda => kernel.cuda_signature(template),
-        Backend::Cpu => (Vec::new(), Vec::new(), None),
-    };
+    let (input_names, output_names, body) = kernel.signature(backend, template);
     let Some(body) = body else {
         return Err(Error::Unsupported(format!("{}: no kernel body for the {} back-end", d.name, backend.name())));
     };

@@ -182,9 +182,9 @@ pub struct WindowRow<'a> {
 /// A decode step of a batch whose sequences keep their own windows: row
 /// `rows[i].row` of `keys` and `values` `[B, Hkv, T, D]` written into
 /// `rows[i]`'s windows from its slot, in the frames of [`window_append`]
-/// (shared by the rows). On the CPU one operation for the rows; on CUDA one
-/// launch per run of up to [`APPEND_EACH_MAX`] rows whose windows hold a
-/// token; elsewhere one [`window_append`] per row. The rows' new
+/// (shared by the rows). On the CPU one operation for the rows; on the GPU
+/// one launch per run of up to [`APPEND_EACH_MAX`] rows whose windows hold
+/// a token, the others one [`window_append`] each. The rows' new
 /// `(win_k, win_v)`.
 pub fn window_append_each<'a>(
     keys: &'a Array,
@@ -214,10 +214,11 @@ pub fn window_append_each<'a>(
         let (k, v) = (row(keys, r.row)?, row(values, r.row)?);
         window_append(&WindowAppend { keys: &k, values: &v, ..append(r) }, opts)
     };
-    // CUDA runs the rows through its `window_append` (WindowAppendEach
+    // The GPUs run the rows through their `window_append` (WindowAppendEach
     // names the CPU's operation).
-    if stream.backend()? == Backend::Cuda {
-        let fused = select(Kernel::WindowAppend, opts.policy, &stream)? == Implementation::Cuda && d % 8 == 0;
+    if matches!(stream.backend()?, Backend::Cuda | Backend::Metal) {
+        let fused = matches!(select(Kernel::WindowAppend, opts.policy, &stream)?, Implementation::Cuda | Implementation::Metal)
+            && d % 8 == 0;
         if !(fused && same_offsets && t > 0) {
             return rows.iter().map(alone).collect();
         }
@@ -235,7 +236,7 @@ pub fn window_append_each<'a>(
             } else {
                 let ks: Vec<Array> = rows[first..end].iter().map(|r| row(keys, r.row)).collect::<Result<_>>()?;
                 let vs: Vec<Array> = rows[first..end].iter().map(|r| row(values, r.row)).collect::<Result<_>>()?;
-                out.extend(each_on_cuda(&ks, &vs, key_frame, value_frame, &rows[first..end], &shapes[first..end], &stream)?);
+                out.extend(each_on_gpu(&ks, &vs, key_frame, value_frame, &rows[first..end], &shapes[first..end], &stream)?);
             }
             first = end;
         }
@@ -283,17 +284,17 @@ pub fn window_append_each<'a>(
     Ok((0..rows.len()).map(|_| (outs.next().expect("two outputs a row"), outs.next().expect("two outputs a row"))).collect())
 }
 
-/// Sequences one CUDA `window_append` over several sequences' windows
+/// Sequences one GPU `window_append` over several sequences' windows
 /// serves at most (each adds six inputs and two outputs to the launch).
 pub const APPEND_EACH_MAX: usize = 16;
 
-/// One CUDA `window_append` over `rows` (at least two), whose new tokens
+/// One GPU `window_append` over `rows` (at least two), whose new tokens
 /// are `keys[i]`/`values[i]` `[1, Hkv, T, D]`: the grid's `y` index is the
-/// row, each row's blocks the single launch's for batch 1. Names a power of
-/// two of row slots (one compiled kernel each); the slots past the rows
-/// repeat the first row's arrays, which no block reads, and their outputs
+/// row, each row's threads the single launch's for batch 1. Names a power
+/// of two of row slots (one compiled kernel each); the slots past the rows
+/// repeat the first row's arrays, which no thread reads, and their outputs
 /// are dropped.
-fn each_on_cuda(
+fn each_on_gpu(
     keys: &[Array],
     values: &[Array],
     key_frame: &Array,
@@ -310,9 +311,7 @@ fn each_on_cuda(
         .zip(shapes)
         .map(|(r, x)| ops::slice(r.win_k, &[0, 0, 0, 0], &[1, x.heads as i32, x.at as i32, x.dim as i32], s))
         .collect::<Result<Vec<_>>>()?;
-    let lanes = cuda_window_lanes(sh.dim);
-    let items = (2 * sh.heads * sh.tokens * (sh.dim / 8) * lanes).div_ceil(32) * 32 + 2 * sh.heads * sh.slots * (sh.dim / 8);
-    let ((gx, _, _), threadgroup) = grid_1d("win_k", items)?;
+    let ((gx, _, _), threadgroup) = grid_1d("win_k", items_per_launch(sh, s.backend()?))?;
     let mut inputs: Vec<&Array> = vec![key_frame, value_frame.unwrap_or(key_frame)];
     let mut outputs = Vec::with_capacity(2 * slots);
     for i in 0..slots {
@@ -348,20 +347,23 @@ fn cuda_window_lanes(d: usize) -> usize {
     if d % 32 == 0 { 32 } else { 8 }
 }
 
+/// Threads of a `window_append` launch over windows of shape `sh`: CUDA's
+/// body first gives each new slot's 8-dimension chunk a group of lanes, in
+/// whole warps, then copies; Metal's one thread per 8-dimension chunk of
+/// every slot (metal/ and cuda/ say how).
+fn items_per_launch(sh: &WindowShape, backend: Backend) -> usize {
+    let copies = 2 * sh.batch * sh.heads * sh.slots * (sh.dim / 8);
+    match backend {
+        Backend::Cuda => (2 * sh.batch * sh.heads * sh.tokens * (sh.dim / 8) * cuda_window_lanes(sh.dim)).div_ceil(32) * 32 + copies,
+        _ => copies,
+    }
+}
+
 fn on_gpu(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, Array)> {
     let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
     // The slot travels as the length of a view (no host array per call).
     let filled = ops::slice(a.win_k, &[0, 0, 0, 0], &[b, h, sh.at as i32, d], s)?;
-    let copies = 2 * sh.batch * sh.heads * sh.slots * (sh.dim / 8);
-    // CUDA's body first gives each new slot's 8-dimension chunk a group of
-    // lanes, in whole warps, then copies (metal/ and cuda/ say how).
-    let items = match s.backend()? {
-        crate::stream::Backend::Cuda => {
-            (2 * sh.batch * sh.heads * sh.tokens * (sh.dim / 8) * cuda_window_lanes(sh.dim)).div_ceil(32) * 32 + copies
-        }
-        _ => copies,
-    };
-    let (grid, threadgroup) = grid_1d("win_k", items)?;
+    let (grid, threadgroup) = grid_1d("win_k", items_per_launch(sh, s.backend()?))?;
     let out = a.win_k.shape();
     let mut outs = gpu::launch(
         &Launch {

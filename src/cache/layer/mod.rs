@@ -330,10 +330,10 @@ impl LayerCache {
 
     /// A decode step of a batch whose sequences each have their own cache:
     /// row `b` of `keys` and `values` `[B, Hkv, T, D]` appended to
-    /// `caches[b]` (batch 1 each). On the CPU and CUDA, the compressed caches
-    /// of one configuration whose tokens join their windows take them in one
-    /// operation (`window::window_append_each`: on CUDA a launch per run of
-    /// up to `APPEND_EACH_MAX`); the others (a flush due, sinks still
+    /// `caches[b]` (batch 1 each). The compressed caches of one
+    /// configuration whose tokens join their windows take them in one
+    /// operation (`window::window_append_each`: on the GPU a launch per run
+    /// of up to `APPEND_EACH_MAX`); the others (a flush due, sinks still
     /// filling, another back-end) are appended one by one, so that one
     /// sequence's flush does not send the whole batch that way.
     pub fn append_each(caches: &mut [&mut LayerCache], keys: &Array, values: &Array) -> Result<()> {
@@ -352,8 +352,7 @@ impl LayerCache {
         let t = ks[2] as usize;
         // (cache, window slot of its first new token) for the one operation.
         let mut fused = Vec::with_capacity(caches.len());
-        let together = matches!(s.backend()?, crate::stream::Backend::Cpu | crate::stream::Backend::Cuda)
-            && keys.dtype() == dtype
+        let together = keys.dtype() == dtype
             && values.dtype() == dtype
             && caches.iter().all(|c| c.batch == 1 && c.cfg == cfg && c.device == device && c.dtype == dtype);
         if together {
