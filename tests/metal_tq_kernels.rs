@@ -331,21 +331,27 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     let parts = if sh.queries == 1 { decode_partials(q, layer, sh, scale, q_transposed) } else { tile_partials(q, layer, sh, scale) };
     let num_splits = parts[0].shape[1];
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    let out = metal_emulator::declared(Kernel::TqReduce)
+    (reduce(&parts, &layer.rot, rows, d, T::DTYPE, &tag).to_vec(), num_splits)
+}
+
+/// `tq_reduce` of a decode's partials into `[rows, D]` of `dtype`, rotated
+/// back by `rot`, as `kernels::turboquant::reduce_partials` launches it.
+fn reduce(parts: &[HostArray], rot: &[f32], rows: usize, d: usize, dtype: Dtype, tag: &str) -> HostArray {
+    metal_emulator::declared(Kernel::TqReduce)
         .launch()
         .input(parts[0].clone())
         .input(parts[1].clone())
         .input(parts[2].clone())
-        .input(HostArray::new(&[d, d], &layer.rot))
-        .output(&[rows, d], T::DTYPE)
-        .template("T", TemplateArg::Dtype(T::DTYPE))
+        .input(HostArray::new(&[d, d], rot))
+        .output(&[rows, d], dtype)
+        .template("T", TemplateArg::Dtype(dtype))
         .template("D", TemplateArg::Int(d as i32))
         .template("ROTATE", TemplateArg::Bool(true))
         .grid((rows * reduce_threads(d)) as u32, 1, 1)
         .threadgroup(reduce_threads(d) as u32, 1, 1)
         .run()
-        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
-    (out[0].to_vec(), num_splits)
+        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"))
+        .remove(0)
 }
 
 /// `kernels::turboquant::decode`: the query as given, the stores,
@@ -656,21 +662,7 @@ fn tq_decode_over_sequences_matches_each_sequence_on_the_cpu() {
         .threadgroup(ATTENTION_THREADS as u32, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("tq_decode over sequences: {e}"));
-    let out = metal_emulator::declared(Kernel::TqReduce)
-        .launch()
-        .input(parts[0].clone())
-        .input(parts[1].clone())
-        .input(parts[2].clone())
-        .input(HostArray::new(&[d, d], &rot))
-        .output(&[rows, d], Dtype::F32)
-        .template("T", TemplateArg::Dtype(Dtype::F32))
-        .template("D", TemplateArg::Int(d as i32))
-        .template("ROTATE", TemplateArg::Bool(true))
-        .grid((rows * reduce_threads(d)) as u32, 1, 1)
-        .threadgroup(reduce_threads(d) as u32, 1, 1)
-        .run()
-        .unwrap_or_else(|e| panic!("tq_reduce over sequences: {e}"));
-    let got: Vec<f32> = out[0].to_vec();
+    let got: Vec<f32> = reduce(&parts, &rot, rows, d, Dtype::F32, "over sequences").to_vec();
     let row = hq * d;
     for (b, (l, sh)) in layers.iter().zip(&shapes).enumerate() {
         let mut want = vec![0.0f32; row];

@@ -415,20 +415,13 @@ const TQ_DECODE_EACH: EachSignature = EachSignature {
 };
 
 /// Metal's `tq_decode` over sequences: as CUDA's, without the counters
-/// (`tq_reduce` merges the splits).
+/// (the last per-sequence input; `tq_reduce` merges the splits).
 const TQ_DECODE_EACH_METAL: EachSignature = EachSignature {
-    shared: &["q", "rot", "k_cent", "v_cent"],
-    per_sequence: &[
-        ("k_codes", (false, true)),
-        ("k_norms", (true, true)),
-        ("v_codes", (false, true)),
-        ("v_norms", (false, true)),
-        ("win_k", (true, true)),
-        ("win_v", (false, true)),
-    ],
+    per_sequence: TQ_DECODE_EACH.per_sequence.split_at(TQ_DECODE_EACH.per_sequence.len() - 1).0,
     outputs: &["m_out", "l_out", "acc_out"],
     per_sequence_outputs: &[],
     sequence: "threadgroup_position_in_grid.x / (threadgroups_per_grid.x / uint(q_shape[0]))",
+    ..TQ_DECODE_EACH
 };
 
 /// `window_append` over sequences: one pair of frames for all; each

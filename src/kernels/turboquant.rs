@@ -579,34 +579,10 @@ fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Res
             outputs.push((current[b].shape(), Dtype::U32));
         }
     }
-    let mut template = vec![
-        ("T", TemplateArg::Dtype(q.dtype())),
-        ("D", TemplateArg::Int(d)),
-        ("KB", TemplateArg::Int(sh0.key_bits as i32)),
-        ("VB", TemplateArg::Int(sh0.value_bits as i32)),
-        ("QN", TemplateArg::Int(qn as i32)),
-        ("TPT", TemplateArg::Int(decode_lanes(sh0.dim) as i32)),
-        ("N_SINK", TemplateArg::Int(sh0.sinks as i32)),
-        ("CAUSAL", TemplateArg::Bool(false)),
-        ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
-        ("ROTATED", TemplateArg::Bool(false)),
-        ("EACH", TemplateArg::Int(slots as i32)),
-    ];
-    if cuda {
-        template.push(("REDUCE", TemplateArg::Bool(reduce)));
-        template.push(("VARIANT", TemplateArg::Int(decode_variant_for(l0)? as i32)));
-    }
-    let mut parts = gpu::launch(
-        &Launch {
-            kernel: Kernel::TqDecode,
-            inputs: &inputs,
-            outputs: &outputs,
-            grid: (threads, 1, 1),
-            threadgroup: (per_block as i32, 1, 1),
-            template: &template,
-        },
-        s,
-    )?;
+    let plan = AttentionShape { causal: false, ..sh0 };
+    let cuda_args = if cuda { Some((reduce, decode_variant_for(l0)?)) } else { None };
+    let mut parts = DecodeLaunch { sh: &plan, qn, scale, rotated: false, each: slots, cuda: cuda_args, threads, per_block }
+        .run(q, &inputs, &outputs, s)?;
     if cuda {
         let next = parts.split_off(4);
         for (c, x) in counters.iter_mut().zip(next) {
@@ -619,6 +595,53 @@ fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Res
     }
     parts.truncate(3);
     reduce_partials(&parts, Some(l0.rot_v), q, s)
+}
+
+/// `tq_decode`'s launch: its template arguments (the CUDA-only `REDUCE` and
+/// `VARIANT` where `cuda` gives them), `threads` in blocks of `per_block`.
+struct DecodeLaunch<'a> {
+    sh: &'a AttentionShape,
+    qn: usize,
+    scale: f32,
+    rotated: bool,
+    each: usize,
+    cuda: Option<(bool, usize)>,
+    threads: i32,
+    per_block: usize,
+}
+
+impl DecodeLaunch<'_> {
+    fn run(&self, q: &Array, inputs: &[&Array], outputs: &[(Vec<i32>, Dtype)], s: &Stream) -> Result<Vec<Array>> {
+        let sh = self.sh;
+        let mut template = vec![
+            ("T", TemplateArg::Dtype(q.dtype())),
+            ("D", TemplateArg::Int(sh.dim as i32)),
+            ("KB", TemplateArg::Int(sh.key_bits as i32)),
+            ("VB", TemplateArg::Int(sh.value_bits as i32)),
+            ("QN", TemplateArg::Int(self.qn as i32)),
+            ("TPT", TemplateArg::Int(decode_lanes(sh.dim) as i32)),
+            ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
+            ("CAUSAL", TemplateArg::Bool(sh.causal)),
+            ("SCALE", TemplateArg::Int(self.scale.to_bits() as i32)),
+            ("ROTATED", TemplateArg::Bool(self.rotated)),
+            ("EACH", TemplateArg::Int(self.each as i32)),
+        ];
+        if let Some((reduce, variant)) = self.cuda {
+            template.push(("REDUCE", TemplateArg::Bool(reduce)));
+            template.push(("VARIANT", TemplateArg::Int(variant as i32)));
+        }
+        gpu::launch(
+            &Launch {
+                kernel: Kernel::TqDecode,
+                inputs,
+                outputs,
+                grid: (self.threads, 1, 1),
+                threadgroup: (self.per_block as i32, 1, 1),
+                template: &template,
+            },
+            s,
+        )
+    }
 }
 
 /// Threads of an attention threadgroup, and tokens per tile.
@@ -785,19 +808,6 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
     let mut inputs = vec![q_in, layer.rot_k, layer.k_codes, &k_norms, layer.k_centroids, layer.v_codes,
                           layer.v_norms, layer.v_centroids, &win_k, layer.win_v];
     let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)];
-    let mut template = vec![
-        ("T", TemplateArg::Dtype(q.dtype())),
-        ("D", TemplateArg::Int(d)),
-        ("KB", TemplateArg::Int(sh.key_bits as i32)),
-        ("VB", TemplateArg::Int(sh.value_bits as i32)),
-        ("QN", TemplateArg::Int(qn as i32)),
-        ("TPT", TemplateArg::Int(decode_lanes(sh.dim) as i32)),
-        ("N_SINK", TemplateArg::Int(sh.sinks as i32)),
-        ("CAUSAL", TemplateArg::Bool(sh.causal)),
-        ("SCALE", TemplateArg::Int(scale.to_bits() as i32)),
-        ("ROTATED", TemplateArg::Bool(rotated)),
-        ("EACH", TemplateArg::Int(0)),
-    ];
     // Only CUDA's decode reads the counters. A poisoned lock still holds
     // valid counters (the launch that panicked never replaced them).
     let mut counters = cuda.then(|| layer.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner));
@@ -809,20 +819,10 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
         inputs.push(current);
         outputs.push((q.shape(), q.dtype()));
         outputs.push((current.shape(), Dtype::U32));
-        template.push(("REDUCE", TemplateArg::Bool(reduce)));
-        template.push(("VARIANT", TemplateArg::Int(decode_variant_for(layer)? as i32)));
     }
-    let mut parts = gpu::launch(
-        &Launch {
-            kernel: Kernel::TqDecode,
-            inputs: &inputs,
-            outputs: &outputs,
-            grid: (threads, 1, 1),
-            threadgroup: (per_block as i32, 1, 1),
-            template: &template,
-        },
-        s,
-    )?;
+    let cuda_args = if cuda { Some((reduce, decode_variant_for(layer)?)) } else { None };
+    let mut parts = DecodeLaunch { sh: &sh, qn, scale, rotated, each: 0, cuda: cuda_args, threads, per_block }
+        .run(q, &inputs, &outputs, s)?;
     if let Some(counters) = counters.as_mut() {
         **counters = parts.remove(4);
     }
