@@ -331,27 +331,21 @@ fn gpu_attention<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     let parts = if sh.queries == 1 { decode_partials(q, layer, sh, scale, q_transposed) } else { tile_partials(q, layer, sh, scale) };
     let num_splits = parts[0].shape[1];
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    (reduce(&parts, &layer.rot, rows, d, T::DTYPE, &tag).to_vec(), num_splits)
-}
-
-/// `tq_reduce` of a decode's partials into `[rows, D]` of `dtype`, rotated
-/// back by `rot`, as `kernels::turboquant::reduce_partials` launches it.
-fn reduce(parts: &[HostArray], rot: &[f32], rows: usize, d: usize, dtype: Dtype, tag: &str) -> HostArray {
-    metal_emulator::declared(Kernel::TqReduce)
+    let out = metal_emulator::declared(Kernel::TqReduce)
         .launch()
         .input(parts[0].clone())
         .input(parts[1].clone())
         .input(parts[2].clone())
-        .input(HostArray::new(&[d, d], rot))
-        .output(&[rows, d], dtype)
-        .template("T", TemplateArg::Dtype(dtype))
+        .input(HostArray::new(&[d, d], &layer.rot))
+        .output(&[rows, d], T::DTYPE)
+        .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
         .template("ROTATE", TemplateArg::Bool(true))
         .grid((rows * reduce_threads(d)) as u32, 1, 1)
         .threadgroup(reduce_threads(d) as u32, 1, 1)
         .run()
-        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"))
-        .remove(0)
+        .unwrap_or_else(|e| panic!("tq_reduce {tag}: {e}"));
+    (out[0].to_vec(), num_splits)
 }
 
 /// `kernels::turboquant::decode`: the query as given, the stores,
@@ -402,7 +396,6 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
         .template("N_SINK", TemplateArg::Int(sh.sinks as i32))
         .template("CAUSAL", TemplateArg::Bool(sh.causal))
         .template("SCALE", TemplateArg::Int(scale.to_bits() as i32))
-        .template("EACH", TemplateArg::Int(0))
         .grid((units * num_splits * ATTENTION_THREADS) as u32, 1, 1)
         .threadgroup(ATTENTION_THREADS as u32, 1, 1)
         .run()
@@ -583,94 +576,6 @@ fn tq_decode_head_dims_bits_and_groups_match_cpu() {
     check_attention_q::<f16>(shape(1, 8, 2, 1, 128, (4, 300, 40), true), 1e-2, 230, true);
     check_attention_q::<bf16>(shape(1, 8, 2, 1, 64, (4, 300, 40), true), 1e-2, 231, true);
     check_attention_q::<f32>(shape(1, 4, 2, 1, 64, (3, 0, 2), true), 1e-5, 232, true);
-}
-
-/// `kernels::turboquant::decode_each` on Metal: one `tq_decode` over three
-/// sequences' own caches of their own lengths (one without compressed
-/// tokens), four sequence slots (the last repeating the first's arrays),
-/// the split plan of the longest, then `tq_reduce`; each output row against
-/// the CPU's attention of its own sequence. The caches share one rotation,
-/// as caches of one configuration do.
-#[test]
-fn tq_decode_over_sequences_matches_each_sequence_on_the_cpu() {
-    let (hq, hkv, d) = (8usize, 2usize, 128usize);
-    let shapes = [(4, 300, 40), (4, 33, 7), (4, 0, 12)].map(|parts| shape(1, hq, hkv, 1, d, parts, false));
-    let mut layers: Vec<Layer<f32>> = shapes.iter().enumerate().map(|(i, sh)| build_layer::<f32>(sh, 400 + i as u64)).collect();
-    let rot = layers[0].rot.clone();
-    for l in &mut layers {
-        l.rot = rot.clone();
-    }
-    let n = shapes.len();
-    let mut rng = ChaCha8Rng::seed_from_u64(410);
-    let q: Vec<f32> = gaussian(&mut rng, n * hq * d, 1.0);
-    let scale = 1.0 / (d as f32).sqrt();
-    let qn = (hq / hkv).min(4);
-    let units = n * hkv * (hq / hkv).div_ceil(qn);
-    let widest = AttentionShape {
-        compressed: shapes.iter().map(|s| s.compressed).max().unwrap(),
-        sinks: 0,
-        recent: shapes.iter().map(|s| s.sinks + s.recent).max().unwrap(),
-        ..shapes[0]
-    };
-    let (_, _, num_splits) = split_plan(&widest, units, 512);
-    let slots = 4;
-    let (inputs, outputs, body) = Kernel::TqDecode.signature(veloxquant::Backend::Metal, &[("EACH", veloxquant::kernels::TemplateArg::Int(slots))]);
-    let (inputs, outputs): (Vec<&str>, Vec<&str>) = (inputs.iter().map(String::as_str).collect(), outputs.iter().map(String::as_str).collect());
-    let header = Kernel::TqDecode.header(veloxquant::Backend::Metal, &[]);
-    let kernel = metal_emulator::MetalKernel::new(Kernel::TqDecode.name(), &inputs, &outputs, &veloxquant::kernels::compact_source(&body.unwrap()))
-        .with_header(&veloxquant::kernels::compact_source(&header));
-    let view = |base: HostArray, len: usize| {
-        let mut shape = base.shape.clone();
-        shape[2] = len;
-        HostArray::leading_slice(&base, &shape)
-    };
-    let (kb, vb) = (d * 4 / 8, d * 3 / 8);
-    let mut launch = kernel
-        .launch()
-        .input(HostArray::new(&[n, hq, 1, d], &q))
-        .input(HostArray::new(&[d, d], &rot))
-        .input(HostArray::new(&[16], &layers[0].k_cent))
-        .input(HostArray::new(&[8], &layers[0].v_cent));
-    for i in 0..slots as usize {
-        let b = if i < n { i } else { 0 };
-        let (l, sh) = (&layers[b], &shapes[b]);
-        launch = launch
-            .input(HostArray::new(&[1, hkv, sh.capacity, kb], &l.k_codes))
-            .input(view(HostArray::new(&[1, hkv, sh.capacity], &l.k_norms), sh.compressed))
-            .input(HostArray::new(&[1, hkv, sh.capacity, vb], &l.v_codes))
-            .input(HostArray::new(&[1, hkv, sh.capacity], &l.v_norms))
-            .input(view(HostArray::new(&[1, hkv, sh.window_capacity, d], &l.win_k), sh.sinks + sh.recent))
-            .input(HostArray::new(&[1, hkv, sh.window_capacity, d], &l.win_v));
-    }
-    let rows = n * hq;
-    let parts = launch
-        .output(&[rows, num_splits], Dtype::F32)
-        .output(&[rows, num_splits], Dtype::F32)
-        .output(&[rows, num_splits, d], Dtype::F32)
-        .template("T", TemplateArg::Dtype(Dtype::F32))
-        .template("D", TemplateArg::Int(d as i32))
-        .template("KB", TemplateArg::Int(4))
-        .template("VB", TemplateArg::Int(3))
-        .template("QN", TemplateArg::Int(qn as i32))
-        .template("TPT", TemplateArg::Int(veloxquant::kernels::turboquant::decode_lanes(d) as i32))
-        .template("N_SINK", TemplateArg::Int(4))
-        .template("CAUSAL", TemplateArg::Bool(false))
-        .template("SCALE", TemplateArg::Int(scale.to_bits() as i32))
-        .template("ROTATED", TemplateArg::Bool(false))
-        .template("EACH", TemplateArg::Int(slots))
-        .grid((units * num_splits * ATTENTION_THREADS) as u32, 1, 1)
-        .threadgroup(ATTENTION_THREADS as u32, 1, 1)
-        .run()
-        .unwrap_or_else(|e| panic!("tq_decode over sequences: {e}"));
-    let got: Vec<f32> = reduce(&parts, &rot, rows, d, Dtype::F32, "over sequences").to_vec();
-    let row = hq * d;
-    for (b, (l, sh)) in layers.iter().zip(&shapes).enumerate() {
-        let mut want = vec![0.0f32; row];
-        tq::tq_attention(&q[b * row..(b + 1) * row], &l.inputs(), sh, scale, &mut want);
-        let max_ref = want.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-        let max_err = got[b * row..(b + 1) * row].iter().zip(&want).fold(0.0f32, |m, (a, w)| m.max((a - w).abs()));
-        assert!(max_ref > 0.0 && max_err <= 1e-5 * max_ref, "sequence {b} {sh:?}: relative error {:e}", max_err / max_ref);
-    }
 }
 
 /// `kernels::turboquant::rotate_queries`: blocks of 4 rows x 32 output

@@ -290,13 +290,14 @@ class LayerCache:
     def attention_each(caches: Sequence["LayerCache"], queries: mx.array, scale: float) -> mx.array:
         """Decode attention of a batch, row `b` of `queries` `[B, n_heads, 1,
         head_dim]` over `caches[b]`; one operation for TurboQuant caches of
-        one configuration (on the GPU one launch per 16 caches)."""
+        one configuration (on CUDA one launch per 16 caches; Metal attends
+        cache by cache)."""
     @staticmethod
     def append_each(caches: Sequence["LayerCache"], keys: mx.array, values: mx.array) -> None:
         """A decode step of a batch: row `b` of `keys` and `values` `[B,
         kv_heads, tokens, head_dim]` appended to `caches[b]`; one operation
         for caches of one configuration whose tokens join their windows (on
-        the GPU one launch per 16 caches)."""
+        CUDA one launch per 16 caches; Metal appends cache by cache)."""
     @property
     def offset(self) -> int: ...
     @property

@@ -414,20 +414,9 @@ const TQ_DECODE_EACH: EachSignature = EachSignature {
     sequence: "blockIdx.x / (gridDim.x / uint32_t(q_shape[0]))",
 };
 
-/// Metal's `tq_decode` over sequences: as CUDA's, without the counters
-/// (the last per-sequence input; `tq_reduce` merges the splits).
-const TQ_DECODE_EACH_METAL: EachSignature = EachSignature {
-    per_sequence: TQ_DECODE_EACH.per_sequence.split_at(TQ_DECODE_EACH.per_sequence.len() - 1).0,
-    outputs: &["m_out", "l_out", "acc_out"],
-    per_sequence_outputs: &[],
-    sequence: "threadgroup_position_in_grid.x / (threadgroups_per_grid.x / uint(q_shape[0]))",
-    ..TQ_DECODE_EACH
-};
-
 /// `window_append` over sequences: one pair of frames for all; each
 /// sequence's row of the new keys and values, its windows, slot and key
-/// offset its own; the grid's `y` index is the sequence (Metal's grid
-/// counts threads: [`WINDOW_APPEND_EACH_METAL`]).
+/// offset its own; the grid's `y` index is the sequence.
 const WINDOW_APPEND_EACH: EachSignature = EachSignature {
     shared: &["key_frame", "value_frame"],
     per_sequence: &[
@@ -442,8 +431,6 @@ const WINDOW_APPEND_EACH: EachSignature = EachSignature {
     per_sequence_outputs: &["out_k", "out_v"],
     sequence: "blockIdx.y",
 };
-
-const WINDOW_APPEND_EACH_METAL: EachSignature = EachSignature { sequence: "thread_position_in_grid.y", ..WINDOW_APPEND_EACH };
 
 impl EachSignature {
     /// Inputs and outputs for `n` sequences.
@@ -578,11 +565,13 @@ impl Kernel {
 
     /// The body's input names, output names and source on `backend` for an
     /// instantiation with these template arguments: the declared ones (on
-    /// CUDA with its own names after them), but `tq_decode` and
-    /// `window_append` over `n` sequences' own arrays (`EACH` =
-    /// n > 0) take the shared inputs once and each sequence's suffixed `_0`
-    /// to `_{n-1}`, behind a prelude that binds the body's names to the
-    /// block's sequence ([`EachSignature`]).
+    /// CUDA with its own names after them), but CUDA's `tq_decode` and
+    /// `window_append` over `n` sequences' own arrays (`EACH` = n > 0) take
+    /// the shared inputs once and each sequence's suffixed `_0` to `_{n-1}`,
+    /// behind a prelude that binds the body's names to the block's sequence
+    /// ([`EachSignature`]). Not on Metal: MLX binds every input, shape and
+    /// strides to a buffer of its own, and a Metal kernel takes at most 31
+    /// (two sequences' decode would need 37).
     pub fn signature(self, backend: Backend, template: &[(&str, TemplateArg)]) -> (Vec<String>, Vec<String>, Option<String>) {
         let d = self.declaration();
         let each = template.iter().find_map(|(k, v)| match (*k, v) {
@@ -594,8 +583,6 @@ impl Kernel {
             (Backend::Cuda, Kernel::TqDecode) => (Some(&TQ_DECODE_EACH), d.cuda),
             (Backend::Cuda, Kernel::WindowAppend) => (Some(&WINDOW_APPEND_EACH), d.cuda),
             (Backend::Cuda, _) => (None, d.cuda),
-            (Backend::Metal, Kernel::TqDecode) => (Some(&TQ_DECODE_EACH_METAL), d.metal),
-            (Backend::Metal, Kernel::WindowAppend) => (Some(&WINDOW_APPEND_EACH_METAL), d.metal),
             (Backend::Metal, _) => (None, d.metal),
             (Backend::Cpu, _) => (None, None),
         };
@@ -725,12 +712,14 @@ mod tests {
         assert_eq!(outputs, ["m_out", "l_out", "acc_out", "out", "counters_out_0", "counters_out_1", "counters_out_2"]);
         let (_, outputs, _) = Kernel::WindowAppend.signature(Backend::Cuda, &[("EACH", TemplateArg::Int(2))]);
         assert_eq!(outputs, ["out_k_0", "out_v_0", "out_k_1", "out_v_1"]);
-        for (backend, kernel, sig) in [
-            (Backend::Cuda, Kernel::TqDecode, &TQ_DECODE_EACH),
-            (Backend::Cuda, Kernel::WindowAppend, &WINDOW_APPEND_EACH),
-            (Backend::Metal, Kernel::TqDecode, &TQ_DECODE_EACH_METAL),
-            (Backend::Metal, Kernel::WindowAppend, &WINDOW_APPEND_EACH_METAL),
-        ] {
+        // Metal's bodies take no sequences: the declared names, whatever EACH.
+        for kernel in [Kernel::TqDecode, Kernel::WindowAppend] {
+            let d = kernel.declaration();
+            let (inputs, _, body) = kernel.signature(Backend::Metal, &[("EACH", TemplateArg::Int(3))]);
+            assert_eq!(inputs, d.inputs.iter().map(|x| x.to_string()).collect::<Vec<_>>());
+            assert_eq!(body.as_deref(), d.metal);
+        }
+        for (backend, kernel, sig) in [(Backend::Cuda, Kernel::TqDecode, &TQ_DECODE_EACH), (Backend::Cuda, Kernel::WindowAppend, &WINDOW_APPEND_EACH)] {
             let d = kernel.declaration();
             let cuda = if backend == Backend::Cuda { d.cuda } else { d.metal }.expect("a body");
             let (inputs, outputs, body) = kernel.signature(backend, &[("EACH", TemplateArg::Int(3))]);

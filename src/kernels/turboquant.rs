@@ -436,7 +436,10 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
     }
     match stream.backend()? {
         crate::stream::Backend::Cpu => {}
-        crate::stream::Backend::Cuda | crate::stream::Backend::Metal => return attention_each_gpu(q, layers, scale, stream),
+        crate::stream::Backend::Cuda => return attention_each_cuda(q, layers, scale, stream),
+        crate::stream::Backend::Metal => {
+            return Err(Error::Unsupported("tq_attention_each: Metal attends sequence by sequence (a kernel takes at most 31 buffers)".into()))
+        }
     }
     let mut inputs: Vec<&Array> = vec![q];
     for l in layers {
@@ -483,14 +486,14 @@ pub fn tq_attention_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, stream: 
 /// of comparisons as long as the launch's slots.
 pub const DECODE_EACH_MAX: usize = 16;
 
-/// [`tq_attention_each`] on the GPU: runs of consecutive sequences that
-/// hold as many sink tokens (a template argument), up to
-/// [`DECODE_EACH_MAX`], each one `tq_decode` over the run's own caches; a
-/// run of one, or on CUDA a cache off the tensor-core path, its own decode.
-fn attention_each_gpu(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Result<Array> {
+/// [`tq_attention_each`] on CUDA: runs of consecutive sequences that hold
+/// as many sink tokens (a template argument), up to [`DECODE_EACH_MAX`],
+/// each one `tq_decode` over the run's own caches; a run of one, or a cache
+/// off the tensor-core path, its own decode.
+fn attention_each_cuda(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Result<Array> {
     let sh0 = layers[0].shape;
     let (hq, d) = (sh0.q_heads as i32, sh0.dim as i32);
-    let fused = s.backend()? == crate::stream::Backend::Metal || decode_on_tensor_cores(q.dtype(), sh0.dim);
+    let fused = decode_on_tensor_cores(q.dtype(), sh0.dim);
     let mut outs = Vec::new();
     let mut first = 0;
     while first < layers.len() {
@@ -522,14 +525,14 @@ fn used(a: &Array, len: i32, s: &Stream) -> Result<Array> {
     ops::slice(a, &vec![0; stop.len()], &stop, s)
 }
 
-/// One `tq_decode` for `q` `[n, Hq, 1, D]`, row `b` over `layers[b]`
-/// (each batch 1, its own lengths and, on CUDA, counters; the rotation and
-/// codebooks of the first serve all, as caches of one shared set have
-/// them). The split plan is the longest sequence's, and each sequence cuts
-/// its own tokens into that many splits. The launch names a power of two
-/// of sequence slots (one compiled kernel each), the slots past `n` holding
-/// the first sequence's arrays, which no block reads. CUDA's tensor-core
-/// path merges the splits itself; Metal's partials go to `tq_reduce`.
+/// One CUDA `tq_decode` (the tensor-core path) for `q` `[n, Hq, 1, D]`,
+/// row `b` over `layers[b]` (each batch 1, its own lengths and counters;
+/// the rotation and codebooks of the first serve all, as caches of one
+/// shared set have them). The split plan is the longest sequence's, and
+/// each sequence cuts its own tokens into that many splits. The launch
+/// names a power of two of sequence slots (one compiled kernel each), the
+/// slots past `n` holding the first sequence's arrays, which no block
+/// reads.
 fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Result<Array> {
     let n = layers.len();
     let slots = n.next_power_of_two().max(2);
@@ -542,52 +545,32 @@ fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Res
     widest.compressed = layers.iter().map(|l| l.shape.compressed).max().unwrap_or(0);
     widest.sinks = 0;
     widest.recent = layers.iter().map(|l| l.shape.sinks + l.shape.recent).max().unwrap_or(0);
-    let cuda = s.backend()? == crate::stream::Backend::Cuda;
-    let (_, _, num_splits) = if cuda {
-        chunked_split_plan(&widest, units, super::decode_blocks(n)?)
-    } else {
-        split_plan(&widest, units, DECODE_SPLIT_MAX, TARGET_THREADGROUPS)
-    };
-    let reduce = cuda && tiles <= DECODE_COUNTERS && layers.iter().all(|l| std::ptr::eq(l.rot_k, l.rot_v));
-    let per_block = decode_threads(cuda);
+    let (_, _, num_splits) = chunked_split_plan(&widest, units, super::decode_blocks(n)?);
+    let reduce = tiles <= DECODE_COUNTERS && layers.iter().all(|l| std::ptr::eq(l.rot_k, l.rot_v));
+    let per_block = decode_threads(true);
     let threads = i32::try_from(units * num_splits * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let (rows, sp, d) = ((n * sh0.q_heads) as i32, num_splits as i32, sh0.dim as i32);
     let views = layers
         .iter()
         .map(|l| Ok((used(l.k_norms, l.shape.compressed as i32, s)?, used(l.win_k, (l.shape.sinks + l.shape.recent) as i32, s)?)))
         .collect::<Result<Vec<_>>>()?;
-    // Only CUDA's decode reads counters. A poisoned lock still holds valid
-    // counters (see `decode`).
-    let mut counters = if cuda {
-        layers.iter().map(|l| l.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).collect::<Vec<_>>()
-    } else {
-        Vec::new()
-    };
+    // A poisoned lock still holds valid counters (see `decode`).
+    let mut counters = layers.iter().map(|l| l.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).collect::<Vec<_>>();
     let current = counters.iter().map(|c| Array::clone(c)).collect::<Vec<_>>();
     let l0 = &layers[0];
     let mut inputs: Vec<&Array> = vec![q, l0.rot_k, l0.k_centroids, l0.v_centroids];
-    let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)];
-    if cuda {
-        outputs.push((q.shape(), q.dtype()));
-    }
+    let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32), (q.shape(), q.dtype())];
     for i in 0..slots {
         let b = if i < n { i } else { 0 };
         let (l, (k_norms, win_k)) = (&layers[b], &views[b]);
-        inputs.extend([l.k_codes, k_norms, l.v_codes, l.v_norms, win_k, l.win_v]);
-        if cuda {
-            inputs.push(&current[b]);
-            outputs.push((current[b].shape(), Dtype::U32));
-        }
+        inputs.extend([l.k_codes, k_norms, l.v_codes, l.v_norms, win_k, l.win_v, &current[b]]);
+        outputs.push((current[b].shape(), Dtype::U32));
     }
     let plan = AttentionShape { causal: false, ..sh0 };
-    let cuda_args = if cuda { Some((reduce, decode_variant_for(l0)?)) } else { None };
-    let mut parts = DecodeLaunch { sh: &plan, qn, scale, rotated: false, each: slots, cuda: cuda_args, threads, per_block }
+    let mut parts = DecodeLaunch { sh: &plan, qn, scale, rotated: false, each: slots, cuda: Some((reduce, decode_variant_for(l0)?)), threads, per_block }
         .run(q, &inputs, &outputs, s)?;
-    if cuda {
-        let next = parts.split_off(4);
-        for (c, x) in counters.iter_mut().zip(next) {
-            **c = x;
-        }
+    for (c, x) in counters.iter_mut().zip(parts.split_off(4)) {
+        **c = x;
     }
     drop(counters);
     if reduce {
@@ -597,8 +580,9 @@ fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Res
     reduce_partials(&parts, Some(l0.rot_v), q, s)
 }
 
-/// `tq_decode`'s launch: its template arguments (the CUDA-only `REDUCE` and
-/// `VARIANT` where `cuda` gives them), `threads` in blocks of `per_block`.
+/// `tq_decode`'s launch: its template arguments (the CUDA-only `EACH`,
+/// `REDUCE` and `VARIANT` where `cuda` gives the last two), `threads` in
+/// blocks of `per_block`.
 struct DecodeLaunch<'a> {
     sh: &'a AttentionShape,
     qn: usize,
@@ -624,9 +608,9 @@ impl DecodeLaunch<'_> {
             ("CAUSAL", TemplateArg::Bool(sh.causal)),
             ("SCALE", TemplateArg::Int(self.scale.to_bits() as i32)),
             ("ROTATED", TemplateArg::Bool(self.rotated)),
-            ("EACH", TemplateArg::Int(self.each as i32)),
         ];
         if let Some((reduce, variant)) = self.cuda {
+            template.push(("EACH", TemplateArg::Int(self.each as i32)));
             template.push(("REDUCE", TemplateArg::Bool(reduce)));
             template.push(("VARIANT", TemplateArg::Int(variant as i32)));
         }

@@ -182,10 +182,10 @@ pub struct WindowRow<'a> {
 /// A decode step of a batch whose sequences keep their own windows: row
 /// `rows[i].row` of `keys` and `values` `[B, Hkv, T, D]` written into
 /// `rows[i]`'s windows from its slot, in the frames of [`window_append`]
-/// (shared by the rows). On the CPU one operation for the rows; on the GPU
-/// one launch per run of up to [`APPEND_EACH_MAX`] rows whose windows hold
-/// a token, the others one [`window_append`] each. The rows' new
-/// `(win_k, win_v)`.
+/// (shared by the rows). On the CPU one operation for the rows; on CUDA one
+/// launch per run of up to [`APPEND_EACH_MAX`] rows whose windows hold a
+/// token, the others one [`window_append`] each; on Metal one
+/// [`window_append`] per row. The rows' new `(win_k, win_v)`.
 pub fn window_append_each<'a>(
     keys: &'a Array,
     values: &'a Array,
@@ -214,11 +214,12 @@ pub fn window_append_each<'a>(
         let (k, v) = (row(keys, r.row)?, row(values, r.row)?);
         window_append(&WindowAppend { keys: &k, values: &v, ..append(r) }, opts)
     };
-    // The GPUs run the rows through their `window_append` (WindowAppendEach
-    // names the CPU's operation).
-    if matches!(stream.backend()?, Backend::Cuda | Backend::Metal) {
-        let fused = matches!(select(Kernel::WindowAppend, opts.policy, &stream)?, Implementation::Cuda | Implementation::Metal)
-            && d % 8 == 0;
+    // CUDA runs the rows through its `window_append` (WindowAppendEach
+    // names the CPU's operation). Metal appends row by row: MLX binds every
+    // input, shape and strides to a buffer of its own, and two rows would
+    // take more than a Metal kernel's 31.
+    if stream.backend()? == Backend::Cuda {
+        let fused = select(Kernel::WindowAppend, opts.policy, &stream)? == Implementation::Cuda && d % 8 == 0;
         if !(fused && same_offsets && t > 0) {
             return rows.iter().map(alone).collect();
         }
@@ -236,7 +237,7 @@ pub fn window_append_each<'a>(
             } else {
                 let ks: Vec<Array> = rows[first..end].iter().map(|r| row(keys, r.row)).collect::<Result<_>>()?;
                 let vs: Vec<Array> = rows[first..end].iter().map(|r| row(values, r.row)).collect::<Result<_>>()?;
-                out.extend(each_on_gpu(&ks, &vs, key_frame, value_frame, &rows[first..end], &shapes[first..end], &stream)?);
+                out.extend(each_on_cuda(&ks, &vs, key_frame, value_frame, &rows[first..end], &shapes[first..end], &stream)?);
             }
             first = end;
         }
@@ -284,17 +285,17 @@ pub fn window_append_each<'a>(
     Ok((0..rows.len()).map(|_| (outs.next().expect("two outputs a row"), outs.next().expect("two outputs a row"))).collect())
 }
 
-/// Sequences one GPU `window_append` over several sequences' windows
+/// Sequences one CUDA `window_append` over several sequences' windows
 /// serves at most (each adds six inputs and two outputs to the launch).
 pub const APPEND_EACH_MAX: usize = 16;
 
-/// One GPU `window_append` over `rows` (at least two), whose new tokens
+/// One CUDA `window_append` over `rows` (at least two), whose new tokens
 /// are `keys[i]`/`values[i]` `[1, Hkv, T, D]`: the grid's `y` index is the
 /// row, each row's threads the single launch's for batch 1. Names a power
 /// of two of row slots (one compiled kernel each); the slots past the rows
 /// repeat the first row's arrays, which no thread reads, and their outputs
 /// are dropped.
-fn each_on_gpu(
+fn each_on_cuda(
     keys: &[Array],
     values: &[Array],
     key_frame: &Array,

@@ -161,8 +161,8 @@ impl PyLayerCache {
     /// Decode attention of a batch whose sequences each have their own cache:
     /// `queries` `[B, n_heads, 1, head_dim]`, row `b` over `caches[b]`.
     /// Caches with TurboQuant-MSE codes and one configuration attend in one
-    /// operation (on the GPU one launch per 16 caches); others sequence by
-    /// sequence.
+    /// operation (on CUDA one launch per 16 caches); others, and Metal's,
+    /// sequence by sequence.
     #[staticmethod]
     fn attention_each(py: Python<'_>, caches: Vec<PyRef<'_, PyLayerCache>>, queries: &Bound<'_, PyAny>, scale: &Bound<'_, PyAny>) -> PyResult<Py<PyAny>> {
         let q = array_arg(queries, "queries")?;

@@ -102,7 +102,7 @@ impl LayerCache {
     /// cache: `queries` `[B, Hq, 1, D]`, row `b` over `caches[b]` (batch 1
     /// each, any lengths), `[B, Hq, 1, D]` out. Caches holding TurboQuant-MSE
     /// codes with one configuration attend as one operation on the CPU, and
-    /// on the GPU as one launch per run of up to
+    /// on CUDA as one launch per run of up to
     /// [`turboquant::DECODE_EACH_MAX`] caches that share their rotation
     /// ([`turboquant::tq_attention_each`]); any other set sequence by
     /// sequence, concatenated.
@@ -119,17 +119,19 @@ impl LayerCache {
             ));
         }
         let s = &first.stream()?;
-        // The GPUs' decode over several caches reads the first one's
-        // rotation and codebooks for all: the caches must share them.
+        // CUDA's decode over several caches reads the first one's rotation
+        // and codebooks for all: the caches must share them. Metal attends
+        // cache by cache (`turboquant::tq_attention_each` says why).
         let backend = s.backend()?;
-        let fused = caches.iter().all(|c| {
-            c.batch == 1
-                && c.cfg == first.cfg
-                && c.device == first.device
-                && Self::turboquant_only(&c.cfg)
-                && matches!(c.store, Some(Store::Compressed(_)))
-                && (backend == crate::stream::Backend::Cpu || c.shared_id() == first.shared_id())
-        });
+        let fused = backend != crate::stream::Backend::Metal
+            && caches.iter().all(|c| {
+                c.batch == 1
+                    && c.cfg == first.cfg
+                    && c.device == first.device
+                    && Self::turboquant_only(&c.cfg)
+                    && matches!(c.store, Some(Store::Compressed(_)))
+                    && (backend == crate::stream::Backend::Cpu || c.shared_id() == first.shared_id())
+            });
         if fused {
             // The per-sequence path checks in `attention`; this one here.
             first.check_query_heads(&qs)?;

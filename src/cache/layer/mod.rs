@@ -332,8 +332,8 @@ impl LayerCache {
     /// row `b` of `keys` and `values` `[B, Hkv, T, D]` appended to
     /// `caches[b]` (batch 1 each). The compressed caches of one
     /// configuration whose tokens join their windows take them in one
-    /// operation (`window::window_append_each`: on the GPU a launch per run
-    /// of up to `APPEND_EACH_MAX`); the others (a flush due, sinks still
+    /// operation (`window::window_append_each`: on CUDA a launch per run of
+    /// up to `APPEND_EACH_MAX`, on Metal one per cache); the others (a flush due, sinks still
     /// filling, another back-end) are appended one by one, so that one
     /// sequence's flush does not send the whole batch that way.
     pub fn append_each(caches: &mut [&mut LayerCache], keys: &Array, values: &Array) -> Result<()> {

@@ -33,11 +33,7 @@ template <typename T, int D, int KB, int VB, int QN, int TPT, int N_SINK, bool C
 // of the online softmax, in the rotated frame (tq_reduce finishes).
 // Template: T, D, KB/VB (key/value bits), QN (rows per tile, at most 4),
 // TPT (lanes per token: a power of two up to 32), N_SINK (sink tokens held),
-// CAUSAL, SCALE (the score scale's float32 bits), EACH (0: one cache; n > 0:
-// row b of q attends over sequence b's own cache, batch 1, among n
-// sequences' inputs: the host's prelude binds the names below to sequence
-// b's inputs first, so that every store is read at batch index 0 and each
-// sequence's lengths are its own).
+// CAUSAL, SCALE (the score scale's float32 bits).
 // Inputs, read through their shapes and strides (no parameter buffer, no
 // copies): q [B, Hq, L, D] as the model gives it; rot [D, D] float32, the
 // keys' rotation Π; the stores k_codes/v_codes [B, Hkv, CAP, D*bits/8] and
@@ -89,8 +85,6 @@ const uint tile = blk % tiles;
 blk /= tiles;
 const uint hk = blk % Hkv;
 const uint b = blk / Hkv;
-// The stores' batch index: sequence b's own cache holds one row.
-const uint bs = EACH ? 0u : b;
 for (uint k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
 for (uint k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
 // The tile's queries, rotated and scaled: qs = SCALE * Π q. The raw rows
@@ -159,8 +153,8 @@ for (uint base = t_begin; base < t_end; base += GROUPS) {
   uint pos = 0;
   if (have && compressed) {
     pos = N_SINK + t;
-    const long kb = long(bs) * k_codes_strides[0] + long(hk) * k_codes_strides[1] + long(t) * k_codes_strides[2];
-    const long vb = long(bs) * v_codes_strides[0] + long(hk) * v_codes_strides[1] + long(t) * v_codes_strides[2];
+    const long kb = long(b) * k_codes_strides[0] + long(hk) * k_codes_strides[1] + long(t) * k_codes_strides[2];
+    const long vb = long(b) * v_codes_strides[0] + long(hk) * v_codes_strides[1] + long(t) * v_codes_strides[2];
     for (int k = 0; k < CPT; ++k) {
       const uint c = li + k * TPT;
       ulong kbits = 0, vbits = 0;
@@ -173,12 +167,12 @@ for (uint base = t_begin; base < t_end; base += GROUPS) {
         vx[k * 8 + j] = vc[uint(vbits >> (j * VB)) & ((1u << VB) - 1u)];
       }
     }
-    kn = float(k_norms[long(bs) * k_norms_strides[0] + long(hk) * k_norms_strides[1] + long(t) * k_norms_strides[2]]);
-    vn = float(v_norms[long(bs) * v_norms_strides[0] + long(hk) * v_norms_strides[1] + long(t) * v_norms_strides[2]]);
+    kn = float(k_norms[long(b) * k_norms_strides[0] + long(hk) * k_norms_strides[1] + long(t) * k_norms_strides[2]]);
+    vn = float(v_norms[long(b) * v_norms_strides[0] + long(hk) * v_norms_strides[1] + long(t) * v_norms_strides[2]]);
   } else if (have) {
     pos = t < uint(N_SINK) ? t : n_comp + t;
-    const long wk = long(bs) * win_k_strides[0] + long(hk) * win_k_strides[1] + long(t) * win_k_strides[2];
-    const long wv = long(bs) * win_v_strides[0] + long(hk) * win_v_strides[1] + long(t) * win_v_strides[2];
+    const long wk = long(b) * win_k_strides[0] + long(hk) * win_k_strides[1] + long(t) * win_k_strides[2];
+    const long wv = long(b) * win_v_strides[0] + long(hk) * win_v_strides[1] + long(t) * win_v_strides[2];
     for (int k = 0; k < CPT; ++k) {
       const uint c = li + k * TPT;
       for (int j = 0; j < 8; ++j) {
