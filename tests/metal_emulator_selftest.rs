@@ -471,3 +471,24 @@ fn errors_are_reported() {
     let msg = r.map(|_| ()).unwrap_err().to_string();
     assert!(msg.contains("wrote past the end of `out`"), "{msg}");
 }
+
+#[test]
+fn more_buffers_than_a_metal_kernel_binds_are_refused() {
+    // Each input takes a buffer, and its strides another when the body reads
+    // them: 15 such inputs and an output are 31 buffers, 16 are 33.
+    let launch = |inputs: usize| {
+        let names: Vec<String> = (0..inputs).map(|i| format!("x{i}")).collect();
+        let names: Vec<&str> = names.iter().map(String::as_str).collect();
+        let src = names.iter().map(|n| format!("(void){n}_strides;")).collect::<String>()
+            + "uint i = thread_position_in_grid.x; out[i] = x0[i];";
+        let k = MetalKernel::new("buffers", &names, &["out"], &src);
+        let mut run = k.launch();
+        for _ in 0..inputs {
+            run = run.input(HostArray::new(&[4], &iota(4)));
+        }
+        run.output(&[4], Dtype::U32).grid(4, 1, 1).threadgroup(4, 1, 1).run()
+    };
+    assert_eq!(launch(15).unwrap_or_else(|e| panic!("{e}"))[0].to_vec::<u32>(), iota(4));
+    let msg = launch(16).map(|_| ()).unwrap_err().to_string();
+    assert!(msg.contains("33 buffers") && msg.contains("31"), "{msg}");
+}

@@ -15,6 +15,9 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use std::time::{Duration, Instant};
 
+/// Entries of a Metal kernel's buffer argument table.
+pub const METAL_MAX_BUFFERS: usize = 31;
+
 use half::{bf16, f16};
 
 use super::{Dtype, InputInfo, MetalKernel, TemplateArg, ATTRIBUTES};
@@ -316,6 +319,15 @@ impl<'k> Run<'k> {
             });
             output_buffers.push(buffers.len());
             buffers.push((name.clone(), bytes));
+        }
+        // A Metal kernel's buffer argument table has 31 entries; MLX binds
+        // each array, shape, strides and rank to its own, so a kernel past
+        // that does not build on a Mac.
+        if buffers.len() > METAL_MAX_BUFFERS {
+            return Err(EmuError::Invalid(format!(
+                "{} buffers (inputs with their shapes, strides and ranks, then outputs) exceed Metal's {METAL_MAX_BUFFERS}",
+                buffers.len()
+            )));
         }
         for &a in &k.attributes {
             args.push(format!("a.{}()", ATTRIBUTES[a].0));
