@@ -327,6 +327,31 @@ pub(crate) fn times_transpose(x: &Array, m: &Array, s: &Stream) -> Result<Array>
     }
 }
 
+/// `a` `[B, H, N, ...]` cut to its first `len` entries along axis 2 (a
+/// view): how the GPU bodies receive a length without a host array.
+pub(crate) fn leading(a: &Array, len: i32, s: &Stream) -> Result<Array> {
+    let mut stop = a.shape();
+    stop[2] = len;
+    ops::slice(a, &vec![0; stop.len()], &stop, s)
+}
+
+/// `0..n` cut into runs of consecutive indices, each at most `max` long,
+/// where `joins(first, i)` says whether `i` may join the run that starts at
+/// `first`: the launches of a kernel over several sequences.
+pub(crate) fn runs(n: usize, max: usize, joins: impl Fn(usize, usize) -> bool) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut first = 0;
+    while first < n {
+        let mut end = first + 1;
+        while end < n && end - first < max && joins(first, end) {
+            end += 1;
+        }
+        out.push(first..end);
+        first = end;
+    }
+    out
+}
+
 /// A 1-D launch over `items` threads.
 pub(crate) fn grid_1d(argument: &'static str, items: usize) -> Result<LaunchShape> {
     let n = i32::try_from(items)
@@ -483,6 +508,15 @@ mod tests {
         let per_sm = |v: &str| parse_count(Ok(v.into()), 2, 64, "a block count per SM");
         assert_eq!(per_sm("4"), Ok(4));
         assert!(per_sm("65").unwrap_err().contains("block count per SM from 1 to 64"));
+    }
+
+    #[test]
+    fn runs_are_consecutive_capped_and_break_where_an_index_may_not_join() {
+        assert_eq!(super::runs(5, 2, |_, _| true), vec![0..2, 2..4, 4..5]);
+        assert_eq!(super::runs(3, 16, |_, _| false), vec![0..1, 1..2, 2..3]);
+        let key = [4, 4, 2, 4, 4, 4];
+        assert_eq!(super::runs(6, 16, |first, i| key[i] == key[first]), vec![0..2, 2..3, 3..6]);
+        assert!(super::runs(0, 4, |_, _| true).is_empty());
     }
 
     #[test]

@@ -495,14 +495,9 @@ fn attention_each_cuda(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream
     let (hq, d) = (sh0.q_heads as i32, sh0.dim as i32);
     let fused = decode_on_tensor_cores(q.dtype(), sh0.dim);
     let mut outs = Vec::new();
-    let mut first = 0;
-    while first < layers.len() {
-        let mut end = first + 1;
-        while fused && end < layers.len() && end - first < DECODE_EACH_MAX && layers[end].shape.sinks == layers[first].shape.sinks {
-            end += 1;
-        }
-        let rows = ops::slice(q, &[first as i32, 0, 0, 0], &[end as i32, hq, 1, d], s)?;
-        let run = &layers[first..end];
+    for r in super::runs(layers.len(), DECODE_EACH_MAX, |first, i| fused && layers[i].shape.sinks == layers[first].shape.sinks) {
+        let rows = ops::slice(q, &[r.start as i32, 0, 0, 0], &[r.end as i32, hq, 1, d], s)?;
+        let run = &layers[r];
         outs.push(if run.iter().all(|l| l.shape.total() == 0) {
             ops::zeros(&rows.shape(), q.dtype(), s)?
         } else if run.len() == 1 {
@@ -510,19 +505,11 @@ fn attention_each_cuda(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream
         } else {
             decode_each(&rows, run, scale, s)?
         });
-        first = end;
     }
     if outs.len() == 1 {
         return Ok(outs.remove(0));
     }
     ops::concatenate(&outs, 0, s)
-}
-
-/// `a` `[B, H, N, ...]` cut to its first `len` tokens (a view).
-fn used(a: &Array, len: i32, s: &Stream) -> Result<Array> {
-    let mut stop = a.shape();
-    stop[2] = len;
-    ops::slice(a, &vec![0; stop.len()], &stop, s)
 }
 
 /// One CUDA `tq_decode` (the tensor-core path) for `q` `[n, Hq, 1, D]`,
@@ -552,7 +539,7 @@ fn decode_each(q: &Array, layers: &[TqLayer<'_>], scale: f32, s: &Stream) -> Res
     let (rows, sp, d) = ((n * sh0.q_heads) as i32, num_splits as i32, sh0.dim as i32);
     let views = layers
         .iter()
-        .map(|l| Ok((used(l.k_norms, l.shape.compressed as i32, s)?, used(l.win_k, (l.shape.sinks + l.shape.recent) as i32, s)?)))
+        .map(|l| Ok((super::leading(l.k_norms, l.shape.compressed as i32, s)?, super::leading(l.win_k, (l.shape.sinks + l.shape.recent) as i32, s)?)))
         .collect::<Result<Vec<_>>>()?;
     // A poisoned lock still holds valid counters (see `decode`).
     let mut counters = layers.iter().map(|l| l.counters.lock().unwrap_or_else(std::sync::PoisonError::into_inner)).collect::<Vec<_>>();
@@ -788,7 +775,7 @@ fn decode(q: &Array, layer: &TqLayer<'_>, scale: f32, s: &Stream) -> Result<Arra
     let threads = i32::try_from(blocks * per_block).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
     let sp = num_splits as i32;
     debug_assert_eq!(layer.win_k.shape()[..2], [b, h]);
-    let (k_norms, win_k) = (used(layer.k_norms, nc, s)?, used(layer.win_k, nw, s)?);
+    let (k_norms, win_k) = (super::leading(layer.k_norms, nc, s)?, super::leading(layer.win_k, nw, s)?);
     let mut inputs = vec![q_in, layer.rot_k, layer.k_codes, &k_norms, layer.k_centroids, layer.v_codes,
                           layer.v_norms, layer.v_centroids, &win_k, layer.win_v];
     let mut outputs = vec![(vec![rows, sp], Dtype::F32), (vec![rows, sp], Dtype::F32), (vec![rows, sp, d], Dtype::F32)];

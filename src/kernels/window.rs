@@ -226,20 +226,14 @@ pub fn window_append_each<'a>(
         // Runs of rows whose windows already hold a token (the kernel's
         // slot view is not empty), up to APPEND_EACH_MAX a launch.
         let mut out = Vec::with_capacity(rows.len());
-        let mut first = 0;
-        while first < rows.len() {
-            let mut end = first + 1;
-            while shapes[first].at > 0 && end < rows.len() && end - first < APPEND_EACH_MAX && shapes[end].at > 0 {
-                end += 1;
-            }
-            if end - first == 1 {
-                out.push(alone(&rows[first])?);
+        for r in super::runs(rows.len(), APPEND_EACH_MAX, |first, i| shapes[first].at > 0 && shapes[i].at > 0) {
+            if r.len() == 1 {
+                out.push(alone(&rows[r.start])?);
             } else {
-                let ks: Vec<Array> = rows[first..end].iter().map(|r| row(keys, r.row)).collect::<Result<_>>()?;
-                let vs: Vec<Array> = rows[first..end].iter().map(|r| row(values, r.row)).collect::<Result<_>>()?;
-                out.extend(each_on_cuda(&ks, &vs, key_frame, value_frame, &rows[first..end], &shapes[first..end], &stream)?);
+                let ks: Vec<Array> = rows[r.clone()].iter().map(|x| row(keys, x.row)).collect::<Result<_>>()?;
+                let vs: Vec<Array> = rows[r.clone()].iter().map(|x| row(values, x.row)).collect::<Result<_>>()?;
+                out.extend(each_on_cuda(&ks, &vs, key_frame, value_frame, &rows[r.clone()], &shapes[r], &stream)?);
             }
-            first = end;
         }
         return Ok(out);
     }
@@ -307,11 +301,7 @@ fn each_on_cuda(
     let n = rows.len();
     let slots = n.next_power_of_two().max(2);
     let sh = &shapes[0];
-    let filled = rows
-        .iter()
-        .zip(shapes)
-        .map(|(r, x)| ops::slice(r.win_k, &[0, 0, 0, 0], &[1, x.heads as i32, x.at as i32, x.dim as i32], s))
-        .collect::<Result<Vec<_>>>()?;
+    let filled = rows.iter().zip(shapes).map(|(r, x)| super::leading(r.win_k, x.at as i32, s)).collect::<Result<Vec<_>>>()?;
     let ((gx, _, _), threadgroup) = grid_1d("win_k", items_per_launch(sh, s.backend()?))?;
     let mut inputs: Vec<&Array> = vec![key_frame, value_frame.unwrap_or(key_frame)];
     let mut outputs = Vec::with_capacity(2 * slots);
@@ -361,9 +351,9 @@ fn items_per_launch(sh: &WindowShape, backend: Backend) -> usize {
 }
 
 fn on_gpu(a: &WindowAppend<'_>, sh: &WindowShape, s: &Stream) -> Result<(Array, Array)> {
-    let (b, h, d) = (sh.batch as i32, sh.heads as i32, sh.dim as i32);
+    let d = sh.dim as i32;
     // The slot travels as the length of a view (no host array per call).
-    let filled = ops::slice(a.win_k, &[0, 0, 0, 0], &[b, h, sh.at as i32, d], s)?;
+    let filled = super::leading(a.win_k, sh.at as i32, s)?;
     let (grid, threadgroup) = grid_1d("win_k", items_per_launch(sh, s.backend()?))?;
     let out = a.win_k.shape();
     let mut outs = gpu::launch(
