@@ -92,9 +92,6 @@ constexpr int VSEG = D / 8;
 constexpr int VNW = (VSEG * VB + 31) / 32;
 constexpr bool VALIGNED = (VSEG * VB) % 32 == 0 && VROW % 4 == 0;
 static_assert(QN <= WARPS, "one warp per row weighs the scores");
-__shared__ float qs[QN * D];
-__shared__ float kc[1 << KB];
-__shared__ float vc[1 << VB];
 // With 4-bit keys a byte of two codes indexes a table of their two
 // centroids as a half2 word: one lookup a B register instead of two and a
 // PRMT (a fifth of the loop's instructions; 43.1 -> 41.2 us a call at
@@ -106,9 +103,18 @@ __shared__ float vc[1 << VB];
 // shared table (four PRMTs for four codes, no shared-memory reads).
 constexpr bool KPAIR = KB == 4 && (VARIANT & 1) == 0;
 constexpr bool VPERM = VB <= 3 && (VARIANT & 2) != 0;
+// VARIANT bit 5 (with KA and KPAIR): the pair table once per bank, entry e
+// of lane l at word 32 e + l, so that a warp's 32 lookups are one
+// shared-memory cycle whatever its codes (32 KB).
+constexpr bool KREP = KPAIR && (VARIANT & 8) != 0 && D <= 128 && (VARIANT & 32) != 0;
 // Aligned to its size, so that an entry's address is the table's base OR
 // its byte offset: one LOP3 masks a code byte into place and adds the base.
-__shared__ __align__(1024) uint32_t kt[KPAIR ? 256 : 1 << KB];
+// (Declared before the other arrays: KREP's 32 KB alignment would leave
+// a hole below it otherwise.)
+__shared__ __align__(KREP ? 32768 : 1024) uint32_t kt[KREP ? 256 * 32 : (KPAIR ? 256 : 1 << KB)];
+__shared__ float qs[QN * D];
+__shared__ float kc[1 << KB];
+__shared__ float vc[1 << VB];
 // The queries' A fragments, alike in every warp, with their zero rows: one
 // 16-byte load a k-step instead of 16 registers held and two moves (with
 // tq_exp: 45.8 -> 43.1 us a call at llama-8b 32K on the H200).
@@ -276,7 +282,14 @@ if (MMA && compressed) {
   for (uint32_t k = tid; k < (1u << KB); k += TG) kc[k] = k_cent[k];
   for (uint32_t k = tid; k < (1u << VB); k += TG) vc[k] = v_cent[k];
   if (MMA && compressed) {
-    if (KPAIR) {
+    if (KREP) {
+      // Round c writes copies 4 ((c + e) % 8) .. + 3 of entry e, 16 bytes:
+      // the eight lanes of a quarter warp store to distinct banks.
+      for (uint32_t e = tid; e < 256u; e += TG) {
+        const uint32_t v = tq_half_entry(k_cent, e & 15u) | (tq_half_entry(k_cent, e >> 4) << 16);
+        for (uint32_t c = 0; c < 8u; ++c) reinterpret_cast<uint4*>(kt)[e * 8u + ((c + e) & 7u)] = make_uint4(v, v, v, v);
+      }
+    } else if (KPAIR) {
       for (uint32_t e = tid; e < 256u; e += TG) kt[e] = tq_half_entry(k_cent, e & 15u) | (tq_half_entry(k_cent, e >> 4) << 16);
     } else {
       for (uint32_t e = tid; e < (1u << KB); e += TG) kt[e] = tq_half_entry(k_cent, e);
@@ -361,10 +374,18 @@ if (MMA && compressed) {
     }
   }
   const uint32_t kt_base = static_cast<uint32_t>(__cvta_generic_to_shared(kt));
+  // With KREP, this lane's copy (its bank).
+  const uint32_t kt_lane = kt_base | (lane << 2);
   // Codes j, j + 1 of a key row's words as a half2 B register.
   auto key_pair = [&](const uint32_t(&w)[KNW], int j) -> uint32_t {
     if constexpr (KPAIR && !KA) {
       return kt[(w[j / 8] >> (4 * (j % 8))) & 0xffu];
+    } else if constexpr (KREP) {
+      const int sh = 4 * (j % 8);
+      const uint32_t x = w[j / 8], off = (sh >= 7 ? x >> (sh - 7) : x << (7 - sh)) & 0x7f80u;
+      uint32_t r;
+      asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(kt_lane | off));
+      return r;
     } else if constexpr (KPAIR) {
       const int sh = 4 * (j % 8);
       const uint32_t x = w[j / 8], off = (sh >= 2 ? x >> (sh - 2) : x << 2) & 0x3fcu;
@@ -554,7 +575,7 @@ if (MMA && compressed) {
       // Value codes of tokens 2tg, 2tg + 1, 2tg + 8, 2tg + 9: dimensions [g VSEG, (g + 1) VSEG).
       uint32_t w[4][VNW];
 #pragma unroll
-      for (int e = 0; e < 4; ++e) tq_shared_bits<VNW, VALIGNED>(vcodes, (t0 + 2 * tg + (e & 1) + 8 * (e >> 1)) * (VROW * 8) + g * (VSEG * VB), w[e]);
+      for (int e = 0; e < 4; ++e) tq_shared_bits<VNW, VALIGNED, tq_max_shift(VSEG * VB, VROW * 8), VSEG * VB>(vcodes, (t0 + 2 * tg + (e & 1) + 8 * (e >> 1)) * (VROW * 8) + g * (VSEG * VB), w[e]);
       // 3-bit codes: every selector of the step's value permutes at once.
       constexpr bool VSEL = KA && VPERM && VB == 3 && VSEG % 8 == 0 && !VLIN;
       uint32_t sx[VSEL ? MT : 1], sy[VSEL ? MT : 1];

@@ -74,22 +74,34 @@ __device__ __forceinline__ void tq_split_chunk(bool compressed, const uint8_t* c
 
 // The NW 32-bit words of a shared-memory bit stream from bit `bit` on, as
 // code rows are packed (little-endian): with ALIGNED (bit a multiple of 32)
-// NW loads, else NW + 1 aligned loads and a funnel shift each (the stream
-// holds a spare word past its end for that).
-template <int NW, bool ALIGNED>
+// NW loads, else NW (NW + 1 where a shift of up to MAXSH needs it) aligned
+// loads and a funnel shift each (the stream holds a spare word past its end
+// for that).
+template <int NW, bool ALIGNED, int MAXSH = 31, int BITS = 32 * NW>
 __device__ __forceinline__ void tq_shared_bits(const uint8_t* base, uint32_t bit, uint32_t (&w)[NW]) {
   const uint32_t* p = reinterpret_cast<const uint32_t*>(base) + (bit >> 5);
   if constexpr (ALIGNED) {
 #pragma unroll
     for (int k = 0; k < NW; ++k) w[k] = p[k];
   } else {
+    // The spare word only where a shift of up to MAXSH pushes the BITS
+    // wanted past NW words.
     uint32_t x[NW + 1];
 #pragma unroll
-    for (int k = 0; k <= NW; ++k) x[k] = p[k];
+    for (int k = 0; k < NW; ++k) x[k] = p[k];
+    x[NW] = MAXSH + BITS > 32 * NW ? p[NW] : 0u;
     const uint32_t sh = bit & 31u;
 #pragma unroll
     for (int k = 0; k < NW; ++k) w[k] = __funnelshift_r(x[k], x[k + 1], sh);
   }
+}
+
+// The largest bit offset within a word of segment g < 8 of a row, segments
+// of SEG bits, rows of ROW bits (31 where rows do not start on a word).
+__device__ __forceinline__ constexpr int tq_max_shift(int seg, int row) {
+  int m = 0;
+  for (int g = 0; g < 8; ++g) m = (g * seg) % 32 > m ? (g * seg) % 32 : m;
+  return row % 32 != 0 ? 31 : m;
 }
 
 // Table word e: centroid e's float16 bits.

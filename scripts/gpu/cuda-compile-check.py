@@ -106,11 +106,11 @@ KERNELS = {
                   [("m_out", "float"), ("l_out", "float"), ("acc_out", "float"), ("out", "T"), ("counters_out", "uint32_t")],
                   [{"T": ELEMENT, "D": [128, 64, 256], "KB": [4, 2], "VB": [4, 3], "QN": [1, 4], "TPT": [16, 8, 32],
                     "N_SINK": [4, 0], "CAUSAL": [False, True], "SCALE": [1040187392], "ROTATED": [False, True],
-                    "REDUCE": [False, True], "VARIANT": [6, 14, 0, 1, 2, 3, 7, 8, 15, 30], "EACH": [0]},
+                    "REDUCE": [False, True], "VARIANT": [6, 14, 0, 1, 2, 3, 7, 8, 15, 30, 62], "EACH": [0]},
                    # the default recipe (K4/V3) at Llama's head sizes and GQA groups
                    {"T": ["__half"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4, 3, 2], "TPT": [16, 8],
                     "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392], "ROTATED": [True, False],
-                    "REDUCE": [True, False], "VARIANT": [6, 14, 0, 1, 2, 3, 7, 8, 15, 30], "EACH": [0]},
+                    "REDUCE": [True, False], "VARIANT": [6, 14, 0, 1, 2, 3, 7, 8, 15, 30, 62], "EACH": [0]},
                    # other head sizes and bits: unaligned code words, single-entry tables, the scalar path
                    {"T": ["__half"], "D": [96, 80, 72], "KB": [8, 3, 1], "VB": [8, 5, 1], "QN": [4], "TPT": [16],
                     "N_SINK": [4], "CAUSAL": [True], "SCALE": [1040187392], "ROTATED": [False], "REDUCE": [False],
@@ -124,7 +124,7 @@ KERNELS = {
                        + [(f"counters_out_{i}", "uint32_t") for i in range(4)],
                        {"T": ["__half", "__nv_bfloat16"], "D": [128, 64], "KB": [4], "VB": [3], "QN": [4], "TPT": [16, 8],
                         "N_SINK": [4], "CAUSAL": [False], "SCALE": [1040187392], "ROTATED": [False],
-                        "REDUCE": [True, False], "VARIANT": [30, 14], "EACH": [4]}),
+                        "REDUCE": [True, False], "VARIANT": [30, 62, 14], "EACH": [4]}),
     # window_append over four sequences' own windows (EACH = 4)
     "window_append_each": ([("key_frame", "T"), ("value_frame", "T")]
                            + [(f"{n}_{i}", "T") for i in range(4)

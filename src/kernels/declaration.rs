@@ -531,9 +531,15 @@ impl Kernel {
                     // At most the kernel's static arrays: the queries (qs),
                     // the scores (sc), the queries' A fragments (qa_s, 32 D
                     // bytes on the tensor cores), the norms (kn_s, vn_s), the
-                    // code tables (kt, kc, vc, vt, each at most 1 KB) and a
-                    // few per-row words.
-                    let statics = 4 * qn * d + 4 * qn * chunk + if tensor_cores { 32 * d } else { 16 } + 8 * chunk + 4 * 1024 + 256;
+                    // code tables (kt, kc, vc, vt, each at most 1 KB, but kt
+                    // copied once per bank: 32 KB) and a few per-row words.
+                    let variant = match arg("VARIANT") {
+                        Some(TemplateArg::Int(v)) => v,
+                        _ => 0,
+                    };
+                    let replicated = tensor_cores && kb == 4 && d <= 128 && variant & 1 == 0 && variant & 8 != 0 && variant & 32 != 0;
+                    let key_table = if replicated { 32 * 1024 } else { 1024 };
+                    let statics = 4 * qn * d + 4 * qn * chunk + if tensor_cores { 32 * d } else { 16 } + 8 * chunk + 3 * 1024 + key_table + 256;
                     opted_in(dynamic, statics)
                 }
                 _ => 0,
@@ -662,6 +668,20 @@ mod tests {
         assert_eq!(Kernel::ScalarQuantize.cuda_dynamic_shared_bytes(&table(true)), 65536);
         assert_eq!(Kernel::ScalarQuantize.cuda_dynamic_shared_bytes(&table(false)), 0);
         assert_eq!(Kernel::ScalarQuantize.cuda_dynamic_shared_bytes(&[("B_BITS", TemplateArg::Int(4))]), 0);
+        // tq_decode at D = 64: its chunk buffers fit the default 48 KB beside
+        // the small tables, but not beside the key-pair table copied per bank.
+        let decode = |variant: i32| {
+            vec![
+                ("T", TemplateArg::Dtype(Dtype::F16)),
+                ("D", TemplateArg::Int(64)),
+                ("KB", TemplateArg::Int(4)),
+                ("VB", TemplateArg::Int(3)),
+                ("QN", TemplateArg::Int(4)),
+                ("VARIANT", TemplateArg::Int(variant)),
+            ]
+        };
+        assert_eq!(Kernel::TqDecode.cuda_dynamic_shared_bytes(&decode(30)), 2 * 256 * (32 + 24) + 8 * 256 + 16);
+        assert_eq!(Kernel::TqDecode.cuda_dynamic_shared_bytes(&decode(62)), 48001);
         for encoder in [Kernel::TqEncode, Kernel::TqRvqEncode] {
             assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(true)), 65536);
             assert_eq!(encoder.cuda_dynamic_shared_bytes(&table(false)), 0);

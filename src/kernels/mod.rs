@@ -277,7 +277,7 @@ pub(crate) fn decode_apart() -> Result<usize> {
 /// variant plus one) sets another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
-    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 32, "a decode variant plus one")? - 1)
+    Ok(env_count(&VARIANT, "VELOXQUANT_TQ_DECODE_VARIANT", DECODE_VARIANT + 1, 64, "a decode variant plus one")? - 1)
 }
 
 /// [`decode_variant`]'s bit that reads 3-bit value codes as float16
