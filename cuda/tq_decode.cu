@@ -109,9 +109,7 @@ constexpr bool VPERM = VB <= 3 && (VARIANT & 2) != 0;
 constexpr bool KREP = KPAIR && (VARIANT & 8) != 0 && D <= 128 && (VARIANT & 32) != 0;
 // Aligned to its size, so that an entry's address is the table's base OR
 // its byte offset: one LOP3 masks a code byte into place and adds the base.
-// (Declared before the other arrays: KREP's 32 KB alignment would leave
-// a hole below it otherwise.)
-__shared__ __align__(KREP ? 32768 : 1024) uint32_t kt[KREP ? 256 * 32 : (KPAIR ? 256 : 1 << KB)];
+__shared__ __align__(1024) uint32_t kt[KREP ? 256 * 32 : (KPAIR ? 256 : 1 << KB)];
 __shared__ float qs[QN * D];
 __shared__ float kc[1 << KB];
 __shared__ float vc[1 << VB];
@@ -375,16 +373,19 @@ if (MMA && compressed) {
   }
   const uint32_t kt_base = static_cast<uint32_t>(__cvta_generic_to_shared(kt));
   // With KREP, this lane's copy (its bank).
-  const uint32_t kt_lane = kt_base | (lane << 2);
+  const uint32_t kt_lane = kt_base + (lane << 2);
   // Codes j, j + 1 of a key row's words as a half2 B register.
   auto key_pair = [&](const uint32_t(&w)[KNW], int j) -> uint32_t {
     if constexpr (KPAIR && !KA) {
       return kt[(w[j / 8] >> (4 * (j % 8))) & 0xffu];
     } else if constexpr (KREP) {
       const int sh = 4 * (j % 8);
-      const uint32_t x = w[j / 8], off = (sh >= 7 ? x >> (sh - 7) : x << (7 - sh)) & 0x7f80u;
+      // Byte sh / 8 of the word (one PRMT) times 128 added to the lane's
+      // copy (one LEA): the table's base is not 32 KB aligned in the shared
+      // window (its first 1 KB is reserved), so no OR can place the byte.
+      const uint32_t byte = __byte_perm(w[j / 8], 0u, 0x4440u | uint32_t(sh / 8));
       uint32_t r;
-      asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(kt_lane | off));
+      asm("ld.shared.u32 %0, [%1];" : "=r"(r) : "r"(kt_lane + (byte << 7)));
       return r;
     } else if constexpr (KPAIR) {
       const int sh = 4 * (j % 8);

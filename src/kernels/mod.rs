@@ -267,13 +267,15 @@ pub(crate) fn decode_apart() -> Result<usize> {
 }
 
 /// How CUDA's tensor-core `tq_decode` reads its operands (its `VARIANT`, 0
-/// to 31): bit 0 looks 4-bit keys up one code at a time rather than two, bit
+/// to 63): bit 0 looks 4-bit keys up one code at a time rather than two, bit
 /// 1 decodes values of at most 3 bits by byte permutes of registers rather
 /// than a shared table, bit 2 loads the queries' fragments without their
 /// zero words, bit 3 makes a 16-token tile of keys the scores' A operand
 /// and the queries their B operand (heads of at most 128), bit 4
 /// ([`DECODE_UNIFORM_VALUES`], with bit 3) reads 3-bit values on a uniform
-/// grid without a table. `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 32: the
+/// grid without a table, bit 5 (with bit 3 and 4-bit keys) copies the
+/// key-pair table once per shared-memory bank (32 KB), so that a warp's
+/// lookups never conflict. `VELOXQUANT_TQ_DECODE_VARIANT` (1 to 64: the
 /// variant plus one) sets another, to compare them on a device.
 pub(crate) fn decode_variant() -> Result<usize> {
     static VARIANT: OnceLock<std::result::Result<usize, String>> = OnceLock::new();
