@@ -103,6 +103,10 @@ __device__ __forceinline__ constexpr int tq_max_shift(int seg, int row) {
   for (int g = 0; g < 8; ++g) m = (g * seg) % 32 > m ? (g * seg) % 32 : m;
   return row % 32 != 0 ? 31 : m;
 }
+// 3-bit values: at a head of 128 a segment of 48 bits starts at bit 0 or 16
+// of a word (two words hold it), at 64 one of 24 at 0, 8, 16 or 24 (a spare
+// word needed); a row of 240 bits (head 80) starts anywhere.
+static_assert(tq_max_shift(48, 384) == 16 && tq_max_shift(24, 192) == 24 && tq_max_shift(30, 240) == 31, "tq_max_shift");
 
 // Table word e: centroid e's float16 bits.
 __device__ __forceinline__ uint32_t tq_half_entry(const float* cent, uint32_t e) {
