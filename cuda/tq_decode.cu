@@ -107,8 +107,9 @@ constexpr bool VPERM = VB <= 3 && (VARIANT & 2) != 0;
 // of lane l at word 32 e + l, so that a warp's 32 lookups are one
 // shared-memory cycle whatever its codes (32 KB).
 constexpr bool KREP = KPAIR && (VARIANT & 8) != 0 && D <= 128 && (VARIANT & 32) != 0;
-// Aligned to its size, so that an entry's address is the table's base OR
-// its byte offset: one LOP3 masks a code byte into place and adds the base.
+// Aligned to the 256-word table's size, so that an entry's address is the
+// table's base OR its byte offset: one LOP3 masks a code byte into place
+// and adds the base (KREP's 32 KB table adds its base instead).
 __shared__ __align__(1024) uint32_t kt[KREP ? 256 * 32 : (KPAIR ? 256 : 1 << KB)];
 __shared__ float qs[QN * D];
 __shared__ float kc[1 << KB];
