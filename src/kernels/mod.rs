@@ -289,15 +289,16 @@ pub(crate) fn decode_variant() -> Result<usize> {
 pub(crate) const DECODE_UNIFORM_VALUES: usize = 16;
 
 /// `tq_decode`'s default [`decode_variant`]: keys as the scores' A operand,
-/// values through byte permutes (14), and values on a uniform grid without
-/// a table (30). The 16-token loop at llama-8b's instantiation (K4, uniform
-/// V3) is 352 instructions against variant 14's 452 (ptxas for sm_90a,
+/// values through byte permutes (14), values on a uniform grid without a
+/// table (30), and the 4-bit key-pair table once per bank (62). The 16-token
+/// loop at llama-8b's instantiation (K4, uniform V3) is 350 instructions
+/// against variant 14's 452 (ptxas for sm_90a,
 /// `scripts/gpu/cuda-compile-check.py --loop-stats`). On an H100 at B=1
-/// Hq=32 Hkv=8 D=128, 16 calls an evaluation (`bench_attention`, two rounds):
-/// 136 / 136 µs a call at 128K against variant 14's 160 / 155; llama-8b
-/// 128K batch 1 decoded 108.6 tok/s against 102.5
+/// Hq=32 Hkv=8 D=128, 16 calls an evaluation (`bench_attention`): 109 µs a
+/// call at 128K against variant 30's 120; llama-8b decoded 116.3 tok/s at
+/// 128K against 110.9, and 672.4 against 619.3 at 32K batch 8
 /// (docs/results/cuda_decode_variants.md).
-const DECODE_VARIANT: usize = 30;
+const DECODE_VARIANT: usize = 62;
 
 /// A launch's grid (threads, as MLX counts them) and threadgroup sizes.
 pub(crate) type LaunchShape = ((i32, i32, i32), (i32, i32, i32));
