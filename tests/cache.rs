@@ -1140,6 +1140,35 @@ fn a_prefill_chunk_joins_no_store_and_its_state_copies_only_the_windows() {
 }
 
 #[test]
+fn a_chunk_that_grows_turboquant_stores_writes_each_in_one_launch() {
+    // The stores grow and take the chunk's codes and marked norms in one
+    // `store_write` a side: no zeros, joins, slice updates or mark of their own.
+    let mut cfg = CacheConfig::new(64, 2);
+    cfg.key_bits = 4;
+    cfg.value_bits = 3;
+    let mut rng = ChaCha8Rng::seed_from_u64(22);
+    let mut cache = LayerCache::new(cfg, Some(Stream::cpu())).unwrap();
+    for chunk in 0..3 {
+        let k = normal(&mut rng, &[1, 2, 300, 64], Dtype::F16);
+        let v = normal(&mut rng, &[1, 2, 300, 64], Dtype::F16);
+        veloxquant::array::eval(&[&k, &v]).unwrap();
+        let before = cache.compressed_tokens();
+        cache.append(&k, &v).unwrap();
+        assert!(cache.compressed_tokens() > before, "chunk {chunk} compressed nothing");
+        let launched = veloxquant::graph::pending_kernels(&cache.arrays()).unwrap();
+        let count = |name: &str| launched.iter().filter(|n| n.as_str() == name).count();
+        assert_eq!(count("veloxquant_store_write"), 2, "chunk {chunk}: {launched:?}");
+        // The first chunk also makes the stores and windows (zeros) and the keys' mean.
+        for op in ["Full", "SliceUpdate", "GreaterEqual", "Select"].into_iter().filter(|_| chunk > 0) {
+            // The windows' own writes are slice updates: two a chunk.
+            let allowed = if op == "SliceUpdate" { 2 } else { 0 };
+            assert!(count(op) <= allowed, "chunk {chunk}: {} {op} in {launched:?}", count(op));
+        }
+        veloxquant::array::eval(&cache.arrays()).unwrap();
+    }
+}
+
+#[test]
 fn every_method_is_defined_once_and_parses_from_its_names() {
     use veloxquant::cache::{Method, METHODS};
     for (i, m) in METHODS.into_iter().enumerate() {

@@ -294,3 +294,99 @@ fn framed_dequantize_names_the_argument_at_fault() {
         }
     }
 }
+
+/// A side's store of `cap0` slots and `m` new tokens, with saturated, NaN,
+/// huge and ordinary new norms, and the expected grown store built slot by slot.
+struct StoreCase {
+    codes: Vec<u8>,
+    norms: Vec<f16>,
+    new_codes: Vec<u8>,
+    new_norms: Vec<f16>,
+    want_codes: Vec<u8>,
+    want_norms: Vec<u16>,
+}
+
+fn store_case(rng: &mut ChaCha8Rng, rows: usize, cap0: usize, first: usize, m: usize, cap: usize, nb: usize) -> StoreCase {
+    let codes = random_codes(rng, rows * cap0 * nb);
+    let norms: Vec<f16> = (0..rows * cap0).map(|_| f16::from_f32(rng.random::<f32>() * 8.0)).collect();
+    let new_codes = random_codes(rng, rows * m * nb);
+    let specials = [f16::MAX, f16::NAN, f16::INFINITY, f16::from_f32(65000.0)];
+    let new_norms: Vec<f16> = (0..rows * m)
+        .map(|i| if i % 5 == 1 { specials[(i / 5) % specials.len()] } else { f16::from_f32(rng.random::<f32>() * 8.0) })
+        .collect();
+    let (mut want_codes, mut want_norms) = (vec![0u8; rows * cap * nb], vec![0u16; rows * cap]);
+    for r in 0..rows {
+        for t in 0..first + m {
+            let (src, n) = if t < first {
+                (&codes[(r * cap0 + t) * nb..][..nb], norms[r * cap0 + t])
+            } else {
+                let n = new_norms[r * m + t - first];
+                (&new_codes[(r * m + t - first) * nb..][..nb], if n.is_nan() || n.to_f32() >= 65504.0 { f16::NAN } else { n })
+            };
+            want_codes[(r * cap + t) * nb..][..nb].copy_from_slice(src);
+            want_norms[r * cap + t] = n.to_bits();
+        }
+    }
+    StoreCase { codes, norms, new_codes, new_norms, want_codes, want_norms }
+}
+
+#[test]
+fn store_write_keeps_the_old_slots_then_the_new_tokens_marked_then_zeros() {
+    let mut rng = ChaCha8Rng::seed_from_u64(9);
+    // (rows, old slots, first, new tokens, new slots, code bytes): 4-bit and
+    // 3-bit rows at heads of 128 and 64, a 3-bit head of 80 (30 bytes, not a
+    // whole number of words), nothing kept, nothing new, a store that shrinks.
+    for &(rows, cap0, first, m, cap, nb) in &[
+        (6usize, 40usize, 33usize, 70usize, 128usize, 64usize),
+        (2, 64, 64, 9, 80, 48),
+        (3, 17, 5, 11, 20, 30),
+        (4, 0, 0, 25, 64, 24),
+        (2, 30, 30, 0, 64, 32),
+        (2, 50, 10, 12, 22, 12),
+    ] {
+        let c = store_case(&mut rng, rows, cap0, first, m, cap, nb);
+        let (b, h) = if rows % 2 == 0 { (2, rows as i32 / 2) } else { (1, rows as i32) };
+        let codes = Array::from_slice(&c.codes, &[b, h, cap0 as i32, nb as i32]).unwrap();
+        let norms = Array::from_slice(&c.norms, &[b, h, cap0 as i32]).unwrap();
+        let new_codes = Array::from_slice(&c.new_codes, &[b, h, m as i32, nb as i32]).unwrap();
+        let new_norms = Array::from_slice(&c.new_norms, &[b, h, m as i32]).unwrap();
+        let a = kernels::StoreWrite { codes: &codes, norms: &norms, new_codes: &new_codes, new_norms: &new_norms, first, capacity: cap };
+        for policy in [Policy::Require, Policy::Off] {
+            let tag = format!("rows={rows} cap0={cap0} first={first} m={m} cap={cap} nb={nb} {policy}");
+            let (oc, on) = kernels::store_write(&a, &opts(policy)).unwrap();
+            assert_eq!(oc.shape(), vec![b, h, cap as i32, nb as i32], "{tag}");
+            assert_eq!(on.shape(), vec![b, h, cap as i32], "{tag}");
+            assert_eq!(oc.to_vec::<u8>().unwrap(), c.want_codes, "codes {tag}");
+            let bits: Vec<u16> = on.to_vec::<f16>().unwrap().iter().map(|n| n.to_bits()).collect();
+            assert_eq!(bits, c.want_norms, "norms {tag}");
+        }
+    }
+}
+
+#[test]
+fn store_write_names_the_argument_at_fault() {
+    let mut rng = ChaCha8Rng::seed_from_u64(10);
+    let c = store_case(&mut rng, 4, 20, 10, 6, 32, 32);
+    let codes = Array::from_slice(&c.codes, &[2, 2, 20, 32]).unwrap();
+    let norms = Array::from_slice(&c.norms, &[2, 2, 20]).unwrap();
+    let new_codes = Array::from_slice(&c.new_codes, &[2, 2, 6, 32]).unwrap();
+    let new_norms = Array::from_slice(&c.new_norms, &[2, 2, 6]).unwrap();
+    let ok = kernels::StoreWrite { codes: &codes, norms: &norms, new_codes: &new_codes, new_norms: &new_norms, first: 10, capacity: 32 };
+    assert!(kernels::store_write(&ok, &opts(Policy::Require)).is_ok());
+    let norms32 = veloxquant::ops::astype(&norms, Dtype::F32, &Stream::cpu()).unwrap();
+    let short_rows = Array::from_slice(&c.new_codes[..2 * 2 * 6 * 16], &[2, 2, 6, 16]).unwrap();
+    let wrong_tokens = Array::from_slice(&c.new_norms[..2 * 2 * 5], &[2, 2, 5]).unwrap();
+    let bad: [(&str, kernels::StoreWrite<'_>); 5] = [
+        ("norms", kernels::StoreWrite { norms: &norms32, ..ok }),
+        ("new_codes", kernels::StoreWrite { new_codes: &short_rows, ..ok }),
+        ("new_norms", kernels::StoreWrite { new_norms: &wrong_tokens, ..ok }),
+        ("first", kernels::StoreWrite { first: 21, ..ok }),
+        ("capacity", kernels::StoreWrite { capacity: 15, ..ok }),
+    ];
+    for (argument, a) in bad {
+        match kernels::store_write(&a, &opts(Policy::Require)) {
+            Err(Error::InvalidArgument { argument: got, .. }) => assert_eq!(got, argument),
+            other => panic!("{argument}: expected an error, got {:?}", other.map(|(c, _)| c.shape())),
+        }
+    }
+}

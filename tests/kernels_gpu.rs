@@ -115,3 +115,29 @@ fn gpu_framed_dequantize_matches_cpu() {
         }
     }
 }
+
+#[test]
+#[ignore = "needs a GPU back-end"]
+fn gpu_store_write_matches_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(4);
+    let cpu_opts = Options::on(Stream::cpu(), Policy::Require);
+    // (old slots, first, new tokens, new slots, code bytes): heads of 128
+    // (K4, V3), of 64, and of 80 at 3 bits (30 bytes a row).
+    for &(cap0, first, m, cap, nb) in &[(300i32, 260usize, 1900i32, 2240usize, 64i32), (300, 300, 77, 400, 48), (64, 0, 40, 64, 32), (90, 31, 50, 128, 30)] {
+        let codes: Vec<u8> = (0..2 * 8 * cap0 * nb).map(|_| rng.random::<u8>()).collect();
+        let new_codes: Vec<u8> = (0..2 * 8 * m * nb).map(|_| rng.random::<u8>()).collect();
+        let mut norm = |i: i32| if i % 7 == 3 { [f16::MAX, f16::NAN, f16::INFINITY][(i as usize / 7) % 3] } else { f16::from_f32(rng.random::<f32>() * 9.0) };
+        let norms: Vec<f16> = (0..2 * 8 * cap0).map(|_| f16::from_f32(1.5)).collect();
+        let new_norms: Vec<f16> = (0..2 * 8 * m).map(&mut norm).collect();
+        let codes = Array::from_slice(&codes, &[2, 8, cap0, nb]).unwrap();
+        let norms = Array::from_slice(&norms, &[2, 8, cap0]).unwrap();
+        let new_codes = Array::from_slice(&new_codes, &[2, 8, m, nb]).unwrap();
+        let new_norms = Array::from_slice(&new_norms, &[2, 8, m]).unwrap();
+        let a = kernels::StoreWrite { codes: &codes, norms: &norms, new_codes: &new_codes, new_norms: &new_norms, first, capacity: cap };
+        let (wc, wn) = kernels::store_write(&a, &cpu_opts).unwrap();
+        let (gc, gn) = kernels::store_write(&a, &gpu()).unwrap();
+        assert_eq!(gc.to_vec::<u8>().unwrap(), wc.to_vec::<u8>().unwrap(), "codes cap0={cap0} first={first} m={m} nb={nb}");
+        let bits = |a: &Array| a.to_vec::<f16>().unwrap().iter().map(|n| n.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&gn), bits(&wn), "norms cap0={cap0} first={first} m={m} nb={nb}");
+    }
+}

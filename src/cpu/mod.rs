@@ -10,6 +10,7 @@ pub mod kv_attention;
 mod parallel;
 mod quant;
 mod split_attention;
+pub mod store_write;
 pub mod turboquant;
 mod vq;
 pub mod window;

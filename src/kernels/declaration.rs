@@ -290,6 +290,15 @@ kernels! {
         cpu: true,
         strided: false,
     },
+    /// One TurboQuant-MSE side's store grown with a prefill chunk's codes written.
+    StoreWrite = "store_write" {
+        inputs: ["codes", "norms", "new_codes", "new_norms", "params"],
+        outputs: ["out_codes", "out_norms"],
+        metal: metal [],
+        cuda: cuda ["quant_load.cuh", "quant_common.cuh"],
+        cpu: true,
+        strided: false,
+    },
     KiviQuantize = "kivi_quantize" {
         inputs: ["x", "params"],
         outputs: ["packed", "scales", "zeros"],

@@ -13,6 +13,7 @@ pub mod gpu;
 pub mod kv_attention;
 mod quant;
 pub mod declaration;
+mod store_write;
 pub mod tq_codec;
 pub mod turboquant;
 mod vq;
@@ -26,6 +27,7 @@ use std::sync::OnceLock;
 
 pub use bitpack::{bit_pack, bit_unpack};
 pub use framed_dequantize::{framed_dequantize, FramedSide};
+pub use store_write::{store_write, StoreWrite};
 pub use gpu::{cached_kernel_count, compact_source};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, kivi_quantize_widths, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,

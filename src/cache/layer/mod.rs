@@ -524,18 +524,30 @@ impl LayerCache {
         };
         let (ck, keep_k) = split(&pk)?;
         let (cv, keep_v) = split(&pv)?;
-        let ek = c.keys.encode(&ck, shared.k_table.as_ref(), dtype, &opts)?;
-        let ev = c.values.encode(&cv, shared.v_table.as_ref(), dtype, &opts)?;
         let needed = first + m;
-        if needed > c.capacity {
-            let cap = store_capacity(c.capacity, needed);
-            // Slots before `first` hold compressed tokens to keep.
-            c.keys.grow(cap, first > 0, &s)?;
-            c.values.grow(cap, first > 0, &s)?;
-            c.capacity = cap;
+        // A store that must grow (every prefill chunk) takes its tokens in
+        // the same pass where the codec allows; else in place after growing.
+        let grown = (needed > c.capacity).then(|| store_capacity(c.capacity, needed));
+        let in_one = grown.is_some() && c.keys.writes_grown() && c.values.writes_grown();
+        let ek = c.keys.encode(&ck, shared.k_table.as_ref(), dtype, !in_one, &opts)?;
+        let ev = c.values.encode(&cv, shared.v_table.as_ref(), dtype, !in_one, &opts)?;
+        match grown {
+            Some(cap) if in_one => {
+                c.keys.write_grown(ek, first, cap, &opts)?;
+                c.values.write_grown(ev, first, cap, &opts)?;
+                c.capacity = cap;
+            }
+            _ => {
+                if let Some(cap) = grown {
+                    // Slots before `first` hold compressed tokens to keep.
+                    c.keys.grow(cap, first > 0, &s)?;
+                    c.values.grow(cap, first > 0, &s)?;
+                    c.capacity = cap;
+                }
+                c.keys.write(ek, first, &s)?;
+                c.values.write(ev, first, &s)?;
+            }
         }
-        c.keys.write(ek, first, &s)?;
-        c.values.write(ev, first, &s)?;
         c.reserve_window(sinks + pending - m, held, max_slots, &s)?;
         let keep = (pending - m) as i32;
         for (side, x) in [(&mut c.keys, &keep_k), (&mut c.values, &keep_v)] {

@@ -152,14 +152,40 @@ impl Side {
     /// gets a NaN norm or scale (`CodecDef::mark_non_finite`), whatever the
     /// encoder made of it, so that it decodes to NaN and makes every query
     /// that sees it NaN: no non-finite input becomes a finite value.
-    pub(super) fn encode(&self, x: &Array, table: Option<&Array>, dtype: Dtype, opts: &Options) -> Result<Encoded> {
+    /// With `mark` false the scales are the encoder's: for a side that
+    /// [`write_grown`](Self::write_grown) will mark.
+    pub(super) fn encode(&self, x: &Array, table: Option<&Array>, dtype: Dtype, mark: bool, opts: &Options) -> Result<Encoded> {
         let def = self.codec.codec.def();
         let l = self.codec.layout(x.shape()[3] as usize);
         let mut e = def.encode(&l, x, table, self.widths.as_deref(), dtype, opts)?;
-        if let Some(scales) = e.scales.take() {
-            e.scales = Some(def.mark_non_finite(&l, x, &scales, &opts.resolve_stream()?)?);
+        match e.scales.take() {
+            Some(scales) if mark => e.scales = Some(def.mark_non_finite(&l, x, &scales, &opts.resolve_stream()?)?),
+            scales => e.scales = scales,
         }
         Ok(e)
+    }
+
+    /// Whether [`write_grown`](Self::write_grown) takes this side: its
+    /// codec keeps codes and one norm a token (TurboQuant-MSE).
+    pub(super) fn writes_grown(&self) -> bool {
+        self.codec.codec.turboquant_mse()
+    }
+
+    /// The stores grown to `capacity` slots with `e` (unmarked, see
+    /// [`encode`](Self::encode)) written at slot `first`, the slots from
+    /// `first` on not kept: one operation (`kernels::store_write`) in place
+    /// of [`grow`](Self::grow), [`write`](Self::write) and the non-finite mark.
+    pub(super) fn write_grown(&mut self, e: Encoded, first: usize, capacity: usize, opts: &Options) -> Result<()> {
+        let (Some(norms), Some(new_norms)) = (&self.scales, &e.scales) else {
+            return Err(Error::invalid("method", "write_grown needs a codec with norms"));
+        };
+        let (codes, norms) = kernels::store_write(
+            &kernels::StoreWrite { codes: &self.codes, norms, new_codes: &e.codes, new_norms, first, capacity },
+            opts,
+        )?;
+        self.codes = codes;
+        self.scales = Some(norms);
+        Ok(())
     }
 
     /// Writes `e` at token slot `lo` (a multiple of the codec's token group).

@@ -1,0 +1,42 @@
+// store_write: one TurboQuant-MSE side's store grown to cap slots with m new
+// tokens written from slot `first`: out_codes [R, cap, CB] and out_norms
+// [R, cap] hold the old store's slots 0..first-1, then the new tokens (a
+// norm at or past float16's largest, where the encoder saturates a token
+// with a NaN or an infinity, stored as NaN), then zeros. One pass instead of
+// zeros and a join per array, a slice update per array and the norms' mark.
+// Inputs, row-contiguous: codes uint8 [R, cap0, CB]; norms half [R, cap0];
+// new_codes uint8 [R, m, CB]; new_norms half [R, m];
+// params: the sizes {R, cap0, first, m, cap, CB} (`vq_size`).
+// One thread per 4 code bytes of one output slot (the first also writes
+// the slot's norm): a warp writes consecutive words.
+const uint32_t rows = vq_size(params_shape, 0), cap0 = vq_size(params_shape, 1);
+const uint32_t first = vq_size(params_shape, 2), m = vq_size(params_shape, 3);
+const uint32_t cap = vq_size(params_shape, 4), CB = vq_size(params_shape, 5);
+const uint32_t words = (CB + 3) / 4;
+const uint64_t e = uint64_t(blockIdx.x) * blockDim.x + threadIdx.x;
+if (e >= uint64_t(rows) * cap * words) {
+  return;
+}
+const uint32_t w = uint32_t(e % words);
+const uint64_t slot = e / words;
+const uint32_t t = uint32_t(slot % cap);
+const uint64_t r = slot / cap;
+const bool is_new = t >= first && t < first + m;
+const uint64_t at = t < first ? r * cap0 + t : r * m + (t - first);
+const uint8_t* src = t < first ? codes + at * CB : is_new ? new_codes + at * CB : nullptr;
+uint8_t* dst = out_codes + slot * CB + 4 * w;
+const uint32_t n = min(4u, CB - 4 * w);
+if (CB % 4 == 0) {
+  *reinterpret_cast<uint32_t*>(dst) = src ? *reinterpret_cast<const uint32_t*>(src + 4 * w) : 0u;
+} else {
+  for (uint32_t k = 0; k < n; ++k) {
+    dst[k] = src ? src[4 * w + k] : uint8_t(0);
+  }
+}
+if (w == 0) {
+  float v = t < first ? static_cast<float>(norms[at]) : is_new ? static_cast<float>(new_norms[at]) : 0.0f;
+  if (is_new && !(v < 65504.0f)) {
+    v = __int_as_float(0x7FC00000);  // NaN, to NaN in float16
+  }
+  out_norms[slot] = static_cast<__half>(v);
+}

@@ -1,0 +1,146 @@
+//! `store_write`: one TurboQuant-MSE side's store grown to a new capacity
+//! with a prefill chunk's encoded tokens written, in one operation.
+//!
+//! As plain ops that is zeros and a join for the codes and for the norms, a
+//! slice update of each and the norms' non-finite mark: ten launches a side,
+//! each a few microseconds of host and GPU time, in every prefill chunk
+//! (a chunk outgrows the store).
+
+use half::f16;
+
+use super::gpu::{self, Launch};
+use super::{cpu_primitive, grid_1d, select, sizes, Implementation, Kernel, Options};
+use crate::array::Array;
+use crate::cpu::store_write::{self as cpu_store, StoreShape};
+use crate::dtype::Dtype;
+use crate::error::{Error, Result};
+use crate::ops;
+use crate::stream::Stream;
+
+/// One side's store and the tokens to write into it.
+pub struct StoreWrite<'a> {
+    /// The packed codes `[B, Hkv, capacity, row_bytes]` (uint8).
+    pub codes: &'a Array,
+    /// The norms `[B, Hkv, capacity]` (float16).
+    pub norms: &'a Array,
+    /// The new tokens' codes `[B, Hkv, tokens, row_bytes]` and norms `[B, Hkv, tokens]`.
+    pub new_codes: &'a Array,
+    pub new_norms: &'a Array,
+    /// The slot of the first new token; slots past it are not kept.
+    pub first: usize,
+    /// Slots of the store written.
+    pub capacity: usize,
+}
+
+impl StoreWrite<'_> {
+    fn check(&self) -> Result<StoreShape> {
+        let cs = self.codes.shape();
+        if cs.len() != 4 || self.codes.dtype() != Dtype::U8 {
+            return Err(Error::invalid("codes", format!("{:?} {cs:?}, expected uint8 [batch, heads, capacity, row_bytes]", self.codes.dtype())));
+        }
+        let (b, h, cap0, nb) = (cs[0], cs[1], cs[2], cs[3]);
+        if self.norms.shape() != [b, h, cap0] || self.norms.dtype() != Dtype::F16 {
+            return Err(Error::invalid("norms", format!("{:?} {:?}, expected float16 [{b}, {h}, {cap0}]", self.norms.dtype(), self.norms.shape())));
+        }
+        let ns = self.new_codes.shape();
+        if ns.len() != 4 || ns[..2] != [b, h] || ns[3] != nb || self.new_codes.dtype() != Dtype::U8 {
+            return Err(Error::invalid("new_codes", format!("{:?} {ns:?}, expected uint8 [{b}, {h}, tokens, {nb}]", self.new_codes.dtype())));
+        }
+        let m = ns[2];
+        if self.new_norms.shape() != [b, h, m] || self.new_norms.dtype() != Dtype::F16 {
+            return Err(Error::invalid("new_norms", format!("{:?} {:?}, expected float16 [{b}, {h}, {m}]", self.new_norms.dtype(), self.new_norms.shape())));
+        }
+        if self.first > cap0 as usize {
+            return Err(Error::invalid("first", format!("slot {} is past the store's {cap0} slots", self.first)));
+        }
+        if self.first + m as usize > self.capacity {
+            return Err(Error::invalid("capacity", format!("{} slots cannot hold {} tokens from slot {}", self.capacity, m, self.first)));
+        }
+        Ok(StoreShape {
+            rows: (b * h) as usize,
+            capacity: cap0 as usize,
+            new_capacity: self.capacity,
+            first: self.first,
+            tokens: m as usize,
+            row_bytes: nb as usize,
+        })
+    }
+}
+
+/// The store's codes `[B, Hkv, capacity, row_bytes]` and norms `[B, Hkv,
+/// capacity]`: slots before `first` as held, then the new tokens (a norm at
+/// or past float16's largest, where the encoder saturates a token with a NaN
+/// or an infinity, as NaN, so that it decodes to NaN), then zeros.
+pub fn store_write(a: &StoreWrite<'_>, opts: &Options) -> Result<(Array, Array)> {
+    let sh = a.check()?;
+    let stream = opts.resolve_stream()?;
+    let cs = a.codes.shape();
+    let codes_shape = vec![cs[0], cs[1], sh.new_capacity as i32, cs[3]];
+    let norms_shape = codes_shape[..3].to_vec();
+    let items = sh.rows * sh.new_capacity * sh.row_bytes.div_ceil(4);
+    let imp = select(Kernel::StoreWrite, opts.policy, &stream)?;
+    let mut outs = match imp {
+        _ if items == 0 => return reference(a, &sh, &codes_shape, &stream),
+        Implementation::Reference => return reference(a, &sh, &codes_shape, &stream),
+        Implementation::Cpu => cpu_primitive::apply(
+            Kernel::StoreWrite.name(),
+            &[a.codes, a.norms, a.new_codes, a.new_norms],
+            &[(codes_shape, Dtype::U8), (norms_shape, Dtype::F16)],
+            &stream,
+            Box::new(move |ins, outs| {
+                let (oc, on) = outs.split_at_mut(1);
+                cpu_store::store_write(
+                    ins[0].as_slice::<u8>()?,
+                    ins[1].as_slice::<f16>()?,
+                    ins[2].as_slice::<u8>()?,
+                    ins[3].as_slice::<f16>()?,
+                    &sh,
+                    oc[0].as_mut_slice::<u8>()?,
+                    on[0].as_mut_slice::<f16>()?,
+                );
+                Ok(())
+            }),
+        )?,
+        imp @ (Implementation::Metal | Implementation::Cuda) => {
+            let p = sizes(imp, "codes", &[sh.rows, sh.capacity, sh.first, sh.tokens, sh.new_capacity, sh.row_bytes])?;
+            let (grid, threadgroup) = grid_1d("capacity", items)?;
+            let inputs = [a.codes, a.norms, a.new_codes, a.new_norms, &p];
+            gpu::launch(
+                &Launch {
+                    kernel: Kernel::StoreWrite,
+                    inputs: &inputs,
+                    outputs: &[(codes_shape, Dtype::U8), (norms_shape, Dtype::F16)],
+                    grid,
+                    threadgroup,
+                    template: &[],
+                },
+                &stream,
+            )?
+        }
+    };
+    let norms = outs.remove(1);
+    Ok((outs.remove(0), norms))
+}
+
+/// The same as plain MLX ops.
+fn reference(a: &StoreWrite<'_>, sh: &StoreShape, codes_shape: &[i32], s: &Stream) -> Result<(Array, Array)> {
+    let (b, h, nb) = (codes_shape[0], codes_shape[1], codes_shape[3]);
+    let (first, end) = (sh.first as i32, (sh.first + sh.tokens) as i32);
+    let mut codes = ops::zeros(codes_shape, Dtype::U8, s)?;
+    let mut norms = ops::zeros(&codes_shape[..3], Dtype::F16, s)?;
+    if first > 0 {
+        let old = ops::slice(a.codes, &[0, 0, 0, 0], &[b, h, first, nb], s)?;
+        codes = ops::slice_update(&codes, &old, &[0, 0, 0, 0], &[b, h, first, nb], s)?;
+        let old = ops::slice(a.norms, &[0, 0, 0], &[b, h, first], s)?;
+        norms = ops::slice_update(&norms, &old, &[0, 0, 0], &[b, h, first], s)?;
+    }
+    if end > first {
+        codes = ops::slice_update(&codes, a.new_codes, &[0, 0, first, 0], &[b, h, end, nb], s)?;
+        // A NaN norm stays NaN.
+        let limit = Array::from_slice(&[f16::from_f32(crate::cpu::turboquant::MAX_NORM)], &[])?;
+        let nan = Array::from_slice(&[f16::NAN], &[])?;
+        let marked = ops::where_(&ops::greater_equal(a.new_norms, &limit, s)?, &nan, a.new_norms, s)?;
+        norms = ops::slice_update(&norms, &marked, &[0, 0, first], &[b, h, end], s)?;
+    }
+    Ok((codes, norms))
+}
