@@ -67,6 +67,25 @@ def check_non_finite_and_huge_tokens_decode_as_on_the_cpu():
         assert {(0, 10), (1, 20), (0, 30)} <= rows and (1, 40) not in rows, f"side {side}: NaN rows {sorted(rows)}"
 
 
+def check_prefill_chunks_leave_the_stores_the_cpu_leaves():
+    # Chunks that outgrow the stores write them in one launch a side
+    # (store_write); the stores decode as the CPU's do, every slot in place.
+    from veloxquant._native import LayerCache
+
+    for d, dtype in ((128, mx.float16), (64, mx.bfloat16)):
+        x = mx.random.normal((2, 4, 1200, d), key=mx.random.key(d)).astype(dtype)
+        y = mx.random.normal((2, 4, 1200, d), key=mx.random.key(d + 1)).astype(dtype)
+        out = {}
+        for device in ("cpu", "gpu"):
+            c = LayerCache(d, 4, window=64, sinks=4, device=device)
+            for lo, hi in ((0, 300), (300, 700), (700, 1199), (1199, 1200)):
+                c.framed_append(x[:, :, lo:hi], y[:, :, lo:hi])
+            out[device] = [a.astype(mx.float32) for a in c.dequantize()]
+        for side, (g, c) in enumerate(zip(out["gpu"], out["cpu"])):
+            err = (mx.linalg.norm(g - c) / mx.linalg.norm(c)).item()
+            assert g.shape == c.shape and err < 2e-2, f"d={d} side {side}: GPU against CPU relative error {err:.3g}"
+
+
 def main():
     print(f"mlx {mx.__version__}, default device {mx.default_device()}, GPU back-end {veloxquant._native.gpu_backend()}")
     if veloxquant._native.gpu_backend() is None:
