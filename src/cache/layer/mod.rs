@@ -502,7 +502,12 @@ impl LayerCache {
         let first = c.len - reopen;
         let pending = reopen + c.n_recent + rest;
         let m = (pending - window) / group * group;
-        let gather = |side: &Side, new: &Array, reopened: Option<&Array>| -> Result<Array> {
+        // The tokens to compress (`[B, Hkv, m, D]`, contiguous for the
+        // encoder) and those the window keeps: where the chunk alone holds
+        // the kept ones, the join makes just the compressed rows and the kept
+        // rows stay a view of the chunk (no copy of a sliced join).
+        let held_rows = reopen + c.n_recent;
+        let gather = |side: &Side, new: &Array, reopened: Option<&Array>| -> Result<(Array, Array)> {
             let mut parts = Vec::new();
             if let Some(r) = reopened {
                 parts.push(ops::astype(r, dtype, &s)?);
@@ -510,20 +515,17 @@ impl LayerCache {
             if c.n_recent > 0 {
                 parts.push(ops::slice(&side.window, &[0, 0, w0, 0], &[b, h, w0 + c.n_recent as i32, d], &s)?);
             }
+            let rows = |a: &Array, lo: usize, hi: usize| ops::slice(a, &[0, 0, lo as i32, 0], &[b, h, hi as i32, d], &s);
+            if m > held_rows && !parts.is_empty() {
+                parts.push(rows(new, 0, m - held_rows)?);
+                return Ok((ops::concatenate(&parts, 2, &s)?, rows(new, m - held_rows, rest)?));
+            }
             parts.push(new.clone());
-            ops::concatenate(&parts, 2, &s)
+            let p = if parts.len() == 1 { parts.remove(0) } else { ops::concatenate(&parts, 2, &s)? };
+            Ok((rows(&p, 0, m)?, rows(&p, m, pending)?))
         };
-        let pk = gather(&c.keys, &new_k, reopened.as_ref().map(|r| &r.0))?;
-        let pv = gather(&c.values, &new_v, reopened.as_ref().map(|r| &r.1))?;
-        let pend = pending as i32;
-        let split = |p: &Array| -> Result<(Array, Array)> {
-            Ok((
-                ops::slice(p, &[0, 0, 0, 0], &[b, h, m as i32, d], &s)?,
-                ops::slice(p, &[0, 0, m as i32, 0], &[b, h, pend, d], &s)?,
-            ))
-        };
-        let (ck, keep_k) = split(&pk)?;
-        let (cv, keep_v) = split(&pv)?;
+        let (ck, keep_k) = gather(&c.keys, &new_k, reopened.as_ref().map(|r| &r.0))?;
+        let (cv, keep_v) = gather(&c.values, &new_v, reopened.as_ref().map(|r| &r.1))?;
         let needed = first + m;
         // A store that must grow (every prefill chunk) takes its tokens in
         // the same pass where the codec allows; else in place after growing.
