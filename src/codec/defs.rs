@@ -250,12 +250,9 @@ impl CodecDef for TurboQuantMse {
     /// `tq_encode` holds a norm at float16's largest (65504) for a token
     /// with a NaN or an infinity or a norm past that range (NaN where a
     /// back-end's min keeps NaN): one pass over the norms instead of
-    /// computing them again from `x`, with float16 constants so that the
-    /// norms compare and select without casts.
+    /// computing them again from `x`, the rule `store_write` applies.
     fn mark_non_finite(&self, _l: &SideLayout, _x: &Array, scales: &Array, s: &Stream) -> Result<Array> {
-        let limit = Array::from_slice(&[half::f16::from_f32(crate::cpu::turboquant::MAX_NORM)], &[])?;
-        let nan = Array::from_slice(&[half::f16::NAN], &[])?;
-        ops::where_(&ops::greater_equal(scales, &limit, s)?, &nan, scales, s)
+        crate::kernels::stored_norms(scales, s)
     }
     fn decode(&self, l: &SideLayout, side: &KvSideArrays<'_>, sh: &KvShape, s: &Stream) -> Result<Array> {
         table_times_norm(l, side, sh, "centroids", s)

@@ -28,6 +28,7 @@ use std::sync::OnceLock;
 pub use bitpack::{bit_pack, bit_unpack};
 pub use framed_dequantize::{framed_dequantize, FramedSide};
 pub use store_write::{store_write, StoreWrite};
+pub(crate) use store_write::stored_norms;
 pub use gpu::{cached_kernel_count, compact_source};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, kivi_quantize_widths, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,

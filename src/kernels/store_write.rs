@@ -122,6 +122,17 @@ pub fn store_write(a: &StoreWrite<'_>, opts: &Options) -> Result<(Array, Array)>
     Ok((outs.remove(0), norms))
 }
 
+/// Float16 norms as the store keeps them, as MLX ops
+/// ([`cpu::store_write::stored_norm`](cpu_store::stored_norm) on the CPU): a
+/// NaN for a norm at or past float16's largest, where the encoder saturates
+/// a token with a NaN or an infinity; a NaN norm stays NaN. Float16
+/// constants, so that the norms compare and select without casts.
+pub(crate) fn stored_norms(norms: &Array, s: &Stream) -> Result<Array> {
+    let limit = Array::from_slice(&[f16::from_f32(crate::cpu::turboquant::MAX_NORM)], &[])?;
+    let nan = Array::from_slice(&[f16::NAN], &[])?;
+    ops::where_(&ops::greater_equal(norms, &limit, s)?, &nan, norms, s)
+}
+
 /// The same as plain MLX ops.
 fn reference(a: &StoreWrite<'_>, sh: &StoreShape, codes_shape: &[i32], s: &Stream) -> Result<(Array, Array)> {
     let (b, h, nb) = (codes_shape[0], codes_shape[1], codes_shape[3]);
@@ -136,11 +147,7 @@ fn reference(a: &StoreWrite<'_>, sh: &StoreShape, codes_shape: &[i32], s: &Strea
     }
     if end > first {
         codes = ops::slice_update(&codes, a.new_codes, &[0, 0, first, 0], &[b, h, end, nb], s)?;
-        // A NaN norm stays NaN.
-        let limit = Array::from_slice(&[f16::from_f32(crate::cpu::turboquant::MAX_NORM)], &[])?;
-        let nan = Array::from_slice(&[f16::NAN], &[])?;
-        let marked = ops::where_(&ops::greater_equal(a.new_norms, &limit, s)?, &nan, a.new_norms, s)?;
-        norms = ops::slice_update(&norms, &marked, &[0, 0, first], &[b, h, end], s)?;
+        norms = ops::slice_update(&norms, &stored_norms(a.new_norms, s)?, &[0, 0, first], &[b, h, end], s)?;
     }
     Ok((codes, norms))
 }
