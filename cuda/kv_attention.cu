@@ -3,12 +3,28 @@
 // softmax, in the value frame; the CUDA twin of metal/kv_attention.metal
 // (same template arguments, inputs, params and split plan; codecs in
 // kv_common.cuh). Block: 128 threads (4 warps), tokens in tiles of 128.
+// Every codec's score and value are hooks of one loop: a codec kv_staged
+// names (TurboQuant, FP8) has, under STAGE, each tile's code rows, scales
+// and table staged in shared memory with coalesced loads, key rows padded to
+// an odd number of words so that threads reading their own row hit distinct
+// banks; the others read device memory through kv_element.
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
+constexpr bool KS = STAGE && kv_staged(KM);
+constexpr bool VS = STAGE && kv_staged(VM);
+constexpr int KSTRIDE = (((D * KB / 8 + 3) / 4) | 1) * 4;
+constexpr int VSROW = D * VB / 8;
+constexpr int VSTRIDE = (VSROW + 3) / 4 * 4;
 __shared__ float qs[QN * D];
 __shared__ float p_s[TG * QN];
 __shared__ float red[QN * WARPS];
+__shared__ __align__(16) uint8_t kbuf[KS ? TG * KSTRIDE : 16];
+__shared__ __align__(16) uint8_t vbuf[VS ? TG * VSTRIDE + 8 : 16];
+__shared__ float kn_s[KS ? TG : 1];
+__shared__ float vn_s[VS ? TG : 1];
+__shared__ float kc[KS ? (1 << KB) : 1];
+__shared__ float vc[VS ? (1 << VB) : 1];
 // The sizes ride in the shapes [0, s0..s8] and [0, s9..] of two empty
 // arrays (kernels::split_sizes): MLX passes an input's shape by value, where
 // an array of values would be migrated to the GPU at every call.
@@ -36,6 +52,12 @@ const uint64_t head = uint64_t(b) * Hkv + hk;
 const float* k_rows = kv_side_table<KM>(k_table, hk);
 const float* v_rows = kv_side_table<VM>(v_table, hk);
 const float ninf = -__int_as_float(0x7f800000);
+if constexpr (KS) {
+  for (int k = tid; k < (1 << KB); k += TG) kc[k] = k_rows[k];
+}
+if constexpr (VS) {
+  for (int k = tid; k < (1 << VB); k += TG) vc[k] = v_rows[k];
+}
 // Each row's prepared query (a row past L reads the last one; it is masked).
 uint64_t qrow[QN];
 #pragma unroll
@@ -77,7 +99,43 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
 #pragma unroll
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
   uint32_t pos = 0xffffffffu;
-  if (compressed && tid < count && KM == KV_PRODUCT_QUANTIZED) {
+  if (compressed && (KS || VS)) {
+    // Stage the tile (the split is the block's, so every thread is here).
+    if constexpr (KS) {
+      constexpr int KROW = D * KB / 8;
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + tile) * KROW;
+      for (uint32_t e = tid; e < count * KROW; e += TG) kbuf[(e / KROW) * KSTRIDE + e % KROW] = src[e];
+      if (tid < count) kn_s[tid] = kv_float(k_scales[head * CAP + t]);
+    }
+    if constexpr (VS) {
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(v_codes) + (head * CAP + tile) * VSROW;
+      for (uint32_t e = tid; e < count * VSROW; e += TG) vbuf[(e / VSROW) * VSTRIDE + e % VSROW] = src[e];
+      if (tid < count) vn_s[tid] = kv_float(v_scales[head * CAP + t]);
+    }
+    __syncthreads();
+  }
+  if (compressed && tid < count && KS) {
+    pos = n_sink + t;
+    // Codes from 32-bit words through a 64-bit bit buffer; fully unrolled,
+    // so that the word and shift of every code are constants.
+    const uint32_t* kw = reinterpret_cast<const uint32_t*>(kbuf + tid * KSTRIDE);
+    uint64_t bits = 0;
+    int have = 0, w = 0;
+#pragma unroll
+    for (int j = 0; j < D; ++j) {
+      if (have < KB) {
+        bits |= uint64_t(kw[w++]) << have;
+        have += 32;
+      }
+      const float c = kc[unsigned(bits) & ((1u << KB) - 1u)];
+      bits >>= KB;
+      have -= KB;
+#pragma unroll
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * c;
+    }
+#pragma unroll
+    for (int r = 0; r < QN; ++r) s[r] *= kn_s[tid];
+  } else if (compressed && tid < count && KM == KV_PRODUCT_QUANTIZED) {
     pos = n_sink + t;
     // Product quantization: one lookup per sub-vector in each row's table.
     constexpr int KROW = (D / KG * KB + 7) / 8;
@@ -193,10 +251,21 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     if (i < D) {
 #pragma unroll
       for (int r = 0; r < QN; ++r) acc[r][c] *= alpha[r];
+      // A staged code sits at the same word and shift in every row.
+      const unsigned o = unsigned(i) * VB;
+      const unsigned word = o >> 5, shift = o & 31u;
       for (uint32_t k = 0; k < count; ++k) {
-        const float v = compressed
-            ? kv_element<VM, VB, VG, D>(v_codes, v_scales, v_zeros, v_rows, head, tile + k, CAP, i)
-            : kv_float(win_v[(head * WCAP + tile + k) * D + i]);
+        float v;
+        if (!compressed) {
+          v = kv_float(win_v[(head * WCAP + tile + k) * D + i]);
+        } else if constexpr (VS) {
+          const uint32_t* vw = reinterpret_cast<const uint32_t*>(vbuf + k * VSTRIDE) + word;
+          uint64_t x = vw[0];
+          if (shift + VB > 32u) x |= uint64_t(vw[1]) << 32;
+          v = vc[unsigned(x >> shift) & ((1u << VB) - 1u)] * vn_s[k];
+        } else {
+          v = kv_element<VM, VB, VG, D>(v_codes, v_scales, v_zeros, v_rows, head, tile + k, CAP, i);
+        }
         const float* pk = p_s + k * QN;
 #pragma unroll
         for (int r = 0; r < QN; ++r) acc[r][c] += pk[r] * v;

@@ -6,6 +6,13 @@
 // second in `table`; FP8 reads its e4m3 grid as TurboQuant-MSE its centroids; QJL and TurboQuant-Prod are keys only and scored in
 // kv_attention.cu).
 
+// Codecs whose token is a row of D B-bit codes into a table, times one
+// scale: kv_attention stages a tile of their rows in shared memory
+// (crate::codec::Codec::staged_in_attention says the same).
+__device__ constexpr bool kv_staged(int m) {
+  return m == KV_TURBOQUANT_MSE || m == KV_TURBOQUANT_UNIFORM || m == KV_FP8;
+}
+
 template <typename X>
 __device__ inline float kv_float(X x) {
   return static_cast<float>(x);

@@ -19,6 +19,11 @@
 // Splits [0, comp_splits) cover compressed tokens (position n_sink + index),
 // the rest cover window slots 128 at a time (sinks at positions 0.., recent
 // at n_sink + n_comp..).
+// Every codec's score and value are hooks of one loop: a codec KV_STAGED
+// names (TurboQuant, FP8) has, under STAGE, each tile's code rows, scales
+// and table staged in threadgroup memory, key rows padded to an odd number
+// of words so that threads reading their own row hit distinct banks; the
+// others read device memory through KV_ELEMENT.
 constexpr int TG = 128;
 constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
@@ -26,9 +31,20 @@ constexpr int DPT = (D + TG - 1) / TG;
 // sign bits) are (D * B + 7) / 8 bytes too.
 constexpr int KROW = KM == KV_DENSE ? D : KM == KV_PRODUCT_QUANTIZED ? (D / KG * KB + 7) / 8 : (D * KB + 7) / 8;
 constexpr int VROW = VM == KV_DENSE ? D : VM == KV_PRODUCT_QUANTIZED ? (D / VG * VB + 7) / 8 : (D * VB + 7) / 8;
+constexpr bool KS = STAGE && KV_STAGED(KM);
+constexpr bool VS = STAGE && KV_STAGED(VM);
+constexpr int KSTRIDE = (((D * KB / 8 + 3) / 4) | 1) * 4;
+constexpr int VSROW = D * VB / 8;
+constexpr int VSTRIDE = (VSROW + 3) / 4 * 4;
 threadgroup float qs[QN * D];
 threadgroup float p_s[QN * TG];
 threadgroup float red[QN * WARPS];
+threadgroup uint8_t kbuf[KS ? TG * KSTRIDE : 16];
+threadgroup uint8_t vbuf[VS ? TG * VSTRIDE + 8 : 16];
+threadgroup float kn_s[KS ? TG : 1];
+threadgroup float vn_s[VS ? TG : 1];
+threadgroup float kc[KS ? (1 << KB) : 1];
+threadgroup float vc[VS ? (1 << VB) : 1];
 const uint Bn = params[0], Hq = params[1], Hkv = params[2], L = params[3];
 const uint n_sink = params[4], n_comp = params[5], n_recent = params[6];
 const uint CAP = params[7], WCAP = params[8], split_tokens = params[9];
@@ -53,6 +69,12 @@ if (b >= Bn) {
 const ulong head = ulong(b) * Hkv + hk;
 const device float* k_rows = KV_SIDE_TABLE(KM, k_table, hk);
 const device float* v_rows = KV_SIDE_TABLE(VM, v_table, hk);
+if (KS) {
+  for (int k = tid; k < (1 << KB); k += TG) kc[k] = k_rows[k];
+}
+if (VS) {
+  for (int k = tid; k < (1 << VB); k += TG) vc[k] = v_rows[k];
+}
 // Each row's prepared query (a row past L reads the last one; it is masked).
 ulong qrow[QN];
 for (int r = 0; r < QN; ++r) {
@@ -89,7 +111,29 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
   float s[QN];
   for (int r = 0; r < QN; ++r) s[r] = 0.0f;
   uint pos = 0xffffffffu;
-  if (compressed && uint(tid) < count && KM == KV_PRODUCT_QUANTIZED) {
+  if (compressed && (KS || VS)) {
+    // Stage the tile (the split is the threadgroup's, so every thread is here).
+    if (KS) {
+      constexpr int KSROW = D * KB / 8;
+      const ulong kbase = (head * CAP + tile) * KSROW;
+      for (uint e = uint(tid); e < count * KSROW; e += TG) kbuf[(e / KSROW) * KSTRIDE + e % KSROW] = uint8_t(k_codes[kbase + e]);
+      if (uint(tid) < count) kn_s[tid] = float(k_scales[head * CAP + t]);
+    }
+    if (VS) {
+      const ulong vbase = (head * CAP + tile) * VSROW;
+      for (uint e = uint(tid); e < count * VSROW; e += TG) vbuf[(e / VSROW) * VSTRIDE + e % VSROW] = uint8_t(v_codes[vbase + e]);
+      if (uint(tid) < count) vn_s[tid] = float(v_scales[head * CAP + t]);
+    }
+    threadgroup_barrier(mem_flags::mem_threadgroup);
+  }
+  if (compressed && uint(tid) < count && KS) {
+    pos = n_sink + t;
+    for (int j = 0; j < D; ++j) {
+      const float c = kc[VQ_CODE_AT(kbuf, uint(tid) * KSTRIDE, uint(j), uint(KB))];
+      for (int r = 0; r < QN; ++r) s[r] += qs[r * D + j] * c;
+    }
+    for (int r = 0; r < QN; ++r) s[r] *= kn_s[tid];
+  } else if (compressed && uint(tid) < count && KM == KV_PRODUCT_QUANTIZED) {
     pos = n_sink + t;
     // Product quantization: one lookup per sub-vector in each row's table.
     for (int p = 0; p < D / KG; ++p) {
@@ -179,9 +223,9 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
     if (i < D) {
       for (int r = 0; r < QN; ++r) acc[r][c] *= alpha[r];
       for (uint k = 0; k < count; ++k) {
-        const float v = compressed
-            ? KV_ELEMENT(VM, VB, VG, VROW, v_codes, v_scales, v_zeros, v_rows, head, tile + k, CAP, i)
-            : float(win_v[(head * WCAP + tile + k) * D + i]);
+        const float v = !compressed ? float(win_v[(head * WCAP + tile + k) * D + i])
+            : VS ? vc[VQ_CODE_AT(vbuf, k * VSTRIDE, uint(i), uint(VB))] * vn_s[k]
+            : KV_ELEMENT(VM, VB, VG, VROW, v_codes, v_scales, v_zeros, v_rows, head, tile + k, CAP, i);
         for (int r = 0; r < QN; ++r) acc[r][c] += p_s[r * TG + k] * v;
       }
     }

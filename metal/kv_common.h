@@ -1,5 +1,10 @@
 // Shared by the kv_attention bodies (after tq_common.h, which gives VQ_CODE_AT).
 
+// Codecs whose token is a row of D B-bit codes into a table, times one
+// scale: kv_attention stages a tile of their rows in threadgroup memory
+// (crate::codec::Codec::staged_in_attention says the same).
+#define KV_STAGED(M) ((M) == KV_TURBOQUANT_MSE || (M) == KV_TURBOQUANT_UNIFORM || (M) == KV_FP8)
+
 // Element j of compressed token `ct` of KV head `head`, decoded in its side's
 // frame. M: codec id (the KV_* macros the crate defines from its `Codec`;
 // KIVI per channel over groups of G tokens, KIVI per token over groups of G

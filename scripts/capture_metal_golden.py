@@ -106,28 +106,6 @@ def tq_cases():
                            enc_in("float16", 128, 4, True, True), enc_out, enc_t("float16", 128, 4, True, True),
                            body="tq_encode", header="tq_norm.h"))
 
-    def att(name, t, d, kb, vb, hq, hkv, l, qn, cap=256, wcap=68):
-        inputs = [
-            ("qr", "float32", (1, hq, l, d)),
-            ("k_codes", "uint8", (1, hkv, cap, d * kb // 8)), ("k_norms", "float16", (1, hkv, cap)),
-            ("k_cent", "float32", (1 << kb,)),
-            ("v_codes", "uint8", (1, hkv, cap, d * vb // 8)), ("v_norms", "float16", (1, hkv, cap)),
-            ("v_cent", "float32", (1 << vb,)),
-            ("win_k", t, (1, hkv, wcap, d)), ("win_v", t, (1, hkv, wcap, d)),
-            ("params", "uint32", (14,))]
-        outputs = [("m_out", "float32"), ("l_out", "float32"), ("acc_out", "float32")]
-        template = [("T", "dtype", t), ("D", "int", d), ("KB", "int", kb), ("VB", "int", vb), ("QN", "int", qn)]
-        out.append(kernel_case(name, "veloxquant_tq_attention", inputs, outputs, template,
-                               body="tq_attention", header="tq_common.h"))
-
-    att("tq_attention_float32_d128_k4v3_qn1", "float32", 128, 4, 3, 2, 2, 1, 1)
-    att("tq_attention_float32_d64_k4v3_qn4", "float32", 64, 4, 3, 8, 2, 1, 4)
-    att("tq_attention_float16_d128_k4v3_qn16", "float16", 128, 4, 3, 8, 2, 5, 16)
-    att("tq_attention_bfloat16_d64_k4v3_qn5", "bfloat16", 64, 4, 3, 2, 2, 5, 5)
-    # 2- and 4-entry codebooks land in constant memory; no window slots at all.
-    att("tq_attention_float16_d256_k1v2_qn1", "float16", 256, 1, 2, 4, 4, 1, 1, wcap=0)
-    att("tq_attention_float32_d80_k8v4_qn2", "float32", 80, 8, 4, 2, 1, 3, 2)
-
     def dec(name, t, d, kb, vb, hq, hkv, qn, n_comp, n_win, n_sink, causal):
         inputs = [
             ("q", t, (1, hq, 1, d)), ("rot", "float32", (d, d)),

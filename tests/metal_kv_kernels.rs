@@ -19,7 +19,9 @@ use veloxquant::codec::{kivi_bit_offsets, Codec, SideCodec, SideLayout};
 use veloxquant::cpu::kv_attention::{self as kv, KvShape, KvSide};
 use veloxquant::cpu::turboquant::{self as tq, FromF32};
 use veloxquant::cpu::{Float, VqElement};
-use veloxquant::kernels::kv_attention::{split_plan, tile_rows};
+use veloxquant::kernels::kv_attention::{gpu_plan, split_plan};
+use veloxquant::kernels::Policy;
+use veloxquant::stream::Backend;
 use veloxquant::kernels::turboquant::reduce_threads;
 
 /// Roughly Gaussian values (sum of uniforms), standard deviation `scale`.
@@ -247,10 +249,11 @@ fn shape(b: usize, hq: usize, hkv: usize, l: usize, d: usize, key: SideCodec, va
 }
 
 /// `kernels::kv_attention::attention_gpu`: the split plan, the attention pass
-/// into float32 partials, the reduction into `[rows, D]` of `T`.
-fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideData<T>, rot: &[f32], mask: &[f32], sh: &KvShape) -> (Vec<T>, usize) {
-    let g = sh.q_heads / sh.kv_heads;
-    let (per_tile, qn) = tile_rows(g, sh.queries, 32 * 1024, sh.dim).expect("fits");
+/// into float32 partials, the reduction into `[rows, D]` of `T`; with
+/// `stage`, the staged sides as Metal's plan has them.
+fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideData<T>, rot: &[f32], mask: &[f32], sh: &KvShape, stage: bool) -> (Vec<T>, usize) {
+    let plan = gpu_plan(sh, Backend::Metal, Policy::Require).unwrap().expect("fits");
+    let (per_tile, qn, stage) = (plan.per_tile, plan.rows, plan.stage && stage);
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
     let (split_tokens, comp_splits, num_splits) = split_plan(sh, units);
@@ -292,6 +295,7 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
         .template("VG", TemplateArg::Int(sh.value.group as i32))
         .template("QN", TemplateArg::Int(qn as i32))
         .template("QF", TemplateArg::Int(sh.query_features as i32))
+        .template("STAGE", TemplateArg::Bool(stage))
         .grid((units * num_splits * 128) as u32, 1, 1)
         .threadgroup(128, 1, 1)
         .run()
@@ -317,10 +321,10 @@ fn gpu_attention<T: Element + VqElement>(qf: &[f32], k: &SideData<T>, v: &SideDa
 }
 
 fn check<T: Float + FromF32 + Element>(sh: KvShape, tol: f32, seed: u64) -> usize {
-    check_widths::<T>(sh, None, tol, seed)
+    check_widths::<T>(sh, None, tol, seed, true)
 }
 
-fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[u8]>, tol: f32, seed: u64) -> usize {
+fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[u8]>, tol: f32, seed: u64, stage: bool) -> usize {
     let mut rng = ChaCha8Rng::seed_from_u64(seed);
     let d = sh.dim;
     let rot = veloxquant::cache::rotation_matrix(d, seed).unwrap();
@@ -387,7 +391,7 @@ fn check_widths<T: Float + FromF32 + Element>(sh: KvShape, key_widths: Option<&[
         .collect();
     let mut want = vec![<T as Float>::from_f32(0.0); sh.batch * sh.q_heads * sh.queries * d];
     kv::kv_attention(&qf, &k.view(), &v.view(), rot_v, &mask, &sh, &mut want);
-    let (got, splits) = gpu_attention(&qf, &k, &v, &rot, &mask, &sh);
+    let (got, splits) = gpu_attention(&qf, &k, &v, &rot, &mask, &sh, stage);
     let (got, want): (Vec<f32>, Vec<f32>) = (got.iter().map(|x| x.to_f32()).collect(), want.iter().map(|x| x.to_f32()).collect());
     assert!(want.iter().all(|x| x.is_finite()), "CPU output not finite: {sh:?}");
     let max_ref = want.iter().fold(0.0f32, |m, x| m.max(x.abs()));
@@ -431,6 +435,25 @@ fn dense_sides_and_f16_match_cpu() {
     check::<f16>(shape(1, 4, 2, 1, 80, k, v, (4, 140, 7), true), 1e-2, 4);
     let (k, v) = (codec(Codec::Dense, 16, 1), codec(Codec::KiviPerToken, 4, 16));
     check::<f32>(shape(1, 2, 2, 1, 256, k, v, (0, 60, 3), true), 1e-5, 5);
+}
+
+#[test]
+fn turboquant_sides_match_cpu_staged_and_read_in_place() {
+    // The cache's default (TurboQuant-MSE 4/3) over a causal tile of 4
+    // queries, 8:2 heads, f16: the staged tile (the plan's choice here) and
+    // the same codes read from device memory.
+    let (k, v) = (codec(Codec::TurboQuantMse, 4, 1), codec(Codec::TurboQuantMse, 3, 1));
+    let sh = shape(1, 8, 2, 4, 128, k, v, (4, 300, 21), true);
+    assert!(gpu_plan(&sh, Backend::Metal, Policy::Require).unwrap().expect("fits").stage);
+    for stage in [true, false] {
+        check_widths::<f16>(sh, None, 1e-2, 50, stage);
+    }
+    // Uniform-table keys of 2 bits and 4-bit values at head size 64, float32,
+    // two sequences, not causal.
+    let (k, v) = (codec(Codec::TurboQuantUniform, 2, 1), codec(Codec::TurboQuantMse, 4, 1));
+    for stage in [true, false] {
+        check_widths::<f32>(shape(2, 4, 1, 3, 64, k, v, (2, 200, 9), false), None, 1e-5, 51, stage);
+    }
 }
 
 #[test]
@@ -504,6 +527,6 @@ fn kivi_keys_with_bits_per_channel_match_cpu() {
     let widths = veloxquant::cache::channel_widths(&weights, 64, 3).unwrap();
     assert!(widths.iter().any(|&w| w == 1) && widths.iter().any(|&w| w >= 5), "{widths:?}");
     let (k, v) = (codec(Codec::KiviPerChannel, 3, 32), codec(Codec::TurboQuantMse, 3, 1));
-    check_widths::<f32>(shape(2, 4, 2, 1, 64, k, v, (4, 300, 21), true), Some(&widths), 1e-5, 30);
-    check_widths::<f16>(shape(1, 8, 2, 3, 64, k, v, (2, 150, 9), true), Some(&widths), 1e-2, 31);
+    check_widths::<f32>(shape(2, 4, 2, 1, 64, k, v, (4, 300, 21), true), Some(&widths), 1e-5, 30, true);
+    check_widths::<f16>(shape(1, 8, 2, 3, 64, k, v, (2, 150, 9), true), Some(&widths), 1e-2, 31, true);
 }

@@ -1,12 +1,13 @@
-//! The TurboQuant cache kernels (metal/tq_encode.metal, tq_attention.metal,
-//! tq_reduce.metal) on the emulator, launched exactly as
-//! `src/kernels/turboquant.rs` launches them (kernel names, input and output
-//! names and order, params layout, template arguments, grid in threads,
-//! threadgroup sizes, the header of tq_attention, the two-pass attention whose
-//! partial outputs feed the reduction), against `veloxquant::cpu::turboquant`:
+//! The TurboQuant cache kernels (metal/tq_encode.metal, tq_decode.metal,
+//! tq_reduce.metal, and kv_attention.metal for several queries) on the
+//! emulator, launched exactly as `src/kernels/turboquant.rs` launches them
+//! (kernel names, input and output names and order, params layout, template
+//! arguments, grid in threads, threadgroup sizes, the two-pass attention
+//! whose partial outputs feed the reduction), against
+//! `veloxquant::cpu::turboquant`:
 //! - `tq_encode`: codes and norms bit for bit (same arithmetic order; f16 and
 //!   bf16 inputs are converted to f32 first on both sides);
-//! - `tq_attention` + `tq_reduce`: relative error (max |gpu - cpu| over
+//! - `tq_decode` or `kv_attention`, then `tq_reduce`: relative error (max |gpu - cpu| over
 //!   max |cpu|) at most 1e-5 in f32 and 1e-2 in f16 (sums run in different
 //!   orders). The stored codes, norms and windows come from the CPU encoder
 //!   and a real rotation, as the cache stores them; unused slots of the
@@ -21,7 +22,12 @@ use rand::{RngExt, SeedableRng};
 use rand_chacha::ChaCha8Rng;
 use veloxquant::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape, FromF32};
 use veloxquant::cpu::{Float, VqElement};
+use veloxquant::codec::{Codec, SideCodec};
+use veloxquant::cpu::kv_attention::KvShape;
+use veloxquant::kernels::kv_attention::{gpu_plan, split_plan as kv_split_plan};
 use veloxquant::kernels::turboquant::reduce_threads;
+use veloxquant::kernels::Policy;
+use veloxquant::stream::Backend;
 use veloxquant::quant::ScalarCodebook;
 
 /// Row-major `Π` as `src/cache/layer/tables.rs` builds it: Hadamard where the size
@@ -207,17 +213,9 @@ fn tq_encode_zero_vector_alone() {
     }
 }
 
-// ------------------------------------------------- tq_attention + tq_reduce
+// ------------------------------- tq_decode / kv_attention + tq_reduce
 
-const MAX_TILE_ROWS: usize = 16;
 const ATTENTION_THREADS: usize = 128;
-
-/// `kernels::turboquant::tile_rows`: (queries per tile, rows per tile = QN).
-fn tile_rows(g: usize, queries: usize) -> (usize, usize) {
-    assert!(g <= MAX_TILE_ROWS);
-    let per_tile = if queries == 1 { 1 } else { (MAX_TILE_ROWS / g).min(queries) };
-    (per_tile, g * per_tile)
-}
 
 /// One layer's stored data, laid out as the cache holds it.
 struct Layer<T> {
@@ -320,8 +318,8 @@ fn split_plan(sh: &AttentionShape, units: usize, max_split: usize) -> (usize, us
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(ATTENTION_THREADS))
 }
 
-/// `kernels::turboquant::attention_gpu`: the partials of `tq_decode` (one
-/// query) or `tq_attention` (several), then the reduction into `[rows, D]`
+/// A TurboQuant layer's attention on a GPU: the partials of `tq_decode` (one
+/// query) or `kv_attention` (several), then the reduction into `[rows, D]`
 /// of `T`. `q` is `[B, Hq, L, D]` row-contiguous, or with `q_transposed` laid
 /// out `[B, L, Hq, D]` and handed over as a strided view (decode reads
 /// strides). Returns the output and the number of splits.
@@ -402,14 +400,39 @@ fn decode_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Atten
         .unwrap_or_else(|e| panic!("tq_decode {tag}: {e}"))
 }
 
-/// `kernels::turboquant::tile_partials`: queries rotated and scaled by the
-/// host, the params buffer, tiles of up to 16 rows.
+/// The layer's shape as the cache hands it to `kv_attention`.
+fn kv_shape(sh: &AttentionShape) -> KvShape {
+    let key = SideCodec { codec: Codec::TurboQuantMse, bits: sh.key_bits, group: 1 };
+    let value = SideCodec { codec: Codec::TurboQuantMse, bits: sh.value_bits, group: 1 };
+    KvShape {
+        batch: sh.batch,
+        q_heads: sh.q_heads,
+        kv_heads: sh.kv_heads,
+        queries: sh.queries,
+        dim: sh.dim,
+        key: key.layout(sh.dim),
+        value: value.layout(sh.dim),
+        query_features: key.query_features(sh.dim),
+        sinks: sh.sinks,
+        compressed: sh.compressed,
+        recent: sh.recent,
+        capacity: sh.capacity,
+        window_capacity: sh.window_capacity,
+        causal: sh.causal,
+        mask_heads: 0,
+    }
+}
+
+/// Several queries: the cache attends a TurboQuant layer with `kv_attention`
+/// (the kernel of every codec; `LayerCache::kv_layer`), the queries rotated
+/// and scaled by the host, the norms as scales, placeholders for the zeros
+/// and the mask, tiles and staging as Metal's plan has them.
 fn tile_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &AttentionShape, scale: f32) -> Vec<HostArray> {
-    let g = sh.q_heads / sh.kv_heads;
-    let (per_tile, qn) = tile_rows(g, sh.queries);
-    let q_tiles = sh.queries.div_ceil(per_tile);
+    let ks = kv_shape(sh);
+    let plan = gpu_plan(&ks, Backend::Metal, Policy::Require).unwrap().expect("fits");
+    let q_tiles = sh.queries.div_ceil(plan.per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
-    let (split_tokens, comp_splits, num_splits) = split_plan(sh, units, usize::MAX);
+    let (split_tokens, comp_splits, num_splits) = kv_split_plan(&ks, units);
     // The host rotates and scales the queries once: qr = scale * Π q.
     let d = sh.dim;
     let qr: Vec<f32> = (0..q.len())
@@ -420,20 +443,8 @@ fn tile_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
         .collect();
     let rows = sh.batch * sh.q_heads * sh.queries;
     let params: Vec<u32> = [
-        sh.batch,
-        sh.q_heads,
-        sh.kv_heads,
-        sh.queries,
-        sh.sinks,
-        sh.compressed,
-        sh.recent,
-        sh.capacity,
-        sh.window_capacity,
-        split_tokens,
-        num_splits,
-        q_tiles,
-        usize::from(sh.causal),
-        comp_splits,
+        sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
+        sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits, 0,
     ]
     .iter()
     .map(|&v| v as u32)
@@ -441,30 +452,41 @@ fn tile_partials<T: Element + VqElement>(q: &[T], layer: &Layer<T>, sh: &Attenti
     let (kb, vb) = (d * sh.key_bits as usize / 8, d * sh.value_bits as usize / 8);
     let blocks = units * num_splits;
     let tag = format!("{:?} {sh:?}", T::DTYPE);
-    metal_emulator::declared(Kernel::TqAttention)
+    let unread_f16 = HostArray::new(&[8], &[f16::NAN; 8]);
+    let id = Codec::TurboQuantMse.id();
+    metal_emulator::declared(Kernel::KvAttention)
         .launch()
         .input(HostArray::new(&[sh.batch, sh.q_heads, sh.queries, d], &qr))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, kb], &layer.k_codes))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity], &layer.k_norms))
+        .input(unread_f16.clone())
         .input(HostArray::new(&[1 << sh.key_bits], &layer.k_cent))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity, vb], &layer.v_codes))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.capacity], &layer.v_norms))
+        .input(unread_f16)
         .input(HostArray::new(&[1 << sh.value_bits], &layer.v_cent))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.window_capacity, d], &layer.win_k))
         .input(HostArray::new(&[sh.batch, sh.kv_heads, sh.window_capacity, d], &layer.win_v))
+        .input(HostArray::new(&[8], &[f32::NAN; 8]))
         .input(HostArray::new(&[params.len()], &params))
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits], Dtype::F32)
         .output(&[rows, num_splits, d], Dtype::F32)
         .template("T", TemplateArg::Dtype(T::DTYPE))
         .template("D", TemplateArg::Int(d as i32))
+        .template("KM", TemplateArg::Int(id))
         .template("KB", TemplateArg::Int(sh.key_bits as i32))
+        .template("KG", TemplateArg::Int(1))
+        .template("VM", TemplateArg::Int(id))
         .template("VB", TemplateArg::Int(sh.value_bits as i32))
-        .template("QN", TemplateArg::Int(qn as i32))
+        .template("VG", TemplateArg::Int(1))
+        .template("QN", TemplateArg::Int(plan.rows as i32))
+        .template("QF", TemplateArg::Int(ks.query_features as i32))
+        .template("STAGE", TemplateArg::Bool(plan.stage))
         .grid((blocks * ATTENTION_THREADS) as u32, 1, 1)
         .threadgroup(ATTENTION_THREADS as u32, 1, 1)
         .run()
-        .unwrap_or_else(|e| panic!("tq_attention {tag}: {e}"))
+        .unwrap_or_else(|e| panic!("kv_attention {tag}: {e}"))
 }
 
 #[allow(clippy::too_many_arguments)]

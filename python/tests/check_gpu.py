@@ -86,6 +86,41 @@ def check_prefill_chunks_leave_the_stores_the_cpu_leaves():
             assert g.shape == c.shape and err < 2e-2, f"d={d} side {side}: GPU against CPU relative error {err:.3g}"
 
 
+def check_several_queries_attend_over_the_stored_tokens():
+    # Several queries a head (speculative verification, short chunks) run the
+    # attention kernel of every codec: TurboQuant sides staged in shared
+    # memory, KIVI sides read in place. Against float32 attention over the
+    # tokens the cache decodes from the very codes the kernel read.
+    from veloxquant._native import LayerCache
+
+    recipes = [("turboquant-mse", 4, "turboquant-mse", 3), ("turboquant-mse", 2, "turboquant-mse", 4),
+               ("kivi", 4, "turboquant-mse", 3), ("turboquant-mse", 8, "kivi", 2)]
+    worst = 0.0
+    for i, ((km, kb, vm, vb), d, dtype, group, queries) in enumerate(
+            (r, d, t, g, n) for r in recipes for d in (64, 128) for t in (mx.float16, mx.bfloat16)
+            for g, n in ((4, 4), (8, 2), (1, 8))):
+        mx.random.seed(i)
+        c = LayerCache(d, 2, key_method=km, key_bits=kb, value_method=vm, value_bits=vb, window=64, sinks=4,
+                       policy="require", device="gpu")
+        k = (mx.random.normal((2, 2, 900, d)) * mx.linspace(0.2, 3.0, d) + 0.7).astype(dtype)
+        v = mx.random.normal((2, 2, 900, d)).astype(dtype)
+        c.append(k[:, :, :896], v[:, :, :896])
+        c.append(k[:, :, 896:], v[:, :, 896:])
+        q = (mx.random.normal((2, 2 * group, queries, d)) * 2.0).astype(dtype)
+        out = c.attention(q, d**-0.5, "causal").astype(mx.float32)
+        ks, vs = (mx.repeat(x.astype(mx.float32), group, axis=1) for x in c.dequantize())
+        # Query l sits at position 900 - queries + l and sees tokens up to it.
+        hidden = mx.arange(900)[None, :] > (900 - queries + mx.arange(queries))[:, None]
+        scores = (q.astype(mx.float32) * d**-0.5) @ ks.swapaxes(-1, -2) + mx.where(hidden, -mx.inf, 0.0)
+        want = mx.softmax(scores, axis=-1) @ vs
+        err = (mx.linalg.norm(out - want) / mx.linalg.norm(want)).item()
+        worst = max(worst, err)
+        tol = 2e-2 if dtype == mx.bfloat16 else 5e-3
+        assert mx.all(mx.isfinite(out)).item() and err < tol, (
+            f"{km}/{kb} {vm}/{vb} d={d} {dtype} group={group} queries={queries}: relative error {err:.3g}")
+    print(f"  several queries: largest relative error {worst:.2e}")
+
+
 def main():
     print(f"mlx {mx.__version__}, default device {mx.default_device()}, GPU back-end {veloxquant._native.gpu_backend()}")
     if veloxquant._native.gpu_backend() is None:

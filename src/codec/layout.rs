@@ -70,6 +70,13 @@ impl Codec {
         matches!(self, Codec::TurboQuantMse | Codec::TurboQuantUniform)
     }
 
+    /// Whether a token is a row of `dim` codes of `bits` into a table, times
+    /// one scale: `kv_attention`'s GPU bodies stage a tile of such rows in
+    /// threadgroup memory (their `kv_staged`).
+    pub fn staged_in_attention(self) -> bool {
+        matches!(self, Codec::TurboQuantMse | Codec::TurboQuantUniform | Codec::Fp8)
+    }
+
     /// The macro the GPU bodies name the codec's id by.
     pub fn gpu_name(self) -> &'static str {
         match self {

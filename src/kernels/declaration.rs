@@ -156,13 +156,13 @@ kernels! {
         cpu: true,
         strided: false,
     },
-    /// Attention over a TurboQuant cache, one partial softmax per split.
+    /// Attention over a TurboQuant cache on the CPU. GPUs run `tq_decode`
+    /// for one query and `kv_attention`, the kernel of every codec, for several.
     TqAttention = "tq_attention" {
-        inputs: ["qr", "k_codes", "k_norms", "k_cent", "v_codes", "v_norms", "v_cent", "win_k", "win_v", "params"],
-        outputs: ["m_out", "l_out", "acc_out"],
-        cuda_inputs: ["params_hi"],
-        metal: metal ["tq_common.h"],
-        cuda: cuda [],
+        inputs: [],
+        outputs: [],
+        metal: none [],
+        cuda: none [],
         cpu: true,
         strided: false,
     },

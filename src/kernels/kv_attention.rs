@@ -125,20 +125,17 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options, 
     }
     let stream = opts.resolve_stream()?;
     let mut imp = select(Kernel::KvAttention, opts.policy, &stream)?;
-    let g = sh.q_heads / sh.kv_heads;
-    let backend = stream.backend()?;
-    let tiles = tile_rows(g, sh.queries, shared_limit(backend), sh.dim);
-    if matches!(imp, Implementation::Metal | Implementation::Cuda) && tiles.is_none() {
-        let why = if g > MAX_TILE_ROWS {
-            format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")
-        } else {
-            format!("head_dim {} needs more threadgroup memory than {} offers", sh.dim, backend.name())
-        };
-        if opts.policy == Policy::Require {
-            return Err(Error::Unsupported(format!("kv_attention: {why}")));
+    let plan = if matches!(imp, Implementation::Metal | Implementation::Cuda) {
+        match gpu_plan(&sh, stream.backend()?, opts.policy)? {
+            Some(p) => Some(p),
+            None => {
+                imp = Implementation::Reference;
+                None
+            }
         }
-        imp = Implementation::Reference;
-    }
+    } else {
+        None
+    };
     if sh.total() == 0 || sh.queries == 0 {
         return ops::zeros(&want, q.dtype(), &stream);
     }
@@ -146,33 +143,13 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options, 
         return graphs.reference(q, layer, scale, &stream);
     }
     let qf = graphs.prepare_queries(q, layer, scale, &stream)?;
-    // Arrays a codec does not use travel as placeholders it never reads.
-    let none_f16 = Array::from_slice(&[f16::ZERO; 8], &[8])?;
-    let none_f32 = Array::from_slice(&[0.0f32; 8], &[8])?;
-    let side_inputs = |side: &KvSideArrays<'_>, sc: &SideLayout| -> Result<[Array; 4]> {
-        let table = match (side.table, sc.codec) {
-            (Some(t), _) => t.clone(),
-            // KIVI keys are read at the bit offsets of their table: uniform
-            // widths when the caller gave none.
-            (None, Codec::KiviPerChannel) => {
-                let offsets = kivi_bit_offsets(None, sh.dim, sc.bits);
-                Array::from_slice(&offsets, &[offsets.len() as i32])?
-            }
-            (None, _) => none_f32.clone(),
-        };
-        Ok([
-            side.codes.clone(),
-            side.scales.cloned().unwrap_or_else(|| none_f16.clone()),
-            side.zeros.cloned().unwrap_or_else(|| none_f16.clone()),
-            table,
-        ])
-    };
-    let (ki, vi) = (side_inputs(&layer.keys, &sh.key)?, side_inputs(&layer.values, &sh.value)?);
-    let rot_v = layer.rotation_for(&sh.value)?.cloned();
-    match imp {
-        Implementation::Cpu => {
+    let rot_v = layer.rotation_for(&sh.value)?;
+    match (imp, plan) {
+        (Implementation::Cpu, _) => {
+            let (ki, vi) = (side_inputs(&layer.keys, &sh.key, sh.dim)?, side_inputs(&layer.values, &sh.value, sh.dim)?);
             let dtype = q.dtype();
-            let rot_input = rot_v.clone().unwrap_or_else(|| none_f32.clone());
+            let none_f32 = placeholder_f32()?;
+            let rot_input = rot_v.cloned().unwrap_or_else(|| none_f32.clone());
             let rotate_back = rot_v.is_some();
             let mask = layer.mask.cloned().unwrap_or_else(|| none_f32.clone());
             let masked = layer.mask.is_some();
@@ -207,12 +184,87 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options, 
                 }),
             )
         }
-        _ => {
-            let (per_tile, rows) = tiles.expect("checked above");
-            let mask = layer.mask.cloned().unwrap_or_else(|| none_f32.clone());
-            attention_gpu(q, &qf, layer, &ki, &vi, rot_v.as_ref(), &mask, per_tile, rows, &stream)
-        }
+        (_, Some(plan)) => attention_gpu(q, &qf, layer, rot_v, plan, &stream),
+        _ => unreachable!("a GPU implementation has a plan"),
     }
+}
+
+/// Arrays a codec does not use travel as placeholders it never reads.
+fn placeholder_f32() -> Result<Array> {
+    Array::from_slice(&[0.0f32; 8], &[8])
+}
+
+/// One side's four kernel inputs (codes, scales, zeros, table), with
+/// placeholders for what its codec lacks.
+fn side_inputs(side: &KvSideArrays<'_>, sc: &SideLayout, dim: usize) -> Result<[Array; 4]> {
+    let none_f16 = || Array::from_slice(&[f16::ZERO; 8], &[8]);
+    let table = match (side.table, sc.codec) {
+        (Some(t), _) => t.clone(),
+        // KIVI keys are read at the bit offsets of their table: uniform
+        // widths when the caller gave none.
+        (None, Codec::KiviPerChannel) => {
+            let offsets = kivi_bit_offsets(None, dim, sc.bits);
+            Array::from_slice(&offsets, &[offsets.len() as i32])?
+        }
+        (None, _) => placeholder_f32()?,
+    };
+    Ok([
+        side.codes.clone(),
+        side.scales.map_or_else(none_f16, |a| Ok(a.clone()))?,
+        side.zeros.map_or_else(none_f16, |a| Ok(a.clone()))?,
+        table,
+    ])
+}
+
+/// How a GPU launch tiles its query rows, and whether it stages the sides
+/// whose codec allows it ([`Codec::staged_in_attention`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct GpuPlan {
+    pub per_tile: usize,
+    pub rows: usize,
+    pub stage: bool,
+}
+
+/// The GPU launch's plan for `sh` on `backend`: staged where a tile fits
+/// beside the staging, else unstaged; `None` (the reference graph) where
+/// not even one query per tile fits, or an error under `Policy::Require`.
+pub fn gpu_plan(sh: &KvShape, backend: Backend, policy: Policy) -> Result<Option<GpuPlan>> {
+    let g = sh.q_heads / sh.kv_heads;
+    let limit = shared_limit(backend);
+    let staged = staged_bytes(sh);
+    let plan = (staged > 0)
+        .then(|| tile_rows(g, sh.queries, limit.saturating_sub(staged), sh.dim))
+        .flatten()
+        .map(|(per_tile, rows)| GpuPlan { per_tile, rows, stage: true })
+        .or_else(|| tile_rows(g, sh.queries, limit, sh.dim).map(|(per_tile, rows)| GpuPlan { per_tile, rows, stage: false }));
+    if plan.is_some() {
+        return Ok(plan);
+    }
+    if policy == Policy::Require {
+        let why = if g > MAX_TILE_ROWS {
+            format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")
+        } else {
+            format!("head_dim {} needs more threadgroup memory than {} offers", sh.dim, backend.name())
+        };
+        return Err(Error::Unsupported(format!("kv_attention: {why}")));
+    }
+    Ok(None)
+}
+
+/// Threadgroup memory the GPU bodies spend staging the sides whose codec
+/// they stage: a tile of code rows (key rows padded to an odd number of
+/// words, value rows to whole words, 8 bytes of slack), the tile's scales
+/// and the codebook.
+fn staged_bytes(sh: &KvShape) -> usize {
+    let side = |sc: &SideLayout, stride: usize| {
+        if sc.codec.staged_in_attention() {
+            TILE * stride + 8 + 4 * TILE + 4 * (1usize << sc.bits)
+        } else {
+            0
+        }
+    };
+    let (krow, vrow) = (sh.dim * sh.key.bits as usize / 8, sh.dim * sh.value.bits as usize / 8);
+    side(&sh.key, (krow.div_ceil(4) | 1) * 4) + side(&sh.value, vrow.div_ceil(4) * 4)
 }
 
 /// Threadgroup memory of one attention threadgroup for `rows` query rows
@@ -254,19 +306,11 @@ pub fn split_plan(sh: &KvShape, units: usize) -> (usize, usize, usize) {
     (split_tokens, comp_splits, comp_splits + (sh.sinks + sh.recent).div_ceil(TILE))
 }
 
-#[allow(clippy::too_many_arguments)]
-fn attention_gpu(
-    q: &Array,
-    qf: &Array,
-    layer: &KvLayer<'_>,
-    ki: &[Array; 4],
-    vi: &[Array; 4],
-    rot_v: Option<&Array>,
-    mask: &Array,
-    per_tile: usize,
-    tile_rows: usize,
-    s: &Stream,
-) -> Result<Array> {
+/// The GPU launch over queries already prepared (`qf`, as
+/// [`KvGraphs::prepare_queries`] makes them), then `tq_reduce`, which
+/// rotates the output back by `rot_v` where given.
+pub(crate) fn attention_gpu(q: &Array, qf: &Array, layer: &KvLayer<'_>, rot_v: Option<&Array>, plan: GpuPlan, s: &Stream) -> Result<Array> {
+    let GpuPlan { per_tile, rows: tile_rows, stage } = plan;
     let sh = layer.shape;
     let q_tiles = sh.queries.div_ceil(per_tile);
     let units = sh.batch * sh.kv_heads * q_tiles;
@@ -278,6 +322,9 @@ fn attention_gpu(
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits, sh.mask_heads],
     )?;
+    let (ki, vi) = (side_inputs(&layer.keys, &sh.key, sh.dim)?, side_inputs(&layer.values, &sh.value, sh.dim)?);
+    let none = placeholder_f32()?;
+    let mask = layer.mask.unwrap_or(&none);
     let mut inputs = vec![qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
                           layer.values.window, mask];
     inputs.extend(&p);
@@ -302,6 +349,7 @@ fn attention_gpu(
                 ("VG", int(sh.value.group)),
                 ("QN", int(tile_rows)),
                 ("QF", int(sh.query_features)),
+                ("STAGE", TemplateArg::Bool(stage)),
             ],
         },
         s,

@@ -473,13 +473,11 @@ mod tests {
         assert_eq!(metal.len(), 1);
         assert_eq!(metal[0].to_vec::<u32>().unwrap(), (1..=15).collect::<Vec<u32>>());
         // The CUDA bodies name the second carrier; every other body takes one.
-        for kernel in [Kernel::KvAttention, Kernel::TqAttention] {
-            let d = kernel.declaration();
-            assert_eq!(d.cuda_inputs, ["params_hi"]);
-            let cuda = d.cuda.unwrap();
-            assert!(cuda.contains("params_hi_shape") && !cuda.contains("params["));
-            assert!(d.inputs.ends_with(&["params"]));
-        }
+        let d = Kernel::KvAttention.declaration();
+        assert_eq!(d.cuda_inputs, ["params_hi"]);
+        let cuda = d.cuda.unwrap();
+        assert!(cuda.contains("params_hi_shape") && !cuda.contains("params["));
+        assert!(d.inputs.ends_with(&["params"]));
         assert!(Kernel::KiviQuantize.declaration().cuda_inputs.is_empty());
         match split_sizes(Backend::Cuda, "queries", &[1 << 31; 15]) {
             Err(Error::InvalidArgument { argument, .. }) => assert_eq!(argument, "queries"),

@@ -1,7 +1,9 @@
 //! TurboQuant-MSE kernels of the compressed cache: `tq_encode` (norm, rotate,
-//! nearest centroid, pack in one pass) and `tq_attention` (scores straight
-//! from the codes, online softmax, values decoded on the fly, split across the
-//! sequence with a final reduction).
+//! nearest centroid, pack in one pass) and TurboQuant's attention: the CPU's,
+//! and `tq_decode` for one query on a GPU (scores straight from the codes,
+//! online softmax, values decoded on the fly, split across the sequence with
+//! a final reduction). Several queries on a GPU attend through
+//! `kv_attention`, the kernel of every codec.
 
 use std::sync::Mutex;
 
@@ -10,18 +12,16 @@ use half::f16;
 use super::gpu::{self, Launch};
 use super::TemplateArg;
 use super::declaration::{decode_on_tensor_cores, DECODE_SPLIT_MAX};
-use super::{check_bits, check_float, codec_grid, cpu_primitive, select, split_sizes, times_transpose, Implementation, Options, Kernel, fragment_blocks};
+use super::{check_bits, check_float, codec_grid, cpu_primitive, select, Implementation, Options, Kernel, fragment_blocks};
 use crate::array::Array;
 use crate::cpu::turboquant::{self as tq, AttentionInputs, AttentionShape};
 use crate::dtype::Dtype;
 use crate::error::{Error, Result};
 use crate::ops;
-use crate::stream::Stream;
+use crate::stream::{Backend, Stream};
 
 /// Bit widths of the cache's TurboQuant codes.
 pub const TQ_BITS: [u32; 5] = crate::cpu::SUPPORTED_BITS;
-/// Query rows one GPU threadgroup serves (heads sharing a KV head x queries).
-const MAX_TILE_ROWS: usize = 16;
 /// Tokens per GPU threadgroup iteration (its thread count).
 const ATTENTION_THREADS: usize = 128;
 
@@ -300,27 +300,6 @@ pub fn decode_counters(batch: usize, kv_heads: usize) -> Result<Array> {
     Array::from_slice(&vec![0u32; n], &[n as i32])
 }
 
-/// Rows per threadgroup tile: the query heads of one KV head times as many
-/// queries as fit.
-fn tile_rows(g: usize, queries: usize) -> Option<(usize, usize)> {
-    if g > MAX_TILE_ROWS {
-        return None;
-    }
-    let per_tile = if queries == 1 { 1 } else { (MAX_TILE_ROWS / g).min(queries) };
-    Some((per_tile, g * per_tile))
-}
-
-/// `tile_rows`, with fewer queries per tile while the threadgroup memory
-/// would exceed `limit` (large head dimensions); `None` when even one query
-/// per tile does not fit.
-fn tile_rows_within(g: usize, queries: usize, limit: usize, d: usize, kbits: u32, vbits: u32) -> Option<(usize, usize)> {
-    let (mut per_tile, _) = tile_rows(g, queries)?;
-    while per_tile > 1 && attention_shared_bytes(d, kbits, vbits, g * per_tile) > limit {
-        per_tile -= 1;
-    }
-    (attention_shared_bytes(d, kbits, vbits, g * per_tile) <= limit).then_some((per_tile, g * per_tile))
-}
-
 /// Attention of `q` `[B, Hq, L, d]` over one layer's compressed keys and
 /// values and its float16 windows. Returns `[B, Hq, L, d]` in `q`'s dtype.
 pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) -> Result<Array> {
@@ -338,26 +317,20 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
         });
     }
     let stream = opts.resolve_stream()?;
-    let mut imp = select(Kernel::TqAttention, opts.policy, &stream)?;
-    let g = sh.q_heads / sh.kv_heads;
-    let backend = stream.backend()?;
-    let tiles = tile_rows_within(g, sh.queries, shared_limit(backend), sh.dim, sh.key_bits, sh.value_bits);
-    // Decode (one query) always fits `tq_decode`; several queries need tiles.
-    if matches!(imp, Implementation::Metal | Implementation::Cuda) && sh.queries > 1 {
-        let why = match tiles {
-            None if g > MAX_TILE_ROWS => Some(format!("{g} query heads per KV head exceed the fused kernel's {MAX_TILE_ROWS}")),
-            None => Some(format!(
-                "head_dim {} with {}/{} bits needs more threadgroup memory than {} offers",
-                sh.dim, sh.key_bits, sh.value_bits, backend.name()
-            )),
-            Some(_) => None,
-        };
-        if let Some(why) = why {
-            if opts.policy == super::Policy::Require {
-                return Err(Error::Unsupported(format!("tq_attention: {why}")));
-            }
-            imp = Implementation::Reference;
+    // The CPU's TurboQuant attention, or TurboQuant's decode on a GPU. A GPU
+    // attends several queries with `kv_attention`, the kernel of every codec
+    // (the cache sends them there); given them here, the reference graph.
+    let gpu = stream.backend()? != Backend::Cpu;
+    let kernel = if gpu { Kernel::TqDecode } else { Kernel::TqAttention };
+    let mut imp = select(kernel, opts.policy, &stream)?;
+    if gpu && sh.queries > 1 && imp != Implementation::Reference {
+        if opts.policy == super::Policy::Require {
+            return Err(Error::Unsupported(format!(
+                "tq_attention: {} queries a head on a GPU attend through kv_attention, the kernel of every codec",
+                sh.queries
+            )));
         }
+        imp = Implementation::Reference;
     }
     if sh.total() == 0 || sh.queries == 0 {
         return ops::zeros(&want, q.dtype(), &stream);
@@ -382,9 +355,7 @@ pub fn tq_attention(q: &Array, layer: &TqLayer<'_>, scale: f32, opts: &Options) 
                 }),
             )
         }
-        Implementation::Metal | Implementation::Cuda => {
-            attention_gpu(q, layer, scale, tiles, &stream)
-        }
+        Implementation::Metal | Implementation::Cuda => decode(q, layer, scale, &stream),
     }
 }
 
@@ -618,23 +589,6 @@ impl DecodeLaunch<'_> {
 /// Threads of an attention threadgroup, and tokens per tile.
 const TILE: usize = ATTENTION_THREADS;
 
-/// Static threadgroup memory of `tq_attention` for these sizes (bytes).
-fn attention_shared_bytes(d: usize, kbits: u32, vbits: u32, rows: usize) -> usize {
-    let krow = d * kbits as usize / 8;
-    let kstride = ((krow.div_ceil(4)) | 1) * 4;
-    let vstride = (d * vbits as usize / 8).div_ceil(4) * 4;
-    4 * rows * d + TILE * kstride + TILE * vstride + 8 + 8 * TILE + 4 * rows * TILE + 16 * rows
-        + 4 * ((1 << kbits) + (1 << vbits))
-}
-
-/// Threadgroup memory one threadgroup may use, per back-end.
-fn shared_limit(backend: crate::stream::Backend) -> usize {
-    match backend {
-        crate::stream::Backend::Metal => 32 * 1024,
-        _ => 48 * 1024,
-    }
-}
-
 /// Query rows one `tq_decode` threadgroup serves (they live in registers).
 const DECODE_TILE_ROWS: usize = 4;
 
@@ -679,15 +633,6 @@ fn chunked_split_plan(sh: &AttentionShape, units: usize, target: usize) -> (usiz
     let window_blocks = units * (sh.sinks + sh.recent).div_ceil(TILE);
     let aim = if 4 * window_blocks <= target { target - window_blocks } else { target };
     split_plan(sh, units, usize::MAX, aim)
-}
-
-fn attention_gpu(q: &Array, layer: &TqLayer<'_>, scale: f32, tiles: Option<(usize, usize)>, s: &Stream) -> Result<Array> {
-    if layer.shape.queries == 1 {
-        return decode(q, layer, scale, s);
-    }
-    let (per_tile, rows) = tiles.expect("several queries run only where tiles fit");
-    let parts = tile_partials(q, layer, scale, per_tile, rows, s)?;
-    reduce_partials(&parts, Some(layer.rot_v), q, s)
 }
 
 /// Threads of a `tq_reduce` threadgroup for head size `d`: `P` parts of `d`
@@ -838,49 +783,6 @@ fn rotate_queries(q: &Array, rot: &Array, scale: f32, s: &Stream) -> Result<Arra
         s,
     )?
     .remove(0))
-}
-
-/// Several queries per head (prefill, verification): tiles of up to 16 rows
-/// share each pass over the stores.
-fn tile_partials(q: &Array, layer: &TqLayer<'_>, scale: f32, per_tile: usize, tile_rows: usize, s: &Stream) -> Result<Vec<Array>> {
-    let sh = layer.shape;
-    let q_tiles = sh.queries.div_ceil(per_tile);
-    let units = sh.batch * sh.kv_heads * q_tiles;
-    let (split_tokens, comp_splits, num_splits) = split_plan(&sh, units, usize::MAX, TARGET_THREADGROUPS);
-    let rows = sh.batch * sh.q_heads * sh.queries;
-    let p = split_sizes(
-        s.backend()?,
-        "queries",
-        &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
-          sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits],
-    )?;
-    // The query, rotated (exactly where small: see `times_transpose`) and
-    // scaled once for every threadgroup.
-    let qf = ops::astype(q, Dtype::F32, s)?;
-    let qr = ops::multiply(&times_transpose(&qf, layer.rot_k, s)?, &Array::scalar_f32(scale)?, s)?;
-    let mut inputs = vec![&qr, layer.k_codes, layer.k_norms, layer.k_centroids, layer.v_codes, layer.v_norms,
-                          layer.v_centroids, layer.win_k, layer.win_v];
-    inputs.extend(&p);
-    let blocks = units * num_splits;
-    let threads = i32::try_from(blocks * ATTENTION_THREADS).map_err(|_| Error::invalid("queries", "too many threadgroups"))?;
-    let (r, sp, d) = (rows as i32, num_splits as i32, sh.dim as i32);
-    gpu::launch(
-        &Launch {
-            kernel: Kernel::TqAttention,
-            inputs: &inputs,
-            outputs: &[(vec![r, sp], Dtype::F32), (vec![r, sp], Dtype::F32), (vec![r, sp, d], Dtype::F32)],
-            grid: (threads, 1, 1),
-            threadgroup: (ATTENTION_THREADS as i32, 1, 1),
-            template: &[
-                ("T", TemplateArg::Dtype(q.dtype())),
-                ("D", TemplateArg::Int(d)),
-                ("KB", TemplateArg::Int(sh.key_bits as i32)),
-                ("VB", TemplateArg::Int(sh.value_bits as i32)),
-                ("QN", TemplateArg::Int(tile_rows as i32)),
-            ],
-        },
-        s,
-    )
 }
 
 /// Decoded keys or values of the layer in the rotated frame, float32

@@ -2,10 +2,11 @@
 and mlx_lm's 4-bit QuantizedKVCache attention, side by side in one run.
 
     python -m veloxquant.tools.bench_attention [--device gpu] [--contexts 4096 32768 131072]
-        [--batch 1] [--key-bits 4] [--value-bits 3] [--out results.md]
+        [--batch 1] [--queries 1] [--key-bits 4] [--value-bits 3] [--out results.md]
 
 Shape: `--batch` sequences (default 1), 32 query heads, 8 KV heads, head_dim 128, float16 queries, one
-decode query. Times are medians over `--iters` calls, each evaluated and
+decode query a head, or `--queries` (speculative verification: the last
+positions, causal). Times are medians over `--iters` calls, each evaluated and
 synchronised. "bits/elem" counts every byte the layer holds (codes, norms,
 float16 windows, capacity) for keys and values; "HBM %" is the bytes the
 fused kernel reads (the used codes, norms and windows) per second against the
@@ -66,6 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "gpu"], default="gpu")
     p.add_argument("--contexts", type=int, nargs="+", default=[4096, 32768, 131072])
     p.add_argument("--batch", type=int, default=1, help="sequences, each with its own keys and query")
+    p.add_argument("--queries", type=int, default=1, help="queries a head, at the last positions (causal)")
     p.add_argument("--heads", type=int, default=32)
     p.add_argument("--kv-heads", type=int, default=8)
     p.add_argument("--head-dim", type=int, default=128)
@@ -79,9 +81,14 @@ def main(argv=None) -> int:
     d, hkv, hq, nb = a.head_dim, a.kv_heads, a.heads, a.batch
     if nb < 1:
         p.error(f"--batch must be at least 1, got {nb}")
+    nq = a.queries
+    if not 1 <= nq <= min(a.contexts):
+        p.error(f"--queries must be from 1 to the shortest context, got {nq}")
+    # Several queries sit at the last positions: MLX's causal mask aligns them so.
+    mask = "causal" if nq > 1 else None
     scale = d**-0.5
     lines = [
-        f"decode attention, {mx.default_device()}, B={nb} Hq={hq} Hkv={hkv} D={d} float16, "
+        f"decode attention, {mx.default_device()}, B={nb} Hq={hq} Hkv={hkv} L={nq} D={d} float16, "
         f"veloxquant turboquant-mse K{a.key_bits}/V{a.value_bits}, median of {a.iters}",
         "",
         "| context | floor µs | fp16 SDPA µs | mlx_lm 4-bit µs | veloxquant µs | vs SDPA | vs mlx_lm 4-bit "
@@ -95,16 +102,19 @@ def main(argv=None) -> int:
         k1, k2, k3 = mx.random.split(key, 3)
         k = mx.random.normal((nb, hkv, t, d), key=k1).astype(mx.float16)
         v = mx.random.normal((nb, hkv, t, d), key=k2).astype(mx.float16)
-        q = mx.random.normal((nb, hq, 1, d), key=k3).astype(mx.float16)
-        batch = [mx.random.normal((nb, hq, 1, d), key=mx.random.key(t + i)).astype(mx.float16) for i in range(16)]
+        q = mx.random.normal((nb, hq, nq, d), key=k3).astype(mx.float16)
+        batch = [mx.random.normal((nb, hq, nq, d), key=mx.random.key(t + i)).astype(mx.float16) for i in range(16)]
         mx.eval(k, v, q, *batch)
         t_floor = _median_time(lambda: q + 1, a.iters)
-        t_sdpa = _median_time(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale), a.iters)
-        b_sdpa = _median_time_batched(lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale), batch, a.iters)
+        t_sdpa = _median_time(lambda: mx.fast.scaled_dot_product_attention(q, k, v, scale=scale, mask=mask), a.iters)
+        b_sdpa = _median_time_batched(
+            lambda x: mx.fast.scaled_dot_product_attention(x, k, v, scale=scale, mask=mask), batch, a.iters)
         qk = mx.quantize(k, group_size=64, bits=4)
         qv = mx.quantize(v, group_size=64, bits=4)
         mx.eval(qk, qv)
         try:
+            if nq > 1:
+                raise ValueError("the 4-bit column times one decode query only")
             t_q4 = _median_time(lambda: quantized_sdpa(q, qk, qv, scale), a.iters)
             b_q4 = _median_time_batched(lambda x: quantized_sdpa(x, qk, qv, scale), batch, a.iters)
         except (RuntimeError, ValueError) as e:  # a shape MLX's back-end has no kernel for
@@ -115,12 +125,12 @@ def main(argv=None) -> int:
         step = 8192
         for s in range(0, t, step):
             cache.append(k[:, :, s : s + step], v[:, :, s : s + step])
-            mx.eval(cache.attention(q[:, :hkv], scale))  # materialise the stores chunk by chunk
-        t_vq = _median_time(lambda: cache.attention(q, scale), a.iters)
-        b_vq = _median_time_batched(lambda x: cache.attention(x, scale), batch, a.iters)
+            mx.eval(cache.attention(q[:, :hkv, :1], scale))  # materialise the stores chunk by chunk
+        t_vq = _median_time(lambda: cache.attention(q, scale, mask), a.iters)
+        b_vq = _median_time_batched(lambda x: cache.attention(x, scale, mask), batch, a.iters)
         kd, vd = cache.dequantize()
-        ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale)
-        out = cache.attention(q, scale)
+        ref = mx.fast.scaled_dot_product_attention(q, kd, vd, scale=scale, mask=mask)
+        out = cache.attention(q, scale, mask)
         err = (mx.linalg.norm((out - ref).astype(mx.float32)) / mx.linalg.norm(ref.astype(mx.float32))).item()
         del kd, vd, ref
         fp16_bytes = k.nbytes + v.nbytes

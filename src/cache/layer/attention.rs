@@ -87,7 +87,9 @@ impl LayerCache {
                 layer.mask = Some(m);
                 kv_attention::kv_attention(queries, &layer, scale, &self.opts(s), &CodecGraphs)
             }
-            Store::Compressed(_) if Self::turboquant_only(&self.cfg) => {
+            // TurboQuant's own attention: the CPU's, and its decode on a GPU;
+            // several queries on a GPU take the kernel of every codec.
+            Store::Compressed(_) if Self::turboquant_only(&self.cfg) && (l == 1 || self.device == Device::Cpu) => {
                 let layer = self.tq_layer(qs[1] as usize, qs[2] as usize, causal)?;
                 turboquant::tq_attention(queries, &layer, scale, &self.opts(s))
             }

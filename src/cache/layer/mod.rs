@@ -55,8 +55,17 @@ impl LayerCache {
         };
         if cfg.policy == Policy::Require && cfg.compressed() {
             // Fail at construction, not at the first append.
-            let attention = if Self::turboquant_only(&cfg) { kernels::Kernel::TqAttention } else { kernels::Kernel::KvAttention };
-            kernels::select(attention, Policy::Require, &stream)?;
+            // Several queries run the attention kernel of every codec on a
+            // GPU; TurboQuant has its own for one query (and on the CPU).
+            let cpu = stream.backend()? == crate::stream::Backend::Cpu;
+            let attention = match (Self::turboquant_only(&cfg), cpu) {
+                (true, true) => &[kernels::Kernel::TqAttention][..],
+                (true, false) => &[kernels::Kernel::TqDecode, kernels::Kernel::KvAttention],
+                (false, _) => &[kernels::Kernel::KvAttention],
+            };
+            for &kernel in attention {
+                kernels::select(kernel, Policy::Require, &stream)?;
+            }
         }
         Ok(LayerCache { cfg, device: stream.device()?, batch: 0, dtype: Dtype::F16, shared: None, store: None })
     }
@@ -69,7 +78,7 @@ impl LayerCache {
         }
     }
 
-    /// TurboQuant-MSE keys and values: the `tq_attention` fast path.
+    /// TurboQuant-MSE keys and values: TurboQuant's own attention (`tq_attention`).
     fn turboquant_only(cfg: &CacheConfig) -> bool {
         cfg.key_codec().codec.turboquant_mse() && cfg.value_codec().codec.turboquant_mse()
     }
