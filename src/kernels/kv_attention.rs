@@ -268,10 +268,11 @@ fn staged_bytes(sh: &KvShape) -> usize {
 }
 
 /// Threadgroup memory of one attention threadgroup for `rows` query rows
-/// (bytes): the rows' first `dim` features are staged; lookup tables are read
-/// from device memory.
+/// (bytes), besides the staging ([`staged_bytes`]): the rows' first `dim`
+/// features, their weights and reductions, and the staging buffers' small
+/// stand-ins where nothing is staged (64 bytes covers them).
 fn attention_shared_bytes(rows: usize, dim: usize) -> usize {
-    4 * rows * dim + 4 * rows * TILE + 4 * rows * (TILE / 32)
+    4 * rows * dim + 4 * rows * TILE + 4 * rows * (TILE / 32) + 64
 }
 
 /// Threadgroup memory one threadgroup may use, per back-end.
@@ -355,4 +356,63 @@ pub(crate) fn attention_gpu(q: &Array, qf: &Array, layer: &KvLayer<'_>, rot_v: O
         s,
     )?;
     super::turboquant::reduce_partials(&parts, rot_v, q, s)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::codec::SideCodec;
+
+    fn shape(q_heads: usize, queries: usize, dim: usize, key: (Codec, u32), value: (Codec, u32)) -> KvShape {
+        let side = |(codec, bits)| SideCodec { codec, bits, group: if codec == Codec::KiviPerToken { 32 } else { 1 } };
+        let (k, v) = (side(key), side(value));
+        KvShape {
+            batch: 1,
+            q_heads,
+            kv_heads: 8,
+            queries,
+            dim,
+            key: k.layout(dim),
+            value: v.layout(dim),
+            query_features: k.query_features(dim),
+            sinks: 4,
+            compressed: 4096,
+            recent: 100,
+            capacity: 4096,
+            window_capacity: 132,
+            causal: true,
+            mask_heads: 0,
+        }
+    }
+
+    #[test]
+    fn turboquant_tiles_are_staged_where_they_fit_and_read_in_place_where_not() {
+        let tq = (Codec::TurboQuantMse, 4);
+        // The default recipe at llama-8b's heads, 4 queries: 16 rows, staged on both back-ends.
+        let sh = shape(32, 4, 128, tq, (Codec::TurboQuantMse, 3));
+        for backend in [Backend::Cuda, Backend::Metal] {
+            let plan = gpu_plan(&sh, backend, Policy::Require).unwrap().unwrap();
+            assert_eq!(plan, GpuPlan { per_tile: 4, rows: 16, stage: true }, "{backend:?}");
+            assert!(attention_shared_bytes(plan.rows, 128) + staged_bytes(&sh) <= shared_limit(backend));
+        }
+        // 8-bit codes at head size 256: a staged tile of keys leaves no room
+        // for the rows on Metal, which reads them in place.
+        let wide = shape(32, 4, 256, (Codec::Fp8, 8), (Codec::TurboQuantMse, 4));
+        let plan = gpu_plan(&wide, Backend::Metal, Policy::Require).unwrap().unwrap();
+        assert!(!plan.stage && attention_shared_bytes(plan.rows, 256) <= shared_limit(Backend::Metal));
+        // Codecs that are not staged cost nothing to stage.
+        assert_eq!(staged_bytes(&shape(32, 1, 128, (Codec::KiviPerToken, 4), (Codec::KiviPerToken, 2))), 0);
+    }
+
+    #[test]
+    fn a_plan_that_cannot_fit_falls_back_or_names_why() {
+        // 32 query heads a KV head exceed the 16 rows of a tile.
+        let mut sh = shape(32, 1, 128, (Codec::TurboQuantMse, 4), (Codec::TurboQuantMse, 3));
+        sh.kv_heads = 1;
+        assert_eq!(gpu_plan(&sh, Backend::Cuda, Policy::Auto).unwrap(), None);
+        match gpu_plan(&sh, Backend::Cuda, Policy::Require) {
+            Err(Error::Unsupported(why)) => assert!(why.contains("32 query heads"), "{why}"),
+            other => panic!("expected Unsupported, got {other:?}"),
+        }
+    }
 }
