@@ -17,7 +17,8 @@ constexpr int KSTRIDE = (((D * KB / 8 + 3) / 4) | 1) * 4;
 constexpr int VSROW = D * VB / 8;
 constexpr int VSTRIDE = (VSROW + 3) / 4 * 4;
 __shared__ float qs[QN * D];
-__shared__ float p_s[TG * QN];
+// Aligned: a token's QN weights are read as 16-byte vectors.
+__shared__ __align__(16) float p_s[TG * QN];
 __shared__ float red[QN * WARPS];
 __shared__ __align__(16) uint8_t kbuf[KS ? TG * KSTRIDE : 16];
 __shared__ __align__(16) uint8_t vbuf[VS ? TG * VSTRIDE + 8 : 16];
@@ -58,17 +59,18 @@ if constexpr (KS) {
 if constexpr (VS) {
   for (int k = tid; k < (1 << VB); k += TG) vc[k] = v_rows[k];
 }
-// Each row's prepared query (a row past L reads the last one; it is masked).
-uint64_t qrow[QN];
-#pragma unroll
-for (int r = 0; r < QN; ++r) {
+// Row r's prepared query (a row past L reads the last one; it is masked).
+// Computed where read, not held: only the codecs scored from the query's
+// features read it past the first D, and an array of them would cost the
+// other codecs' loops their registers.
+const auto qrow = [&](int r) -> uint64_t {
   const uint32_t ql = min(qt * QT + r % QT, L - 1);
-  qrow[r] = ((uint64_t(b) * Hq + hk * G + r / QT) * L + ql) * QF;
-}
+  return ((uint64_t(b) * Hq + hk * G + r / QT) * L + ql) * QF;
+};
 for (int e = tid; e < QN * D; e += TG) {
   const int r = e / D, i = e % D;
   const uint32_t ql = qt * QT + r % QT;
-  qs[e] = ql < L ? qf[qrow[r] + i] : 0.0f;
+  qs[e] = ql < L ? qf[qrow(r) + i] : 0.0f;
 }
 float m_run[QN], l_run[QN];
 #pragma unroll
@@ -143,7 +145,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
     for (int p = 0; p < D / KG; ++p) {
       const unsigned c = kv_code_at(krow, unsigned(p), unsigned(KB));
 #pragma unroll
-      for (int r = 0; r < QN; ++r) s[r] += qf[qrow[r] + D + uint64_t(p) * (1u << KB) + c];
+      for (int r = 0; r < QN; ++r) s[r] += qf[qrow(r) + D + uint64_t(p) * (1u << KB) + c];
     }
     const float n = kv_float(k_scales[head * CAP + t]);
 #pragma unroll
@@ -156,7 +158,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
       const bool up = kv_code_at(krow, unsigned(i), 1u) != 0u;
 #pragma unroll
       for (int r = 0; r < QN; ++r) {
-        const float f = qf[qrow[r] + D + i];
+        const float f = qf[qrow(r) + D + i];
         s[r] += up ? f : -f;
       }
     }
@@ -177,7 +179,7 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
 #pragma unroll
       for (int r = 0; r < QN; ++r) {
         s[r] += qs[r * D + j] * kj;
-        const float f = qf[qrow[r] + D + j];
+        const float f = qf[qrow(r) + D + j];
         z[r] += up ? f : -f;
       }
     }

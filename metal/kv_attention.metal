@@ -75,16 +75,15 @@ if (KS) {
 if (VS) {
   for (int k = tid; k < (1 << VB); k += TG) vc[k] = v_rows[k];
 }
-// Each row's prepared query (a row past L reads the last one; it is masked).
-ulong qrow[QN];
-for (int r = 0; r < QN; ++r) {
-  const uint ql = min(qt * QT + uint(r) % QT, L - 1);
-  qrow[r] = ((ulong(b) * Hq + hk * G + uint(r) / QT) * L + ql) * QF;
-}
+// Row r's prepared query (a row past L reads the last one; it is masked).
+// Computed where read, not held: only the codecs scored from the query's
+// features read it past the first D, and an array of them would cost the
+// other codecs' loops their registers.
+#define KV_QROW(r) (((ulong(b) * Hq + hk * G + uint(r) / QT) * L + min(qt * QT + uint(r) % QT, L - 1)) * QF)
 for (int e = tid; e < QN * D; e += TG) {
   const int r = e / D, i = e % D;
   const uint ql = qt * QT + uint(r) % QT;
-  qs[e] = ql < L ? qf[qrow[r] + i] : 0.0f;
+  qs[e] = ql < L ? qf[KV_QROW(r) + i] : 0.0f;
 }
 float m_run[QN], l_run[QN];
 for (int r = 0; r < QN; ++r) {
@@ -138,7 +137,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
     // Product quantization: one lookup per sub-vector in each row's table.
     for (int p = 0; p < D / KG; ++p) {
       const uint c = VQ_CODE_AT(k_codes, (head * CAP + t) * KROW, uint(p), uint(KB));
-      for (int r = 0; r < QN; ++r) s[r] += qf[qrow[r] + D + uint(p) * (1u << KB) + c];
+      for (int r = 0; r < QN; ++r) s[r] += qf[KV_QROW(r) + D + uint(p) * (1u << KB) + c];
     }
     for (int r = 0; r < QN; ++r) s[r] *= float(k_scales[head * CAP + t]);
   } else if (compressed && uint(tid) < count && KM == KV_QJL) {
@@ -147,7 +146,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
     for (int i = 0; i < KB * D; ++i) {
       const bool up = VQ_CODE_AT(k_codes, (head * CAP + t) * KROW, uint(i), 1u) != 0u;
       for (int r = 0; r < QN; ++r) {
-        const float f = qf[qrow[r] + D + uint(i)];
+        const float f = qf[KV_QROW(r) + D + uint(i)];
         s[r] += up ? f : -f;
       }
     }
@@ -164,7 +163,7 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
       const bool up = VQ_CODE_AT(k_codes, base + MSE_ROW, uint(j), 1u) != 0u;
       for (int r = 0; r < QN; ++r) {
         s[r] += qs[r * D + j] * kj;
-        const float f = qf[qrow[r] + D + uint(j)];
+        const float f = qf[KV_QROW(r) + D + uint(j)];
         z[r] += up ? f : -f;
       }
     }
@@ -245,3 +244,4 @@ for (int r = 0; r < QN; ++r) {
     if (i < D) acc_out[(row * num_splits + split) * D + i] = acc[r][c];
   }
 }
+#undef KV_QROW
