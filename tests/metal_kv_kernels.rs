@@ -457,6 +457,32 @@ fn turboquant_sides_match_cpu_staged_and_read_in_place() {
 }
 
 #[test]
+fn tiles_are_staged_where_they_fit_and_read_in_place_where_not() {
+    let (k, v) = (codec(Codec::TurboQuantMse, 4, 1), codec(Codec::TurboQuantMse, 3, 1));
+    // The default recipe at llama-8b's heads, 4 queries: 16 rows, staged on both back-ends.
+    let sh = shape(1, 32, 8, 4, 128, k, v, (4, 4096, 100), true);
+    for backend in [Backend::Cuda, Backend::Metal] {
+        let plan = gpu_plan(&sh, backend, Policy::Require).unwrap().unwrap();
+        assert_eq!((plan.per_tile, plan.rows, plan.stage), (4, 16, true), "{backend:?}");
+    }
+    // 8-bit keys and 4-bit values at head size 256: the staged tiles alone
+    // pass 32 KiB (Metal's threadgroup memory) and leave CUDA's 48 KiB no
+    // room for the rows, so both read the codes in place.
+    let wide = shape(1, 32, 8, 4, 256, codec(Codec::Fp8, 8, 1), codec(Codec::TurboQuantMse, 4, 1), (4, 4096, 100), true);
+    for backend in [Backend::Cuda, Backend::Metal] {
+        assert!(!gpu_plan(&wide, backend, Policy::Require).unwrap().unwrap().stage, "{backend:?}");
+    }
+    // 32 query heads a KV head exceed a tile's 16 rows: the reference graph,
+    // or the reason under "require".
+    let one_kv = shape(1, 32, 1, 1, 128, k, v, (4, 4096, 100), true);
+    assert_eq!(gpu_plan(&one_kv, Backend::Cuda, Policy::Auto).unwrap(), None);
+    match gpu_plan(&one_kv, Backend::Cuda, Policy::Require) {
+        Err(veloxquant::Error::Unsupported(why)) => assert!(why.contains("32 query heads"), "{why}"),
+        other => panic!("expected Unsupported, got {other:?}"),
+    }
+}
+
+#[test]
 fn fp8_keys_and_values_match_cpu() {
     let (k, v) = (codec(Codec::Fp8, 8, 1), codec(Codec::Fp8, 8, 1));
     check::<f16>(shape(1, 8, 2, 1, 128, k, v, (4, 200, 9), true), 1e-2, 43);
