@@ -1,20 +1,10 @@
 // Shared by the quantizer and TurboQuant CUDA kernels (placed before the
 // kernel, in the global namespace, after MLX's device utilities, which bring
-// the half and bfloat16 types).
+// the half and bfloat16 types, and after vq_access.cuh and quant_load.cuh).
 //
 // The packed layouts keep 8 codes of B bits in B consecutive bytes, so a
 // thread that owns 8 elements moves B bytes one way and 8 elements the other;
 // these helpers make each of those one or two wide memory operations.
-
-// Size i of a kernel's sizes. The host hands them over as the shape [0, v0,
-// v1, ...] of an empty array named params (kernels::sizes), which MLX passes
-// by value among the launch's arguments as params_shape: an array of values
-// would live in managed memory, migrated to the GPU at its first read in
-// every call.
-template <typename Shape>
-__device__ __forceinline__ uint32_t vq_size(const Shape& shape, int i) {
-  return static_cast<uint32_t>(shape[i + 1]);
-}
 
 // vq_load_bytes<NB> where `wide` (p aligned to NB), else NB byte loads.
 template <int NB>
@@ -43,29 +33,6 @@ __device__ __forceinline__ void vq_store_bytes(uint8_t* p, unsigned long long v)
 #pragma unroll
     for (int y = 0; y < NB; ++y) p[y] = uint8_t(v >> (8 * y));
   }
-}
-
-// Eight floats to eight consecutive elements at p (aligned as for vq_load8),
-// each rounded to nearest as static_cast<T>(float) rounds it.
-__device__ __forceinline__ void vq_store8(float* p, const float* v) {
-  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
-  *reinterpret_cast<float4*>(p + 4) = make_float4(v[4], v[5], v[6], v[7]);
-}
-
-__device__ __forceinline__ void vq_store8(__half* p, const float* v) {
-  uint4 raw;
-  __half2* h = reinterpret_cast<__half2*>(&raw);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) h[k] = __floats2half2_rn(v[2 * k], v[2 * k + 1]);
-  *reinterpret_cast<uint4*>(p) = raw;
-}
-
-__device__ __forceinline__ void vq_store8(__nv_bfloat16* p, const float* v) {
-  uint4 raw;
-  __nv_bfloat162* h = reinterpret_cast<__nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int k = 0; k < 4; ++k) h[k] = __floats2bfloat162_rn(v[2 * k], v[2 * k + 1]);
-  *reinterpret_cast<uint4*>(p) = raw;
 }
 
 // N (a power of two up to 8) floats to N consecutive elements at p, aligned
@@ -107,12 +74,6 @@ __device__ __forceinline__ void vq_store_n(H* p, const float* v) {
 #pragma unroll
     for (int k = 0; k < N; ++k) p[k] = static_cast<H>(v[k]);
   }
-}
-
-// Whether p may take the wide accesses above. MLX hands over row-contiguous
-// views without copying them, and a view can start anywhere.
-__device__ __forceinline__ bool vq_aligned(const void* p, unsigned bytes) {
-  return reinterpret_cast<uintptr_t>(p) % bytes == 0;
 }
 
 // The alignment vq_load_bytes<NB> / vq_store_bytes<NB> need.

@@ -28,7 +28,7 @@ import numpy as np
 import veloxquant.kernels as K
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-COMMON = "".join((ROOT / "cuda" / h).read_text() for h in ("quant_load.cuh", "quant_common.cuh"))
+COMMON = "".join((ROOT / "cuda" / h).read_text() for h in ("vq_access.cuh", "quant_load.cuh", "quant_common.cuh"))
 HBM = 4.8e12
 D = 128
 
