@@ -13,8 +13,8 @@ constexpr int WARPS = TG / 32;
 constexpr int DPT = (D + TG - 1) / TG;
 constexpr bool KS = STAGE && kv_staged(KM);
 constexpr bool VS = STAGE && kv_staged(VM);
-constexpr int KSTRIDE = (((D * KB / 8 + 3) / 4) | 1) * 4;
-constexpr int VSROW = D * VB / 8;
+constexpr int KSROW = D * KB / 8, VSROW = D * VB / 8;
+constexpr int KSTRIDE = (((KSROW + 3) / 4) | 1) * 4;
 constexpr int VSTRIDE = (VSROW + 3) / 4 * 4;
 __shared__ float qs[QN * D];
 // Aligned: a token's QN weights are read as 16-byte vectors.
@@ -104,9 +104,8 @@ for (uint32_t tile = t_begin; tile < t_end; tile += TG) {
   if (compressed && (KS || VS)) {
     // Stage the tile (the split is the block's, so every thread is here).
     if constexpr (KS) {
-      constexpr int KROW = D * KB / 8;
-      const uint8_t* src = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + tile) * KROW;
-      for (uint32_t e = tid; e < count * KROW; e += TG) kbuf[(e / KROW) * KSTRIDE + e % KROW] = src[e];
+      const uint8_t* src = reinterpret_cast<const uint8_t*>(k_codes) + (head * CAP + tile) * KSROW;
+      for (uint32_t e = tid; e < count * KSROW; e += TG) kbuf[(e / KSROW) * KSTRIDE + e % KSROW] = src[e];
       if (tid < count) kn_s[tid] = kv_float(k_scales[head * CAP + t]);
     }
     if constexpr (VS) {

@@ -33,8 +33,8 @@ constexpr int KROW = KM == KV_DENSE ? D : KM == KV_PRODUCT_QUANTIZED ? (D / KG *
 constexpr int VROW = VM == KV_DENSE ? D : VM == KV_PRODUCT_QUANTIZED ? (D / VG * VB + 7) / 8 : (D * VB + 7) / 8;
 constexpr bool KS = STAGE && KV_STAGED(KM);
 constexpr bool VS = STAGE && KV_STAGED(VM);
-constexpr int KSTRIDE = (((D * KB / 8 + 3) / 4) | 1) * 4;
-constexpr int VSROW = D * VB / 8;
+constexpr int KSROW = D * KB / 8, VSROW = D * VB / 8;
+constexpr int KSTRIDE = (((KSROW + 3) / 4) | 1) * 4;
 constexpr int VSTRIDE = (VSROW + 3) / 4 * 4;
 threadgroup float qs[QN * D];
 threadgroup float p_s[QN * TG];
@@ -113,7 +113,6 @@ for (uint tile = t_begin; tile < t_end; tile += TG) {
   if (compressed && (KS || VS)) {
     // Stage the tile (the split is the threadgroup's, so every thread is here).
     if (KS) {
-      constexpr int KSROW = D * KB / 8;
       const ulong kbase = (head * CAP + tile) * KSROW;
       for (uint e = uint(tid); e < count * KSROW; e += TG) kbuf[(e / KSROW) * KSTRIDE + e % KSROW] = uint8_t(k_codes[kbase + e]);
       if (uint(tid) < count) kn_s[tid] = float(k_scales[head * CAP + t]);

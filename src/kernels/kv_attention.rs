@@ -125,17 +125,11 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options, 
     }
     let stream = opts.resolve_stream()?;
     let mut imp = select(Kernel::KvAttention, opts.policy, &stream)?;
-    let plan = if matches!(imp, Implementation::Metal | Implementation::Cuda) {
-        match gpu_plan(&sh, stream.backend()?, opts.policy)? {
-            Some(p) => Some(p),
-            None => {
-                imp = Implementation::Reference;
-                None
-            }
-        }
-    } else {
-        None
-    };
+    let gpu = matches!(imp, Implementation::Metal | Implementation::Cuda);
+    let plan = if gpu { gpu_plan(&sh, stream.backend()?, opts.policy)? } else { None };
+    if gpu && plan.is_none() {
+        imp = Implementation::Reference;
+    }
     if sh.total() == 0 || sh.queries == 0 {
         return ops::zeros(&want, q.dtype(), &stream);
     }
@@ -144,14 +138,14 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options, 
     }
     let qf = graphs.prepare_queries(q, layer, scale, &stream)?;
     let rot_v = layer.rotation_for(&sh.value)?;
-    match (imp, plan) {
-        (Implementation::Cpu, _) => {
-            let (ki, vi) = (side_inputs(&layer.keys, &sh.key, sh.dim)?, side_inputs(&layer.values, &sh.value, sh.dim)?);
+    let none = Placeholders::new()?;
+    match imp {
+        Implementation::Cpu => {
+            let (ki, vi) = (side_inputs(&layer.keys, &sh.key, sh.dim, &none)?, side_inputs(&layer.values, &sh.value, sh.dim, &none)?);
             let dtype = q.dtype();
-            let none_f32 = placeholder_f32()?;
-            let rot_input = rot_v.cloned().unwrap_or_else(|| none_f32.clone());
+            let rot_input = rot_v.unwrap_or(&none.f32).clone();
             let rotate_back = rot_v.is_some();
-            let mask = layer.mask.cloned().unwrap_or_else(|| none_f32.clone());
+            let mask = layer.mask.unwrap_or(&none.f32).clone();
             let masked = layer.mask.is_some();
             let inputs = [&qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
                           layer.values.window, &rot_input, &mask];
@@ -184,20 +178,26 @@ pub fn kv_attention(q: &Array, layer: &KvLayer<'_>, scale: f32, opts: &Options, 
                 }),
             )
         }
-        (_, Some(plan)) => attention_gpu(q, &qf, layer, rot_v, plan, &stream),
-        _ => unreachable!("a GPU implementation has a plan"),
+        _ => attention_gpu(q, &qf, layer, rot_v, plan.expect("a GPU implementation has a plan"), &none, &stream),
     }
 }
 
-/// Arrays a codec does not use travel as placeholders it never reads.
-fn placeholder_f32() -> Result<Array> {
-    Array::from_slice(&[0.0f32; 8], &[8])
+/// Arrays a codec does not use travel as placeholders it never reads: one
+/// of each dtype a call, whichever inputs it stands in for.
+struct Placeholders {
+    f16: Array,
+    f32: Array,
+}
+
+impl Placeholders {
+    fn new() -> Result<Self> {
+        Ok(Placeholders { f16: Array::from_slice(&[f16::ZERO; 8], &[8])?, f32: Array::from_slice(&[0.0f32; 8], &[8])? })
+    }
 }
 
 /// One side's four kernel inputs (codes, scales, zeros, table), with
 /// placeholders for what its codec lacks.
-fn side_inputs(side: &KvSideArrays<'_>, sc: &SideLayout, dim: usize) -> Result<[Array; 4]> {
-    let none_f16 = || Array::from_slice(&[f16::ZERO; 8], &[8]);
+fn side_inputs(side: &KvSideArrays<'_>, sc: &SideLayout, dim: usize, none: &Placeholders) -> Result<[Array; 4]> {
     let table = match (side.table, sc.codec) {
         (Some(t), _) => t.clone(),
         // KIVI keys are read at the bit offsets of their table: uniform
@@ -206,14 +206,9 @@ fn side_inputs(side: &KvSideArrays<'_>, sc: &SideLayout, dim: usize) -> Result<[
             let offsets = kivi_bit_offsets(None, dim, sc.bits);
             Array::from_slice(&offsets, &[offsets.len() as i32])?
         }
-        (None, _) => placeholder_f32()?,
+        (None, _) => none.f32.clone(),
     };
-    Ok([
-        side.codes.clone(),
-        side.scales.map_or_else(none_f16, |a| Ok(a.clone()))?,
-        side.zeros.map_or_else(none_f16, |a| Ok(a.clone()))?,
-        table,
-    ])
+    Ok([side.codes.clone(), side.scales.unwrap_or(&none.f16).clone(), side.zeros.unwrap_or(&none.f16).clone(), table])
 }
 
 /// How a GPU launch tiles its query rows, and whether it stages the sides
@@ -310,7 +305,7 @@ pub fn split_plan(sh: &KvShape, units: usize) -> (usize, usize, usize) {
 /// The GPU launch over queries already prepared (`qf`, as
 /// [`KvGraphs::prepare_queries`] makes them), then `tq_reduce`, which
 /// rotates the output back by `rot_v` where given.
-pub(crate) fn attention_gpu(q: &Array, qf: &Array, layer: &KvLayer<'_>, rot_v: Option<&Array>, plan: GpuPlan, s: &Stream) -> Result<Array> {
+fn attention_gpu(q: &Array, qf: &Array, layer: &KvLayer<'_>, rot_v: Option<&Array>, plan: GpuPlan, none: &Placeholders, s: &Stream) -> Result<Array> {
     let GpuPlan { per_tile, rows: tile_rows, stage } = plan;
     let sh = layer.shape;
     let q_tiles = sh.queries.div_ceil(per_tile);
@@ -323,9 +318,8 @@ pub(crate) fn attention_gpu(q: &Array, qf: &Array, layer: &KvLayer<'_>, rot_v: O
         &[sh.batch, sh.q_heads, sh.kv_heads, sh.queries, sh.sinks, sh.compressed, sh.recent, sh.capacity,
           sh.window_capacity, split_tokens, num_splits, q_tiles, usize::from(sh.causal), comp_splits, sh.mask_heads],
     )?;
-    let (ki, vi) = (side_inputs(&layer.keys, &sh.key, sh.dim)?, side_inputs(&layer.values, &sh.value, sh.dim)?);
-    let none = placeholder_f32()?;
-    let mask = layer.mask.unwrap_or(&none);
+    let (ki, vi) = (side_inputs(&layer.keys, &sh.key, sh.dim, none)?, side_inputs(&layer.values, &sh.value, sh.dim, none)?);
+    let mask = layer.mask.unwrap_or(&none.f32);
     let mut inputs = vec![qf, &ki[0], &ki[1], &ki[2], &ki[3], &vi[0], &vi[1], &vi[2], &vi[3], layer.keys.window,
                           layer.values.window, mask];
     inputs.extend(&p);
