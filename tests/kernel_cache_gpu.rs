@@ -28,7 +28,8 @@ fn gpu_kernels_are_created_once_per_template_arguments() {
 }
 
 /// MLX compiles custom kernels in every process; veloxquant writes each one's
-/// machine code where MLX's kernel cache looks, so later processes load it.
+/// source beside MLX's kernel cache (MLX is handed #include lines) and its
+/// machine code where that cache looks, so later processes load it.
 /// A child process fills an empty cache directory, a second child gives the
 /// same attention from it without adding a module, and a third, over a copy
 /// whose kernel names were altered, fails to find its kernels: MLX reads the
@@ -66,9 +67,20 @@ fn gpu_kernels_are_kept_on_disk_for_later_processes() {
         assert!(name.starts_with("mlx::core::cu::custom_kernel_veloxquant_") && !mangled.is_empty(), "{names:?}");
     }
 
+    // The sources MLX was handed as #include lines; a process that finds them
+    // gone writes them again, at the same paths, so its modules' names match.
+    let sources = dir.join("veloxquant-sources");
+    let written = |ext: &str| {
+        std::fs::read_dir(&sources).map_or(0, |d| d.filter(|e| e.as_ref().unwrap().path().to_string_lossy().ends_with(ext)).count())
+    };
+    assert!(written(".header.cuh") >= 3 && written(".body.cuh") == written(".header.cuh"), "sources in {sources:?}");
+    let kept = written(".body.cuh");
+    std::fs::remove_dir_all(&sources).unwrap();
+
     let second = child(&dir, "second");
     assert!(second.status.success(), "second process: {}", String::from_utf8_lossy(&second.stderr));
     assert_eq!(veloxquant_modules(&dir), modules, "the second process found every module kept");
+    assert_eq!(written(".body.cuh"), kept, "the second process wrote the sources again");
     let (a, b) = (std::fs::read(root.join("first")).unwrap(), std::fs::read(root.join("second")).unwrap());
     let e = rel_err(&from_bytes(&a), &from_bytes(&b));
     assert!(e <= 1e-3, "attention from kept modules differs by {e}");
@@ -76,6 +88,9 @@ fn gpu_kernels_are_kept_on_disk_for_later_processes() {
     std::fs::create_dir_all(&altered).unwrap();
     for entry in std::fs::read_dir(&dir).unwrap() {
         let path = entry.unwrap().path();
+        if path.is_dir() {
+            continue; // the sources: the modules below are what MLX loads
+        }
         let copy = altered.join(path.file_name().unwrap());
         std::fs::copy(&path, &copy).unwrap();
         if path.extension().is_some_and(|e| e == "txt") && path.to_string_lossy().contains("veloxquant") {
