@@ -1,5 +1,4 @@
-// Keeps custom CUDA kernels on disk: their sources, which MLX then receives as
-// #include lines (cuda_source), and their machine code, where MLX looks.
+// Keeps the machine code of custom CUDA kernels on disk, where MLX looks.
 //
 // MLX compiles a custom kernel with NVRTC in every process and never writes it
 // to its kernel cache (CustomKernel::eval_gpu asks get_jit_module for no disk
@@ -26,7 +25,6 @@
 #include <fstream>
 #include <mutex>
 #include <optional>
-#include <sstream>
 #include <string_view>
 #include <unordered_set>
 
@@ -203,84 +201,14 @@ bool enabled() {
   return !(v && std::string(v) == "0");
 }
 
-std::optional<std::string> read_file(const fs::path& path) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) return std::nullopt;
-  std::ostringstream text;
-  text << f.rdbuf();
-  return text.str();
-}
-
-// Writes `text` to `path` unless the file already holds it.
-void write_unless_there(const fs::path& path, const std::string& text) {
-  if (read_file(path) == text) return;
-  fs::create_directories(path.parent_path());
-  write_atomically(path, text);
-}
-
-void warn_once(const char* what, const std::string& name, const std::exception& e) {
-  static std::once_flag warned;
-  std::call_once(warned, [&] { std::fprintf(stderr, "veloxquant: CUDA kernel %s %s (%s)\n", name.c_str(), what, e.what()); });
-}
-
 }  // namespace
 
-CudaSource cuda_source(const std::string& name, const std::string& header, const std::string& body,
-                       const std::vector<std::string>& input_names) {
-  CudaSource out{header, body, {}};
-  if (!enabled()) return out;
-  char hash[40];
-  std::snprintf(hash, sizeof hash, "%zx_%zx", std::hash<std::string>{}(header), std::hash<std::string>{}(body));
-  fs::path dir;
-  try {
-    dir = cache_dir() / "veloxquant-sources";
-  } catch (const std::exception& e) {
-    warn_once("keeps its source inline", name, e);
-    return out;
-  }
-  const std::string stem = name + "_" + hash;
-  const fs::path header_path = dir / (stem + ".header.cuh"), body_path = dir / (stem + ".body.cuh");
-  for (const fs::path& p : {header_path, body_path}) {
-    // An #include line cannot hold these; such a directory keeps the texts inline.
-    if (p.string().find_first_of("\"\\\n") != std::string::npos) return out;
-  }
-  std::vector<std::pair<std::string, std::string>> files{{header_path.string(), header}, {body_path.string(), body}};
-  try {
-    for (const auto& [path, text] : files) write_unless_there(path, text);
-  } catch (const std::exception& e) {
-    warn_once("keeps its source inline", name, e);
-    return out;
-  }
-  out.header = "#include \"" + header_path.string() + "\"\n";
-  out.body = "#include \"" + body_path.string() + "\"\n";
-  // MLX passes an input's shape, strides or ndim where the body it is handed
-  // names them; the names the real body uses, in a comment, keep that so.
-  std::string names;
-  for (const auto& input : input_names) {
-    for (const char* suffix : {"_shape", "_strides", "_ndim"}) {
-      if (body.find(input + suffix) != std::string::npos) names += " " + input + suffix;
-    }
-  }
-  if (!names.empty()) out.body += "//" + names + "\n";
-  out.files = std::move(files);
-  return out;
-}
-
-void keep_cuda_kernel_on_disk(const std::string& key, const mx::array& output, const CudaSource& included) {
+void keep_cuda_kernel_on_disk(const std::string& key, const mx::array& output) {
   static std::mutex mutex;
   static std::unordered_set<std::string> seen;
   {
     std::lock_guard lock(mutex);
     if (!seen.insert(key).second) return;
-  }
-  // Each instantiation compiles from the files (MLX at evaluation, or below);
-  // a cleaned temporary directory must not break it.
-  try {
-    for (const auto& [path, text] : included.files) {
-      if (!fs::exists(path)) write_unless_there(path, text);
-    }
-  } catch (const std::exception& e) {
-    warn_once("could not write its source again", key, e);
   }
   if (!enabled() || !output.has_primitive()) return;
   // By name: libmlx exports no type information for CustomKernel.
@@ -300,7 +228,11 @@ void keep_cuda_kernel_on_disk(const std::string& key, const mx::array& output, c
     if (fs::exists(path)) return;
     compile_to_disk(*n, prim->stream().device.index, module, "mlx::core::cu::" + name, source, path);
   } catch (const std::exception& e) {
-    warn_once("not kept on disk, MLX compiles it in each process", name, e);
+    static std::once_flag warned;
+    std::call_once(warned, [&] {
+      std::fprintf(stderr, "veloxquant: CUDA kernel %s not kept on disk, MLX compiles it in each process (%s)\n",
+                   name.c_str(), e.what());
+    });
   }
 }
 

@@ -3,8 +3,7 @@
 // A kernel object holds MLX's CustomKernelFunction; a config collects what one
 // call needs (output shapes and dtypes, grid, threadgroup, template
 // arguments). Template arguments go through MLX's own TemplateArg variant, so
-// MLX writes them into the source; nothing here splices strings. A CUDA
-// kernel's source reaches MLX as #include lines of files (cuda_source).
+// MLX writes them into the source; nothing here splices strings.
 #include "cuda_disk_cache.h"
 #include "private.h"
 
@@ -22,21 +21,14 @@ struct KernelConfig {
   bool verbose = false;
 };
 
-KernelConfig& kernel_config(void* ctx) {
+KernelConfig& config(void* ctx) {
   if (!ctx) throw std::invalid_argument("null kernel config handle");
   return *static_cast<KernelConfig*>(ctx);
 }
 
-// A CUDA kernel: MLX's function, and the files its source lives in.
-struct CudaKernel {
-  mx::fast::CustomKernelFunction function;
-  CudaSource source;
-};
-
-template <typename K>
-K& kernel(void* ctx) {
+mx::fast::CustomKernelFunction& kernel(void* ctx) {
   if (!ctx) throw std::invalid_argument("null kernel handle");
-  return *static_cast<K*>(ctx);
+  return *static_cast<mx::fast::CustomKernelFunction*>(ctx);
 }
 
 // What MLX's generated source depends on besides the kernel: template
@@ -54,10 +46,14 @@ std::string source_key(const void* k, const KernelConfig& c, const std::vector<m
   return key;
 }
 
-std::vector<mx::array> call(const mx::fast::CustomKernelFunction& f, mlx_vector_array inputs, const KernelConfig& c,
-                            mlx_stream s) {
-  return f(vec(inputs), c.output_shapes, c.output_dtypes, c.grid, c.thread_group, c.template_args, c.init_value,
-           c.verbose, stream(s));
+int apply(mlx_vector_array* outputs, void* k, mlx_vector_array inputs, void* cfg, mlx_stream s, bool cuda) {
+  return guard([&] {
+    auto& c = config(cfg);
+    auto outs = kernel(k)(vec(inputs), c.output_shapes, c.output_dtypes, c.grid, c.thread_group,
+                          c.template_args, c.init_value, c.verbose, stream(s));
+    if (cuda) keep_cuda_kernel_on_disk(source_key(k, c, vec(inputs)), outs[0]);
+    set_vector(outputs, std::move(outs));
+  });
 }
 
 }  // namespace
@@ -76,30 +72,30 @@ extern "C" {
   }                                                                                                    \
   int PREFIX##_add_output_arg(TYPE cls, const int* shape, size_t size, mlx_dtype dtype) {              \
     return guard([&] {                                                                                 \
-      kernel_config(cls.ctx).output_shapes.push_back(to_shape(shape, size));                           \
-      kernel_config(cls.ctx).output_dtypes.push_back(to_dtype(dtype));                                 \
+      config(cls.ctx).output_shapes.push_back(to_shape(shape, size));                                  \
+      config(cls.ctx).output_dtypes.push_back(to_dtype(dtype));                                        \
     });                                                                                                \
   }                                                                                                    \
   int PREFIX##_set_grid(TYPE cls, int g1, int g2, int g3) {                                            \
-    return guard([&] { kernel_config(cls.ctx).grid = {g1, g2, g3}; });                                 \
+    return guard([&] { config(cls.ctx).grid = {g1, g2, g3}; });                                        \
   }                                                                                                    \
   int PREFIX##_set_thread_group(TYPE cls, int t1, int t2, int t3) {                                    \
-    return guard([&] { kernel_config(cls.ctx).thread_group = {t1, t2, t3}; });                         \
+    return guard([&] { config(cls.ctx).thread_group = {t1, t2, t3}; });                                \
   }                                                                                                    \
   int PREFIX##_set_init_value(TYPE cls, float value) {                                                 \
-    return guard([&] { kernel_config(cls.ctx).init_value = value; });                                  \
+    return guard([&] { config(cls.ctx).init_value = value; });                                         \
   }                                                                                                    \
   int PREFIX##_set_verbose(TYPE cls, bool verbose) {                                                   \
-    return guard([&] { kernel_config(cls.ctx).verbose = verbose; });                                   \
+    return guard([&] { config(cls.ctx).verbose = verbose; });                                          \
   }                                                                                                    \
   int PREFIX##_add_template_arg_dtype(TYPE cls, const char* name, mlx_dtype dtype) {                   \
-    return guard([&] { kernel_config(cls.ctx).template_args.emplace_back(name, to_dtype(dtype)); });   \
+    return guard([&] { config(cls.ctx).template_args.emplace_back(name, to_dtype(dtype)); });          \
   }                                                                                                    \
   int PREFIX##_add_template_arg_int(TYPE cls, const char* name, int value) {                           \
-    return guard([&] { kernel_config(cls.ctx).template_args.emplace_back(name, value); });             \
+    return guard([&] { config(cls.ctx).template_args.emplace_back(name, value); });                    \
   }                                                                                                    \
   int PREFIX##_add_template_arg_bool(TYPE cls, const char* name, bool value) {                         \
-    return guard([&] { kernel_config(cls.ctx).template_args.emplace_back(name, value); });             \
+    return guard([&] { config(cls.ctx).template_args.emplace_back(name, value); });                    \
   }
 
 MLXC_KERNEL_CONFIG(mlx_fast_metal_kernel_config, mlx_fast_metal_kernel_config)
@@ -124,7 +120,7 @@ void mlx_fast_metal_kernel_free(mlx_fast_metal_kernel cls) {
 int mlx_fast_metal_kernel_apply(mlx_vector_array* outputs, mlx_fast_metal_kernel cls,
                                 const mlx_vector_array inputs, const mlx_fast_metal_kernel_config config,
                                 const mlx_stream stream) {
-  return guard([&] { set_vector(outputs, call(kernel<mx::fast::CustomKernelFunction>(cls.ctx), inputs, kernel_config(config.ctx), stream)); });
+  return apply(outputs, cls.ctx, inputs, config.ctx, stream, false);
 }
 
 mlx_fast_cuda_kernel mlx_fast_cuda_kernel_new(const char* name, const mlx_vector_string input_names,
@@ -132,27 +128,19 @@ mlx_fast_cuda_kernel mlx_fast_cuda_kernel_new(const char* name, const mlx_vector
                                               const char* header, bool ensure_row_contiguous, int shared_memory) {
   mlx_fast_cuda_kernel k{nullptr};
   guard([&] {
-    const auto& inputs = strings(input_names);
-    CudaSource src = cuda_source(name, header ? header : "", source, inputs);
-    auto function = mx::fast::cuda_kernel(name, inputs, strings(output_names), src.body, src.header,
-                                          ensure_row_contiguous, shared_memory);
-    k.ctx = new CudaKernel{std::move(function), std::move(src)};
+    k.ctx = new mx::fast::CustomKernelFunction(mx::fast::cuda_kernel(
+        name, strings(input_names), strings(output_names), source, header ? header : "",
+        ensure_row_contiguous, shared_memory));
   });
   return k;
 }
 void mlx_fast_cuda_kernel_free(mlx_fast_cuda_kernel cls) {
-  delete static_cast<CudaKernel*>(cls.ctx);
+  delete static_cast<mx::fast::CustomKernelFunction*>(cls.ctx);
 }
 int mlx_fast_cuda_kernel_apply(mlx_vector_array* outputs, mlx_fast_cuda_kernel cls,
                                const mlx_vector_array inputs, const mlx_fast_cuda_kernel_config config,
                                const mlx_stream stream) {
-  return guard([&] {
-    auto& k = kernel<CudaKernel>(cls.ctx);
-    auto& c = kernel_config(config.ctx);
-    auto outs = call(k.function, inputs, c, stream);
-    keep_cuda_kernel_on_disk(source_key(cls.ctx, c, vec(inputs)), outs[0], k.source);
-    set_vector(outputs, std::move(outs));
-  });
+  return apply(outputs, cls.ctx, inputs, config.ctx, stream, true);
 }
 
 }  // extern "C"

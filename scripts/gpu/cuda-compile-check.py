@@ -232,13 +232,14 @@ def template_lines(args):
     return "\n".join(out)
 
 
-def crate_sources(out: pathlib.Path):
+def crate_sources(out: pathlib.Path, by_include: bool):
     """Every CUDA kernel's body, header and argument names as the crate hands
-    them to MLX, written to `out` by examples/kernel_sources.rs."""
+    them to MLX, written to `out` by examples/kernel_sources.rs (with
+    `by_include`, as `#include` lines of files it writes)."""
     env = dict(os.environ)
     env.setdefault("VELOXQUANT_PYTHON", str(ROOT / ".venv/bin/python"))
-    subprocess.run(["cargo", "run", "--release", "--quiet", "--example", "kernel_sources", "--", str(out)],
-                   cwd=ROOT, env=env, check=True)
+    subprocess.run(["cargo", "run", "--release", "--quiet", "--example", "kernel_sources", "--", str(out)]
+                   + (["--by-include"] if by_include else []), cwd=ROOT, env=env, check=True)
 
 
 def source(name, spec, args, crate: pathlib.Path):
@@ -356,6 +357,8 @@ def main():
     ap.add_argument("--cubin", type=pathlib.Path, help="write each instantiation's machine code here")
     ap.add_argument("--loop-stats", metavar="NVDISASM", help="with --cubin: the HMMA loop's instructions by opcode")
     ap.add_argument("--only", default="", help="K=V,...: only instantiations with these template arguments")
+    ap.add_argument("--by-include", action="store_true",
+                    help="compile each source as MLX receives it: #include lines of the files the crate writes")
     ap.add_argument("kernels", nargs="*")
     a = ap.parse_args()
     base = pathlib.Path(a.nvrtc)
@@ -365,7 +368,7 @@ def main():
     ctypes.CDLL(str(base / "lib/libnvrtc-builtins.so.13.0"), mode=ctypes.RTLD_GLOBAL)
     nvrtc = ctypes.CDLL(str(base / "lib/libnvrtc.so.13"))
     crate = pathlib.Path(tempfile.mkdtemp(prefix="kernel_sources_"))
-    crate_sources(crate)
+    crate_sources(crate, a.by_include)
     failed = 0
     for name in a.kernels or KERNELS:
         spec = KERNELS[name]

@@ -2,12 +2,14 @@
 //!
 //! A kernel object is created once per (back-end, kernel, template arguments)
 //! and kept in one process-wide cache. Template arguments travel through
-//! MLX's template-argument API, which writes them into the source.
+//! MLX's template-argument API, which writes them into the source. CUDA
+//! sources reach MLX as `#include` lines (`cuda_source`).
 
 use std::collections::HashMap;
 use std::ffi::CString;
 use std::sync::{Arc, Mutex, OnceLock};
 
+use super::cuda_source::{self, CudaSource};
 use super::declaration::{Kernel, TemplateArg};
 use crate::array::Array;
 use crate::dtype::Dtype;
@@ -104,8 +106,13 @@ fn create(backend: Backend, kernel: Kernel, template: &[(&'static str, TemplateA
     let Some(body) = body else {
         return Err(Error::Unsupported(format!("{}: no kernel body for the {} back-end", d.name, backend.name())));
     };
-    let body = CString::new(compact_source(&body)).map_err(|_| Error::invalid("source", "contains NUL"))?;
-    let header = CString::new(compact_source(&kernel.header(backend, template))).map_err(|_| Error::invalid("header", "contains NUL"))?;
+    let (mut body, mut header) = (compact_source(&body), compact_source(&kernel.header(backend, template)));
+    if backend == Backend::Cuda {
+        let dir = cuda_source::source_dir();
+        CudaSource { header, body } = cuda_source::by_include(dir.as_deref(), d.mlx_name, &header, &body, &input_names);
+    }
+    let body = CString::new(body).map_err(|_| Error::invalid("source", "contains NUL"))?;
+    let header = CString::new(header).map_err(|_| Error::invalid("header", "contains NUL"))?;
     let inputs = strings(&input_names.iter().map(String::as_str).collect::<Vec<_>>())?;
     let outputs = strings(&output_names.iter().map(String::as_str).collect::<Vec<_>>())?;
     // SAFETY: all pointers are valid for the call; MLX copies the strings.

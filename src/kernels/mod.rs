@@ -8,6 +8,7 @@
 
 mod bitpack;
 pub mod cpu_primitive;
+mod cuda_source;
 mod framed_dequantize;
 pub mod gpu;
 pub mod kv_attention;
@@ -29,6 +30,7 @@ pub use bitpack::{bit_pack, bit_unpack};
 pub use framed_dequantize::{framed_dequantize, FramedSide};
 pub use store_write::{store_write, StoreWrite};
 pub(crate) use store_write::stored_norms;
+pub use cuda_source::{by_include as cuda_source_by_include, CudaSource};
 pub use gpu::{cached_kernel_count, compact_source};
 pub use quant::{
     kivi_dequantize, kivi_params_shape, kivi_quantize, kivi_quantize_widths, pq_decode, pq_encode, pq_tensor_cores, qjl_encode, qjl_score, qjl_tensor_cores,
