@@ -202,9 +202,14 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
     }
     let n_i32 = i32::try_from(n).map_err(|_| Error::invalid("x", format!("{n} vectors exceed 2^31")))?;
     let flat = ops::reshape(x, &[n_i32, d as i32], &stream)?;
-    let outputs = [(vec![n_i32, row_bytes as i32], Dtype::U8), (vec![n_i32], Dtype::F16)];
+    // The kernels write flat rows; their outputs take `x`'s leading shape as
+    // they are made (a reshape each would be an op of host time).
+    let outputs = [(codes_shape.clone(), Dtype::U8), (lead.clone(), Dtype::F16)];
     let mut outs = match imp {
-        Implementation::Reference => encode_reference(&flat, rotation, centroids, bits, &stream)?,
+        Implementation::Reference => {
+            let outs = encode_reference(&flat, rotation, centroids, bits, &stream)?;
+            vec![ops::reshape(&outs[0], &codes_shape, &stream)?, ops::reshape(&outs[1], &lead, &stream)?]
+        }
         Implementation::Cpu => {
             let dtype = x.dtype();
             cpu_primitive::apply(
@@ -234,9 +239,8 @@ pub fn tq_encode(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u
             launch_encoder(imp, Kernel::TqEncode, &[&flat, rot_input, centroids], &outputs, (n, d), &template, Some(parts), &stream)?
         }
     };
-    let norms = ops::reshape(&outs.remove(1), &lead, &stream)?;
-    let codes = ops::reshape(&outs.remove(0), &codes_shape, &stream)?;
-    Ok((codes, norms))
+    let norms = outs.remove(1);
+    Ok((outs.remove(0), norms))
 }
 
 fn encode_reference(x: &Array, rotation: Option<&Array>, centroids: &Array, bits: u32, s: &Stream) -> Result<Vec<Array>> {

@@ -284,15 +284,13 @@ impl LayerCache {
         // Unrotated keys: `scale·F` either way.
         let dtype = if float32 { Dtype::F32 } else { self.dtype };
         let up = |a: &Array| -> Result<Array> { if a.dtype() == dtype { Ok(a.clone()) } else { ops::astype(a, dtype, s) } };
-        let rotation_t = self.shared.as_ref().and_then(|x| x.rotation_t.as_ref()).map(up).transpose()?;
-        let rotation_t = rotation_t.as_ref();
+        let shared = self.shared.as_ref();
+        let rotation_t = shared.and_then(|x| x.rotation_t.as_ref());
+        // `Π·F`: `F²` (a power of two: the same rounding) scales the D x D
+        // matrix rather than the rows it multiplies.
+        let back = || -> Result<Array> { up(shared.and_then(|x| x.rotation_back.as_ref()).expect("made with rotation_t")) };
         let (queries, keys, values) = (&up(queries)?, &up(keys)?, &up(values)?);
         let f = frame_scale(self.cfg.head_dim);
-        // `F²` (a power of two: the same rounding) scales the D x D matrix
-        // rather than the rows it multiplies.
-        let back = |r: &Array| -> Result<Array> {
-            ops::multiply(&ops::transpose(r, &[1, 0], s)?, &ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?, s)
-        };
         let buffer_rows = ks[1] as usize * ks[2] as usize;
         let query_rows = qs[1] as usize * qs[2] as usize;
         let prepared = match mask {
@@ -301,8 +299,8 @@ impl LayerCache {
         };
         let causal = matches!(mask, AttentionMask::Causal);
         let out = match rotation_t.filter(|_| key_rotated || value_rotated) {
-            Some(r) if buffer_rows < query_rows => {
-                let pi_f = back(r)?;
+            Some(_) if buffer_rows < query_rows => {
+                let pi_f = back()?;
                 let keys = if key_rotated { ops::matmul(keys, &pi_f, s)? } else { keys.clone() };
                 let values = if value_rotated { ops::matmul(values, &pi_f, s)? } else { values.clone() };
                 let scale = if key_rotated { scale } else { scale * f };
@@ -310,7 +308,7 @@ impl LayerCache {
             }
             _ => {
                 let q = match rotation_t.filter(|_| key_rotated) {
-                    Some(r) => ops::matmul(queries, r, s)?,
+                    Some(r) => ops::matmul(queries, &up(r)?, s)?,
                     None => queries.clone(),
                 };
                 let scale = match (compressed, key_rotated) {
@@ -320,7 +318,7 @@ impl LayerCache {
                 };
                 let out = sdpa(&q, keys, values, scale, prepared.as_ref(), causal, s)?;
                 match rotation_t.filter(|_| value_rotated) {
-                    Some(r) => ops::matmul(&out, &back(r)?, s)?,
+                    Some(_) => ops::matmul(&out, &back()?, s)?,
                     None => out,
                 }
             }

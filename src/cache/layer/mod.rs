@@ -234,16 +234,19 @@ impl LayerCache {
             device: self.device,
         };
         self.shared = Some(shared_for(key, || {
-            let (rotation, rotation_t) = if kc.codec.rotated() || vc.codec.rotated() {
+            let (rotation, rotation_t, rotation_back) = if kc.codec.rotated() || vc.codec.rotated() {
                 let dim = self.cfg.head_dim;
                 let rot = rotation_matrix(dim, self.cfg.seed)?;
                 let f = frame_scale(dim);
                 // Powers of two: exact in float32.
                 let scaled: Vec<f32> = rot.iter().map(|v| v * f).collect();
                 let inverse: Vec<f32> = (0..dim * dim).map(|i| rot[(i % dim) * dim + i / dim] / f).collect();
-                (Some(Array::from_slice(&scaled, &[d, d])?), Some(ops::astype(&Array::from_slice(&inverse, &[d, d])?, dtype, s)?))
+                let inverse = ops::astype(&Array::from_slice(&inverse, &[d, d])?, dtype, s)?;
+                let f2 = ops::astype(&Array::scalar_f32(f * f)?, dtype, s)?;
+                let back = ops::multiply(&ops::transpose(&inverse, &[1, 0], s)?, &f2, s)?;
+                (Some(Array::from_slice(&scaled, &[d, d])?), Some(inverse), Some(back))
             } else {
-                (None, None)
+                (None, None, None)
             };
             let key_frame = if kc.codec.rotated() {
                 None
@@ -253,7 +256,7 @@ impl LayerCache {
                 let diag: Vec<f32> = (0..dim * dim).map(|i| if i % (dim + 1) == 0 { 1.0 / f } else { 0.0 }).collect();
                 Some(ops::astype(&Array::from_slice(&diag, &[d, d])?, dtype, s)?)
             };
-            Ok(Shared { rotation, rotation_t, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
+            Ok(Shared { rotation, rotation_t, rotation_back, key_frame, k_table: self.table(&kc)?, v_table: self.table(&vc)? })
         })?);
         // No compressed token yet: one slot (the kernels take no empty
         // array), grown at the first flush. The windows hold what the first
@@ -491,8 +494,12 @@ impl LayerCache {
         if rest == 0 {
             return Ok(());
         }
-        let new_k = ops::slice(&rk, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
-        let new_v = ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
+        // The whole chunk needs no view of itself (an op of host time each).
+        let (new_k, new_v) = if start == 0 {
+            (rk, rv)
+        } else {
+            (ops::slice(&rk, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?, ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?)
+        };
         let w0 = sinks as i32;
         if c.n_recent + rest <= self.cfg.recent_capacity() {
             c.reserve_window(sinks + c.n_recent + rest, held, max_slots, &s)?;

@@ -47,6 +47,11 @@ pub(super) struct Shared {
     /// enter the rotated frame with one matmul and no casts (its rounding is
     /// below the windows' own).
     pub(super) rotation_t: Option<Array>,
+    /// `Π·F` in the cache's dtype (`rotation_t`'s transpose times `F²`,
+    /// exact): an attention output, or a framed buffer's rotated side,
+    /// leaves the rotated frame with one matmul, without a transpose and a
+    /// scaling each prefill chunk.
+    pub(super) rotation_back: Option<Array>,
     /// `I/F` in the cache's dtype, when the keys' frame is not rotated: new
     /// keys enter it with one `addmm` (the mean's offset added), as rotated
     /// ones do.
@@ -69,7 +74,7 @@ pub(super) struct SharedKey {
 
 impl Shared {
     pub(super) fn arrays(&self) -> impl Iterator<Item = &Array> {
-        [&self.rotation, &self.rotation_t, &self.key_frame, &self.k_table, &self.v_table].into_iter().flatten()
+        [&self.rotation, &self.rotation_t, &self.rotation_back, &self.key_frame, &self.k_table, &self.v_table].into_iter().flatten()
     }
 }
 
