@@ -132,10 +132,11 @@ def _elements(model, n):
     return 2 * 64 * n * len(model.model.layers)
 
 
-@pytest.mark.parametrize("budget, window, sinks", [(7.0, 4, 0), (8.0, 16, 4), (9.0, 16, 4), (11.0, 4, 2)])
+@pytest.mark.parametrize("budget, window, sinks", [(8.0, 4, 0), (9.0, 16, 4), (10.0, 16, 4), (8.5, 4, 2)])
 def test_auto_at_a_context_stays_within_the_budget_the_evaluation_measures(tiny, budget, window, sinks):
-    # Two layers of one 64-wide head at 200 tokens: the shared rotation and
-    # codebooks (~25 KB a set) cost about 4 bits per element here.
+    # Two layers of one 64-wide head at 200 tokens: the shared rotation (its
+    # float32 matrix, and the float16 ones into and out of the frame) and
+    # codebooks (~33 KB a set) cost about 5 bits per element here.
     model, _, ids = tiny
     cfg, r = recipe.auto_recipe(model, ids, budget, KVConfig(window=window, sinks=sinks), context=len(ids))
     caches = make_prompt_cache(model, cfg)

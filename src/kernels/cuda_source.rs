@@ -31,7 +31,8 @@ pub(crate) fn source_dir() -> Option<PathBuf> {
         Some(dir) => PathBuf::from(dir),
         None => std::env::temp_dir().join("mlx").join(crate::array::mlx_runtime_version().ok()?).join("ptx"),
     };
-    Some(cache.join("veloxquant-sources"))
+    // NVRTC resolves a relative #include against no fixed directory.
+    std::path::absolute(cache.join("veloxquant-sources")).ok()
 }
 
 /// `header` and `body` of kernel `name` as `#include` lines of files in
