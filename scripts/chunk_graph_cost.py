@@ -5,20 +5,22 @@
 For each of ``--caches`` layer caches holding one chunk already (evaluated),
 times ``framed_append`` and ``attend_framed`` of the next chunk as a prefill
 calls them, without evaluating (host time only: on a GPU each operation also
-costs its launch at evaluation), and counts the operations of the graph they
-leave (the output and the cache's state, as ``mx.export_to_dot`` writes it).
+costs its launch at evaluation), and counts the operations they leave to
+evaluate for the output and the cache's state
+(``veloxquant.kernels.pending_primitives``).
 Run it with two builds to compare them; the count is exact, the time moves
 with the host's load.
 """
 
 import argparse
-import re
+import collections
 import statistics
 import time
 
 import mlx.core as mx
 
 from veloxquant import LayerCache
+from veloxquant.kernels import pending_primitives
 
 
 def main() -> None:
@@ -49,11 +51,10 @@ def main() -> None:
         fk, fv = c.framed_append(k2, v2)
         out = c.attend_framed(q, fk, fv, d ** -0.5, "causal")
         times.append(time.perf_counter() - t0)
-    mx.export_to_dot("/tmp/chunk_graph_cost.dot", out, *caches[-1].state_parts()[0].values())
-    with open("/tmp/chunk_graph_cost.dot") as f:
-        nodes = set(re.findall(r"\{ (\d+) \[label", f.read()))
+    ops = pending_primitives([out, *caches[-1].state_parts()[0].values()])
     print(f"heads {hq},{hkv} head_dim {d} chunk {t} over {t}: graph built in {statistics.median(times) * 1e6:.1f} us "
-          f"(median of {a.caches}), {len(nodes)} operations in the graph")
+          f"(median of {a.caches}), {len(ops)} operations to evaluate")
+    print("  " + ", ".join(f"{n} {c}" for n, c in collections.Counter(ops).most_common()))
 
 
 if __name__ == "__main__":

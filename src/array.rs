@@ -252,14 +252,25 @@ pub fn clear_cache() -> Result<()> {
     ffi::check(unsafe { ffi::mlx_clear_cache() })
 }
 
-/// The version of the libmlx loaded at run time.
-pub fn mlx_runtime_version() -> Result<String> {
+/// The string an mlx-c call writes into its out-parameter.
+fn string_from(call: unsafe extern "C" fn(*mut ffi::mlx_string) -> std::os::raw::c_int) -> Result<String> {
     let mut s = ffi::mlx_string { ctx: std::ptr::null_mut() };
     // SAFETY: out-parameter; freed below.
-    ffi::check(unsafe { ffi::mlx_version(&mut s) })?;
+    ffi::check(unsafe { call(&mut s) })?;
     let v = unsafe { CStr::from_ptr(ffi::mlx_string_data(s)) }.to_string_lossy().into_owned();
     unsafe { ffi::mlx_string_free(s) };
     Ok(v)
+}
+
+/// The version of the libmlx loaded at run time.
+pub fn mlx_runtime_version() -> Result<String> {
+    string_from(ffi::mlx_version)
+}
+
+/// MLX's kernel cache directory (absolute), where the CUDA kernels' machine
+/// code and sources are kept.
+pub(crate) fn kernel_cache_dir() -> Result<String> {
+    string_from(ffi::vq_kernel_cache_dir)
 }
 
 /// The MLX version veloxquant was compiled against.

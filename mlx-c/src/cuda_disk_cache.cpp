@@ -15,6 +15,7 @@
 // read-only directory) leaves MLX to compile as before, with one warning per
 // process.
 #include "cuda_disk_cache.h"
+#include "mlxc/veloxquant_ext.h"
 #include "nvrtc_headers.h"
 
 #include <dlfcn.h>
@@ -202,6 +203,18 @@ bool enabled() {
 }
 
 }  // namespace
+
+}  // namespace mlxc
+
+extern "C" int vq_kernel_cache_dir(mlx_string* res) {
+  return mlxc::guard([&] {
+    if (!res) throw std::invalid_argument("null result pointer");
+    delete static_cast<std::string*>(res->ctx);
+    res->ctx = new std::string(std::filesystem::absolute(mlxc::cache_dir()).string());
+  });
+}
+
+namespace mlxc {
 
 void keep_cuda_kernel_on_disk(const std::string& key, const mx::array& output) {
   static std::mutex mutex;

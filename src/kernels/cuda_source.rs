@@ -20,19 +20,16 @@ pub struct CudaSource {
 }
 
 /// The directory of the source files: `veloxquant-sources` in MLX's kernel
-/// cache (`MLX_PTX_CACHE_DIR`, else `$TMPDIR/mlx/<version>/ptx`, as MLX's
-/// `ptx_cache_dir`); `None` where `VELOXQUANT_KERNEL_DISK_CACHE=0` keeps
-/// everything in memory.
+/// cache, the directory mlx-c keeps the machine code in
+/// (`vq_kernel_cache_dir`: `MLX_PTX_CACHE_DIR`, else
+/// `<temp>/mlx/<version>/ptx`, absolute, as NVRTC resolves a relative
+/// #include against no fixed directory); `None` where
+/// `VELOXQUANT_KERNEL_DISK_CACHE=0` keeps everything in memory.
 pub(crate) fn source_dir() -> Option<PathBuf> {
     if std::env::var_os("VELOXQUANT_KERNEL_DISK_CACHE").is_some_and(|v| v == "0") {
         return None;
     }
-    let cache = match std::env::var_os("MLX_PTX_CACHE_DIR").filter(|d| !d.is_empty()) {
-        Some(dir) => PathBuf::from(dir),
-        None => std::env::temp_dir().join("mlx").join(crate::array::mlx_runtime_version().ok()?).join("ptx"),
-    };
-    // NVRTC resolves a relative #include against no fixed directory.
-    std::path::absolute(cache.join("veloxquant-sources")).ok()
+    Some(PathBuf::from(crate::array::kernel_cache_dir().ok()?).join("veloxquant-sources"))
 }
 
 /// `header` and `body` of kernel `name` as `#include` lines of files in
@@ -113,6 +110,19 @@ mod tests {
         by_include(Some(&dir), "veloxquant_probe", "#define TWICE(a) ((a) + (a))\n", body, &inputs);
         assert_eq!(std::fs::read_to_string(path(&s.body)).unwrap(), body);
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn sources_live_in_mlx_kernel_cache() {
+        if std::env::var_os("VELOXQUANT_KERNEL_DISK_CACHE").is_some_and(|v| v == "0") {
+            return;
+        }
+        let dir = source_dir().expect("a kernel cache directory");
+        assert!(dir.is_absolute() && dir.ends_with("veloxquant-sources"), "{dir:?}");
+        if std::env::var_os("MLX_PTX_CACHE_DIR").is_none() {
+            let version = crate::array::mlx_runtime_version().unwrap();
+            assert!(dir.parent().unwrap().ends_with(PathBuf::from("mlx").join(version).join("ptx")), "{dir:?}");
+        }
     }
 
     #[test]

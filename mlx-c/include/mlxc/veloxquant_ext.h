@@ -13,6 +13,10 @@ extern "C" {
 /* The MLX version these sources were compiled against. */
 const char* vq_compiled_mlx_version(void);
 
+/* MLX's kernel cache directory, as MLX's ptx_cache_dir() finds it
+ * (MLX_PTX_CACHE_DIR, else <temp>/mlx/<version>/ptx), absolute. */
+int vq_kernel_cache_dir(mlx_string* res);
+
 /* A view of one evaluated, row-contiguous input or allocated output. */
 typedef struct vq_tensor_view_ {
   void* data;

@@ -494,12 +494,8 @@ impl LayerCache {
         if rest == 0 {
             return Ok(());
         }
-        // The whole chunk needs no view of itself (an op of host time each).
-        let (new_k, new_v) = if start == 0 {
-            (rk, rv)
-        } else {
-            (ops::slice(&rk, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?, ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?)
-        };
+        let new_k = ops::slice(&rk, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
+        let new_v = ops::slice(&rv, &[0, 0, start as i32, 0], &[b, h, t as i32, d], &s)?;
         let w0 = sinks as i32;
         if c.n_recent + rest <= self.cfg.recent_capacity() {
             c.reserve_window(sinks + c.n_recent + rest, held, max_slots, &s)?;
