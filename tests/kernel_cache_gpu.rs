@@ -31,8 +31,8 @@ fn gpu_kernels_are_created_once_per_template_arguments() {
 /// source beside MLX's kernel cache (MLX is handed #include lines) and its
 /// machine code where that cache looks, so later processes load it.
 /// A child process fills an empty cache directory, a second child gives the
-/// same attention from it without adding a module, and a third, over a copy
-/// whose kernel names were altered, fails to find its kernels: MLX reads the
+/// same attention from it without adding a module, and a third, after the
+/// modules' kernel names were altered, fails to find its kernels: MLX reads the
 /// modules written here instead of compiling.
 #[test]
 #[ignore = "needs a GPU back-end"]
@@ -43,7 +43,7 @@ fn gpu_kernels_are_kept_on_disk_for_later_processes() {
         return;
     }
     let root = std::env::temp_dir().join(format!("vq-disk-cache-{}", std::process::id()));
-    let (dir, altered) = (root.join("ptx"), root.join("altered"));
+    let dir = root.join("ptx");
     let _ = std::fs::remove_dir_all(&root);
     std::fs::create_dir_all(&root).unwrap();
     let child = |cache: &std::path::Path, out: &str| {
@@ -85,19 +85,13 @@ fn gpu_kernels_are_kept_on_disk_for_later_processes() {
     let e = rel_err(&from_bytes(&a), &from_bytes(&b));
     assert!(e <= 1e-3, "attention from kept modules differs by {e}");
 
-    std::fs::create_dir_all(&altered).unwrap();
-    for entry in std::fs::read_dir(&dir).unwrap() {
-        let path = entry.unwrap().path();
-        if path.is_dir() {
-            continue; // the sources: the modules below are what MLX loads
-        }
-        let copy = altered.join(path.file_name().unwrap());
-        std::fs::copy(&path, &copy).unwrap();
-        if path.extension().is_some_and(|e| e == "txt") && path.to_string_lossy().contains("veloxquant") {
-            std::fs::write(&copy, format!("altered_{}", std::fs::read_to_string(&path).unwrap())).unwrap();
-        }
+    // Altered in place: the sources' include lines name their absolute
+    // paths, so the modules of a copy of the directory would have other names.
+    for (ptx, _) in &modules {
+        let names = ptx.with_extension("txt");
+        std::fs::write(&names, format!("altered_{}", std::fs::read_to_string(&names).unwrap())).unwrap();
     }
-    let third = child(&altered, "third");
+    let third = child(&dir, "third");
     // The test harness reports a failed test on its standard output.
     let said = format!("{}{}", String::from_utf8_lossy(&third.stdout), String::from_utf8_lossy(&third.stderr));
     assert!(!third.status.success() && said.contains("no kernel named"), "altered modules: {said}");

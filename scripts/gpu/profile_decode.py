@@ -8,7 +8,9 @@ random-weight Llama model, for Nsight Compute on the NVIDIA machine.
 Prefills `--context` tokens, decodes a few warm-up tokens, then brackets
 `--steps` decode steps (with `--chunk N`: one more prefill chunk of N
 tokens) with cudaProfilerStart/Stop so that ncu records only those
-kernels. Without ncu it prints the wall time per step.
+kernels. Without ncu it prints the wall time per step. `--context 0
+--chunk N` profiles a prompt's first chunk (no warm-up: the kernels'
+compilation falls in the wall time, not in ncu's GPU times).
 """
 
 from __future__ import annotations
@@ -48,8 +50,8 @@ def main() -> None:
     model = bench.build_model({"shape": args.shape})
     cache = bench.make_cache(model, bench.parse_cache(args.cache, args.recipe))
     tokens = mx.random.randint(0, model.args.vocab_size, (args.batch, args.context), key=mx.random.key(0))
-    y = bench.prefill(model, cache, tokens, 2048)
-    for _ in range(args.warmup):
+    y = bench.prefill(model, cache, tokens, 2048) if args.context else None
+    for _ in range(args.warmup if args.context else 0):
         y = mx.argmax(model(y[:, None], cache=cache)[:, -1], axis=-1)
         mx.eval(y)
     mx.synchronize()
