@@ -1,6 +1,7 @@
 """VeloxQuantCache in mlx_lm: config, dispatch, generation, deepcopy, save/load, trim, errors."""
 
 import copy
+import dataclasses
 import sys
 import types
 
@@ -385,6 +386,19 @@ def test_state_is_lazy_arrays_and_round_trips_through_mlx_lm_files(tmp_path):
     assert mx.array_equal(loaded.attention(q, 0.125), cache.attention(q, 0.125)).item()
     with pytest.raises(ValueError, match="config"):
         VeloxQuantCache.from_state((mx.zeros((3,), mx.uint8), "{}"))
+
+
+def test_state_config_follows_a_reassigned_config():
+    # The state's config JSON is kept between reads; a new config (protect="auto"
+    # decides one from the first queries) must show in the next state.
+    cache = VeloxQuantCache(KVConfig(key_bits=4, value_bits=3, window=16, sinks=2))
+    for keys, values, q in _chunks([40]):
+        cache.update_and_fetch(keys, values)
+        cache.attention(q, 0.125, "causal")
+    assert cache.state["config"] == cache.config.to_json()
+    other = dataclasses.replace(cache.config, seed=7)
+    cache.config = other
+    assert KVConfig.from_json(cache.state["config"]) == other
 
 
 # --- defect 2: a prompt-cache file with flipped bits or cut short is refused ----

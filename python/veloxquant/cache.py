@@ -357,6 +357,9 @@ class VeloxQuantCache(_BaseCache):
     # What a pipeline stage tied to this cache (see ``keys``); a class default
     # too, for copies made without __init__.
     _after: Optional[mx.array] = None
+    # (config, its JSON): mlx_lm reads the state after every prefill chunk,
+    # and the config changes only by assignment (a KVConfig is frozen).
+    _config_json: Optional[Tuple["KVConfig", str]] = None
     # The attention dispatch attends a sequence over this cache.
     veloxquant_attention = attention.ONE
 
@@ -508,7 +511,9 @@ class VeloxQuantCache(_BaseCache):
         return self._state_parts()
 
     def _state_parts(self) -> Dict[str, Any]:
-        state: Dict[str, Any] = {"config": self.config.to_json()}
+        if self._config_json is None or self._config_json[0] is not self.config:
+            self._config_json = (self.config, self.config.to_json())
+        state: Dict[str, Any] = {"config": self._config_json[1]}
         if self.layer is not None:
             arrays, layout = self.layer.state_parts()
             state["layout"] = json.dumps(layout, sort_keys=True)
