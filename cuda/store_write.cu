@@ -34,9 +34,10 @@ if (CB % 4 == 0) {
   }
 }
 if (w == 0) {
-  float v = t < first ? static_cast<float>(norms[at]) : is_new ? static_cast<float>(new_norms[at]) : 0.0f;
-  if (is_new && !(v < 65504.0f)) {
-    v = __int_as_float(0x7FC00000);  // NaN, to NaN in float16
+  // Copied as half: through float, a kept NaN would come back as 0x7FFF.
+  __half v = t < first ? norms[at] : is_new ? new_norms[at] : __float2half(0.0f);
+  if (is_new && !(__half2float(v) < 65504.0f)) {
+    v = __ushort_as_half(0x7E00);  // float16's NaN as the CPU and Metal write it
   }
-  out_norms[slot] = static_cast<__half>(v);
+  out_norms[slot] = v;
 }

@@ -127,7 +127,8 @@ fn gpu_store_write_matches_cpu() {
         let codes: Vec<u8> = (0..2 * 8 * cap0 * nb).map(|_| rng.random::<u8>()).collect();
         let new_codes: Vec<u8> = (0..2 * 8 * m * nb).map(|_| rng.random::<u8>()).collect();
         let mut norm = |i: i32| if i % 7 == 3 { [f16::MAX, f16::NAN, f16::INFINITY][(i as usize / 7) % 3] } else { f16::from_f32(rng.random::<f32>() * 9.0) };
-        let norms: Vec<f16> = (0..2 * 8 * cap0).map(|_| f16::from_f32(1.5)).collect();
+        // Kept slots hold marked tokens too: their NaN must come through bit for bit.
+        let norms: Vec<f16> = (0..2 * 8 * cap0).map(|i| if i % 11 == 5 { f16::NAN } else { f16::from_f32(1.5) }).collect();
         let new_norms: Vec<f16> = (0..2 * 8 * m).map(&mut norm).collect();
         let codes = Array::from_slice(&codes, &[2, 8, cap0, nb]).unwrap();
         let norms = Array::from_slice(&norms, &[2, 8, cap0]).unwrap();
