@@ -260,15 +260,21 @@ impl LayerCache {
         })?);
         // No compressed token yet: one slot (the kernels take no empty
         // array), grown at the first flush. The windows hold what the first
-        // chunk puts in them.
+        // chunk puts in them. The one-slot arrays are zeros given as data:
+        // the first flush reads none of their bytes, and on a GPU a fill
+        // would be one launch an array (four a layer) in the prompt's first chunk.
         let cap = 1;
+        let zeros_data = |shape: &[i32], dtype: Dtype| -> Result<Array> {
+            let n: usize = shape.iter().map(|&x| x as usize).product();
+            Array::from_bytes(&vec![0u8; n * dtype.size()], shape, dtype)
+        };
         let wslots = tokens.clamp(1, self.cfg.window_capacity());
         let wcap = wslots as i32;
         let side = |codec: SideCodec| -> Result<Side> {
             let codes_dtype = if codec.codec == Codec::Dense { dtype } else { Dtype::U8 };
             let mut side = Side {
                 codec,
-                codes: ops::zeros(&[b, h, cap as i32, codec.row_len(d as usize) as i32], codes_dtype, s)?,
+                codes: zeros_data(&[b, h, cap as i32, codec.row_len(d as usize) as i32], codes_dtype)?,
                 scales: None,
                 zeros: None,
                 window: ops::zeros(&[b, h, wcap, d], dtype, s)?,
@@ -282,9 +288,9 @@ impl LayerCache {
             }
             if codec.param_cols(d as usize) > 0 {
                 let shape = side.param_shape(b, h, codec.param_rows(cap), d as usize);
-                side.scales = Some(ops::zeros(&shape, Dtype::F16, s)?);
+                side.scales = Some(zeros_data(&shape, Dtype::F16)?);
                 if codec.has_zeros() {
-                    side.zeros = Some(ops::zeros(&shape, Dtype::F16, s)?);
+                    side.zeros = Some(zeros_data(&shape, Dtype::F16)?);
                 }
             }
             Ok(side)
