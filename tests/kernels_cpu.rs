@@ -390,3 +390,73 @@ fn store_write_names_the_argument_at_fault() {
         }
     }
 }
+
+#[test]
+fn key_mean_matches_the_reference_graph_and_skips_non_finite_keys() {
+    let s = Stream::cpu();
+    let mut rng = ChaCha8Rng::seed_from_u64(21);
+    for (dtype, tol) in [(Dtype::F32, 1e-5f32), (Dtype::F16, 1e-3), (Dtype::BF16, 8e-3)] {
+        for &(b, h, t, d) in &[(1usize, 2usize, 37usize, 64usize), (2, 3, 5, 40), (1, 1, 300, 128)] {
+            // Laid out [B, T, H, D] and viewed as [B, H, T, D], as a model hands keys over.
+            let mut x: Vec<f32> = (0..b * t * h * d).map(|_| rng.random::<f32>() * 4.0 - 1.0).collect();
+            for (i, special) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY].into_iter().enumerate() {
+                let n = x.len();
+                x[(i * 7919) % n] = special;
+            }
+            let raw = Array::from_slice(&x, &[b as i32, t as i32, h as i32, d as i32]).unwrap();
+            let keys = veloxquant::ops::transpose(&veloxquant::ops::astype(&raw, dtype, &s).unwrap(), &[0, 2, 1, 3], &s).unwrap();
+            // The keys as the kernel reads them (rounded to `dtype`).
+            let rounded = veloxquant::ops::astype(&keys, Dtype::F32, &s).unwrap().to_vec::<f32>().unwrap();
+            let frame = 16.0f32;
+            let rot: Vec<f32> = (0..d * d).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+            let rotation = Array::from_slice(&rot, &[d as i32, d as i32]).unwrap();
+            for rotated in [true, false] {
+                let a = kernels::KeyMean { keys: &keys, rotation: rotated.then_some(&rotation), frame };
+                let tag = format!("{dtype} b={b} h={h} t={t} d={d} rotated={rotated}");
+                let (m_ref, o_ref) = kernels::key_mean(&a, &opts(Policy::Off)).unwrap();
+                let (m, o) = kernels::key_mean(&a, &opts(Policy::Require)).unwrap();
+                assert_eq!((m.shape(), m.dtype()), (vec![b as i32, h as i32, 1, d as i32], Dtype::F32), "{tag}");
+                assert_eq!((o.shape(), o.dtype()), (vec![b as i32, h as i32, 1, d as i32], dtype), "{tag}");
+                let (m, m_ref) = (m.to_vec::<f32>().unwrap(), m_ref.to_vec::<f32>().unwrap());
+                for row in 0..b * h {
+                    for di in 0..d {
+                        let col = (0..t).map(|ti| rounded[(row * t + ti) * d + di]).filter(|v| v.is_finite());
+                        let want = col.sum::<f32>() / t as f32;
+                        let got = m[row * d + di];
+                        assert!(got.is_finite() && (got - want).abs() <= 1e-5 * (1.0 + want.abs()), "{tag} mean {got} vs {want}");
+                        assert!((got - m_ref[row * d + di]).abs() <= 1e-5 * (1.0 + want.abs()), "{tag} reference mean");
+                    }
+                }
+                let up = |a: &Array| veloxquant::ops::astype(a, Dtype::F32, &s).unwrap().to_vec::<f32>().unwrap();
+                let (o, o_ref) = (up(&o), up(&o_ref));
+                let largest = o_ref.iter().fold(0.0f32, |a, v| a.max(v.abs()));
+                for (g, e) in o.iter().zip(&o_ref) {
+                    assert!((g - e).abs() <= tol * largest.max(1e-3), "{tag} offset {g} vs {e}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn key_mean_refuses_bad_input_naming_the_argument() {
+    let s = Stream::cpu();
+    let z = |shape: &[i32], dtype: Dtype| veloxquant::ops::zeros(shape, dtype, &s).unwrap();
+    let (keys, rot) = (z(&[1, 2, 4, 64], Dtype::F16), z(&[64, 64], Dtype::F32));
+    let call = |keys: &Array, rotation: Option<&Array>, frame: f32| {
+        kernels::key_mean(&kernels::KeyMean { keys, rotation, frame }, &opts(Policy::Auto))
+    };
+    let err = call(&z(&[1, 2, 4, 64], Dtype::U8), None, 16.0).unwrap_err();
+    assert!(matches!(err, Error::Dtype { argument: "keys", .. }), "{err}");
+    let err = call(&z(&[1, 2, 0, 64], Dtype::F16), None, 16.0).unwrap_err();
+    assert!(err.to_string().contains("keys"), "{err}");
+    let err = call(&z(&[1, 2, 4, 60], Dtype::F16), None, 16.0).unwrap_err();
+    assert!(err.to_string().contains("keys"), "{err}");
+    let err = call(&keys, Some(&z(&[32, 32], Dtype::F32)), 16.0).unwrap_err();
+    assert!(err.to_string().contains("rotation"), "{err}");
+    let err = call(&keys, Some(&z(&[64, 64], Dtype::F16)), 16.0).unwrap_err();
+    assert!(err.to_string().contains("rotation"), "{err}");
+    let err = call(&keys, Some(&rot), 12.0).unwrap_err();
+    assert!(err.to_string().contains("frame"), "{err}");
+    assert!(call(&keys, Some(&rot), 16.0).is_ok());
+}

@@ -118,6 +118,48 @@ fn gpu_framed_dequantize_matches_cpu() {
 
 #[test]
 #[ignore = "needs a GPU back-end"]
+fn gpu_key_mean_matches_cpu() {
+    let mut rng = ChaCha8Rng::seed_from_u64(5);
+    let cpu_opts = Options::on(Stream::cpu(), Policy::Require);
+    let gpu_opts = gpu();
+    let s = gpu_opts.stream.clone().expect("a stream");
+    // (batch, heads, tokens, head size): llama-8b's and llama-1b's first
+    // chunks, a short odd one, a head of 40 (five loads a token).
+    for &(b, h, t, d) in &[(1i32, 8i32, 2048i32, 128i32), (1, 8, 2048, 64), (2, 3, 37, 96), (1, 2, 5, 40)] {
+        let mut x: Vec<f32> = (0..b * t * h * d).map(|_| rng.random::<f32>() * 4.0 - 1.0).collect();
+        let n = x.len();
+        for (i, v) in [f32::NAN, f32::INFINITY, f32::NEG_INFINITY].into_iter().enumerate() {
+            x[(i * 7919 + 3) % n] = v;
+        }
+        let rot: Vec<f32> = (0..d * d).map(|_| rng.random::<f32>() * 2.0 - 1.0).collect();
+        let rotation = Array::from_slice(&rot, &[d, d]).unwrap();
+        let raw = Array::from_slice(&x, &[b, t, h, d]).unwrap();
+        for dtype in [Dtype::F16, Dtype::BF16, Dtype::F32] {
+            // [B, T, H, D] viewed as [B, H, T, D], as a model hands keys over.
+            let keys = veloxquant::ops::transpose(&veloxquant::ops::astype(&raw, dtype, &s).unwrap(), &[0, 2, 1, 3], &s).unwrap();
+            for rotated in [true, false] {
+                let a = kernels::KeyMean { keys: &keys, rotation: rotated.then_some(&rotation), frame: 32.0 };
+                let tag = format!("{dtype} b={b} h={h} t={t} d={d} rotated={rotated}");
+                let (wm, wo) = kernels::key_mean(&a, &cpu_opts).unwrap();
+                let (gm, go) = kernels::key_mean(&a, &gpu_opts).unwrap();
+                let (wm, gm) = (wm.to_vec::<f32>().unwrap(), gm.to_vec::<f32>().unwrap());
+                for (g, w) in gm.iter().zip(&wm) {
+                    assert!(g.is_finite() && (g - w).abs() <= 1e-5 * (1.0 + w.abs()), "{tag} mean {g} vs {w}");
+                }
+                let up = |a: &Array| veloxquant::ops::astype(a, Dtype::F32, &Stream::cpu()).unwrap().to_vec::<f32>().unwrap();
+                let (wo, go) = (up(&wo), up(&go));
+                let largest = wo.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+                let tol = if dtype == Dtype::F32 { 1e-5 } else { 8e-3 };
+                for (g, w) in go.iter().zip(&wo) {
+                    assert!((g - w).abs() <= tol * largest, "{tag} offset {g} vs {w}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU back-end"]
 fn gpu_store_write_matches_cpu() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let cpu_opts = Options::on(Stream::cpu(), Policy::Require);

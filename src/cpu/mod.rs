@@ -6,6 +6,7 @@
 
 mod bitpack;
 pub mod framed_dequantize;
+pub mod key_mean;
 pub mod kv_attention;
 mod parallel;
 mod quant;

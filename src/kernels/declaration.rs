@@ -355,6 +355,15 @@ kernels! {
         cpu: true,
         strided: false,
     },
+    /// A layer's key mean over its first chunk and its offset in the keys' frame.
+    KeyMean = "key_mean" {
+        inputs: ["keys", "rotation"],
+        outputs: ["mean", "offset"],
+        metal: metal [],
+        cuda: cuda [],
+        cpu: true,
+        strided: true,
+    },
     /// A decode step's tokens written into the float16 windows.
     WindowAppend = "window_append" {
         inputs: ["keys", "values", "key_frame", "value_frame", "key_offset", "win_k", "win_v", "filled"],

@@ -10,6 +10,7 @@ mod bitpack;
 pub mod cpu_primitive;
 mod cuda_source;
 mod framed_dequantize;
+mod key_mean;
 pub mod gpu;
 pub mod kv_attention;
 mod quant;
@@ -28,6 +29,8 @@ use std::sync::OnceLock;
 
 pub use bitpack::{bit_pack, bit_unpack};
 pub use framed_dequantize::{framed_dequantize, FramedSide};
+pub use key_mean::{key_mean, KeyMean};
+pub(crate) use key_mean::mean_offset;
 pub use store_write::{store_write, StoreWrite};
 pub(crate) use store_write::stored_norms;
 pub use cuda_source::{by_include as cuda_source_by_include, CudaSource};

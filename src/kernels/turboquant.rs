@@ -25,7 +25,7 @@ pub const TQ_BITS: [u32; 5] = crate::cpu::SUPPORTED_BITS;
 /// Tokens per GPU threadgroup iteration (its thread count).
 const ATTENTION_THREADS: usize = 128;
 
-fn check_f32(argument: &'static str, a: &Array, shape: &[i32]) -> Result<()> {
+pub(crate) fn check_f32(argument: &'static str, a: &Array, shape: &[i32]) -> Result<()> {
     if a.dtype() != Dtype::F32 {
         return Err(Error::Dtype { argument, found: a.dtype().to_string(), expected: "float32".into() });
     }

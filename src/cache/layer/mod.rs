@@ -21,6 +21,7 @@ use crate::error::{Error, Result};
 use crate::kernels::kv_attention::{self, KvLayer, KvSideArrays};
 use crate::kernels::turboquant::{self, TqLayer};
 use crate::kernels::window::{self, WindowAppend};
+use crate::kernels::KeyMean;
 use crate::kernels::{self, Options, Policy};
 use crate::ops;
 use crate::quant::{Rotation, RotationKind};
@@ -444,19 +445,13 @@ impl LayerCache {
         let Some(Store::Compressed(c)) = &mut self.store else { unreachable!() };
         let (b, h, t, d) = (shape[0], shape[1], shape[2] as usize, shape[3]);
         if c.k_mean.is_none() {
-            // Over the finite entries only (a NaN or an infinity counts as 0),
-            // so that a non-finite key shifts no other key.
-            let kf = ops::astype(keys, Dtype::F32, &s)?;
-            let zero = Array::scalar_f32(0.0)?;
-            let bad = ops::astype(&ops::multiply(&kf, &zero, &s)?, Dtype::Bool, &s)?;
-            let kf = ops::where_(&bad, &zero, &kf, &s)?;
-            let sum = ops::sum_axis(&kf, 2, true, &s)?;
-            c.k_mean = Some(ops::divide(&sum, &Array::scalar_f32(t as f32)?, &s)?);
-        }
-        let key_rotated = c.keys.codec.codec.rotated();
-        if c.k_offset.is_none() {
-            let mean = c.k_mean.as_ref().expect("set above");
-            c.k_offset = Some(key_offset(mean, shared.rotation.as_ref().filter(|_| key_rotated), dtype, &s)?);
+            // The first chunk's mean, over its finite entries, and its offset
+            // in the keys' frame, in one operation.
+            let rotation = shared.rotation.as_ref().filter(|_| c.keys.codec.codec.rotated());
+            let (mean, offset) =
+                kernels::key_mean(&KeyMean { keys, rotation, frame: frame_scale(self.cfg.head_dim) }, &opts)?;
+            c.k_mean = Some(mean);
+            c.k_offset = Some(offset);
         }
         let max_slots = self.cfg.window_capacity();
         let held = c.n_sink + c.len + c.n_recent + t;

@@ -5,17 +5,10 @@ use super::*;
 
 /// `−mean` in the keys' frame (`−mean·Πᵀ/F` when `rotation`, the shared
 /// `F·Π`, is given, else `−mean/F`), in `dtype`: what every new key gets
-/// added.
+/// added (a loaded state's mean; a first chunk's comes with its mean,
+/// `kernels::key_mean`).
 pub(super) fn key_offset(mean: &Array, rotation: Option<&Array>, dtype: Dtype, s: &Stream) -> Result<Array> {
-    let f = frame_scale(mean.shape()[3] as usize);
-    let framed = match rotation {
-        Some(r) => {
-            let into = ops::multiply(&ops::transpose(r, &[1, 0], s)?, &Array::scalar_f32(-1.0 / (f * f))?, s)?;
-            ops::matmul(mean, &into, s)?
-        }
-        None => ops::multiply(mean, &Array::scalar_f32(-1.0 / f)?, s)?,
-    };
-    ops::astype(&framed, dtype, s)
+    crate::kernels::mean_offset(mean, rotation, frame_scale(mean.shape()[3] as usize), dtype, s)
 }
 
 /// Token slots of a float16 cache's allocation step (mlx_lm's `KVCache`
