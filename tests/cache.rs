@@ -1158,6 +1158,12 @@ fn a_chunk_that_grows_turboquant_stores_writes_each_in_one_launch() {
         let launched = veloxquant::graph::pending_kernels(&cache.arrays()).unwrap();
         let count = |name: &str| launched.iter().filter(|n| n.as_str() == name).count();
         assert_eq!(count("veloxquant_store_write"), 2, "chunk {chunk}: {launched:?}");
+        // The first chunk's key mean and its offset: one `key_mean`, none of
+        // the ops it stands for (the mask's select, the sum, the division).
+        assert_eq!(count("veloxquant_key_mean"), usize::from(chunk == 0), "chunk {chunk}: {launched:?}");
+        for op in ["Select", "Sum", "Divide"] {
+            assert_eq!(count(op), 0, "chunk {chunk}: {op} in {launched:?}");
+        }
         // The first chunk also makes the stores and windows (zeros) and the keys' mean.
         for op in ["Full", "SliceUpdate", "GreaterEqual", "Select"].into_iter().filter(|_| chunk > 0) {
             // The windows' own writes are slice updates: two a chunk.

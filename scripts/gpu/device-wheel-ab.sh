@@ -9,6 +9,8 @@
 #
 #   device-wheel-ab.sh WHEEL_A WHEEL_B [...] [-- python module or script.py, and arguments]
 #   ROUNDS  runs of each build (default 2)
+#   OWN_PY=1  each wheel keeps its own Python files (builds of commits whose
+#             Python differs too: a bisection across a range of commits)
 #
 # Default command: python3 -m veloxquant.tools.bench_attention --device gpu
 # --iters 20 --contexts 32768 131072. Build each wheel with
@@ -31,8 +33,10 @@ export LD_LIBRARY_PATH=/root/site/mlx/lib PYTHONUNBUFFERED=1
 for i in "${!wheels[@]}"; do
   rm -rf "/root/vq$i"
   python3 -m pip install -q --no-index --no-deps --target "/root/vq$i" "${wheels[$i]}" || exit 1
-  cp python/veloxquant/*.py "/root/vq$i/veloxquant/"
-  cp python/veloxquant/tools/*.py "/root/vq$i/veloxquant/tools/"
+  if [ "${OWN_PY:-0}" != 1 ]; then
+    cp python/veloxquant/*.py "/root/vq$i/veloxquant/"
+    cp python/veloxquant/tools/*.py "/root/vq$i/veloxquant/tools/"
+  fi
 done
 # A script (scripts/gpu/prefill_chunks.py ...) runs as a file, anything else as a module.
 run=(-m); [[ "${cmd[0]}" == *.py ]] && run=()
