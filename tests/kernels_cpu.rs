@@ -330,35 +330,47 @@ fn store_case(rng: &mut ChaCha8Rng, rows: usize, cap0: usize, first: usize, m: u
     StoreCase { codes, norms, new_codes, new_norms, want_codes, want_norms }
 }
 
+/// A side's four arrays `[b, h, ...]` from a case.
+fn store_arrays(c: &StoreCase, (b, h): (i32, i32), cap0: usize, m: usize, nb: usize) -> [Array; 4] {
+    [
+        Array::from_slice(&c.codes, &[b, h, cap0 as i32, nb as i32]).unwrap(),
+        Array::from_slice(&c.norms, &[b, h, cap0 as i32]).unwrap(),
+        Array::from_slice(&c.new_codes, &[b, h, m as i32, nb as i32]).unwrap(),
+        Array::from_slice(&c.new_norms, &[b, h, m as i32]).unwrap(),
+    ]
+}
+
 #[test]
 fn store_write_keeps_the_old_slots_then_the_new_tokens_marked_then_zeros() {
     let mut rng = ChaCha8Rng::seed_from_u64(9);
-    // (rows, old slots, first, new tokens, new slots, code bytes): 4-bit and
-    // 3-bit rows at heads of 128 and 64, a 3-bit head of 80 (30 bytes, not a
-    // whole number of words), nothing kept, nothing new, a store that shrinks.
-    for &(rows, cap0, first, m, cap, nb) in &[
-        (6usize, 40usize, 33usize, 70usize, 128usize, 64usize),
-        (2, 64, 64, 9, 80, 48),
-        (3, 17, 5, 11, 20, 30),
-        (4, 0, 0, 25, 64, 24),
-        (2, 30, 30, 0, 64, 32),
-        (2, 50, 10, 12, 22, 12),
+    // (rows, old slots, first, new tokens, new slots, the keys' and the
+    // values' code bytes): 4-bit and 3-bit rows at heads of 128 and 64, a
+    // 3-bit head of 80 (30 bytes, not a whole number of words), nothing
+    // kept, nothing new, a store that shrinks.
+    for &(rows, cap0, first, m, cap, kb, vb) in &[
+        (6usize, 40usize, 33usize, 70usize, 128usize, 64usize, 48usize),
+        (2, 64, 64, 9, 80, 32, 24),
+        (3, 17, 5, 11, 20, 30, 40),
+        (4, 0, 0, 25, 64, 24, 24),
+        (2, 30, 30, 0, 64, 32, 48),
+        (2, 50, 10, 12, 22, 12, 30),
     ] {
-        let c = store_case(&mut rng, rows, cap0, first, m, cap, nb);
-        let (b, h) = if rows % 2 == 0 { (2, rows as i32 / 2) } else { (1, rows as i32) };
-        let codes = Array::from_slice(&c.codes, &[b, h, cap0 as i32, nb as i32]).unwrap();
-        let norms = Array::from_slice(&c.norms, &[b, h, cap0 as i32]).unwrap();
-        let new_codes = Array::from_slice(&c.new_codes, &[b, h, m as i32, nb as i32]).unwrap();
-        let new_norms = Array::from_slice(&c.new_norms, &[b, h, m as i32]).unwrap();
-        let a = kernels::StoreWrite { codes: &codes, norms: &norms, new_codes: &new_codes, new_norms: &new_norms, first, capacity: cap };
+        let (ck, cv) = (store_case(&mut rng, rows, cap0, first, m, cap, kb), store_case(&mut rng, rows, cap0, first, m, cap, vb));
+        let bh = if rows % 2 == 0 { (2, rows as i32 / 2) } else { (1, rows as i32) };
+        let [kc, kn, knc, knn] = store_arrays(&ck, bh, cap0, m, kb);
+        let [vc, vn, vnc, vnn] = store_arrays(&cv, bh, cap0, m, vb);
+        let k = kernels::StoreWrite { codes: &kc, norms: &kn, new_codes: &knc, new_norms: &knn, first, capacity: cap };
+        let v = kernels::StoreWrite { codes: &vc, norms: &vn, new_codes: &vnc, new_norms: &vnn, first, capacity: cap };
         for policy in [Policy::Require, Policy::Off] {
-            let tag = format!("rows={rows} cap0={cap0} first={first} m={m} cap={cap} nb={nb} {policy}");
-            let (oc, on) = kernels::store_write(&a, &opts(policy)).unwrap();
-            assert_eq!(oc.shape(), vec![b, h, cap as i32, nb as i32], "{tag}");
-            assert_eq!(on.shape(), vec![b, h, cap as i32], "{tag}");
-            assert_eq!(oc.to_vec::<u8>().unwrap(), c.want_codes, "codes {tag}");
-            let bits: Vec<u16> = on.to_vec::<f16>().unwrap().iter().map(|n| n.to_bits()).collect();
-            assert_eq!(bits, c.want_norms, "norms {tag}");
+            let out = kernels::store_write([&k, &v], &opts(policy)).unwrap();
+            for ((oc, on), (c, nb, side)) in out.iter().zip([(&ck, kb, "keys"), (&cv, vb, "values")]) {
+                let tag = format!("{side} rows={rows} cap0={cap0} first={first} m={m} cap={cap} nb={nb} {policy}");
+                assert_eq!(oc.shape(), vec![bh.0, bh.1, cap as i32, nb as i32], "{tag}");
+                assert_eq!(on.shape(), vec![bh.0, bh.1, cap as i32], "{tag}");
+                assert_eq!(oc.to_vec::<u8>().unwrap(), c.want_codes, "codes {tag}");
+                let bits: Vec<u16> = on.to_vec::<f16>().unwrap().iter().map(|n| n.to_bits()).collect();
+                assert_eq!(bits, c.want_norms, "norms {tag}");
+            }
         }
     }
 }
@@ -367,12 +379,9 @@ fn store_write_keeps_the_old_slots_then_the_new_tokens_marked_then_zeros() {
 fn store_write_names_the_argument_at_fault() {
     let mut rng = ChaCha8Rng::seed_from_u64(10);
     let c = store_case(&mut rng, 4, 20, 10, 6, 32, 32);
-    let codes = Array::from_slice(&c.codes, &[2, 2, 20, 32]).unwrap();
-    let norms = Array::from_slice(&c.norms, &[2, 2, 20]).unwrap();
-    let new_codes = Array::from_slice(&c.new_codes, &[2, 2, 6, 32]).unwrap();
-    let new_norms = Array::from_slice(&c.new_norms, &[2, 2, 6]).unwrap();
+    let [codes, norms, new_codes, new_norms] = store_arrays(&c, (2, 2), 20, 6, 32);
     let ok = kernels::StoreWrite { codes: &codes, norms: &norms, new_codes: &new_codes, new_norms: &new_norms, first: 10, capacity: 32 };
-    assert!(kernels::store_write(&ok, &opts(Policy::Require)).is_ok());
+    assert!(kernels::store_write([&ok, &ok], &opts(Policy::Require)).is_ok());
     let norms32 = veloxquant::ops::astype(&norms, Dtype::F32, &Stream::cpu()).unwrap();
     let short_rows = Array::from_slice(&c.new_codes[..2 * 2 * 6 * 16], &[2, 2, 6, 16]).unwrap();
     let wrong_tokens = Array::from_slice(&c.new_norms[..2 * 2 * 5], &[2, 2, 5]).unwrap();
@@ -384,10 +393,18 @@ fn store_write_names_the_argument_at_fault() {
         ("capacity", kernels::StoreWrite { capacity: 15, ..ok }),
     ];
     for (argument, a) in bad {
-        match kernels::store_write(&a, &opts(Policy::Require)) {
-            Err(Error::InvalidArgument { argument: got, .. }) => assert_eq!(got, argument),
-            other => panic!("{argument}: expected an error, got {:?}", other.map(|(c, _)| c.shape())),
+        for pair in [[&a, &ok], [&ok, &a]] {
+            match kernels::store_write(pair, &opts(Policy::Require)) {
+                Err(Error::InvalidArgument { argument: got, .. }) => assert_eq!(got, argument),
+                other => panic!("{argument}: expected an error, got {:?}", other.map(|o| o[0].0.shape())),
+            }
         }
+    }
+    // The two sides must share their rows, slots and tokens.
+    let later = kernels::StoreWrite { first: 12, ..ok };
+    match kernels::store_write([&ok, &later], &opts(Policy::Require)) {
+        Err(Error::InvalidArgument { argument, .. }) => assert_eq!(argument, "sides"),
+        other => panic!("sides: expected an error, got {:?}", other.map(|o| o[0].0.shape())),
     }
 }
 

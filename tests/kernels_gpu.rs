@@ -163,24 +163,36 @@ fn gpu_key_mean_matches_cpu() {
 fn gpu_store_write_matches_cpu() {
     let mut rng = ChaCha8Rng::seed_from_u64(4);
     let cpu_opts = Options::on(Stream::cpu(), Policy::Require);
-    // (old slots, first, new tokens, new slots, code bytes): heads of 128
-    // (K4, V3), of 64, and of 80 at 3 bits (30 bytes a row).
-    for &(cap0, first, m, cap, nb) in &[(300i32, 260usize, 1900i32, 2240usize, 64i32), (300, 300, 77, 400, 48), (64, 0, 40, 64, 32), (90, 31, 50, 128, 30)] {
-        let codes: Vec<u8> = (0..2 * 8 * cap0 * nb).map(|_| rng.random::<u8>()).collect();
-        let new_codes: Vec<u8> = (0..2 * 8 * m * nb).map(|_| rng.random::<u8>()).collect();
-        let mut norm = |i: i32| if i % 7 == 3 { [f16::MAX, f16::NAN, f16::INFINITY][(i as usize / 7) % 3] } else { f16::from_f32(rng.random::<f32>() * 9.0) };
-        // Kept slots hold marked tokens too: their NaN must come through bit for bit.
-        let norms: Vec<f16> = (0..2 * 8 * cap0).map(|i| if i % 11 == 5 { f16::NAN } else { f16::from_f32(1.5) }).collect();
-        let new_norms: Vec<f16> = (0..2 * 8 * m).map(&mut norm).collect();
-        let codes = Array::from_slice(&codes, &[2, 8, cap0, nb]).unwrap();
-        let norms = Array::from_slice(&norms, &[2, 8, cap0]).unwrap();
-        let new_codes = Array::from_slice(&new_codes, &[2, 8, m, nb]).unwrap();
-        let new_norms = Array::from_slice(&new_norms, &[2, 8, m]).unwrap();
-        let a = kernels::StoreWrite { codes: &codes, norms: &norms, new_codes: &new_codes, new_norms: &new_norms, first, capacity: cap };
-        let (wc, wn) = kernels::store_write(&a, &cpu_opts).unwrap();
-        let (gc, gn) = kernels::store_write(&a, &gpu()).unwrap();
-        assert_eq!(gc.to_vec::<u8>().unwrap(), wc.to_vec::<u8>().unwrap(), "codes cap0={cap0} first={first} m={m} nb={nb}");
+    // (old slots, first, new tokens, new slots, the keys' and the values'
+    // code bytes): heads of 128 (K4, V3), of 64, and of 80 (40 and 30 bytes a
+    // row, not a whole number of words for the values).
+    for &(cap0, first, m, cap, kb, vb) in
+        &[(300i32, 260usize, 1900i32, 2240usize, 64i32, 48i32), (300, 300, 77, 400, 32, 24), (64, 0, 40, 64, 32, 32), (90, 31, 50, 128, 40, 30)]
+    {
+        let mut side = |nb: i32| -> [Array; 4] {
+            let codes: Vec<u8> = (0..2 * 8 * cap0 * nb).map(|_| rng.random::<u8>()).collect();
+            let new_codes: Vec<u8> = (0..2 * 8 * m * nb).map(|_| rng.random::<u8>()).collect();
+            let mut norm = |i: i32| if i % 7 == 3 { [f16::MAX, f16::NAN, f16::INFINITY][(i as usize / 7) % 3] } else { f16::from_f32(rng.random::<f32>() * 9.0) };
+            // Kept slots hold marked tokens too: their NaN must come through bit for bit.
+            let norms: Vec<f16> = (0..2 * 8 * cap0).map(|i| if i % 11 == 5 { f16::NAN } else { f16::from_f32(1.5) }).collect();
+            let new_norms: Vec<f16> = (0..2 * 8 * m).map(&mut norm).collect();
+            [
+                Array::from_slice(&codes, &[2, 8, cap0, nb]).unwrap(),
+                Array::from_slice(&norms, &[2, 8, cap0]).unwrap(),
+                Array::from_slice(&new_codes, &[2, 8, m, nb]).unwrap(),
+                Array::from_slice(&new_norms, &[2, 8, m]).unwrap(),
+            ]
+        };
+        let ([kc, kn, knc, knn], [vc, vn, vnc, vnn]) = (side(kb), side(vb));
+        let k = kernels::StoreWrite { codes: &kc, norms: &kn, new_codes: &knc, new_norms: &knn, first, capacity: cap };
+        let v = kernels::StoreWrite { codes: &vc, norms: &vn, new_codes: &vnc, new_norms: &vnn, first, capacity: cap };
+        let want = kernels::store_write([&k, &v], &cpu_opts).unwrap();
+        let got = kernels::store_write([&k, &v], &gpu()).unwrap();
         let bits = |a: &Array| a.to_vec::<f16>().unwrap().iter().map(|n| n.to_bits()).collect::<Vec<_>>();
-        assert_eq!(bits(&gn), bits(&wn), "norms cap0={cap0} first={first} m={m} nb={nb}");
+        for ((gc, gn), (wc, wn)) in got.iter().zip(&want) {
+            let tag = format!("cap0={cap0} first={first} m={m} nb={}", wc.shape()[3]);
+            assert_eq!(gc.to_vec::<u8>().unwrap(), wc.to_vec::<u8>().unwrap(), "codes {tag}");
+            assert_eq!(bits(gn), bits(wn), "norms {tag}");
+        }
     }
 }

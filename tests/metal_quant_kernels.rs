@@ -353,46 +353,71 @@ fn framed_dequantize_matches_cpu() {
     framed::<f16>(8, 2, [1, 1, 1, 1, 0], 32, false);
 }
 
-fn store_write(rows: usize, cap0: usize, first: usize, m: usize, cap: usize, nb: usize, tg: u32, round_up: bool) {
-    use veloxquant::cpu::store_write::{store_write, StoreShape};
-    let sh = StoreShape { rows, capacity: cap0, new_capacity: cap, first, tokens: m, row_bytes: nb };
+/// One side's store and new tokens, and what `store_write` makes of them.
+struct StoreSide {
+    codes: Vec<u8>,
+    norms: Vec<f16>,
+    new_codes: Vec<u8>,
+    new_norms: Vec<f16>,
+    want_codes: Vec<u8>,
+    want_norms: Vec<f16>,
+}
+
+fn store_side(seed: u64, sh: &veloxquant::cpu::store_write::StoreShape) -> StoreSide {
+    let (rows, cap0, m, nb) = (sh.rows, sh.capacity, sh.tokens, sh.row_bytes);
     let byte = |x: &f32| (x.to_bits() >> 9) as u8;
-    let codes: Vec<u8> = data(11, rows * cap0 * nb, 1.0).iter().map(byte).collect();
-    let new_codes: Vec<u8> = data(12, rows * m * nb, 1.0).iter().map(byte).collect();
-    let norms: Vec<f16> = data(13, rows * cap0, 4.0).iter().map(|x| f16::from_f32(x.abs())).collect();
+    let codes: Vec<u8> = data(seed, rows * cap0 * nb, 1.0).iter().map(byte).collect();
+    let new_codes: Vec<u8> = data(seed + 1, rows * m * nb, 1.0).iter().map(byte).collect();
+    let norms: Vec<f16> = data(seed + 2, rows * cap0, 4.0).iter().map(|x| f16::from_f32(x.abs())).collect();
     // Every fourth new norm saturated, NaN or infinite: stored as NaN.
     let specials = [f16::MAX, f16::NAN, f16::INFINITY];
-    let new_norms: Vec<f16> = data(14, rows * m, 4.0)
+    let new_norms: Vec<f16> = data(seed + 3, rows * m, 4.0)
         .iter()
         .enumerate()
         .map(|(i, x)| if i % 4 == 3 { specials[(i / 4) % 3] } else { f16::from_f32(x.abs()) })
         .collect();
-    let (mut want_codes, mut want_norms) = (vec![0u8; rows * cap * nb], vec![f16::ZERO; rows * cap]);
-    store_write(&codes, &norms, &new_codes, &new_norms, &sh, &mut want_codes, &mut want_norms);
-    let tag = format!("rows={rows} cap0={cap0} first={first} m={m} cap={cap} nb={nb} tg={tg}");
-    let sizes = [rows, cap0, first, m, cap, nb].map(|v| v as u32);
-    let out = metal_emulator::declared(Kernel::StoreWrite)
-        .launch()
-        .input(HostArray::new(&[rows, cap0, nb], &codes))
-        .input(HostArray::new(&[rows, cap0], &norms))
-        .input(HostArray::new(&[rows, m, nb], &new_codes))
-        .input(HostArray::new(&[rows, m], &new_norms))
-        .input(HostArray::new(&[6], &sizes))
-        .output(&[rows, cap, nb], Dtype::U8)
+    let (mut want_codes, mut want_norms) = (vec![0u8; rows * sh.new_capacity * nb], vec![f16::ZERO; rows * sh.new_capacity]);
+    veloxquant::cpu::store_write::store_write(&codes, &norms, &new_codes, &new_norms, sh, &mut want_codes, &mut want_norms);
+    StoreSide { codes, norms, new_codes, new_norms, want_codes, want_norms }
+}
+
+fn store_write(rows: usize, cap0: usize, first: usize, m: usize, cap: usize, (kb, vb): (usize, usize), tg: u32, round_up: bool) {
+    use veloxquant::cpu::store_write::StoreShape;
+    let shape = |nb| StoreShape { rows, capacity: cap0, new_capacity: cap, first, tokens: m, row_bytes: nb };
+    let (k, v) = (store_side(11, &shape(kb)), store_side(21, &shape(vb)));
+    let tag = format!("rows={rows} cap0={cap0} first={first} m={m} cap={cap} kb={kb} vb={vb} tg={tg}");
+    let sizes = [rows, cap0, first, m, cap, kb, vb].map(|v| v as u32);
+    let kernel = metal_emulator::declared(Kernel::StoreWrite);
+    let mut launch = kernel.launch();
+    for (s, nb) in [(&k, kb), (&v, vb)] {
+        launch = launch
+            .input(HostArray::new(&[rows, cap0, nb], &s.codes))
+            .input(HostArray::new(&[rows, cap0], &s.norms))
+            .input(HostArray::new(&[rows, m, nb], &s.new_codes))
+            .input(HostArray::new(&[rows, m], &s.new_norms));
+    }
+    let items = rows * cap * (kb.div_ceil(4) + vb.div_ceil(4));
+    let out = launch
+        .input(HostArray::new(&[7], &sizes))
+        .output(&[rows, cap, kb], Dtype::U8)
         .output(&[rows, cap], Dtype::F16)
-        .grid(grid(rows * cap * nb.div_ceil(4), tg, round_up), 1, 1)
+        .output(&[rows, cap, vb], Dtype::U8)
+        .output(&[rows, cap], Dtype::F16)
+        .grid(grid(items, tg, round_up), 1, 1)
         .threadgroup(tg, 1, 1)
         .run()
         .unwrap_or_else(|e| panic!("store_write {tag}: {e}"));
-    assert_eq!(out[0].to_vec::<u8>(), want_codes, "store_write codes {tag}");
     let bits = |v: &[f16]| v.iter().map(|n| n.to_bits()).collect::<Vec<_>>();
-    assert_eq!(bits(&out[1].to_vec::<f16>()), bits(&want_norms), "store_write norms {tag}");
+    for (i, (s, side)) in [(&k, "keys"), (&v, "values")].into_iter().enumerate() {
+        assert_eq!(out[2 * i].to_vec::<u8>(), s.want_codes, "store_write {side} codes {tag}");
+        assert_eq!(bits(&out[2 * i + 1].to_vec::<f16>()), bits(&s.want_norms), "store_write {side} norms {tag}");
+    }
 }
 
 #[test]
 fn store_write_matches_cpu() {
-    store_write(4, 40, 33, 70, 128, 64, 256, true);
-    store_write(3, 17, 5, 11, 20, 30, 64, false);
-    store_write(2, 0, 0, 25, 64, 24, 32, true);
-    store_write(2, 50, 10, 12, 22, 12, 128, false);
+    store_write(4, 40, 33, 70, 128, (64, 48), 256, true);
+    store_write(3, 17, 5, 11, 20, (30, 40), 64, false);
+    store_write(2, 0, 0, 25, 64, (24, 24), 32, true);
+    store_write(2, 50, 10, 12, 22, (12, 30), 128, false);
 }

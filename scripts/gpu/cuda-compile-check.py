@@ -70,8 +70,10 @@ KERNELS = {
     "framed_dequantize": ([("window", "T"), ("codes", "uint8_t"), ("norms", "__half"), ("table", "float"), ("chunk", "T"),
                            ("params", "uint32_t")], [("out", "T")],
                           {"T": ELEMENT, "D": [64, 96, 128], "B_BITS": [1, 2, 3, 4, 8]}),
-    "store_write": ([("codes", "uint8_t"), ("norms", "__half"), ("new_codes", "uint8_t"), ("new_norms", "__half"),
-                     ("params", "uint32_t")], [("out_codes", "uint8_t"), ("out_norms", "__half")], {}),
+    "store_write": ([(f"{side}_{n}", ty) for side in "kv" for n, ty in (("codes", "uint8_t"), ("norms", "__half"),
+                                                                        ("new_codes", "uint8_t"), ("new_norms", "__half"))]
+                    + [("params", "uint32_t")],
+                    [(f"{side}_{n}", ty) for side in "kv" for n, ty in (("out_codes", "uint8_t"), ("out_norms", "__half"))], {}),
     "key_mean": ([("keys", "T"), ("rotation", "float")], [("mean", "float"), ("offset", "T")],
                  {"T": ELEMENT, "D": [128, 64, 256, 96, 40], "ROTATE": [True, False], "FRAME": [16, 32], "TG": [1024]}),
     "kivi_quantize": ([("x", "T"), ("params", "uint32_t")],

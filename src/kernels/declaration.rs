@@ -290,10 +290,13 @@ kernels! {
         cpu: true,
         strided: false,
     },
-    /// One TurboQuant-MSE side's store grown with a prefill chunk's codes written.
+    /// A TurboQuant-MSE layer's two stores grown with a prefill chunk's codes written.
     StoreWrite = "store_write" {
-        inputs: ["codes", "norms", "new_codes", "new_norms", "params"],
-        outputs: ["out_codes", "out_norms"],
+        inputs: [
+            "k_codes", "k_norms", "k_new_codes", "k_new_norms", "v_codes", "v_norms", "v_new_codes", "v_new_norms",
+            "params",
+        ],
+        outputs: ["k_out_codes", "k_out_norms", "v_out_codes", "v_out_norms"],
         metal: metal [],
         cuda: cuda ["vq_access.cuh"],
         cpu: true,

@@ -1,5 +1,6 @@
-//! `store_write`: one TurboQuant-MSE side's store grown to a new capacity
-//! with a prefill chunk's encoded tokens written, in one operation.
+//! `store_write`: a TurboQuant-MSE layer's two stores (keys and values)
+//! grown to a new capacity with a prefill chunk's encoded tokens written, in
+//! one operation.
 //!
 //! As plain ops that is zeros and a join for the codes and for the norms, a
 //! slice update of each and the norms' non-finite mark: ten launches a side,
@@ -67,59 +68,71 @@ impl StoreWrite<'_> {
     }
 }
 
-/// The store's codes `[B, Hkv, capacity, row_bytes]` and norms `[B, Hkv,
-/// capacity]`: slots before `first` as held, then the new tokens (a norm at
-/// or past float16's largest, where the encoder saturates a token with a NaN
-/// or an infinity, as NaN, so that it decodes to NaN), then zeros.
-pub fn store_write(a: &StoreWrite<'_>, opts: &Options) -> Result<(Array, Array)> {
-    let sh = a.check()?;
+/// Each side's store: codes `[B, Hkv, capacity, row_bytes]` and norms `[B,
+/// Hkv, capacity]`, slots before `first` as held, then the new tokens (a
+/// norm at or past float16's largest, where the encoder saturates a token
+/// with a NaN or an infinity, as NaN, so that it decodes to NaN), then
+/// zeros. The two sides (a layer's keys and values) share their rows,
+/// slots and tokens; their code rows may differ in length.
+pub fn store_write(sides: [&StoreWrite<'_>; 2], opts: &Options) -> Result<[(Array, Array); 2]> {
+    let [k, v] = sides;
+    let (ks, vs) = (k.check()?, v.check()?);
+    if (vs.rows, vs.capacity, vs.new_capacity, vs.first, vs.tokens) != (ks.rows, ks.capacity, ks.new_capacity, ks.first, ks.tokens) {
+        return Err(Error::invalid(
+            "sides",
+            format!("the values' store {vs:?} and the keys' {ks:?} differ in rows, slots or tokens"),
+        ));
+    }
     let stream = opts.resolve_stream()?;
-    let cs = a.codes.shape();
-    let codes_shape = vec![cs[0], cs[1], sh.new_capacity as i32, cs[3]];
-    let norms_shape = codes_shape[..3].to_vec();
-    let items = sh.rows * sh.new_capacity * sh.row_bytes.div_ceil(4);
+    let shapes = |a: &StoreWrite<'_>, sh: &StoreShape| {
+        let cs = a.codes.shape();
+        let codes = vec![cs[0], cs[1], sh.new_capacity as i32, cs[3]];
+        let norms = codes[..3].to_vec();
+        [(codes, Dtype::U8), (norms, Dtype::F16)]
+    };
+    let [kc, kn] = shapes(k, &ks);
+    let [vc, vn] = shapes(v, &vs);
+    let outputs = [kc, kn, vc, vn];
+    let words = |sh: &StoreShape| sh.rows * sh.new_capacity * sh.row_bytes.div_ceil(4);
+    let items = words(&ks) + words(&vs);
     let imp = select(Kernel::StoreWrite, opts.policy, &stream)?;
-    let mut outs = match imp {
-        _ if items == 0 => return reference(a, &sh, &codes_shape, &stream),
-        Implementation::Reference => return reference(a, &sh, &codes_shape, &stream),
+    let outs = match imp {
+        _ if items == 0 => return Ok([reference(k, &ks, &stream)?, reference(v, &vs, &stream)?]),
+        Implementation::Reference => return Ok([reference(k, &ks, &stream)?, reference(v, &vs, &stream)?]),
         Implementation::Cpu => cpu_primitive::apply(
             Kernel::StoreWrite.name(),
-            &[a.codes, a.norms, a.new_codes, a.new_norms],
-            &[(codes_shape, Dtype::U8), (norms_shape, Dtype::F16)],
+            &[k.codes, k.norms, k.new_codes, k.new_norms, v.codes, v.norms, v.new_codes, v.new_norms],
+            &outputs,
             &stream,
             Box::new(move |ins, outs| {
-                let (oc, on) = outs.split_at_mut(1);
-                cpu_store::store_write(
-                    ins[0].as_slice::<u8>()?,
-                    ins[1].as_slice::<f16>()?,
-                    ins[2].as_slice::<u8>()?,
-                    ins[3].as_slice::<f16>()?,
-                    &sh,
-                    oc[0].as_mut_slice::<u8>()?,
-                    on[0].as_mut_slice::<f16>()?,
-                );
+                for (side, sh) in [ks, vs].iter().enumerate() {
+                    let i = &ins[4 * side..];
+                    let (oc, on) = outs[2 * side..].split_at_mut(1);
+                    cpu_store::store_write(
+                        i[0].as_slice::<u8>()?,
+                        i[1].as_slice::<f16>()?,
+                        i[2].as_slice::<u8>()?,
+                        i[3].as_slice::<f16>()?,
+                        sh,
+                        oc[0].as_mut_slice::<u8>()?,
+                        on[0].as_mut_slice::<f16>()?,
+                    );
+                }
                 Ok(())
             }),
         )?,
         imp @ (Implementation::Metal | Implementation::Cuda) => {
-            let p = sizes(imp, "codes", &[sh.rows, sh.capacity, sh.first, sh.tokens, sh.new_capacity, sh.row_bytes])?;
+            let p = sizes(imp, "codes", &[ks.rows, ks.capacity, ks.first, ks.tokens, ks.new_capacity, ks.row_bytes, vs.row_bytes])?;
             let (grid, threadgroup) = grid_1d("capacity", items)?;
-            let inputs = [a.codes, a.norms, a.new_codes, a.new_norms, &p];
+            let inputs = [k.codes, k.norms, k.new_codes, k.new_norms, v.codes, v.norms, v.new_codes, v.new_norms, &p];
             gpu::launch(
-                &Launch {
-                    kernel: Kernel::StoreWrite,
-                    inputs: &inputs,
-                    outputs: &[(codes_shape, Dtype::U8), (norms_shape, Dtype::F16)],
-                    grid,
-                    threadgroup,
-                    template: &[],
-                },
+                &Launch { kernel: Kernel::StoreWrite, inputs: &inputs, outputs: &outputs, grid, threadgroup, template: &[] },
                 &stream,
             )?
         }
     };
-    let norms = outs.remove(1);
-    Ok((outs.remove(0), norms))
+    let [kc, kn, vc, vn]: [Array; 4] = outs.try_into().map_err(|_| Error::invalid("store_write", "expected four outputs"))?;
+    Ok([(kc, kn), (vc, vn)])
 }
 
 /// Float16 norms as the store keeps them, as MLX ops
@@ -133,11 +146,13 @@ pub(crate) fn stored_norms(norms: &Array, s: &Stream) -> Result<Array> {
     ops::where_(&ops::greater_equal(norms, &limit, s)?, &nan, norms, s)
 }
 
-/// The same as plain MLX ops.
-fn reference(a: &StoreWrite<'_>, sh: &StoreShape, codes_shape: &[i32], s: &Stream) -> Result<(Array, Array)> {
-    let (b, h, nb) = (codes_shape[0], codes_shape[1], codes_shape[3]);
+/// One side as plain MLX ops.
+fn reference(a: &StoreWrite<'_>, sh: &StoreShape, s: &Stream) -> Result<(Array, Array)> {
+    let cs = a.codes.shape();
+    let (b, h, nb) = (cs[0], cs[1], cs[3]);
+    let codes_shape = [b, h, sh.new_capacity as i32, nb];
     let (first, end) = (sh.first as i32, (sh.first + sh.tokens) as i32);
-    let mut codes = ops::zeros(codes_shape, Dtype::U8, s)?;
+    let mut codes = ops::zeros(&codes_shape, Dtype::U8, s)?;
     let mut norms = ops::zeros(&codes_shape[..3], Dtype::F16, s)?;
     if first > 0 {
         let old = ops::slice(a.codes, &[0, 0, 0, 0], &[b, h, first, nb], s)?;

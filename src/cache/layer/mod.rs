@@ -548,8 +548,7 @@ impl LayerCache {
         let ev = c.values.encode(&cv, shared.v_table.as_ref(), dtype, !in_one, &opts)?;
         match grown {
             Some(cap) if in_one => {
-                c.keys.write_grown(ek, first, cap, &opts)?;
-                c.values.write_grown(ev, first, cap, &opts)?;
+                write_grown(&mut c.keys, &mut c.values, ek, ev, first, cap, &opts)?;
                 c.capacity = cap;
             }
             _ => {

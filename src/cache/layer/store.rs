@@ -158,27 +158,10 @@ impl Side {
         Ok(e)
     }
 
-    /// Whether [`write_grown`](Self::write_grown) takes this side: its
-    /// codec keeps codes and one norm a token (TurboQuant-MSE).
+    /// Whether [`write_grown`] takes this side: its codec keeps codes and
+    /// one norm a token (TurboQuant-MSE).
     pub(super) fn writes_grown(&self) -> bool {
         self.codec.codec.turboquant_mse()
-    }
-
-    /// The stores grown to `capacity` slots with `e` (unmarked, see
-    /// [`encode`](Self::encode)) written at slot `first`, the slots from
-    /// `first` on not kept: one operation (`kernels::store_write`) in place
-    /// of [`grow`](Self::grow), [`write`](Self::write) and the non-finite mark.
-    pub(super) fn write_grown(&mut self, e: Encoded, first: usize, capacity: usize, opts: &Options) -> Result<()> {
-        let (Some(norms), Some(new_norms)) = (&self.scales, &e.scales) else {
-            return Err(Error::invalid("method", "write_grown needs a codec with norms"));
-        };
-        let (codes, norms) = kernels::store_write(
-            &kernels::StoreWrite { codes: &self.codes, norms, new_codes: &e.codes, new_norms, first, capacity },
-            opts,
-        )?;
-        self.codes = codes;
-        self.scales = Some(norms);
-        Ok(())
     }
 
     /// Writes `e` at token slot `lo` (a multiple of the codec's token group).
@@ -287,6 +270,27 @@ impl Compressed {
 
 /// The matrix new keys enter their frame through: `Πᵀ/F` when their codec
 /// rotates, else `I/F`.
+/// A layer's keys' and values' stores grown to `capacity` slots with `ek`
+/// and `ev` (unmarked, see [`Side::encode`]) written at slot `first`, the
+/// slots from `first` on not kept: one operation (`kernels::store_write`) for
+/// both sides in place of [`Side::grow`], [`Side::write`] and the non-finite
+/// mark of each.
+pub(super) fn write_grown(keys: &mut Side, values: &mut Side, ek: Encoded, ev: Encoded, first: usize, capacity: usize, opts: &Options) -> Result<()> {
+    let [(k_codes, k_norms), (v_codes, v_norms)] =
+        kernels::store_write([&grown_write(keys, &ek, first, capacity)?, &grown_write(values, &ev, first, capacity)?], opts)?;
+    (keys.codes, keys.scales) = (k_codes, Some(k_norms));
+    (values.codes, values.scales) = (v_codes, Some(v_norms));
+    Ok(())
+}
+
+/// [`write_grown`]'s write of one side.
+fn grown_write<'a>(x: &'a Side, e: &'a Encoded, first: usize, capacity: usize) -> Result<kernels::StoreWrite<'a>> {
+    let (Some(norms), Some(new_norms)) = (&x.scales, &e.scales) else {
+        return Err(Error::invalid("method", "write_grown needs a codec with norms"));
+    };
+    Ok(kernels::StoreWrite { codes: &x.codes, norms, new_codes: &e.codes, new_norms, first, capacity })
+}
+
 pub(super) fn key_frame<'a>(shared: &'a Shared, c: &Compressed) -> &'a Array {
     let frame = if c.keys.codec.codec.rotated() { &shared.rotation_t } else { &shared.key_frame };
     frame.as_ref().expect("the keys' frame is made with the shared arrays")
