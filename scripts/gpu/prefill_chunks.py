@@ -77,6 +77,7 @@ def eval_each_layer(model) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", default="llama-8b")
+    p.add_argument("--model", help="a model path, or 'default' (instead of --shape)")
     p.add_argument("--context", type=int, default=32768)
     p.add_argument("--caches", default="fp16,veloxquant")
     p.add_argument("--recipe", default="k4v3", help="the veloxquant recipe (veloxquant bench's syntax)")
@@ -85,7 +86,10 @@ def main() -> None:
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--eval-layers", action="store_true", help="evaluate each layer as it returns (see above)")
     args = p.parse_args()
-    model = bench.build_model({"shape": args.shape})
+    model = bench.build_model({"shape": args.shape, "model": args.model})
+    from veloxquant import blas
+
+    blas.maybe_float32_compute(model)  # as bench does on a CPU with a fast BLAS
     if args.eval_layers:
         eval_each_layer(model)
     tokens = mx.random.randint(0, model.args.vocab_size, (args.batch, args.context), key=mx.random.key(0))
@@ -106,7 +110,7 @@ def main() -> None:
                 first[name] = timed
             del cache
             mx.clear_cache()
-    print(f"{args.shape} context {args.context} batch {args.batch}, chunks of {args.step}; medians over {args.rounds} rounds, ms")
+    print(f"{args.model or args.shape} context {args.context} batch {args.batch}, chunks of {args.step}; medians over {args.rounds} rounds, ms")
     head = "chunk  history " + " ".join(f"{n + ' build':>16} {n + ' eval':>16} {n + ' peak GiB':>16}" for n in names)
     print(head)
     n_chunks = len(runs[names[0]][0])
