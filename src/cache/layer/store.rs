@@ -268,8 +268,6 @@ impl Compressed {
     }
 }
 
-/// The matrix new keys enter their frame through: `Πᵀ/F` when their codec
-/// rotates, else `I/F`.
 /// A layer's keys' and values' stores grown to `capacity` slots with `ek`
 /// and `ev` (unmarked, see [`Side::encode`]) written at slot `first`, the
 /// slots from `first` on not kept: one operation (`kernels::store_write`) for
@@ -291,6 +289,8 @@ fn grown_write<'a>(x: &'a Side, e: &'a Encoded, first: usize, capacity: usize) -
     Ok(kernels::StoreWrite { codes: &x.codes, norms, new_codes: &e.codes, new_norms, first, capacity })
 }
 
+/// The matrix new keys enter their frame through: `Πᵀ/F` when their codec
+/// rotates, else `I/F`.
 pub(super) fn key_frame<'a>(shared: &'a Shared, c: &Compressed) -> &'a Array {
     let frame = if c.keys.codec.codec.rotated() { &shared.rotation_t } else { &shared.key_frame };
     frame.as_ref().expect("the keys' frame is made with the shared arrays")
