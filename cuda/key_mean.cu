@@ -14,7 +14,6 @@
 // dimension forms the offset from the mean held there.
 constexpr int NCH = D / 8;
 constexpr int LANES = TG / NCH;
-constexpr int WORDS = 8 * int(sizeof(T)) / 16;
 __shared__ float part[LANES * D];
 __shared__ float mean_s[D];
 const uint32_t Hn = keys_shape[1], L = keys_shape[2];
@@ -25,24 +24,23 @@ if (lane < LANES) {
   const T* p = keys + int64_t(bh / Hn) * keys_strides[0] + int64_t(bh % Hn) * keys_strides[1] +
                int64_t(c * 8) * keys_strides[3];
   const int64_t st = keys_strides[2], s3 = keys_strides[3];
-  const bool words = s3 == 1 && st % 8 == 0 && (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+  const bool words = s3 == 1 && st % 8 == 0 && vq_aligned(p, 16);
   float acc[8];
 #pragma unroll
   for (int j = 0; j < 8; ++j) acc[j] = 0.0f;
 #pragma unroll 4
   for (uint32_t t = lane; t < L; t += LANES) {
-    T x[8];
+    const T* row = p + int64_t(t) * st;
+    float x[8];
     if (words) {
-#pragma unroll
-      for (int w = 0; w < WORDS; ++w) reinterpret_cast<uint4*>(x)[w] = reinterpret_cast<const uint4*>(p + int64_t(t) * st)[w];
+      vq_load8(row, x);
     } else {
 #pragma unroll
-      for (int j = 0; j < 8; ++j) x[j] = p[int64_t(t) * st + int64_t(j) * s3];
+      for (int j = 0; j < 8; ++j) x[j] = static_cast<float>(row[int64_t(j) * s3]);
     }
 #pragma unroll
     for (int j = 0; j < 8; ++j) {
-      const float v = static_cast<float>(x[j]);
-      acc[j] += isfinite(v) ? v : 0.0f;
+      acc[j] += isfinite(x[j]) ? x[j] : 0.0f;
     }
   }
 #pragma unroll

@@ -363,7 +363,7 @@ kernels! {
         inputs: ["keys", "rotation"],
         outputs: ["mean", "offset"],
         metal: metal [],
-        cuda: cuda [],
+        cuda: cuda ["vq_access.cuh", "quant_load.cuh"],
         cpu: true,
         strided: true,
     },
